@@ -1,0 +1,70 @@
+"""Checkers for the notebooks' exercises, one module per notebook.
+
+    from flashref.exercises import standard_attention as ex
+    ex.check_score_bytes(answer)      # shows a short "Correct" or a message saying what is off
+
+Every checker returns a :class:`Verdict`: true or false in tests (``assert ex.check_...(x)``), and in a
+notebook it displays its message. A checker never raises on a wrong answer, so a notebook still runs
+top to bottom while the reader works on it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class Verdict:
+    """The outcome of a check: truthy when right; its repr is the message for the reader."""
+
+    def __init__(self, ok: bool, message: str):
+        self.ok = bool(ok)
+        self.message = message
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    def __repr__(self) -> str:
+        return self.message
+
+
+NOT_ANSWERED = "Not answered yet: replace None with your answer and run the cell again."
+
+
+def right(message: str = "") -> Verdict:
+    return Verdict(True, "Correct." + (f" {message}" if message else ""))
+
+
+def wrong(message: str) -> Verdict:
+    return Verdict(False, f"Not quite: {message}")
+
+
+def check_number(answer, expected: float, *, what: str, rel: float = 1e-9, hint: str = "",
+                 explain: str = "") -> Verdict:
+    """Compare a numeric answer with ``expected`` to a relative tolerance."""
+    if answer is None:
+        return Verdict(False, NOT_ANSWERED)
+    try:
+        value = float(answer)
+    except (TypeError, ValueError):
+        return wrong(f"{what} should be a number, got {type(answer).__name__}: {answer!r}.")
+    if np.isclose(value, expected, rtol=rel, atol=0.0):
+        return right(explain)
+    ratio = f" (off by a factor of {value / expected:.3g})" if expected and value else ""
+    return wrong(f"{what} = {value:g} is not right{ratio}. {hint}".rstrip())
+
+
+def check_array(answer, expected, *, what: str, rtol: float = 1e-6, atol: float = 1e-9, hint: str = "",
+                explain: str = "") -> Verdict:
+    """Compare an array answer with ``expected``: shape first, then values."""
+    if answer is None:
+        return Verdict(False, NOT_ANSWERED)
+    answer = np.asarray(answer, dtype=np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    if answer.shape != expected.shape:
+        return wrong(f"{what} should have shape {expected.shape}, got {answer.shape}.")
+    if not np.all(np.isfinite(answer)):
+        return wrong(f"{what} contains NaN or inf. {hint}".rstrip())
+    if np.allclose(answer, expected, rtol=rtol, atol=atol):
+        return right(explain)
+    err = float(np.max(np.abs(answer - expected)))
+    return wrong(f"{what} differs from the expected values by up to {err:.3g}. {hint}".rstrip())

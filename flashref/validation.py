@@ -1,0 +1,91 @@
+"""Input checks shared by every implementation.
+
+Each implementation calls :func:`check_attention_inputs` first, so a bad input gets the same clear
+``ValueError`` or ``TypeError`` everywhere, naming the argument, what was expected and what came,
+instead of a silent wrong answer or an opaque kernel crash. The checks only read ``shape``, ``ndim``,
+``dtype`` and ``device``, so they serve NumPy, CuPy and torch arrays alike.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+_NAMES = ("q", "k", "v")
+
+
+def _describe_dtype(x) -> str:
+    return str(getattr(x, "dtype", type(x).__name__))
+
+
+def check_causal(causal) -> bool:
+    """``causal`` must be a plain bool (a tensor or a string here is almost always a mistake)."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}: {causal!r}")
+    return causal
+
+
+def check_sm_scale(sm_scale, head_dim: int) -> float:
+    """Return the softmax scale: ``1/sqrt(d)`` when ``sm_scale`` is None, else a finite real number."""
+    if sm_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
+        raise TypeError(f"sm_scale must be a real number or None, got {type(sm_scale).__name__}: {sm_scale!r}")
+    sm_scale = float(sm_scale)
+    if not math.isfinite(sm_scale):
+        raise ValueError(f"sm_scale must be finite, got {sm_scale}")
+    return sm_scale
+
+
+def check_attention_inputs(q, k, v, *, allowed_ndims=(2, 4), allowed_dtypes=None, max_head_dim=None):
+    """Check q, k, v for attention; return ``(N_q, N_k, d)``.
+
+    Expected: q of shape ``(..., N_q, d)``, k of shape ``(..., N_k, d)``, v of shape ``(..., N_k, d)``,
+    the same leading (batch, head) dimensions, the same dtype and the same device, and
+    ``N_q, N_k, d >= 1``. ``allowed_ndims`` is ``(2, 4)`` for NumPy (``(N, d)`` or ``(B, H, N, d)``)
+    and ``(4,)`` for the GPU kernels. ``allowed_dtypes`` is a collection of dtype names.
+    """
+    arrays = dict(zip(_NAMES, (q, k, v)))
+    for name, x in arrays.items():
+        if not (hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "ndim")):
+            raise TypeError(f"{name} must be an array or tensor, got {type(x).__name__}")
+        if x.ndim not in allowed_ndims:
+            shapes = " or ".join("(B, H, N, d)" if n == 4 else "(N, d)" if n == 2 else f"{n}-d" for n in allowed_ndims)
+            raise ValueError(f"{name} must have shape {shapes}, got {x.ndim}-d shape {tuple(x.shape)}")
+    if not (q.ndim == k.ndim == v.ndim):
+        raise ValueError(f"q, k and v must have the same rank, got shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if not (tuple(q.shape[:-2]) == tuple(k.shape[:-2]) == tuple(v.shape[:-2])):
+        raise ValueError(f"q, k and v must share their batch and head dimensions, got shapes "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    N_q, d = int(q.shape[-2]), int(q.shape[-1])
+    N_k = int(k.shape[-2])
+    if k.shape[-1] != d:
+        raise ValueError(f"k must have the head dimension of q (d = {d}), got k.shape {tuple(k.shape)}")
+    if v.shape[-2] != N_k:
+        raise ValueError(f"v must have as many rows as k (N_k = {N_k}), got v.shape {tuple(v.shape)}")
+    if v.shape[-1] != d:
+        raise ValueError(f"v must have the head dimension of q (d = {d}), got v.shape {tuple(v.shape)}")
+    for name, n in (("q", N_q), ("k", N_k)):
+        if n < 1:
+            raise ValueError(f"{name} is an empty sequence (N = 0, shape {tuple(arrays[name].shape)}); attention needs N >= 1")
+    if d < 1:
+        raise ValueError(f"head dimension d must be at least 1, got q.shape {tuple(q.shape)}")
+    if max_head_dim is not None and d > max_head_dim:
+        raise ValueError(f"head dimension d = {d} is larger than this implementation supports ({max_head_dim})")
+    dtypes = [_describe_dtype(x) for x in (q, k, v)]
+    if len(set(dtypes)) != 1:
+        raise TypeError(f"q, k and v must have the same dtype, got {', '.join(dtypes)}")
+    if allowed_dtypes is not None and dtypes[0].replace("torch.", "") not in allowed_dtypes:
+        raise TypeError(f"q, k and v must have dtype {' or '.join(allowed_dtypes)}, got {dtypes[0]}")
+    devices = [str(getattr(x, "device", "cpu")) for x in (q, k, v)]
+    if len(set(devices)) != 1:
+        raise ValueError(f"q, k and v must be on the same device, got {', '.join(devices)}")
+    return N_q, N_k, d
+
+
+def check_same_shape(name: str, x, like_name: str, like) -> None:
+    """``x`` (for example ``do``) must have the shape of ``like`` (for example ``o``)."""
+    if not hasattr(x, "shape"):
+        raise TypeError(f"{name} must be an array or tensor, got {type(x).__name__}")
+    if tuple(x.shape) != tuple(like.shape):
+        raise ValueError(f"{name} must have the shape of {like_name} {tuple(like.shape)}, got {tuple(x.shape)}")
