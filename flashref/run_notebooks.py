@@ -47,10 +47,19 @@ def execute(path: str, timeout: int) -> str:
     from flashref.notebook import device_name
 
     nb = nbformat.read(path, as_version=4)
+    device = device_name()
+    # Without CUDA, cells tagged `gpu` are skipped (nbclient's `skip-execution` tag) so a notebook can be
+    # drafted on a CPU; such a run is stamped "cpu" and a GPU run must replace it before it is committed.
+    skipped = [c for c in nb.cells if device == "cpu" and "gpu" in c.metadata.get("tags", [])]
+    for cell in skipped:
+        cell.metadata["tags"] = cell.metadata["tags"] + ["skip-execution"]
     client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
                             resources={"metadata": {"path": os.path.dirname(os.path.abspath(path))}})
-    client.execute()
-    device = device_name()
+    try:
+        client.execute()
+    finally:
+        for cell in skipped:
+            cell.metadata["tags"] = [t for t in cell.metadata["tags"] if t != "skip-execution"]
     nb.metadata["flashref"] = {"device": device, "code_sha256": code_sha256(nb)}
     nbformat.write(nb, path)
     return device

@@ -1,0 +1,6 @@
+"""Benchmarks, run as ``python -m flashref.bench <suite>``; never part of the timed unit tests.
+
+Suites:
+- ``numpy``  tiled NumPy forward against naive NumPy attention: time and peak memory over N (CPU)
+- ``gpu``    the GPU kernels against PyTorch's attention backends, in one run (CUDA)
+"""

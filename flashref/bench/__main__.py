@@ -1,0 +1,18 @@
+"""Command line: ``python -m flashref.bench numpy --help`` or ``python -m flashref.bench gpu --help``."""
+
+import sys
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    suites = {"numpy": "flashref.bench.numpy_bench", "gpu": "flashref.bench.gpu_bench"}
+    if not argv or argv[0] not in suites:
+        print(f"usage: python -m flashref.bench {{{','.join(suites)}}} [options]", file=sys.stderr)
+        return 2
+    import importlib
+
+    return importlib.import_module(suites[argv[0]]).main(argv[1:]) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
