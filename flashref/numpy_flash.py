@@ -1,0 +1,263 @@
+"""Tiled (flash) attention in NumPy: the forward in two loop orders and the backward with recomputation.
+
+Taught in notebooks/03_tiled_forward.ipynb (the forward, both loop orders, the tile grid) and
+notebooks/05_backward_recomputation.ipynb (the backward).
+
+Every function here works one tile at a time: a block of ``block_q`` query rows against a block of
+``block_k`` keys, so the largest score array that ever exists is ``block_q x block_k`` (times the batch
+and head dimensions, which are vectorized inside each tile). The ``N_q x N_k`` matrices S and P of
+standard attention (:mod:`flashref.reference`) are never allocated; ``tests/test_numpy_flash_memory.py``
+proves it with ``tracemalloc``.
+
+Shapes are ``(N, d)`` or ``(B, H, N, d)``; ``N_q`` may differ from ``N_k``; block sizes need not divide
+N. ``causal=True`` is top-left aligned (query i attends keys j <= i): tiles entirely above the diagonal
+are skipped, never touched, and only tiles that straddle the diagonal are masked. Arithmetic happens in
+the input's dtype (float32 or float64) and the outputs have that dtype.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from flashref.validation import check_attention_inputs, check_causal, check_same_shape, check_sm_scale
+
+#: Default tile sizes, tuned for speed on a CPU (``python -m flashref.bench numpy``): a 128 x 1024
+#: float32 score tile is 512 KiB, big enough that NumPy's per-call overhead is amortized, small enough
+#: to stay in a CPU's L2 cache.
+BLOCK_Q = 128
+BLOCK_K = 1024
+
+ORDERS = ("fa1", "fa2")
+_DTYPES = ("float32", "float64")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Checks and the tile grid
+# ----------------------------------------------------------------------------------------------------
+
+def _check_block(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be a positive int, got {type(value).__name__}: {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value}")
+    return int(value)
+
+
+def _check_inputs(q, k, v, causal, sm_scale, block_q, block_k):
+    """The checks every entry point runs first; returns ``(N_q, N_k, d, scale, block_q, block_k)``."""
+    N_q, N_k, d = check_attention_inputs(q, k, v, allowed_ndims=(2, 4), allowed_dtypes=_DTYPES)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, np.ndarray):
+            raise TypeError(f"{name} must be a NumPy array, got {type(x).__name__}")
+    check_causal(causal)
+    scale = check_sm_scale(sm_scale, d)
+    return N_q, N_k, d, scale, _check_block("block_q", block_q), _check_block("block_k", block_k)
+
+
+def tile_ranges(n: int, block: int) -> list[tuple[int, int]]:
+    """``[(start, stop), ...]`` of the blocks of ``block`` rows covering ``n`` rows; the last one may be short."""
+    return [(start, min(start + block, n)) for start in range(0, n, block)]
+
+
+def tile_is_skipped(q_range, k_range, causal: bool) -> bool:
+    """Causal: a tile whose smallest key index exceeds its largest query index is all masked."""
+    return causal and k_range[0] > q_range[1] - 1
+
+
+def tile_needs_mask(q_range, k_range, causal: bool) -> bool:
+    """Causal: a tile holding some key index above some query index straddles the diagonal."""
+    return causal and k_range[1] - 1 > q_range[0]
+
+
+def visited_tiles(N_q: int, N_k: int, block_q: int, block_k: int, causal: bool = False, order: str = "fa2"):
+    """The ``(i, j)`` tiles (query block i, key block j) the forward visits, in visit order.
+
+    The same list the forward appends to its ``trace=`` argument, without doing any arithmetic; the
+    notebooks and exercises count tiles with it.
+    """
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    q_tiles, k_tiles = tile_ranges(N_q, block_q), tile_ranges(N_k, block_k)
+    pairs = ([(i, j) for i in range(len(q_tiles)) for j in range(len(k_tiles))] if order == "fa2"
+             else [(i, j) for j in range(len(k_tiles)) for i in range(len(q_tiles))])
+    return [(i, j) for i, j in pairs if not tile_is_skipped(q_tiles[i], k_tiles[j], causal)]
+
+
+def _causal_mask(q_range, k_range) -> np.ndarray:
+    """Boolean ``(rows, cols)`` mask of the tile: True where key index > query index (masked out)."""
+    rows = np.arange(q_range[0], q_range[1])[:, None]
+    cols = np.arange(k_range[0], k_range[1])[None, :]
+    return cols > rows
+
+
+def _scores(q_tile, k_tile, scale, q_range, k_range, causal):
+    """S tile = scale * Q_i K_j^T, with -inf where the causal mask hides a key."""
+    s = q_tile @ np.swapaxes(k_tile, -1, -2)
+    s *= scale
+    if tile_needs_mask(q_range, k_range, causal):
+        s[..., _causal_mask(q_range, k_range)] = -np.inf
+    return s
+
+
+def _finite_or_zero(m):
+    """The row max to subtract: a row whose entries are all -inf so far subtracts 0, so that
+    exp(-inf - 0) = 0 instead of exp(-inf - (-inf)) = NaN."""
+    return np.where(np.isneginf(m), 0, m).astype(m.dtype, copy=False)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------------
+
+def flash_attention_forward(q, k, v, causal=False, sm_scale=None, block_q=BLOCK_Q, block_k=BLOCK_K,
+                            order="fa2", trace=None):
+    """Tiled attention forward: returns ``(o, lse)``, ``o`` shaped like q and ``lse`` shaped ``q.shape[:-1]``.
+
+    ``order="fa2"`` (FlashAttention-2): outer loop over query blocks, the running max m, sum l and the
+    unnormalized accumulator stay in local variables ("on chip") and O is normalized once at the end.
+    ``order="fa1"`` (Algorithm 1 of FlashAttention): outer loop over key/value blocks, inner loop over
+    query blocks; O, l and m live in full-size ("HBM") arrays, read and written back at every tile, and
+    O is kept normalized after every step, as in the paper.
+
+    ``trace``, if a list, receives the ``(i, j)`` index of every tile visited, in order.
+    ``lse`` is the natural-log log-sum-exp of the scaled scores of each query row.
+    """
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    N_q, N_k, d, scale, block_q, block_k = _check_inputs(q, k, v, causal, sm_scale, block_q, block_k)
+    if trace is not None and not isinstance(trace, list):
+        raise TypeError(f"trace must be a list or None, got {type(trace).__name__}")
+    run = _forward_fa2 if order == "fa2" else _forward_fa1
+    return run(q, k, v, causal, scale, tile_ranges(N_q, block_q), tile_ranges(N_k, block_k), trace)
+
+
+def _forward_fa2(q, k, v, causal, scale, q_tiles, k_tiles, trace):
+    """FlashAttention-2 order. Per query block i, with accumulator acc = sum_j exp(S_ij - m) V_j:
+
+        m_new = max(m, rowmax(S_ij));  alpha = exp(m - m_new);  P = exp(S_ij - m_new)
+        l = alpha * l + rowsum(P);     acc = alpha * acc + P V_j;  m = m_new
+    and at the end O_i = acc / l, lse_i = m + log(l).
+    """
+    o = np.empty_like(q)
+    lse = np.empty(q.shape[:-1], dtype=q.dtype)
+    for i, q_range in enumerate(q_tiles):
+        q_tile = q[..., q_range[0]:q_range[1], :]
+        m = np.full(q_tile.shape[:-1], -np.inf, dtype=q.dtype)   # running row max, "on chip"
+        l = np.zeros(q_tile.shape[:-1], dtype=q.dtype)           # running row sum of exp(S - m)
+        acc = np.zeros(q_tile.shape, dtype=q.dtype)              # unnormalized output rows
+        for j, k_range in enumerate(k_tiles):
+            if tile_is_skipped(q_range, k_range, causal):
+                break  # every later key block is further right of the diagonal
+            if trace is not None:
+                trace.append((i, j))
+            s = _scores(q_tile, k[..., k_range[0]:k_range[1], :], scale, q_range, k_range, causal)
+            m_new = np.maximum(m, s.max(axis=-1))
+            m_sub = _finite_or_zero(m_new)
+            alpha = np.exp(m - m_sub)
+            s -= m_sub[..., None]
+            p = np.exp(s, out=s)                                 # P tile, in place of S
+            l = alpha * l + p.sum(axis=-1)
+            acc *= alpha[..., None]
+            acc += p @ v[..., k_range[0]:k_range[1], :]
+            m = m_new
+        o[..., q_range[0]:q_range[1], :] = acc / l[..., None]
+        lse[..., q_range[0]:q_range[1]] = m + np.log(l)
+    return o, lse
+
+
+def _forward_fa1(q, k, v, causal, scale, q_tiles, k_tiles, trace):
+    """Algorithm 1 of FlashAttention. O, l, m are "HBM" arrays; for each key block j and query block i:
+    read O_i, l_i, m_i; compute the tile's own max m~ and sum l~ of P~ = exp(S_ij - m~); then
+
+        m_new = max(m_i, m~);  l_new = exp(m_i - m_new) l_i + exp(m~ - m_new) l~
+        O_i  <- (l_i exp(m_i - m_new) O_i + exp(m~ - m_new) P~ V_j) / l_new
+    and write O_i, l_i = l_new, m_i = m_new back.
+    """
+    o = np.zeros_like(q)                                          # "HBM", kept normalized
+    l = np.zeros(q.shape[:-1], dtype=q.dtype)
+    m = np.full(q.shape[:-1], -np.inf, dtype=q.dtype)
+    for j, k_range in enumerate(k_tiles):
+        k_tile, v_tile = k[..., k_range[0]:k_range[1], :], v[..., k_range[0]:k_range[1], :]
+        for i, q_range in enumerate(q_tiles):
+            if tile_is_skipped(q_range, k_range, causal):
+                continue  # query blocks above this key block see none of its keys
+            if trace is not None:
+                trace.append((i, j))
+            rows = slice(q_range[0], q_range[1])
+            o_i, l_i, m_i = o[..., rows, :], l[..., rows], m[..., rows]   # read from HBM
+            s = _scores(q[..., rows, :], k_tile, scale, q_range, k_range, causal)
+            m_tile = s.max(axis=-1)
+            s -= _finite_or_zero(m_tile)[..., None]
+            p = np.exp(s, out=s)
+            l_tile = p.sum(axis=-1)
+            m_new = np.maximum(m_i, m_tile)
+            m_sub = _finite_or_zero(m_new)
+            alpha, beta = np.exp(m_i - m_sub), np.exp(m_tile - m_sub)
+            l_new = alpha * l_i + beta * l_tile
+            denom = np.where(l_new == 0, 1, l_new)[..., None]    # a row with no key yet keeps O = 0
+            o[..., rows, :] = ((l_i * alpha)[..., None] * o_i + beta[..., None] * (p @ v_tile)) / denom
+            l[..., rows], m[..., rows] = l_new, m_new           # write back to HBM
+    return o, m + np.log(l)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Backward
+# ----------------------------------------------------------------------------------------------------
+
+def flash_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, block_q=BLOCK_Q,
+                             block_k=BLOCK_K, trace=None):
+    """Gradients ``(dq, dk, dv)`` of tiled attention, recomputing each tile's P from Q, K and ``lse``.
+
+    With D = rowsum(dO * O) (equal to rowsum(P * dP)), for every tile (i, j) not skipped by the causal
+    mask: P = exp(scale Q_i K_j^T - lse_i), dV_j += P^T dO_i, dP = dO_i V_j^T, dS = P * (dP - D_i),
+    dQ_i += scale dS K_j, dK_j += scale dS^T Q_i. Outer loop over key blocks (dK_j, dV_j accumulate
+    locally), inner over query blocks (dQ_i accumulates in a full-size array), as FlashAttention-2.
+    ``trace``, if a list, receives the ``(i, j)`` tiles visited.
+    """
+    N_q, N_k, d, scale, block_q, block_k = _check_inputs(q, k, v, causal, sm_scale, block_q, block_k)
+    _check_backward_arrays(q, o, lse, do)
+    if trace is not None and not isinstance(trace, list):
+        raise TypeError(f"trace must be a list or None, got {type(trace).__name__}")
+    q_tiles, k_tiles = tile_ranges(N_q, block_q), tile_ranges(N_k, block_k)
+    delta = np.sum(do * o, axis=-1)                              # D, one per query row
+    dq = np.zeros_like(q)
+    dk = np.empty_like(k)
+    dv = np.empty_like(v)
+    for j, k_range in enumerate(k_tiles):
+        cols = slice(k_range[0], k_range[1])
+        k_tile, v_tile = k[..., cols, :], v[..., cols, :]
+        dk_tile, dv_tile = np.zeros_like(k_tile), np.zeros_like(v_tile)
+        for i, q_range in enumerate(q_tiles):
+            if tile_is_skipped(q_range, k_range, causal):
+                continue
+            if trace is not None:
+                trace.append((i, j))
+            rows = slice(q_range[0], q_range[1])
+            q_tile, do_tile = q[..., rows, :], do[..., rows, :]
+            s = _scores(q_tile, k_tile, scale, q_range, k_range, causal)
+            s -= lse[..., rows, None]
+            p = np.exp(s, out=s)                                 # recomputed P tile (masked: 0)
+            dv_tile += np.swapaxes(p, -1, -2) @ do_tile
+            dp = do_tile @ np.swapaxes(v_tile, -1, -2)
+            dp -= delta[..., rows, None]
+            ds = np.multiply(p, dp, out=dp)                      # dS = P * (dP - D)
+            ds *= scale
+            dq[..., rows, :] += ds @ k_tile
+            dk_tile += np.swapaxes(ds, -1, -2) @ q_tile
+        dk[..., cols, :], dv[..., cols, :] = dk_tile, dv_tile
+    return dq, dk, dv
+
+
+def _check_backward_arrays(q, o, lse, do):
+    check_same_shape("o", o, "q", q)
+    check_same_shape("do", do, "q", q)
+    if not hasattr(lse, "shape"):
+        raise TypeError(f"lse must be an array, got {type(lse).__name__}")
+    if tuple(lse.shape) != tuple(q.shape[:-1]):
+        raise ValueError(f"lse must have shape q.shape[:-1] = {tuple(q.shape[:-1])} (one per query row), "
+                         f"got {tuple(lse.shape)}")
+    for name, x in (("o", o), ("lse", lse), ("do", do)):
+        if not isinstance(x, np.ndarray):
+            raise TypeError(f"{name} must be a NumPy array, got {type(x).__name__}")
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} must have the dtype of q ({q.dtype}), got {x.dtype}")
