@@ -1,0 +1,228 @@
+"""Online softmax: the running max ``m`` and running sum ``l``, and the exact merge of two partial states.
+
+Taught in notebook ``02_online_softmax`` (Milakov and Gimelshein, 2018; Rabe and Staats, 2021).
+
+A softmax over a row ``x`` needs ``m = max(x)`` and ``l = sum(exp(x - m))``. Both can be built one block
+of ``x`` at a time, keeping only ``(m, l)``:
+
+    m_new = max(m, max(x_block))
+    l_new = l * exp(m - m_new) + sum(exp(x_block - m_new))
+
+and two states built from disjoint parts of the row merge exactly:
+
+    m = max(m_a, m_b),   l = l_a exp(m_a - m) + l_b exp(m_b - m).
+
+For attention the state also carries ``o``, the running *unnormalized* weighted sum of value rows,
+rescaled by the same factor ``exp(m - m_new)``; ``o / l`` at the end is the attention output.
+
+Everything is vectorized over leading axes: a state holds one ``(m, l)`` (and one ``o`` row) per row of
+scores, so the scores are arrays of shape ``(..., n)``. Masked scores are ``-inf``. A state that has seen
+only ``-inf`` has ``m = -inf`` and ``l = 0``; the convention ``exp(-inf - (-inf)) := 0`` (an empty part
+contributes nothing) keeps every step free of NaN, a block of all ``-inf`` included.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+from flashref import validation
+
+
+@dataclass(frozen=True)
+class SoftmaxState:
+    """The running statistics of a partial softmax, one entry per row.
+
+    ``m``: running max of the scores seen, shape ``(...)`` (``-inf`` before any finite score).
+    ``l``: running sum of ``exp(score - m)``, shape ``(...)``.
+    ``o``: running sum of ``exp(score - m) * v_row``, shape ``(..., d)``, or None for a plain softmax.
+    """
+    m: np.ndarray
+    l: np.ndarray
+    o: np.ndarray | None = None
+
+
+# --------------------------------------------------------------------------------------------------
+# Checks
+# --------------------------------------------------------------------------------------------------
+
+def _as_scores(x, name: str = "scores") -> np.ndarray:
+    """Scores as a float array; integers are promoted to float64. NaN and +inf are refused (``-inf`` is
+    the mask)."""
+    x = np.asarray(x)
+    if x.dtype.kind in "iu":
+        x = x.astype(np.float64)
+    if x.dtype.kind != "f":
+        raise TypeError(f"{name} must be real numbers (a float array), got dtype {x.dtype}")
+    if x.ndim == 0:
+        raise ValueError(f"{name} must have at least one axis (the row of scores), got a scalar")
+    if np.isnan(x).any() or np.isposinf(x).any():
+        raise ValueError(f"{name} must be finite or -inf (masked), got NaN or +inf")
+    return x
+
+
+def _check_block_size(block_size) -> int:
+    if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral):
+        raise TypeError(f"block_size must be an int, got {type(block_size).__name__}: {block_size!r}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be at least 1, got {block_size}")
+    return int(block_size)
+
+
+# --------------------------------------------------------------------------------------------------
+# The recurrence
+# --------------------------------------------------------------------------------------------------
+
+def exp_shift(x, m):
+    """``exp(x - m)`` with the convention that ``x = -inf`` gives 0 even when ``m = -inf``.
+
+    ``m`` is always a max over a set containing ``x``'s finite values, so the only NaN case is
+    ``-inf - (-inf)``; replacing ``m = -inf`` by 0 there turns it into ``exp(-inf) = 0``.
+    """
+    m = np.asarray(m)
+    return np.exp(np.asarray(x) - np.where(np.isneginf(m), 0, m))
+
+
+def init(shape=(), d: int | None = None, dtype=np.float64) -> SoftmaxState:
+    """The empty state: ``m = -inf``, ``l = 0`` (and ``o = 0`` of width ``d`` when ``d`` is given)."""
+    shape = tuple(shape)
+    m = np.full(shape, -np.inf, dtype=dtype)
+    l = np.zeros(shape, dtype=dtype)
+    o = None if d is None else np.zeros(shape + (int(d),), dtype=dtype)
+    return SoftmaxState(m, l, o)
+
+
+def update(state: SoftmaxState, scores_block, v_block=None) -> SoftmaxState:
+    """Fold one block of scores (shape ``(..., b)``) into ``state``; return the new state.
+
+    With ``state.o`` set, ``v_block`` (shape ``(..., b, d)`` or ``(b, d)``) is the value rows of the
+    block, and ``o`` is rescaled by ``exp(m - m_new)`` before the block's ``P V`` is added.
+    """
+    x = _as_scores(scores_block, "scores_block")
+    m_new = np.maximum(state.m, np.max(x, axis=-1, initial=-np.inf))
+    alpha = exp_shift(state.m, m_new)           # how much the old terms shrink
+    p = exp_shift(x, m_new[..., None])          # the block's terms, on the new scale
+    l_new = state.l * alpha + np.sum(p, axis=-1)
+    if state.o is None:
+        if v_block is not None:
+            raise ValueError("v_block was given but the state has no o (make it with init(..., d=...))")
+        return SoftmaxState(m_new, l_new)
+    if v_block is None:
+        raise ValueError("the state carries o, so update needs v_block (the value rows of the block)")
+    o_new = state.o * alpha[..., None] + np.matmul(p, np.asarray(v_block))
+    return SoftmaxState(m_new, l_new, o_new)
+
+
+def merge(a: SoftmaxState, b: SoftmaxState) -> SoftmaxState:
+    """The state of the union of the two disjoint parts ``a`` and ``b`` summarize; exact and associative
+    (up to float rounding): ``m = max(m_a, m_b)``, ``l = l_a exp(m_a - m) + l_b exp(m_b - m)``."""
+    if (a.o is None) != (b.o is None):
+        raise ValueError("merge needs two states that both carry o or both do not")
+    m = np.maximum(a.m, b.m)
+    wa, wb = exp_shift(a.m, m), exp_shift(b.m, m)
+    l = a.l * wa + b.l * wb
+    if a.o is None:
+        return SoftmaxState(m, l)
+    return SoftmaxState(m, l, a.o * wa[..., None] + b.o * wb[..., None])
+
+
+def lse_of(state: SoftmaxState) -> np.ndarray:
+    """log-sum-exp of everything the state has seen: ``m + log(l)`` (``-inf`` for an all-masked row)."""
+    l = np.asarray(state.l)
+    safe_l = np.where(l > 0, l, 1)
+    return np.where(l > 0, state.m + np.log(safe_l), -np.inf)
+
+
+def finalize(state: SoftmaxState):
+    """Finish a state: ``lse`` for a plain softmax state, ``(o / l, lse)`` for an attention state.
+    A row that saw only ``-inf`` gets ``lse = -inf`` and an output of zeros, not NaN."""
+    lse = lse_of(state)
+    if state.o is None:
+        return lse
+    l = np.asarray(state.l)[..., None]
+    return state.o / np.where(l > 0, l, 1), lse
+
+
+# --------------------------------------------------------------------------------------------------
+# Softmax of a row, three ways
+# --------------------------------------------------------------------------------------------------
+
+def safe_softmax(x) -> np.ndarray:
+    """The textbook stable softmax over the last axis, three passes: max, sum, normalize."""
+    x = _as_scores(x, "x")
+    m = np.max(x, axis=-1, keepdims=True)                # pass 1: the max
+    l = np.sum(exp_shift(x, m), axis=-1, keepdims=True)  # pass 2: the sum on the max's scale
+    return exp_shift(x, m) / np.where(l > 0, l, 1)       # pass 3: normalize
+
+
+def scan(x, block_size: int = 1) -> SoftmaxState:
+    """Run the recurrence over the last axis of ``x`` in blocks of ``block_size``; return the final state
+    (one pass over the data)."""
+    x = _as_scores(x, "x")
+    block_size = _check_block_size(block_size)
+    state = init(x.shape[:-1], dtype=x.dtype)
+    for start in range(0, x.shape[-1], block_size):
+        state = update(state, x[..., start:start + block_size])
+    return state
+
+
+def logsumexp(x, block_size: int = 1) -> np.ndarray:
+    """log-sum-exp over the last axis, computed by the blocked recurrence."""
+    return lse_of(scan(x, block_size))
+
+
+def softmax(x, block_size: int = 1) -> np.ndarray:
+    """Softmax over the last axis in two passes: the recurrence gives ``lse`` in one pass over blocks,
+    then ``exp(x - lse)``. An all-masked row gives zeros."""
+    x = _as_scores(x, "x")
+    lse = logsumexp(x, block_size)
+    return exp_shift(x, lse[..., None])
+
+
+def running_trace(x, block_size: int = 1):
+    """The state after each block, for plots: ``(ends, m, l)`` where ``ends[t]`` is the number of
+    scores seen after block ``t`` and ``m[t]``, ``l[t]`` (shape ``(n_blocks, ...)``) the running max and
+    sum then."""
+    x = _as_scores(x, "x")
+    block_size = _check_block_size(block_size)
+    state = init(x.shape[:-1], dtype=x.dtype)
+    ends, ms, ls = [], [], []
+    for start in range(0, x.shape[-1], block_size):
+        state = update(state, x[..., start:start + block_size])
+        ends.append(min(start + block_size, x.shape[-1]))
+        ms.append(state.m)
+        ls.append(state.l)
+    return np.array(ends), np.array(ms), np.array(ls)
+
+
+# --------------------------------------------------------------------------------------------------
+# Attention, one key block at a time
+# --------------------------------------------------------------------------------------------------
+
+def attention_by_key_blocks(q, k, v, block_k: int = 64, causal=False, sm_scale=None):
+    """Attention in one pass over key/value blocks, carrying ``(m, l, o)`` per query row; returns
+    ``(o, lse)`` like ``flashref.reference.attention(..., return_lse=True)``.
+
+    Only an ``N_q x block_k`` slice of the scores exists at a time (all queries at once: the tiling of
+    the queries as well comes in notebook ``03_tiled_forward``). Same conventions as the reference.
+    """
+    from flashref import reference  # the scores and the mask are the reference's own
+
+    validation.check_attention_inputs(q, k, v, allowed_ndims=(2, 4), allowed_dtypes=reference.FLOAT_DTYPES)
+    validation.check_causal(causal)
+    scale = validation.check_sm_scale(sm_scale, q.shape[-1])
+    block_k = _check_block_size(block_k)
+    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+    N_q, N_k = q.shape[-2], k.shape[-2]
+    mask = reference.causal_mask(N_q, N_k) if causal else None
+    state = init(q.shape[:-1], d=v.shape[-1], dtype=q.dtype)
+    for start in range(0, N_k, block_k):
+        stop = min(start + block_k, N_k)
+        s = reference.scores(q, k[..., start:stop, :], False, scale)
+        if mask is not None:
+            s = np.where(mask[:, start:stop], s, q.dtype.type(-np.inf))
+        state = update(state, s, v[..., start:stop, :])
+    o, lse = finalize(state)
+    return o.astype(q.dtype, copy=False), lse.astype(q.dtype, copy=False)
