@@ -1,0 +1,212 @@
+"""flashref.online_softmax: the blocked recurrence and the merge equal the one-shot softmax."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+from flashref import online_softmax as osm
+from flashref import reference
+
+BLOCKS = [1, 2, 3, 7, 16, 64, 100, 1000]
+
+
+def one_shot(x):
+    """Softmax and lse over the last axis, written out directly in float64."""
+    m = np.max(x, axis=-1, keepdims=True)
+    e = np.exp(x - m)
+    return e / e.sum(-1, keepdims=True), (m + np.log(e.sum(-1, keepdims=True)))[..., 0]
+
+
+@pytest.fixture(autouse=True)
+def no_float_warnings():
+    """A NaN, overflow or log(0) anywhere in these tests is an error (underflow to 0 is expected)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with np.errstate(over="raise", invalid="raise", divide="raise", under="ignore"):
+            yield
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e3])
+@pytest.mark.parametrize("n", [1, 7, 64, 100, 257])
+@pytest.mark.parametrize("block", BLOCKS)
+def test_blocked_softmax_equals_one_shot(block, n, scale):
+    x = np.random.default_rng(n).standard_normal((3, n)) * scale
+    p_ref, lse_ref = one_shot(x)
+    np.testing.assert_allclose(osm.softmax(x, block), p_ref, rtol=1e-13, atol=1e-300)
+    np.testing.assert_allclose(osm.logsumexp(x, block), lse_ref, rtol=1e-14)
+    np.testing.assert_allclose(osm.safe_softmax(x), p_ref, rtol=1e-13, atol=1e-300)
+
+
+def test_one_dimensional_stream_and_lists():
+    x = [0.5, -1.0, 3.0, 2.0, 2.0]
+    p_ref, lse_ref = one_shot(np.array(x))
+    np.testing.assert_allclose(osm.softmax(x, 2), p_ref, rtol=1e-15)
+    assert osm.logsumexp(x, 2).shape == ()
+    np.testing.assert_allclose(osm.logsumexp([1, 2, 3]), one_shot(np.array([1.0, 2.0, 3.0]))[1])
+
+
+def test_state_after_stream():
+    x = np.array([1.0, 3.0, 2.0, 5.0])
+    state = osm.scan(x, 3)
+    assert state.m == 5.0
+    np.testing.assert_allclose(state.l, np.exp(x - 5).sum(), rtol=1e-15)
+
+
+def test_running_trace_is_the_running_max_and_sum():
+    x = np.array([1.0, 3.0, 2.0, 5.0, 4.0])
+    ends, m, l = osm.running_trace(x, 2)
+    assert ends.tolist() == [2, 4, 5]
+    assert m.tolist() == [3.0, 5.0, 5.0]
+    for t, end in enumerate(ends):
+        np.testing.assert_allclose(l[t], np.exp(x[:end] - x[:end].max()).sum(), rtol=1e-15)
+    ends1, m1, _ = osm.running_trace(x)
+    assert m1.tolist() == np.maximum.accumulate(x).tolist() and ends1.tolist() == [1, 2, 3, 4, 5]
+
+
+def split_states(x, v, rng, n_parts):
+    """Cut the last axis of x at random places; one state (with o) per part."""
+    cuts = np.sort(rng.choice(np.arange(1, x.shape[-1]), size=n_parts - 1, replace=False))
+    states = []
+    for lo, hi in zip(np.r_[0, cuts], np.r_[cuts, x.shape[-1]]):
+        s = osm.init(x.shape[:-1], d=v.shape[-1])
+        states.append(osm.update(s, x[..., lo:hi], v[lo:hi]))
+    return states
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_merge_in_random_orders_is_exact(seed):
+    """Merge adjacent states in a random tree order: the same result as the whole row at once."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((4, 60)) * (1e3 if seed % 2 else 3.0)
+    v = rng.standard_normal((60, 5))
+    p_ref, lse_ref = one_shot(x)
+    states = split_states(x, v, rng, n_parts=int(rng.integers(2, 12)))
+    while len(states) > 1:
+        i = int(rng.integers(len(states) - 1))
+        states[i:i + 2] = [osm.merge(states[i], states[i + 1])]
+    o, lse = osm.finalize(states[0])
+    np.testing.assert_allclose(lse, lse_ref, rtol=1e-14)
+    np.testing.assert_allclose(o, p_ref @ v, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_merge_is_associative_and_commutative(seed):
+    rng = np.random.default_rng(100 + seed)
+    a, b, c = (osm.update(osm.init((3,)), rng.standard_normal((3, n)) * 50) for n in (4, 9, 1))
+    left, right = osm.merge(osm.merge(a, b), c), osm.merge(a, osm.merge(b, c))
+    swapped = osm.merge(c, osm.merge(b, a))
+    for other in (right, swapped):
+        np.testing.assert_array_equal(left.m, other.m)
+        np.testing.assert_allclose(left.l, other.l, rtol=1e-14)
+
+
+def test_merge_with_empty_state_is_identity():
+    s = osm.update(osm.init((2,), d=3), np.array([[1.0, 2.0], [0.0, -np.inf]]), np.ones((2, 3)))
+    for merged in (osm.merge(s, osm.init((2,), d=3)), osm.merge(osm.init((2,), d=3), s)):
+        np.testing.assert_array_equal(merged.m, s.m)
+        np.testing.assert_array_equal(merged.l, s.l)
+        np.testing.assert_array_equal(merged.o, s.o)
+
+
+def test_all_masked_blocks_give_no_nan():
+    x = np.array([[-np.inf, -np.inf, -np.inf, 1.0, 2.0, -np.inf, -np.inf, -np.inf],
+                  [-np.inf] * 8,
+                  [0.0, -np.inf, -np.inf, -np.inf, -np.inf, -np.inf, -np.inf, 3.0]])
+    for block in (1, 2, 3, 8):
+        state = osm.scan(x, block)
+        assert state.m.tolist() == [2.0, -np.inf, 3.0]
+        assert state.l[1] == 0.0
+        p = osm.softmax(x, block)
+        assert not np.isnan(p).any()
+        np.testing.assert_allclose(p[0], one_shot(x[0])[0], rtol=1e-15)
+        assert p[1].tolist() == [0.0] * 8  # a fully masked row has no weights, and no NaN
+        lse = osm.logsumexp(x, block)
+        assert lse[1] == -np.inf and np.isfinite(lse[[0, 2]]).all()
+
+
+def test_state_that_saw_only_masked_scores_then_real_ones():
+    s = osm.init((), d=2)
+    s = osm.update(s, np.array([-np.inf, -np.inf]), np.ones((2, 2)))
+    assert s.m == -np.inf and s.l == 0 and not s.o.any()
+    o, lse = osm.finalize(s)
+    assert lse == -np.inf and o.tolist() == [0.0, 0.0]
+    s = osm.update(s, np.array([0.0, np.log(3.0)]), np.array([[1.0, 0.0], [0.0, 1.0]]))
+    o, lse = osm.finalize(s)
+    np.testing.assert_allclose(o, [0.25, 0.75], rtol=1e-15)
+    np.testing.assert_allclose(lse, np.log(4.0), rtol=1e-15)
+
+
+def test_empty_block_changes_nothing():
+    s = osm.update(osm.init(), np.array([1.0, 2.0]))
+    s2 = osm.update(s, np.zeros(0))
+    assert s2.m == s.m and s2.l == s.l
+
+
+def test_rescale_factor_is_what_the_recurrence_uses():
+    """After a block raises the max from m to m_new, the old sum is multiplied by exp(m - m_new)."""
+    s = osm.update(osm.init(), np.array([0.0, 1.0]))
+    s2 = osm.update(s, np.array([4.0]))
+    np.testing.assert_allclose(s2.l, s.l * np.exp(1.0 - 4.0) + 1.0, rtol=1e-15)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("block_k", [1, 5, 16, 64, 300])
+@pytest.mark.parametrize("N_q,N_k,d", [(1, 1, 1), (7, 100, 16), (100, 7, 80), (257, 64, 64)])
+def test_attention_by_key_blocks_equals_reference(N_q, N_k, d, block_k, causal):
+    rng = np.random.default_rng(N_q + N_k + d)
+    q = rng.standard_normal((2, 1, N_q, d)) * 10
+    k = rng.standard_normal((2, 1, N_k, d)) * 10
+    v = rng.standard_normal((2, 1, N_k, d))
+    o, lse = osm.attention_by_key_blocks(q, k, v, block_k, causal=causal)
+    o_ref, lse_ref = reference.attention(q, k, v, causal=causal, return_lse=True)
+    np.testing.assert_allclose(o, o_ref, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(lse, lse_ref, rtol=1e-13, atol=1e-12)
+
+
+def test_attention_by_key_blocks_extreme_logits_2d():
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((33, 8)) for _ in range(3))
+    o, lse = osm.attention_by_key_blocks(q * 1e3, k, v, 4, causal=True)
+    o_ref, lse_ref = reference.attention(q * 1e3, k, v, causal=True, return_lse=True)
+    assert np.isfinite(o).all()
+    np.testing.assert_allclose(o, o_ref, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(lse, lse_ref, rtol=1e-13)
+
+
+def test_float32_stays_float32():
+    x = np.random.default_rng(2).standard_normal((2, 50)).astype(np.float32) * 1e3
+    state = osm.scan(x, 7)
+    assert state.m.dtype == np.float32 and state.l.dtype == np.float32
+    p = osm.softmax(x, 7)
+    assert p.dtype == np.float32
+    np.testing.assert_allclose(p, one_shot(x.astype(np.float64))[0], rtol=1e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad,exc,match", [
+    (np.array([1.0, np.nan]), ValueError, "NaN"),
+    (np.array([1.0, np.inf]), ValueError, r"\+inf"),
+    (np.array([1 + 1j]), TypeError, "real"),
+    (np.array(["a"]), TypeError, "real"),
+    (np.float64(1.0), ValueError, "scalar"),
+])
+def test_bad_scores(bad, exc, match):
+    with pytest.raises(exc, match=match):
+        osm.softmax(bad)
+
+
+@pytest.mark.parametrize("block,exc", [(0, ValueError), (-1, ValueError), (2.0, TypeError), (True, TypeError)])
+def test_bad_block_size(block, exc):
+    with pytest.raises(exc, match="block_size"):
+        osm.softmax(np.ones(4), block)
+
+
+def test_update_and_merge_misuse():
+    with pytest.raises(ValueError, match="v_block"):
+        osm.update(osm.init(), np.ones(2), np.ones((2, 1)))
+    with pytest.raises(ValueError, match="v_block"):
+        osm.update(osm.init(d=1), np.ones(2))
+    with pytest.raises(ValueError, match="both"):
+        osm.merge(osm.init(), osm.init(d=1))

@@ -1,0 +1,164 @@
+"""Every bad input to every public entry point gets a ValueError or TypeError that names the argument.
+
+To cover another implementation, add it to FORWARDS (called as ``f(q, k, v, causal=..., sm_scale=...)``)
+and, for a backward pass taking ``do``, to BACKWARDS (called as ``f(q, k, v, do, causal=..., sm_scale=...)``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from flashref import online_softmax, reference
+
+
+FORWARDS = {
+    "reference.attention": reference.attention,
+    "online_softmax.attention_by_key_blocks": online_softmax.attention_by_key_blocks,
+}
+BACKWARDS = {
+    "reference.attention_backward": reference.attention_backward,
+}
+
+GOOD_Q = (2, 3, 5, 4)
+GOOD_K = (2, 3, 6, 4)
+
+
+def arrays(shape_q=GOOD_Q, shape_k=GOOD_K, shape_v=None, dtypes=("float64",) * 3):
+    rng = np.random.default_rng(0)
+    shapes = (shape_q, shape_k, shape_k if shape_v is None else shape_v)
+    return [rng.standard_normal(s).astype(dt) for s, dt in zip(shapes, dtypes)]
+
+
+# (id, kwargs for arrays(), exception, words the message must contain)
+BAD_QKV = [
+    ("q 3-d", dict(shape_q=(3, 5, 4), shape_k=(3, 6, 4)), ValueError, "q must have shape"),
+    ("q 1-d", dict(shape_q=(4,), shape_k=(6, 4)), ValueError, "q must have shape"),
+    ("k 5-d", dict(shape_q=(5, 4), shape_k=(1, 1, 1, 6, 4), shape_v=(6, 4)), ValueError, "k must have shape"),
+    ("v rank", dict(shape_q=(5, 4), shape_k=(6, 4), shape_v=(1, 1, 6, 4)), ValueError, "same rank"),
+    ("batch mismatch", dict(shape_k=(1, 3, 6, 4)), ValueError, "batch and head"),
+    ("heads mismatch", dict(shape_q=(2, 2, 5, 4)), ValueError, "batch and head"),
+    ("k head dim", dict(shape_k=(2, 3, 6, 3), shape_v=(2, 3, 6, 4)), ValueError, "k must have the head dimension"),
+    ("v head dim", dict(shape_v=(2, 3, 6, 5)), ValueError, "v must have the head dimension"),
+    ("v rows", dict(shape_v=(2, 3, 7, 4)), ValueError, "v must have as many rows as k"),
+    ("q empty", dict(shape_q=(2, 3, 0, 4)), ValueError, "q is an empty sequence"),
+    ("k empty", dict(shape_k=(2, 3, 0, 4)), ValueError, "k is an empty sequence"),
+    ("d zero", dict(shape_q=(5, 0), shape_k=(6, 0)), ValueError, "head dimension"),
+    ("dtypes differ", dict(dtypes=("float64", "float32", "float64")), TypeError, "same dtype"),
+    ("int dtype", dict(dtypes=("int64",) * 3), TypeError, "dtype float16 or float32 or float64"),
+    ("int32 dtype", dict(dtypes=("int32",) * 3), TypeError, "dtype"),
+    ("bool dtype", dict(dtypes=("bool",) * 3), TypeError, "dtype"),
+    ("complex dtype", dict(dtypes=("complex128",) * 3), TypeError, "dtype"),
+]
+
+BAD_OPTIONS = [
+    ("sm_scale nan", dict(sm_scale=float("nan")), ValueError, "sm_scale must be finite"),
+    ("sm_scale inf", dict(sm_scale=float("inf")), ValueError, "sm_scale must be finite"),
+    ("sm_scale -inf", dict(sm_scale=-np.inf), ValueError, "sm_scale must be finite"),
+    ("sm_scale str", dict(sm_scale="0.5"), TypeError, "sm_scale must be a real number"),
+    ("sm_scale bool", dict(sm_scale=True), TypeError, "sm_scale must be a real number"),
+    ("sm_scale complex", dict(sm_scale=1j), TypeError, "sm_scale must be a real number"),
+    ("sm_scale array", dict(sm_scale=np.array([0.5, 0.5])), TypeError, "sm_scale"),
+    ("causal int", dict(causal=1), TypeError, "causal must be a bool"),
+    ("causal str", dict(causal="True"), TypeError, "causal must be a bool"),
+    ("causal None", dict(causal=None), TypeError, "causal must be a bool"),
+]
+
+
+def _call(fn, q, k, v, backward, **kwargs):
+    if backward:
+        return fn(q, k, v, np.ones(q.shape, dtype=q.dtype) if hasattr(q, "shape") else None, **kwargs)
+    return fn(q, k, v, **kwargs)
+
+
+ENTRY_POINTS = [(name, fn, False) for name, fn in FORWARDS.items()] + \
+               [(name, fn, True) for name, fn in BACKWARDS.items()]
+ENTRY_IDS = [name for name, _, _ in ENTRY_POINTS]
+
+
+@pytest.mark.parametrize("name,fn,backward", ENTRY_POINTS, ids=ENTRY_IDS)
+@pytest.mark.parametrize("case,spec,exc,words", BAD_QKV, ids=[c[0] for c in BAD_QKV])
+def test_bad_q_k_v(name, fn, backward, case, spec, exc, words):
+    q, k, v = arrays(**spec)
+    with pytest.raises(exc, match=words):
+        _call(fn, q, k, v, backward)
+
+
+@pytest.mark.parametrize("name,fn,backward", ENTRY_POINTS, ids=ENTRY_IDS)
+@pytest.mark.parametrize("case,kwargs,exc,words", BAD_OPTIONS, ids=[c[0] for c in BAD_OPTIONS])
+def test_bad_options(name, fn, backward, case, kwargs, exc, words):
+    q, k, v = arrays()
+    with pytest.raises(exc, match=words):
+        _call(fn, q, k, v, backward, **kwargs)
+
+
+@pytest.mark.parametrize("name,fn,backward", ENTRY_POINTS, ids=ENTRY_IDS)
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_not_an_array(name, fn, backward, which):
+    q, k, v = arrays()
+    args = dict(q=q, k=k, v=v)
+    args[which] = args[which].tolist()
+    with pytest.raises(TypeError, match=f"{which} must be an array or tensor"):
+        if backward:
+            fn(args["q"], args["k"], args["v"], np.ones(GOOD_Q))
+        else:
+            fn(args["q"], args["k"], args["v"])
+
+
+@pytest.mark.parametrize("name,fn,backward", ENTRY_POINTS, ids=ENTRY_IDS)
+def test_good_input_passes(name, fn, backward):
+    """The same calls with good input succeed, so the failures above are about the bad argument only."""
+    q, k, v = arrays()
+    result = _call(fn, q, k, v, backward, causal=True, sm_scale=0.5)
+    assert result is not None
+
+
+@pytest.mark.parametrize("name,fn", list(BACKWARDS.items()), ids=list(BACKWARDS))
+@pytest.mark.parametrize("do_shape", [(2, 3, 5, 3), (2, 3, 6, 4), (3, 5, 4), (5, 4)])
+def test_do_of_wrong_shape(name, fn, do_shape):
+    q, k, v = arrays()
+    with pytest.raises(ValueError, match=r"do must have the shape of o \(2, 3, 5, 4\)"):
+        fn(q, k, v, np.ones(do_shape))
+
+
+@pytest.mark.parametrize("name,fn", list(BACKWARDS.items()), ids=list(BACKWARDS))
+def test_do_of_wrong_kind(name, fn):
+    q, k, v = arrays()
+    with pytest.raises(TypeError, match="do must be an array"):
+        fn(q, k, v, np.ones(GOOD_Q).tolist())
+    with pytest.raises(TypeError, match="do must have the dtype"):
+        fn(q, k, v, np.ones(GOOD_Q, dtype=np.float32))
+
+
+def test_reference_return_lse_must_be_bool():
+    q, k, v = arrays()
+    with pytest.raises(TypeError, match="return_lse must be a bool"):
+        reference.attention(q, k, v, return_lse="yes")
+
+
+def test_bfloat16_tensor_is_refused_by_numpy_reference():
+    torch = pytest.importorskip("torch")
+    q = torch.zeros(4, 2, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="dtype float16 or float32 or float64, got torch.bfloat16"):
+        reference.attention(q, q, q)
+
+
+@pytest.mark.parametrize("kwargs,exc,words", [
+    (dict(N_q=0), ValueError, "N_q must be at least 1"),
+    (dict(N_q=8.0), TypeError, "N_q must be an int"),
+    (dict(N_q=8, N_k=-1), ValueError, "N_k must be at least 1"),
+    (dict(N_q=8, heads=0), ValueError, "heads"),
+    (dict(N_q=8, batch=True), TypeError, "batch must be an int"),
+    (dict(N_q=8, dtype="int8"), ValueError, "dtype must be one of"),
+    (dict(N_q=8, dtype=np.int32), ValueError, "dtype must be one of"),
+])
+def test_bad_byte_count_arguments(kwargs, exc, words):
+    for fn in (reference.score_matrix_bytes, reference.materialized_bytes):
+        with pytest.raises(exc, match=words):
+            fn(**kwargs)
+
+
+def test_bad_block_k_of_key_block_attention():
+    q, k, v = arrays()
+    with pytest.raises(ValueError, match="block_size must be at least 1"):
+        online_softmax.attention_by_key_blocks(q, k, v, 0)
