@@ -1,0 +1,43 @@
+"""FlashAttention in Triton: a fused forward and a recomputing backward as one PyTorch op.
+
+Taught in notebooks ``07_triton_forward`` and ``08_triton_backward``.
+
+    from flashref.triton import flash_attention
+    o = flash_attention(q, k, v, causal=True)        # (B, H, N, d) torch tensors; differentiable
+    o, lse = flash_attention_forward(q, k, v)         # no autograd; lse is (B, H, N_q) fp32, natural log
+
+On a machine with a CUDA device the kernels are compiled and autotuned over configs pruned to the GPU's
+shared memory (:mod:`flashref.triton.configs`). Without one, the very same kernels run in Triton's CPU
+interpreter on CPU tensors (slowly: use small shapes); for that ``TRITON_INTERPRET=1`` must be set before
+any kernel is defined, which this module does on import.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+# FLASHREF_TRITON_COMPILE_ONLY=1 keeps the kernels compilable on a machine without a GPU (the compile
+# test: kernels defined under the interpreter cannot be handed to triton.compile).
+if not _cuda_available() and os.environ.get("FLASHREF_TRITON_COMPILE_ONLY", "") != "1":
+    os.environ["TRITON_INTERPRET"] = "1"
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "") == "1"
+
+from flashref.triton.ops import (  # noqa: E402  (the environment must be set first)
+    FlashAttentionFunction,
+    flash_attention,
+    flash_attention_backward,
+    flash_attention_forward,
+)
+
+__all__ = ["flash_attention", "flash_attention_forward", "flash_attention_backward", "FlashAttentionFunction",
+           "INTERPRETED"]

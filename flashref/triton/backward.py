@@ -1,0 +1,246 @@
+"""The Triton backward kernels of FlashAttention (notebook ``08_triton_backward``).
+
+With S = sm_scale Q K^T, P = softmax(S) and O = P V, the gradients are
+
+    dV = P^T dO,   dP = dO V^T,   dS = P * (dP - D) with D = rowsum(dO * O),
+    dQ = sm_scale dS K,   dK = sm_scale dS^T Q.
+
+P is never stored: each kernel recomputes a tile of it from Q, K and the forward's lse,
+``P = exp(sm_scale Q K^T - lse)``. Three launches:
+
+- ``flash_bwd_preprocess_kernel``: D = rowsum(dO * O), one fp32 number per query row (O(N) memory);
+- ``flash_bwd_dkdv_kernel``: one program per K/V tile accumulates dK and dV over the Q tiles;
+- ``flash_bwd_dq_kernel``: one program per Q tile accumulates dQ over the K/V tiles.
+
+Each output element is written by exactly one program, so there are no atomic additions and the result
+is bitwise deterministic; the price is computing Q K^T and dO V^T twice (once per kernel).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def flash_bwd_preprocess_kernel(O, DO, Delta,
+                                stride_ob, stride_oh, stride_om, stride_od,
+                                stride_dob, stride_doh, stride_dom, stride_dod,
+                                H, N_q, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d] in fp32."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m[:, None] < N_q) & (offs_d[None, :] < HEAD_DIM)
+    o = tl.load(O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+                + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od, mask=mask, other=0.0)
+    do = tl.load(DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+                 + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(Delta + pid_bh.to(tl.int64) * N_q + offs_m, delta, mask=offs_m < N_q)
+
+
+@triton.jit
+def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                stride_qm, stride_qd, stride_dom, stride_dod,
+                start_n, lo, hi, N_q, qk_scale, offs_n, offs_d,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                MASKED: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+    """Add the contributions of the query tiles [lo, hi) to this K/V tile's dK and dV (transposed form:
+    rows are keys, columns are queries)."""
+    offs_m0 = tl.arange(0, BLOCK_M)
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + offs_m0
+        q_ptrs = q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
+        do_ptrs = do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod
+        if MASKED:
+            row_mask = (offs_m[:, None] < N_q) & (offs_d[None, :] < HEAD_DIM)
+            q = tl.load(q_ptrs, mask=row_mask, other=0.0)
+            do = tl.load(do_ptrs, mask=row_mask, other=0.0)
+            # lse = +inf on padded rows makes their P exactly 0
+            lse = tl.load(lse_base + offs_m, mask=offs_m < N_q, other=float("inf"))
+            delta = tl.load(delta_base + offs_m, mask=offs_m < N_q, other=0.0)
+        else:
+            if BLOCK_D != HEAD_DIM:
+                q = tl.load(q_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+                do = tl.load(do_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+            else:
+                q = tl.load(q_ptrs)
+                do = tl.load(do_ptrs)
+            lse = tl.load(lse_base + offs_m)
+            delta = tl.load(delta_base + offs_m)
+        if IEEE:
+            s_t = tl.dot(k, tl.trans(q), input_precision="ieee")
+        else:
+            s_t = tl.dot(k, tl.trans(q))
+        p_t = tl.exp2(s_t * qk_scale - lse[None, :] * 1.4426950408889634)
+        if MASKED:
+            if CAUSAL:
+                p_t = tl.where(offs_n[:, None] <= offs_m[None, :], p_t, 0.0)
+        if IEEE:
+            dv += tl.dot(p_t, do, input_precision="ieee")
+            dp_t = tl.dot(v, tl.trans(do), input_precision="ieee")
+        else:
+            dv += tl.dot(p_t.to(do.dtype), do)
+            dp_t = tl.dot(v, tl.trans(do))
+        ds_t = p_t * (dp_t - delta[None, :])
+        if IEEE:
+            dk += tl.dot(ds_t, q, input_precision="ieee")
+        else:
+            dk += tl.dot(ds_t.to(q.dtype), q)
+    return dk, dv
+
+
+@triton.jit
+def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, Delta,
+                          stride_qb, stride_qh, stride_qm, stride_qd,
+                          stride_kb, stride_kh, stride_kn, stride_kd,
+                          stride_vb, stride_vh, stride_vn, stride_vd,
+                          stride_dob, stride_doh, stride_dom, stride_dod,
+                          stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+                          stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+                          H, N_q, N_k, sm_scale, qk_scale,
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+    """Program (pid_n, pid_bh) writes dK and dV of keys pid_n*BLOCK_N : +BLOCK_N. Needs BLOCK_N % BLOCK_M == 0."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    kv_mask = (offs_n[:, None] < N_k) & (offs_d[None, :] < HEAD_DIM)
+    k = tl.load(K + b64 * stride_kb + h64 * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                mask=kv_mask, other=0.0)
+    v = tl.load(V + b64 * stride_vb + h64 * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                mask=kv_mask, other=0.0)
+    q_base = Q + b64 * stride_qb + h64 * stride_qh
+    do_base = DO + b64 * stride_dob + h64 * stride_doh
+    lse_base = LSE + pid_bh.to(tl.int64) * N_q
+    delta_base = Delta + pid_bh.to(tl.int64) * N_q
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    # Causal: query i sees key j when i >= j, so queries before start_n never see this tile.
+    # Phase 1 (causal only): the diagonal query tiles, masked.
+    full_lo = 0
+    if CAUSAL:
+        diag_hi = tl.minimum(start_n + BLOCK_N, N_q)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                             stride_qm, stride_qd, stride_dom, stride_dod,
+                             start_n, start_n, diag_hi, N_q, qk_scale, offs_n, offs_d,
+                             HEAD_DIM, BLOCK_D, BLOCK_M, True, CAUSAL, IEEE)
+        full_lo = start_n + BLOCK_N
+    # Phase 2: full query tiles below the diagonal, no mask. Phase 3: the ragged last query tile.
+    full_hi = tl.maximum(full_lo, (N_q // BLOCK_M) * BLOCK_M)
+    dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                         stride_qm, stride_qd, stride_dom, stride_dod,
+                         start_n, full_lo, full_hi, N_q, qk_scale, offs_n, offs_d,
+                         HEAD_DIM, BLOCK_D, BLOCK_M, False, CAUSAL, IEEE)
+    dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                         stride_qm, stride_qd, stride_dom, stride_dod,
+                         start_n, full_hi, N_q, N_q, qk_scale, offs_n, offs_d,
+                         HEAD_DIM, BLOCK_D, BLOCK_M, True, CAUSAL, IEEE)
+
+    dk = dk * sm_scale
+    tl.store(DK + b64 * stride_dkb + h64 * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
+             dk.to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + b64 * stride_dvb + h64 * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd,
+             dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+              lo, hi, N_k, qk_scale, offs_m, offs_d,
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+              MASKED: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+    """Add the contributions of the K/V tiles [lo, hi) to this Q tile's dQ."""
+    offs_n0 = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+        v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+        if MASKED:
+            kv_mask = (offs_n[:, None] < N_k) & (offs_d[None, :] < HEAD_DIM)
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        elif BLOCK_D != HEAD_DIM:
+            k = tl.load(k_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+            v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        p = tl.exp2(s * qk_scale - lse[:, None])
+        if MASKED:
+            keep = offs_n[None, :] < N_k
+            if CAUSAL:
+                keep = keep & (offs_n[None, :] <= offs_m[:, None])
+            p = tl.where(keep, p, 0.0)
+        if IEEE:
+            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+        else:
+            dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        if IEEE:
+            dq += tl.dot(ds, k, input_precision="ieee")
+        else:
+            dq += tl.dot(ds.to(k.dtype), k)
+    return dq
+
+
+@triton.jit
+def flash_bwd_dq_kernel(Q, K, V, DO, DQ, LSE, Delta,
+                        stride_qb, stride_qh, stride_qm, stride_qd,
+                        stride_kb, stride_kh, stride_kn, stride_kd,
+                        stride_vb, stride_vh, stride_vn, stride_vd,
+                        stride_dob, stride_doh, stride_dom, stride_dod,
+                        stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+                        H, N_q, N_k, sm_scale, qk_scale,
+                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+    """Program (pid_m, pid_bh) writes dQ of queries pid_m*BLOCK_M : +BLOCK_M. Needs BLOCK_M % BLOCK_N == 0."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    q_mask = (offs_m[:, None] < N_q) & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(Q + b64 * stride_qb + h64 * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                mask=q_mask, other=0.0)
+    do = tl.load(DO + b64 * stride_dob + h64 * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+                 mask=q_mask, other=0.0)
+    lse = tl.load(LSE + pid_bh.to(tl.int64) * N_q + offs_m, mask=offs_m < N_q, other=0.0) * 1.4426950408889634
+    delta = tl.load(Delta + pid_bh.to(tl.int64) * N_q + offs_m, mask=offs_m < N_q, other=0.0)
+    k_base = K + b64 * stride_kb + h64 * stride_kh
+    v_base = V + b64 * stride_vb + h64 * stride_vh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    full_end = (N_k // BLOCK_N) * BLOCK_N
+    if CAUSAL:
+        full_end = tl.minimum(full_end, start_m)
+    dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                   0, full_end, N_k, qk_scale, offs_m, offs_d, HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, IEEE)
+    hi = N_k
+    if CAUSAL:
+        hi = tl.minimum(N_k, start_m + BLOCK_M)
+    dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                   full_end, hi, N_k, qk_scale, offs_m, offs_d, HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, IEEE)
+    dq = dq * sm_scale
+    tl.store(DQ + b64 * stride_dqb + h64 * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
+             dq.to(DQ.dtype.element_ty), mask=q_mask)

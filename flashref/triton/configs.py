@@ -1,0 +1,134 @@
+"""Autotuning configurations that know the hardware (notebook ``07_triton_forward``, "SRAM per GPU").
+
+Each kernel has a short list of candidate tile shapes. Before the autotuner times them, the list is pruned
+to what the running GPU can hold: the shared memory a config needs is estimated from its tiles and
+compared with the device's per-block limit (64 KB on a T4, 163 KB on an A100, 227 KB on an H100). Setting
+``FLASHREF_T4_CONFIGS=1`` restricts any GPU to the configs a T4 would use (our stand-in for Colab).
+``tests/test_triton_compile.py`` compiles every config each GPU would keep, for that GPU, on a CPU
+machine, and checks the compiler's own shared-memory figure against the limit.
+
+Under Triton's CPU interpreter there is no autotuner (it needs a GPU to time configs): one fixed small
+config per kernel is launched, :data:`INTERPRETER`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+# Shared memory per block (opt-in maximum, bytes) and compute capability of the GPUs we target.
+GPUS = {
+    "T4": {"capability": 75, "shared_bytes": 64 * 1024},
+    "A100": {"capability": 80, "shared_bytes": 163 * 1024},
+    "H100": {"capability": 90, "shared_bytes": 227 * 1024},
+}
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One candidate: the tile shape (block_m query rows by block_n key rows), warps and pipeline depth."""
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Forward and dQ kernels: BLOCK_M % BLOCK_N == 0. dK/dV kernel: BLOCK_N % BLOCK_M == 0 (BLOCK_N keys
+# stay resident, BLOCK_M queries stream past), so the diagonal is always whole tiles.
+FORWARD = {
+    "large": [TileConfig(128, 64, 4, 3), TileConfig(128, 64, 8, 3), TileConfig(128, 128, 8, 3),
+              TileConfig(128, 64, 4, 4), TileConfig(128, 32, 4, 3), TileConfig(64, 64, 4, 3),
+              TileConfig(64, 32, 4, 2)],
+    "t4": [TileConfig(64, 64, 4, 2), TileConfig(64, 32, 4, 2), TileConfig(32, 32, 4, 2), TileConfig(16, 16, 4, 1)],
+}
+BACKWARD_DKDV = {
+    "large": [TileConfig(32, 128, 4, 3), TileConfig(64, 128, 8, 3), TileConfig(32, 64, 4, 3),
+              TileConfig(64, 64, 4, 2), TileConfig(16, 64, 4, 2), TileConfig(16, 32, 4, 1)],
+    "t4": [TileConfig(32, 64, 4, 2), TileConfig(16, 64, 4, 2), TileConfig(16, 32, 4, 1), TileConfig(16, 16, 4, 1)],
+}
+BACKWARD_DQ = {
+    "large": [TileConfig(128, 32, 4, 3), TileConfig(128, 64, 8, 3), TileConfig(64, 32, 4, 3),
+              TileConfig(64, 64, 4, 2), TileConfig(64, 16, 4, 2), TileConfig(32, 16, 4, 1)],
+    "t4": [TileConfig(64, 32, 4, 2), TileConfig(64, 16, 4, 2), TileConfig(32, 16, 4, 1), TileConfig(16, 16, 4, 1)],
+}
+KERNELS = {"forward": FORWARD, "dkdv": BACKWARD_DKDV, "dq": BACKWARD_DQ}
+
+# The interpreter's fixed config: small tiles, so tests on short sequences still cross several tiles.
+INTERPRETER = {"forward": TileConfig(32, 16, 4, 1), "dkdv": TileConfig(16, 32, 4, 1), "dq": TileConfig(32, 16, 4, 1)}
+
+
+def t4_mode() -> bool:
+    """True when ``FLASHREF_T4_CONFIGS=1``: use only the configs a T4 would use, on any GPU."""
+    return os.environ.get("FLASHREF_T4_CONFIGS", "") == "1"
+
+
+def shared_bytes_estimate(kernel: str, cfg: TileConfig, block_d: int, elem_bytes: int) -> int:
+    """Shared memory a config is expected to need: the streamed tiles, once per pipeline stage, plus the
+    resident tile and the compiler's layout conversions of the dot operands (about one more tile).
+
+    forward / dq: resident Q (block_m x d), streamed K and V (block_n x d each).
+    dkdv: resident K and V (block_n x d), streamed Q and dO (block_m x d each).
+    """
+    stages = max(cfg.num_stages, 1)
+    if kernel == "dkdv":
+        resident, streamed = cfg.block_n, cfg.block_m
+    else:
+        resident, streamed = cfg.block_m, cfg.block_n
+    tiles = resident * block_d + stages * 2 * streamed * block_d + cfg.block_m * cfg.block_n
+    return tiles * elem_bytes
+
+
+def candidates(kernel: str, block_d: int, elem_bytes: int, shared_limit: int, t4: bool = False) -> list[TileConfig]:
+    """The configs of ``kernel`` ("forward", "dkdv", "dq") that fit ``shared_limit`` bytes per block.
+    Never empty: the smallest config is kept even if the estimate says it will not fit (the compiler has
+    the last word and the autotuner skips configs that run out of resources)."""
+    pool = KERNELS[kernel]["t4" if t4 else "large"]
+    fits = [c for c in pool if shared_bytes_estimate(kernel, c, block_d, elem_bytes) <= shared_limit]
+    return fits or [pool[-1]]
+
+
+def device_shared_limit(device=None) -> int:
+    """Opt-in shared memory per block of the running CUDA device, in bytes (asks torch, then Triton)."""
+    import torch
+
+    index = torch.cuda.current_device() if device is None else torch.device(device).index or 0
+    props = torch.cuda.get_device_properties(index)
+    limit = getattr(props, "shared_memory_per_block_optin", None)
+    if not limit:
+        import triton
+
+        limit = triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+    return int(limit)
+
+
+def _to_triton(cfg: TileConfig, names: tuple[str, str]):
+    import triton
+
+    return triton.Config({names[0]: cfg.block_m, names[1]: cfg.block_n}, num_warps=cfg.num_warps,
+                         num_stages=cfg.num_stages)
+
+
+def autotune_configs(kernel: str):
+    """Every candidate of ``kernel`` as ``triton.Config`` (T4 list only, under ``FLASHREF_T4_CONFIGS=1``)."""
+    pool = KERNELS[kernel]["t4" if t4_mode() else "large"]
+    return [_to_triton(c, ("BLOCK_M", "BLOCK_N")) for c in pool]
+
+
+def make_pruner(kernel: str):
+    """An ``early_config_prune`` hook: keep the configs whose estimate fits the running GPU."""
+
+    def prune(configs, named_args, **kwargs):
+        args = {**named_args, **kwargs}
+        block_d = int(args["BLOCK_D"])
+        elem = args["Q"].element_size()
+        limit = device_shared_limit(args["Q"].device)
+        if t4_mode():
+            limit = min(limit, GPUS["T4"]["shared_bytes"])
+        keep = []
+        for c in configs:
+            tc = TileConfig(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
+            if shared_bytes_estimate(kernel, tc, block_d, elem) <= limit:
+                keep.append(c)
+        return keep or [configs[-1]]
+
+    return prune

@@ -1,0 +1,122 @@
+"""The Triton forward kernel of FlashAttention (notebook ``07_triton_forward``).
+
+One program computes one tile of O: BLOCK_M query rows of one (batch, head). The Q tile stays in
+registers/SRAM while the program walks over K and V in tiles of BLOCK_N rows, keeping the online-softmax
+statistics m (running max) and l (running sum) per query row in fp32. O is divided by l once, at the end,
+and lse = m + log(l) (natural log) is saved for the backward pass: O(N) extra memory.
+
+Written with plain pointer arithmetic and masks (no block pointers), so the same source runs compiled on
+every GPU and in Triton's CPU interpreter. Scores are kept in base 2: ``exp2(x * log2(e))`` is ``exp(x)``
+and maps to one hardware instruction, so ``log2(e)`` is folded into the softmax scale.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E)
+LN2 = 0.6931471805599453  # ln(2): ln(x) = log2(x) * LN2
+
+
+@triton.jit
+def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+               start_m, lo, hi, N_k, qk_scale,
+               offs_m, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+    """Fold the K/V tiles [lo, hi) into (acc, l_i, m_i). MASKED tiles check key bounds and, when CAUSAL,
+    the diagonal; the others are full tiles that every query row of the block may see, and skip masks."""
+    offs_n0 = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+        v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+        if MASKED:
+            kv_mask = (offs_n[:, None] < N_k) & (offs_d[None, :] < HEAD_DIM)
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        elif BLOCK_D != HEAD_DIM:
+            k = tl.load(k_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+            v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale  # base-2 scores: sm_scale * log2(e) * q.k
+        if MASKED:
+            keep = offs_n[None, :] < N_k
+            if CAUSAL:
+                keep = keep & (offs_n[None, :] <= offs_m[:, None])
+            s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)  # rescales what was summed under the old max
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if IEEE:
+            acc += tl.dot(p, v, input_precision="ieee")
+        else:
+            acc += tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def flash_fwd_kernel(Q, K, V, O, LSE,
+                     stride_qb, stride_qh, stride_qm, stride_qd,
+                     stride_kb, stride_kh, stride_kn, stride_kd,
+                     stride_vb, stride_vh, stride_vn, stride_vd,
+                     stride_ob, stride_oh, stride_om, stride_od,
+                     H, N_q, N_k, qk_scale,
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+    """Program (pid_m, pid_bh) writes O[b, h, pid_m*BLOCK_M : +BLOCK_M, :] and its lse.
+
+    Needs BLOCK_M % BLOCK_N == 0, so every K tile left of the block's first row is fully visible
+    (causal) and only the tiles on the diagonal need a mask.
+    """
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
+    o_base = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+
+    q_mask = (offs_m[:, None] < N_q) & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # Phase 1: full tiles, no mask. Causal: keys left of the block's first query row.
+    full_end = (N_k // BLOCK_N) * BLOCK_N
+    if CAUSAL:
+        full_end = tl.minimum(full_end, start_m)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                               start_m, 0, full_end, N_k, qk_scale, offs_m, offs_d,
+                               HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, IEEE)
+    # Phase 2: the diagonal tiles (causal) and the ragged last tile; tiles above the diagonal never run.
+    hi = N_k
+    if CAUSAL:
+        hi = tl.minimum(N_k, start_m + BLOCK_M)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                               start_m, full_end, hi, N_k, qk_scale, offs_m, offs_d,
+                               HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, IEEE)
+
+    # Every row sees key 0 (top-left causal), so l_i > 0 for real rows; padded rows are never stored.
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    acc = acc / l_safe[:, None]
+    lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453  # back to natural log
+    tl.store(LSE + pid_bh.to(tl.int64) * N_q + offs_m, lse, mask=offs_m < N_q)
+    tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od, acc.to(O.dtype.element_ty),
+             mask=q_mask)

@@ -1,0 +1,168 @@
+"""The Python side of the Triton kernels: checks, launches, autotuning, and the autograd Function.
+
+Taught in notebooks ``07_triton_forward`` (the forward wrapper) and ``08_triton_backward``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from flashref import validation
+from flashref.triton import configs
+from flashref.triton.backward import flash_bwd_dkdv_kernel, flash_bwd_dq_kernel, flash_bwd_preprocess_kernel
+from flashref.triton.forward import LOG2E, flash_fwd_kernel
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "") == "1"
+MAX_HEAD_DIM = 256
+DTYPES = ("float16", "bfloat16", "float32")
+
+
+def _bucket(n: int) -> int:
+    """Autotune once per power-of-two length bucket, not once per exact length."""
+    return triton.next_power_of_2(max(int(n), 16))
+
+
+def _autotuned(kernel, name: str):
+    return triton.autotune(configs=configs.autotune_configs(name), key=["TUNE_N", "HEAD_DIM", "CAUSAL"],
+                           prune_configs_by={"early_config_prune": configs.make_pruner(name)})(kernel)
+
+
+if not INTERPRETED:
+    # The autotuned kernels take one extra, unused argument TUNE_N: the autotuner's key.
+    _FWD = _autotuned(flash_fwd_kernel, "forward")
+    _DKDV = _autotuned(flash_bwd_dkdv_kernel, "dkdv")
+    _DQ = _autotuned(flash_bwd_dq_kernel, "dq")
+
+
+def _check(q, k, v, causal, sm_scale):
+    """The shared checks, plus what only the Triton kernels need: torch tensors on a usable device."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    _, _, d = validation.check_attention_inputs(q, k, v, allowed_ndims=(4,), allowed_dtypes=DTYPES,
+                                                max_head_dim=MAX_HEAD_DIM)
+    validation.check_causal(causal)
+    scale = validation.check_sm_scale(sm_scale, d)
+    if INTERPRETED:
+        if q.device.type != "cpu":
+            raise ValueError(f"Triton is running in its CPU interpreter (no CUDA device): q, k and v must be CPU "
+                             f"tensors, got device {q.device}")
+    else:
+        if q.device.type != "cuda":
+            raise ValueError(f"q, k and v must be CUDA tensors (a CUDA device is present, so the kernels are "
+                             f"compiled for it), got device {q.device}")
+        if q.dtype == torch.bfloat16 and torch.cuda.get_device_capability(q.device) < (8, 0):
+            name = torch.cuda.get_device_name(q.device)
+            raise TypeError(f"q, k and v have dtype bfloat16, which needs compute capability 8.0 or newer; "
+                            f"{name} has {torch.cuda.get_device_capability(q.device)}: use float16")
+    return d, scale
+
+
+def _strides(x):
+    return tuple(x.stride())
+
+
+def _launch(kernel, name, grid_rows, bh, *args, **meta):
+    """Launch autotuned on a GPU, or with the fixed interpreter config on the CPU."""
+    if INTERPRETED:
+        cfg = configs.INTERPRETER[name]
+        block_rows = cfg.block_n if name == "dkdv" else cfg.block_m
+        grid = (triton.cdiv(grid_rows, block_rows), bh)
+        meta.pop("TUNE_N", None)
+        kernel[grid](*args, **meta, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
+        return
+    rows = "BLOCK_N" if name == "dkdv" else "BLOCK_M"
+    grid = lambda m: (triton.cdiv(grid_rows, m[rows]), bh)  # noqa: E731
+    kernel[grid](*args, **meta)
+
+
+def _forward(q, k, v, causal: bool, scale: float):
+    B, H, N_q, d = q.shape
+    N_k = k.shape[2]
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, H, N_q), dtype=torch.float32, device=q.device)
+    kernel = flash_fwd_kernel if INTERPRETED else _FWD
+    _launch(kernel, "forward", N_q, B * H, q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+            H, N_q, N_k, scale * LOG2E,
+            HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), CAUSAL=causal,
+            IEEE=q.dtype == torch.float32, TUNE_N=_bucket(max(N_q, N_k)))
+    return o, lse
+
+
+def _backward(q, k, v, o, lse, do, causal: bool, scale: float):
+    B, H, N_q, d = q.shape
+    N_k = k.shape[2]
+    block_d = max(16, triton.next_power_of_2(d))
+    delta = torch.empty((B, H, N_q), dtype=torch.float32, device=q.device)
+    pre_m = 16 if INTERPRETED else 64
+    flash_bwd_preprocess_kernel[(triton.cdiv(N_q, pre_m), B * H)](
+        o, do, delta, *_strides(o), *_strides(do), H, N_q, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_m)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    meta = dict(HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=causal, IEEE=q.dtype == torch.float32,
+                TUNE_N=_bucket(max(N_q, N_k)))
+    common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
+    _launch(flash_bwd_dkdv_kernel if INTERPRETED else _DKDV, "dkdv", N_k, B * H,
+            q, k, v, do, dk, dv, lse, delta, *common, *_strides(dk), *_strides(dv),
+            H, N_q, N_k, scale, scale * LOG2E, **meta)
+    _launch(flash_bwd_dq_kernel if INTERPRETED else _DQ, "dq", N_q, B * H,
+            q, k, v, do, dq, lse, delta, *common, *_strides(dq),
+            H, N_q, N_k, scale, scale * LOG2E, **meta)
+    return dq, dk, dv
+
+
+def flash_attention_forward(q, k, v, causal=False, sm_scale=None):
+    """FlashAttention forward without autograd: ``(o, lse)``; ``o`` like ``q``, ``lse`` of shape
+    ``(B, H, N_q)`` in fp32 (natural log). fp32 inputs are computed in full fp32 (``input_precision="ieee"``:
+    no TF32). Notebook ``07_triton_forward``."""
+    _, scale = _check(q, k, v, causal, sm_scale)
+    with torch.no_grad():
+        return _forward(q, k, v, causal, scale)
+
+
+def flash_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None):
+    """Gradients ``(dq, dk, dv)`` from the forward's ``o`` and ``lse``, recomputing P tile by tile.
+    Notebook ``08_triton_backward``."""
+    _, scale = _check(q, k, v, causal, sm_scale)
+    validation.check_same_shape("o", o, "q", q)
+    validation.check_same_shape("do", do, "o", o)
+    if do.dtype != q.dtype or o.dtype != q.dtype:
+        raise TypeError(f"o and do must have the dtype of q ({q.dtype}), got {o.dtype} and {do.dtype}")
+    if tuple(lse.shape) != tuple(q.shape[:3]):
+        raise ValueError(f"lse must have shape (B, H, N_q) = {tuple(q.shape[:3])}, got {tuple(lse.shape)}")
+    with torch.no_grad():
+        return _backward(q, k, v, o, lse.float(), do, causal, scale)
+
+
+class FlashAttentionFunction(torch.autograd.Function):
+    """``O = softmax(sm_scale Q K^T) V`` whose backward recomputes P from Q, K and the saved lse: the
+    only extra memory kept between forward and backward is lse, O(N)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, sm_scale):
+        o, lse = _forward(q, k, v, causal, sm_scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.sm_scale = causal, sm_scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(q, k, v, o, lse, do, ctx.causal, ctx.sm_scale)
+        return dq, dk, dv, None, None
+
+
+def flash_attention(q, k, v, causal=False, sm_scale=None):
+    """FlashAttention as a differentiable PyTorch op: ``o = flash_attention(q, k, v, causal, sm_scale)``.
+
+    ``q``: ``(B, H, N_q, d)``, ``k`` and ``v``: ``(B, H, N_k, d)``, float16, bfloat16 (compute capability
+    8.0+) or float32, any strides, ``d <= 256``. ``causal`` is top-left aligned (query i sees keys j <= i),
+    as ``scaled_dot_product_attention(is_causal=True)``; ``sm_scale`` defaults to ``1/sqrt(d)``.
+    Notebooks ``07_triton_forward`` and ``08_triton_backward``.
+    """
+    _, scale = _check(q, k, v, causal, sm_scale)
+    return FlashAttentionFunction.apply(q, k, v, causal, scale)
