@@ -174,11 +174,14 @@ def logsumexp(x, block_size: int = 1) -> np.ndarray:
 
 
 def softmax(x, block_size: int = 1) -> np.ndarray:
-    """Softmax over the last axis in two passes: the recurrence gives ``lse`` in one pass over blocks,
-    then ``exp(x - lse)``. An all-masked row gives zeros."""
+    """Softmax over the last axis in two passes: the recurrence gives ``(m, l)`` in one pass over blocks,
+    then ``exp(x - m) / l``. (``exp(x - lse)`` would be the same in exact arithmetic, but rounding
+    ``lse`` costs ``|lse| * eps`` in absolute terms, which matters for large scores.) An all-masked row
+    gives zeros."""
     x = _as_scores(x, "x")
-    lse = logsumexp(x, block_size)
-    return exp_shift(x, lse[..., None])
+    state = scan(x, block_size)
+    l = state.l[..., None]
+    return exp_shift(x, state.m[..., None]) / np.where(l > 0, l, 1)
 
 
 def running_trace(x, block_size: int = 1):
