@@ -60,7 +60,7 @@ def test_opens_with_title_and_goals_then_colab_setup(path):
 def test_ends_with_checked_exercises_and_hidden_solutions(path):
     nb = _load(path)
     markdown = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
-    exercises = re.findall(r"\{exercise-start\}\s*\n:label:\s*(\S+)", markdown)
+    exercises = re.findall(r"\{exercise-start\}[^\n]*\n:label:\s*(\S+)", markdown)
     solutions = re.findall(r"\{solution-start\}\s*(\S+)\s*\n:class:\s*dropdown", markdown)
     assert len(exercises) >= 2, "at least two exercises"
     assert sorted(exercises) == sorted(solutions), "every exercise has a solution hidden in a dropdown"
