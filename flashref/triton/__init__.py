@@ -30,6 +30,9 @@ def _cuda_available() -> bool:
 if not _cuda_available() and os.environ.get("FLASHREF_TRITON_COMPILE_ONLY", "") != "1":
     os.environ["TRITON_INTERPRET"] = "1"
 
+# Fused multiply-add stays on (Triton's long-standing default); saying so silences Triton 3.9's warning.
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "") == "1"
 
 from flashref.triton.ops import (  # noqa: E402  (the environment must be set first)

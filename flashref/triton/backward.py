@@ -21,6 +21,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from flashref.triton.forward import _dot
+
 
 @triton.jit
 def flash_bwd_preprocess_kernel(O, DO, Delta,
@@ -48,7 +50,7 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
                 stride_qm, stride_qd, stride_dom, stride_dod,
                 start_n, lo, hi, N_q, qk_scale, offs_n, offs_d,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                MASKED: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+                MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr):
     """Add the contributions of the query tiles [lo, hi) to this K/V tile's dK and dV (transposed form:
     rows are keys, columns are queries)."""
     offs_m0 = tl.arange(0, BLOCK_M)
@@ -72,25 +74,15 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
                 do = tl.load(do_ptrs)
             lse = tl.load(lse_base + offs_m)
             delta = tl.load(delta_base + offs_m)
-        if IEEE:
-            s_t = tl.dot(k, tl.trans(q), input_precision="ieee")
-        else:
-            s_t = tl.dot(k, tl.trans(q))
+        s_t = _dot(k, tl.trans(q), DOT)
         p_t = tl.exp2(s_t * qk_scale - lse[None, :] * 1.4426950408889634)
         if MASKED:
             if CAUSAL:
                 p_t = tl.where(offs_n[:, None] <= offs_m[None, :], p_t, 0.0)
-        if IEEE:
-            dv += tl.dot(p_t, do, input_precision="ieee")
-            dp_t = tl.dot(v, tl.trans(do), input_precision="ieee")
-        else:
-            dv += tl.dot(p_t.to(do.dtype), do)
-            dp_t = tl.dot(v, tl.trans(do))
+        dv += _dot(p_t.to(do.dtype), do, DOT)
+        dp_t = _dot(v, tl.trans(do), DOT)
         ds_t = p_t * (dp_t - delta[None, :])
-        if IEEE:
-            dk += tl.dot(ds_t, q, input_precision="ieee")
-        else:
-            dk += tl.dot(ds_t.to(q.dtype), q)
+        dk += _dot(ds_t.to(q.dtype), q, DOT)
     return dk, dv
 
 
@@ -102,10 +94,10 @@ def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, Delta,
                           stride_dob, stride_doh, stride_dom, stride_dod,
                           stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                           stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-                          H, N_q, N_k, sm_scale, qk_scale,
+                          H, N_q, N_k, sm_scale, qk_scale, TUNE_N,
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+                          CAUSAL: tl.constexpr, DOT: tl.constexpr):
     """Program (pid_n, pid_bh) writes dK and dV of keys pid_n*BLOCK_N : +BLOCK_N. Needs BLOCK_N % BLOCK_M == 0."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -136,18 +128,18 @@ def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, Delta,
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
                              stride_qm, stride_qd, stride_dom, stride_dod,
                              start_n, start_n, diag_hi, N_q, qk_scale, offs_n, offs_d,
-                             HEAD_DIM, BLOCK_D, BLOCK_M, True, CAUSAL, IEEE)
+                             HEAD_DIM, BLOCK_D, BLOCK_M, True, CAUSAL, DOT)
         full_lo = start_n + BLOCK_N
     # Phase 2: full query tiles below the diagonal, no mask. Phase 3: the ragged last query tile.
     full_hi = tl.maximum(full_lo, (N_q // BLOCK_M) * BLOCK_M)
     dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
                          stride_qm, stride_qd, stride_dom, stride_dod,
                          start_n, full_lo, full_hi, N_q, qk_scale, offs_n, offs_d,
-                         HEAD_DIM, BLOCK_D, BLOCK_M, False, CAUSAL, IEEE)
+                         HEAD_DIM, BLOCK_D, BLOCK_M, False, CAUSAL, DOT)
     dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
                          stride_qm, stride_qd, stride_dom, stride_dod,
                          start_n, full_hi, N_q, N_q, qk_scale, offs_n, offs_d,
-                         HEAD_DIM, BLOCK_D, BLOCK_M, True, CAUSAL, IEEE)
+                         HEAD_DIM, BLOCK_D, BLOCK_M, True, CAUSAL, DOT)
 
     dk = dk * sm_scale
     tl.store(DK + b64 * stride_dkb + h64 * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
@@ -160,7 +152,7 @@ def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, Delta,
 def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
               lo, hi, N_k, qk_scale, offs_m, offs_d,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-              MASKED: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+              MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr):
     """Add the contributions of the K/V tiles [lo, hi) to this Q tile's dQ."""
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
@@ -177,25 +169,16 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, strid
         else:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
+        s = _dot(q, tl.trans(k), DOT)
         p = tl.exp2(s * qk_scale - lse[:, None])
         if MASKED:
             keep = offs_n[None, :] < N_k
             if CAUSAL:
                 keep = keep & (offs_n[None, :] <= offs_m[:, None])
             p = tl.where(keep, p, 0.0)
-        if IEEE:
-            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
-        else:
-            dp = tl.dot(do, tl.trans(v))
+        dp = _dot(do, tl.trans(v), DOT)
         ds = p * (dp - delta[:, None])
-        if IEEE:
-            dq += tl.dot(ds, k, input_precision="ieee")
-        else:
-            dq += tl.dot(ds.to(k.dtype), k)
+        dq += _dot(ds.to(k.dtype), k, DOT)
     return dq
 
 
@@ -206,10 +189,10 @@ def flash_bwd_dq_kernel(Q, K, V, DO, DQ, LSE, Delta,
                         stride_vb, stride_vh, stride_vn, stride_vd,
                         stride_dob, stride_doh, stride_dom, stride_dod,
                         stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-                        H, N_q, N_k, sm_scale, qk_scale,
+                        H, N_q, N_k, sm_scale, qk_scale, TUNE_N,
                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+                        CAUSAL: tl.constexpr, DOT: tl.constexpr):
     """Program (pid_m, pid_bh) writes dQ of queries pid_m*BLOCK_M : +BLOCK_M. Needs BLOCK_M % BLOCK_N == 0."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -235,12 +218,12 @@ def flash_bwd_dq_kernel(Q, K, V, DO, DQ, LSE, Delta,
     if CAUSAL:
         full_end = tl.minimum(full_end, start_m)
     dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                   0, full_end, N_k, qk_scale, offs_m, offs_d, HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, IEEE)
+                   0, full_end, N_k, qk_scale, offs_m, offs_d, HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, DOT)
     hi = N_k
     if CAUSAL:
         hi = tl.minimum(N_k, start_m + BLOCK_M)
     dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                   full_end, hi, N_k, qk_scale, offs_m, offs_d, HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, IEEE)
+                   full_end, hi, N_k, qk_scale, offs_m, offs_d, HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, DOT)
     dq = dq * sm_scale
     tl.store(DQ + b64 * stride_dqb + h64 * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
              dq.to(DQ.dtype.element_ty), mask=q_mask)

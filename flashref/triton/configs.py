@@ -36,19 +36,18 @@ class TileConfig:
 # Forward and dQ kernels: BLOCK_M % BLOCK_N == 0. dK/dV kernel: BLOCK_N % BLOCK_M == 0 (BLOCK_N keys
 # stay resident, BLOCK_M queries stream past), so the diagonal is always whole tiles.
 FORWARD = {
-    "large": [TileConfig(128, 64, 4, 3), TileConfig(128, 64, 8, 3), TileConfig(128, 128, 8, 3),
-              TileConfig(128, 64, 4, 4), TileConfig(128, 32, 4, 3), TileConfig(64, 64, 4, 3),
-              TileConfig(64, 32, 4, 2)],
+    "large": [TileConfig(128, 64, 4, 3), TileConfig(128, 128, 8, 3), TileConfig(128, 64, 8, 4),
+              TileConfig(64, 64, 4, 3), TileConfig(64, 32, 4, 2)],
     "t4": [TileConfig(64, 64, 4, 2), TileConfig(64, 32, 4, 2), TileConfig(32, 32, 4, 2), TileConfig(16, 16, 4, 1)],
 }
 BACKWARD_DKDV = {
     "large": [TileConfig(32, 128, 4, 3), TileConfig(64, 128, 8, 3), TileConfig(32, 64, 4, 3),
-              TileConfig(64, 64, 4, 2), TileConfig(16, 64, 4, 2), TileConfig(16, 32, 4, 1)],
+              TileConfig(16, 32, 4, 1)],
     "t4": [TileConfig(32, 64, 4, 2), TileConfig(16, 64, 4, 2), TileConfig(16, 32, 4, 1), TileConfig(16, 16, 4, 1)],
 }
 BACKWARD_DQ = {
     "large": [TileConfig(128, 32, 4, 3), TileConfig(128, 64, 8, 3), TileConfig(64, 32, 4, 3),
-              TileConfig(64, 64, 4, 2), TileConfig(64, 16, 4, 2), TileConfig(32, 16, 4, 1)],
+              TileConfig(32, 16, 4, 1)],
     "t4": [TileConfig(64, 32, 4, 2), TileConfig(64, 16, 4, 2), TileConfig(32, 16, 4, 1), TileConfig(16, 16, 4, 1)],
 }
 KERNELS = {"forward": FORWARD, "dkdv": BACKWARD_DKDV, "dq": BACKWARD_DQ}
@@ -57,33 +56,46 @@ KERNELS = {"forward": FORWARD, "dkdv": BACKWARD_DKDV, "dq": BACKWARD_DQ}
 INTERPRETER = {"forward": TileConfig(32, 16, 4, 1), "dkdv": TileConfig(16, 32, 4, 1), "dq": TileConfig(32, 16, 4, 1)}
 
 
+def autotune_enabled() -> bool:
+    """False when ``FLASHREF_TRITON_AUTOTUNE=0``: launch the first config that fits instead of timing them
+    all (the GPU tests use it to keep compile time short; a separate test runs every config)."""
+    return os.environ.get("FLASHREF_TRITON_AUTOTUNE", "1") != "0"
+
+
 def t4_mode() -> bool:
     """True when ``FLASHREF_T4_CONFIGS=1``: use only the configs a T4 would use, on any GPU."""
     return os.environ.get("FLASHREF_T4_CONFIGS", "") == "1"
 
 
-def shared_bytes_estimate(kernel: str, cfg: TileConfig, block_d: int, elem_bytes: int) -> int:
-    """Shared memory a config is expected to need: the streamed tiles, once per pipeline stage, plus the
-    resident tile and the compiler's layout conversions of the dot operands (about one more tile).
+def shared_bytes_estimate(kernel: str, cfg: TileConfig, block_d: int, elem_bytes: int, capability: int = 90) -> int:
+    """Shared memory a config is expected to need, in bytes (checked against the compiler's own figure by
+    ``tests/test_triton_compile.py``).
 
-    forward / dq: resident Q (block_m x d), streamed K and V (block_n x d each).
-    dkdv: resident K and V (block_n x d), streamed Q and dO (block_m x d each).
+    forward / dq keep a resident Q tile (block_m x d) and stream K and V (block_n x d each); dkdv keeps K
+    and V (block_n x d) and streams Q and dO (block_m x d). From sm_80 on, Triton pipelines the streamed
+    tiles through shared memory with asynchronous copies, once per stage. Before sm_80 (a T4) there are
+    no asynchronous copies: shared memory holds the dot operands while they change register layout, about
+    two tiles per row of the resident side and one per streamed row in the forward, twice that backward.
     """
-    stages = max(cfg.num_stages, 1)
     if kernel == "dkdv":
         resident, streamed = cfg.block_n, cfg.block_m
     else:
         resident, streamed = cfg.block_m, cfg.block_n
+    if capability < 80:
+        rows = 2 * resident + 2 * streamed if kernel == "forward" else 4 * resident + 2 * streamed
+        return rows * block_d * elem_bytes
+    stages = max(cfg.num_stages, 1)
     tiles = resident * block_d + stages * 2 * streamed * block_d + cfg.block_m * cfg.block_n
     return tiles * elem_bytes
 
 
-def candidates(kernel: str, block_d: int, elem_bytes: int, shared_limit: int, t4: bool = False) -> list[TileConfig]:
+def candidates(kernel: str, block_d: int, elem_bytes: int, shared_limit: int, t4: bool = False,
+               capability: int = 90) -> list[TileConfig]:
     """The configs of ``kernel`` ("forward", "dkdv", "dq") that fit ``shared_limit`` bytes per block.
     Never empty: the smallest config is kept even if the estimate says it will not fit (the compiler has
     the last word and the autotuner skips configs that run out of resources)."""
     pool = KERNELS[kernel]["t4" if t4 else "large"]
-    fits = [c for c in pool if shared_bytes_estimate(kernel, c, block_d, elem_bytes) <= shared_limit]
+    fits = [c for c in pool if shared_bytes_estimate(kernel, c, block_d, elem_bytes, capability) <= shared_limit]
     return fits or [pool[-1]]
 
 
@@ -101,6 +113,14 @@ def device_shared_limit(device=None) -> int:
     return int(limit)
 
 
+def device_capability(device=None) -> int:
+    """Compute capability of the running CUDA device as one number (75, 80, 90)."""
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
+
+
 def _to_triton(cfg: TileConfig, names: tuple[str, str]):
     import triton
 
@@ -114,6 +134,14 @@ def autotune_configs(kernel: str):
     return [_to_triton(c, ("BLOCK_M", "BLOCK_N")) for c in pool]
 
 
+def device_candidates(kernel: str, block_d: int, elem_bytes: int, device=None) -> list[TileConfig]:
+    """:func:`candidates` for the running GPU (and the T4 list and limit under ``FLASHREF_T4_CONFIGS=1``)."""
+    limit = device_shared_limit(device)
+    if t4_mode():
+        limit = min(limit, GPUS["T4"]["shared_bytes"])
+    return candidates(kernel, block_d, elem_bytes, limit, t4=t4_mode(), capability=device_capability(device))
+
+
 def make_pruner(kernel: str):
     """An ``early_config_prune`` hook: keep the configs whose estimate fits the running GPU."""
 
@@ -122,12 +150,13 @@ def make_pruner(kernel: str):
         block_d = int(args["BLOCK_D"])
         elem = args["Q"].element_size()
         limit = device_shared_limit(args["Q"].device)
+        capability = device_capability(args["Q"].device)
         if t4_mode():
             limit = min(limit, GPUS["T4"]["shared_bytes"])
         keep = []
         for c in configs:
             tc = TileConfig(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
-            if shared_bytes_estimate(kernel, tc, block_d, elem) <= limit:
+            if shared_bytes_estimate(kernel, tc, block_d, elem, capability) <= limit:
                 keep.append(c)
         return keep or [configs[-1]]
 

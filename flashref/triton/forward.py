@@ -20,10 +20,23 @@ LN2 = 0.6931471805599453  # ln(2): ln(x) = log2(x) * LN2
 
 
 @triton.jit
+def _dot(a, b, DOT: tl.constexpr):
+    """a @ b with an fp32 result. DOT = 0: the tensor cores' native precision (fp16/bf16 inputs);
+    1: fp32 inputs in full fp32 ("ieee", no TF32); 2: widen to fp32 first (only under the CPU interpreter,
+    whose bf16 dot is wrong in Triton 3.9: it multiplies the raw bits)."""
+    if DOT == 1:
+        return tl.dot(a, b, input_precision="ieee")
+    elif DOT == 2:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
 def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                start_m, lo, hi, N_k, qk_scale,
                offs_m, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-               MASKED: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr):
     """Fold the K/V tiles [lo, hi) into (acc, l_i, m_i). MASKED tiles check key bounds and, when CAUSAL,
     the diagonal; the others are full tiles that every query row of the block may see, and skip masks."""
     offs_n0 = tl.arange(0, BLOCK_N)
@@ -41,11 +54,7 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
         else:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * qk_scale  # base-2 scores: sm_scale * log2(e) * q.k
+        s = _dot(q, tl.trans(k), DOT) * qk_scale  # base-2 scores: sm_scale * log2(e) * q.k
         if MASKED:
             keep = offs_n[None, :] < N_k
             if CAUSAL:
@@ -56,10 +65,7 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        if IEEE:
-            acc += tl.dot(p, v, input_precision="ieee")
-        else:
-            acc += tl.dot(p.to(v.dtype), v)
+        acc += _dot(p.to(v.dtype), v, DOT)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -70,10 +76,10 @@ def flash_fwd_kernel(Q, K, V, O, LSE,
                      stride_kb, stride_kh, stride_kn, stride_kd,
                      stride_vb, stride_vh, stride_vn, stride_vd,
                      stride_ob, stride_oh, stride_om, stride_od,
-                     H, N_q, N_k, qk_scale,
+                     H, N_q, N_k, qk_scale, TUNE_N,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+                     CAUSAL: tl.constexpr, DOT: tl.constexpr):
     """Program (pid_m, pid_bh) writes O[b, h, pid_m*BLOCK_M : +BLOCK_M, :] and its lse.
 
     Needs BLOCK_M % BLOCK_N == 0, so every K tile left of the block's first row is fully visible
@@ -104,14 +110,14 @@ def flash_fwd_kernel(Q, K, V, O, LSE,
         full_end = tl.minimum(full_end, start_m)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                                start_m, 0, full_end, N_k, qk_scale, offs_m, offs_d,
-                               HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, IEEE)
+                               HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, DOT)
     # Phase 2: the diagonal tiles (causal) and the ragged last tile; tiles above the diagonal never run.
     hi = N_k
     if CAUSAL:
         hi = tl.minimum(N_k, start_m + BLOCK_M)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                                start_m, full_end, hi, N_k, qk_scale, offs_m, offs_d,
-                               HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, IEEE)
+                               HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, DOT)
 
     # Every row sees key 0 (top-left causal), so l_i > 0 for real rows; padded rows are never stored.
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)

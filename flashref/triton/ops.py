@@ -31,10 +31,9 @@ def _autotuned(kernel, name: str):
 
 
 if not INTERPRETED:
-    # The autotuned kernels take one extra, unused argument TUNE_N: the autotuner's key.
-    _FWD = _autotuned(flash_fwd_kernel, "forward")
-    _DKDV = _autotuned(flash_bwd_dkdv_kernel, "dkdv")
-    _DQ = _autotuned(flash_bwd_dq_kernel, "dq")
+    # TUNE_N (a power-of-two length bucket, unused by the kernels' arithmetic) is part of the autotuner's key.
+    _TUNED = {"forward": _autotuned(flash_fwd_kernel, "forward"), "dkdv": _autotuned(flash_bwd_dkdv_kernel, "dkdv"),
+              "dq": _autotuned(flash_bwd_dq_kernel, "dq")}
 
 
 def _check(q, k, v, causal, sm_scale):
@@ -61,22 +60,56 @@ def _check(q, k, v, causal, sm_scale):
     return d, scale
 
 
+def _dot_mode(dtype) -> int:
+    """How tl.dot multiplies (see forward._dot): fp32 exactly; bf16 widened under the interpreter."""
+    if dtype == torch.float32:
+        return 1
+    return 2 if INTERPRETED and dtype == torch.bfloat16 else 0
+
+
 def _strides(x):
     return tuple(x.stride())
 
 
+# Tests may pin one config per kernel: {"forward": TileConfig, ...} (see fixed_configs).
+_PINNED: dict = {}
+
+
+class fixed_configs:
+    """``with fixed_configs(forward=cfg, dkdv=cfg, dq=cfg):`` launch exactly these configs (no autotuning);
+    the GPU tests use it to check every config the autotuner may choose."""
+
+    def __init__(self, **cfgs):
+        self.cfgs = cfgs
+
+    def __enter__(self):
+        self.saved = dict(_PINNED)
+        _PINNED.update(self.cfgs)
+
+    def __exit__(self, *exc):
+        _PINNED.clear()
+        _PINNED.update(self.saved)
+
+
 def _launch(kernel, name, grid_rows, bh, *args, **meta):
-    """Launch autotuned on a GPU, or with the fixed interpreter config on the CPU."""
+    """Launch autotuned on a GPU, or one fixed config: under the interpreter, when pinned, or when
+    ``FLASHREF_TRITON_AUTOTUNE=0`` (then the first config that fits the GPU)."""
+    q = args[0]
     if INTERPRETED:
         cfg = configs.INTERPRETER[name]
-        block_rows = cfg.block_n if name == "dkdv" else cfg.block_m
-        grid = (triton.cdiv(grid_rows, block_rows), bh)
-        meta.pop("TUNE_N", None)
-        kernel[grid](*args, **meta, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
+    elif name in _PINNED:
+        cfg = _PINNED[name]
+    elif not configs.autotune_enabled():
+        cfg = configs.device_candidates(name, meta["BLOCK_D"], q.element_size(), q.device)[0]
+    else:
+        rows = "BLOCK_N" if name == "dkdv" else "BLOCK_M"
+        grid = lambda m: (triton.cdiv(grid_rows, m[rows]), bh)  # noqa: E731
+        _TUNED[name][grid](*args, **meta)
         return
-    rows = "BLOCK_N" if name == "dkdv" else "BLOCK_M"
-    grid = lambda m: (triton.cdiv(grid_rows, m[rows]), bh)  # noqa: E731
-    kernel[grid](*args, **meta)
+    block_rows = cfg.block_n if name == "dkdv" else cfg.block_m
+    grid = (triton.cdiv(grid_rows, block_rows), bh)
+    extra = {} if INTERPRETED else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    kernel[grid](*args, **meta, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **extra)
 
 
 def _forward(q, k, v, causal: bool, scale: float):
@@ -84,11 +117,10 @@ def _forward(q, k, v, causal: bool, scale: float):
     N_k = k.shape[2]
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, N_q), dtype=torch.float32, device=q.device)
-    kernel = flash_fwd_kernel if INTERPRETED else _FWD
-    _launch(kernel, "forward", N_q, B * H, q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+    _launch(flash_fwd_kernel, "forward", N_q, B * H, q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
             H, N_q, N_k, scale * LOG2E,
             HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), CAUSAL=causal,
-            IEEE=q.dtype == torch.float32, TUNE_N=_bucket(max(N_q, N_k)))
+            DOT=_dot_mode(q.dtype), TUNE_N=_bucket(max(N_q, N_k)))
     return o, lse
 
 
@@ -103,13 +135,13 @@ def _backward(q, k, v, o, lse, do, causal: bool, scale: float):
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    meta = dict(HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=causal, IEEE=q.dtype == torch.float32,
+    meta = dict(HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=causal, DOT=_dot_mode(q.dtype),
                 TUNE_N=_bucket(max(N_q, N_k)))
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
-    _launch(flash_bwd_dkdv_kernel if INTERPRETED else _DKDV, "dkdv", N_k, B * H,
+    _launch(flash_bwd_dkdv_kernel, "dkdv", N_k, B * H,
             q, k, v, do, dk, dv, lse, delta, *common, *_strides(dk), *_strides(dv),
             H, N_q, N_k, scale, scale * LOG2E, **meta)
-    _launch(flash_bwd_dq_kernel if INTERPRETED else _DQ, "dq", N_q, B * H,
+    _launch(flash_bwd_dq_kernel, "dq", N_q, B * H,
             q, k, v, do, dq, lse, delta, *common, *_strides(dq),
             H, N_q, N_k, scale, scale * LOG2E, **meta)
     return dq, dk, dv

@@ -1,0 +1,96 @@
+"""Compile the kernels for a GPU we do not have, and read the shared memory each config needs.
+
+    FLASHREF_TRITON_COMPILE_ONLY=1 python -m flashref.triton.compile_check      # prints a table
+
+Triton compiles for any target on a CPU machine: ``triton.compile(ASTSource(fn, signature, constexprs),
+target=GPUTarget("cuda", capability, 32))`` runs the whole pipeline down to a cubin (``ptxas`` ships with
+Triton) and reports ``metadata.shared``, the bytes of shared memory one program needs. That is how
+``tests/test_triton_compile.py`` checks that every config a T4, an A100 or an H100 would keep fits it.
+Kernels defined under the interpreter cannot be compiled, so this must run with ``TRITON_INTERPRET`` unset
+(``FLASHREF_TRITON_COMPILE_ONLY=1`` tells :mod:`flashref.triton` not to set it). Notebook ``07_triton_forward``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from flashref.triton import configs
+
+_TY = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+
+
+def _signature(kernel: str, dtype: str):
+    """Argument types in the kernel's order (pointers, then strides and sizes as i32, scales as fp32)."""
+    ptr = f"*{_TY[dtype]}"
+    f32p = "*fp32"
+    strides = lambda n: ["i32"] * (4 * n)  # noqa: E731
+    if kernel == "forward":
+        return [ptr] * 4 + [f32p] + strides(4) + ["i32"] * 3 + ["fp32"] + ["i32"]
+    if kernel == "dkdv":
+        return [ptr] * 6 + [f32p] * 2 + strides(6) + ["i32"] * 3 + ["fp32", "fp32"] + ["i32"]
+    if kernel == "dq":
+        return [ptr] * 5 + [f32p] * 2 + strides(5) + ["i32"] * 3 + ["fp32", "fp32"] + ["i32"]
+    raise ValueError(f"kernel must be 'forward', 'dkdv' or 'dq', got {kernel!r}")
+
+
+def _kernel(kernel: str):
+    from flashref.triton.backward import flash_bwd_dkdv_kernel, flash_bwd_dq_kernel
+    from flashref.triton.forward import flash_fwd_kernel
+
+    return {"forward": flash_fwd_kernel, "dkdv": flash_bwd_dkdv_kernel, "dq": flash_bwd_dq_kernel}[kernel]
+
+
+def compile_config(kernel: str, cfg: configs.TileConfig, capability: int, head_dim: int, dtype: str = "float16",
+                   causal: bool = False):
+    """Compile one config of ``kernel`` for a GPU of compute ``capability``; return the compiled kernel
+    (``.metadata.shared`` is its shared memory in bytes, ``.n_regs`` its registers per thread)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if os.environ.get("TRITON_INTERPRET", "") == "1":
+        raise RuntimeError("kernels defined under TRITON_INTERPRET=1 cannot be compiled: run with "
+                           "FLASHREF_TRITON_COMPILE_ONLY=1 and TRITON_INTERPRET unset")
+    fn = _kernel(kernel)
+    constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
+                  "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "CAUSAL": causal,
+                  "DOT": 1 if dtype == "float32" else 0}
+    types = _signature(kernel, dtype)
+    runtime = [n for n in fn.arg_names if n not in constexprs]
+    if len(runtime) != len(types):
+        raise AssertionError(f"{kernel}: {len(runtime)} runtime arguments, signature has {len(types)}")
+    signature = dict(zip(runtime, types))
+    signature.update({n: "constexpr" for n in constexprs})
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    target = GPUTarget("cuda", capability, 32)
+    return triton.compile(src, target=target, options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+
+
+def table(gpus=("T4", "A100", "H100"), head_dims=(64, 128), dtype="float16", kernels=("forward", "dkdv", "dq")):
+    """Rows (gpu, kernel, head_dim, config, estimated bytes, compiled bytes, limit) for every kept config."""
+    rows = []
+    for gpu in gpus:
+        spec = configs.GPUS[gpu]
+        for kernel in kernels:
+            for d in head_dims:
+                block_d = max(16, 1 << (d - 1).bit_length())
+                kept = configs.candidates(kernel, block_d, 2 if dtype != "float32" else 4, spec["shared_bytes"],
+                                          t4=gpu == "T4", capability=spec["capability"])
+                for cfg in kept:
+                    compiled = compile_config(kernel, cfg, spec["capability"], d, dtype)
+                    rows.append((gpu, kernel, d, cfg, configs.shared_bytes_estimate(kernel, cfg, block_d, 2, spec["capability"]),
+                                 compiled.metadata.shared, spec["shared_bytes"]))
+    return rows
+
+
+def main(argv=None) -> int:
+    for gpu, kernel, d, cfg, est, shared, limit in table():
+        print(f"{gpu:5s} {kernel:8s} d={d:<4d} M={cfg.block_m:<4d} N={cfg.block_n:<4d} warps={cfg.num_warps} "
+              f"stages={cfg.num_stages}  estimate {est / 1024:6.1f} KB  compiled {shared / 1024:6.1f} KB  "
+              f"limit {limit / 1024:.0f} KB  {'fits' if shared <= limit else 'DOES NOT FIT'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
