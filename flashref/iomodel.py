@@ -251,8 +251,9 @@ def tiled_plan(N_q: int, N_k: int, d: int, M: int, blocks=None) -> TiledPlan:
 class StandardPlan:
     """How Algorithm 0 streams through M elements.
 
-    Steps 1 and 3 keep R rows of Q (of the accumulator O) on chip, about half of SRAM, and stream
-    K (P and V) past them C rows (columns) at a time. Step 2 normalizes ``softmax_rows`` whole rows
+    Steps 1 and 3 keep R = floor(M / 2(d + 1)) rows of Q (of the accumulator O) on chip: with one
+    score (one P entry) per row they take about half of SRAM. K (P and V) stream past them C rows
+    (columns) at a time, as many as fit in the other half. Step 2 normalizes ``softmax_rows`` whole rows
     of S at a time, or, when one row of N_k scores does not fit, a row in chunks of
     ``softmax_chunk`` in two passes (first the running max and sum, then P).
     """
@@ -266,12 +267,12 @@ class StandardPlan:
 
 def standard_plan(N_q: int, N_k: int, d: int, M: int) -> StandardPlan:
     """The blocking of the standard algorithm for these sizes; ValueError if M is too small."""
-    R = min(M // (2 * d), N_q)
-    C = min((M - R * d) // (d + R), N_k) if R >= 1 else 0
-    if C < 1:
+    R = min(M // (2 * (d + 1)), N_q)
+    if R < 1:
         raise ValueError(
-            f"M = {M} is too small for the standard algorithm with d = {d}: a row of Q, a row of K and "
-            f"one score need 2*d + 1 = {2 * d + 1} elements")
+            f"M = {M} is too small for the standard algorithm with d = {d}: a row of Q with its scores "
+            f"takes half of SRAM, so M must be at least 2*(d + 1) = {2 * (d + 1)}")
+    C = min((M - R * d) // (d + R), N_k)  # at least 1 whenever R >= 1
     if N_k + 2 <= M:  # a row of S and its max and sum fit
         return StandardPlan(R, C, 1, min(M // (N_k + 2), N_q), N_k)
     return StandardPlan(R, C, 2, 1, M - 2)
@@ -505,7 +506,7 @@ def account_tiled(N: int, d: int, M: int, causal: bool = False, N_k: int | None 
 def standard_io(N: int, d: int, M: int, causal: bool = False, N_k: int | None = None) -> IOCount:
     """Exact HBM accesses of Algorithm 0 in this model (N = N_q; N_k defaults to N).
 
-    With R = min(floor(M / 2d), N_q) query rows per block, T_R = ceil(N_q / R) blocks, and p = 1
+    With R = min(floor(M / 2(d + 1)), N_q) query rows per block, T_R = ceil(N_q / R) blocks, and p = 1
     softmax pass over S when a row fits in SRAM (N_k + 2 <= M), else p = 2:
 
         reads  = N_q d + 2 T_R N_k d + (p + 1) N_q N_k      (Q once, K and V per block, S p times, P once)
