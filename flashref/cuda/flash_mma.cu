@@ -20,8 +20,12 @@
 #ifndef HEAD_DIM
 #define HEAD_DIM 64          // multiple of 16; columns >= d are zero-filled
 #endif
-#ifndef BLOCK_M
-#define BLOCK_M 128          // query rows per thread block: 16 per warp
+#ifndef BLOCK_M              // query rows per thread block: 16 per warp
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#define BLOCK_M 64           // Turing: 4 warps (8 would spill registers)
+#else
+#define BLOCK_M 128          // 8 warps
+#endif
 #endif
 #ifndef BLOCK_N
 #define BLOCK_N 64           // key rows per step; a multiple of 16

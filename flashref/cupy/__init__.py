@@ -1,0 +1,126 @@
+"""FlashAttention forward in CUDA C, launched from Python with CuPy.
+
+Taught in notebook ``06_cupy_kernel``. Two kernels, both in ``flashref/cuda/``:
+
+- ``kernel="tiled"`` (flash_tiled.cu): the readable one, fp32 or fp16 inputs, CUDA cores;
+- ``kernel="mma"`` (flash_mma.cu): tensor cores through ``mma.sync``, fp16 inputs.
+
+CuPy is imported only when a kernel is launched, so ``import flashref.cupy`` works everywhere; on a
+machine without CuPy or without a CUDA GPU, launching raises a ``RuntimeError`` that says which is
+missing. Sources are compiled with NVRTC by ``cupy.RawModule`` (CuPy adds ``-arch`` for the running
+GPU) with the head dimension and tile shape as ``-D`` defines, once per (kernel, dtype, head dim,
+compute capability), and cached.
+"""
+
+from __future__ import annotations
+
+import math
+
+from flashref import validation
+from flashref.cupy.config import (DTYPES, ENTRY_POINTS, KERNELS, MAX_HEAD_DIM, KernelConfig, kernel_config,
+                                  source)
+
+__all__ = ["flash_attention_forward", "KERNELS", "require_cupy", "compiled_kernel"]
+
+_MAX_GRID_Y = 65535          # CUDA's limit on gridDim.y, where the (batch, head) index goes
+_CACHE: dict[tuple, object] = {}
+
+
+def require_cupy():
+    """Import CuPy and check that it sees a CUDA GPU; raise ``RuntimeError`` naming what is missing."""
+    try:
+        import cupy
+    except ImportError as err:
+        raise RuntimeError(
+            "flashref.cupy needs CuPy and a CUDA GPU, but CuPy is not installed "
+            "(pip install cupy-cuda12x or cupy-cuda13x, matching the CUDA of your driver)") from err
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as err:  # CUDARuntimeError when there is no driver
+        raise RuntimeError(f"flashref.cupy needs a CUDA GPU, but CuPy finds none ({err})") from err
+    if count < 1:
+        raise RuntimeError("flashref.cupy needs a CUDA GPU, but CuPy finds none")
+    return cupy
+
+
+def compiled_kernel(config: KernelConfig):
+    """The ``cupy.RawKernel`` of ``config``, compiled on first use and cached (CuPy also keeps the cubin
+    on disk, in ~/.cupy/kernel_cache)."""
+    key = (config.kernel, config.dtype, config.head_dim, config.block_m, config.block_n, config.cc)
+    if key not in _CACHE:
+        cupy = require_cupy()
+        module = cupy.RawModule(code=source(config.kernel), options=("-std=c++17", *config.defines))
+        fn = module.get_function(ENTRY_POINTS[config.kernel])
+        if config.dynamic_smem_bytes > 48 * 1024:   # beyond 48 KB a kernel must opt in
+            fn.max_dynamic_shared_size_bytes = config.dynamic_smem_bytes
+        _CACHE[key] = fn
+    return _CACHE[key]
+
+
+def _check(q, k, v, causal, sm_scale, kernel, return_lse):
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
+    _, _, d = validation.check_attention_inputs(q, k, v, allowed_ndims=(4,), allowed_dtypes=DTYPES[kernel],
+                                                max_head_dim=MAX_HEAD_DIM)
+    validation.check_causal(causal)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}: {return_lse!r}")
+    return validation.check_sm_scale(sm_scale, d)
+
+
+def flash_attention_forward(q, k, v, causal=False, sm_scale=None, kernel="tiled", return_lse=False):
+    """FlashAttention forward on CuPy arrays of shape (B, H, N, d); returns O (and lse when asked).
+
+    ``q``: (B, H, N_q, d); ``k``, ``v``: (B, H, N_k, d); float32 or float16 for ``kernel="tiled"``,
+    float16 for ``kernel="mma"``; d <= 128. O has q's shape and dtype; lse (natural log, float32) has
+    shape (B, H, N_q). ``causal=True`` is top-left aligned (query i sees keys j <= i).
+    """
+    scale = _check(q, k, v, causal, sm_scale, kernel, return_lse)
+    cupy = require_cupy()
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, cupy.ndarray):
+            raise TypeError(f"{name} must be a CuPy array on the GPU, got {type(x).__module__}.{type(x).__name__}")
+    B, H, N_q, d = q.shape
+    N_k = k.shape[2]
+    with q.device:
+        config = kernel_config(kernel, str(q.dtype), d, _compute_capability(cupy))
+        # The tensor-core kernel moves 16-byte rows: pad d to a multiple of 8 with zero columns, which
+        # change neither Q K^T nor the first d columns of P V.
+        d_run = 8 * math.ceil(d / 8) if kernel == "mma" else d
+        q3, k3, v3 = (_rows(cupy, x, d_run) for x in (q, k, v))
+        o = cupy.empty((B * H, N_q, d_run), dtype=q.dtype)
+        lse = cupy.empty((B * H, N_q), dtype=cupy.float32)
+        fn = compiled_kernel(config)
+        for s in range(0, B * H, _MAX_GRID_Y):
+            e = min(B * H, s + _MAX_GRID_Y)
+            grid = (math.ceil(N_q / config.block_m), e - s)
+            args = (q3[s:e], k3[s:e], v3[s:e], o[s:e], lse[s:e], _i32(N_q), _i32(N_k), _i32(d_run),
+                    _f32(scale), _i32(int(causal)))
+            fn(grid, (config.threads,), args, shared_mem=config.dynamic_smem_bytes)
+        if d_run != d:
+            o = o[:, :, :d]
+        o = cupy.ascontiguousarray(o).reshape(B, H, N_q, d)
+    return (o, lse.reshape(B, H, N_q)) if return_lse else o
+
+
+def _rows(cupy, x, d_run):
+    """(B, H, N, d) -> contiguous (B*H, N, d_run), zero-padding columns d..d_run-1."""
+    B, H, N, d = x.shape
+    x = cupy.ascontiguousarray(x).reshape(B * H, N, d)
+    if d_run != d:
+        x = cupy.pad(x, ((0, 0), (0, 0), (0, d_run - d)))
+    return x
+
+
+def _compute_capability(cupy) -> int:
+    return int(cupy.cuda.Device().compute_capability)
+
+
+def _i32(x):
+    import numpy as np
+    return np.int32(x)
+
+
+def _f32(x):
+    import numpy as np
+    return np.float32(x)

@@ -1,0 +1,105 @@
+"""flashref.cupy on the GPU: both kernels against the float64 reference, with the tolerance rule.
+
+Marked `gpu`: skipped, visibly, without CUDA. Plain attention in the input's precision (NumPy) is the
+baseline of the rule; every case checks that this baseline is finite, so the rule cannot pass vacuously.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from flashref import reference
+from flashref.tolerance import check_tolerance
+
+pytestmark = pytest.mark.gpu
+
+# (B, H, N_q, N_k, d): uneven N, N_q != N_k both ways, N = 1, d from 16 to 128 (20 is not a multiple of 8)
+SHAPES = [
+    (1, 2, 1, 1, 64),
+    (2, 3, 100, 100, 64),
+    (1, 2, 257, 129, 32),
+    (1, 1, 129, 300, 16),
+    (1, 2, 1, 77, 64),
+    (2, 2, 200, 200, 80),
+    (1, 2, 300, 257, 128),
+    (1, 1, 65, 190, 20),
+    (1, 4, 256, 256, 64),
+]
+CASES = [("tiled", "float32"), ("tiled", "float16"), ("mma", "float16")]
+
+
+@pytest.fixture(scope="module")
+def cp():
+    return pytest.importorskip("cupy")
+
+
+def _inputs(shape, dtype, scale=1.0, seed=0):
+    B, H, N_q, N_k, d = shape
+    rng = np.random.default_rng(seed)
+    q = (rng.standard_normal((B, H, N_q, d)) * scale).astype(dtype)
+    k = rng.standard_normal((B, H, N_k, d)).astype(dtype)
+    v = rng.standard_normal((B, H, N_k, d)).astype(dtype)
+    return q, k, v
+
+
+def _check(cp, kernel, q, k, v, causal, sm_scale=None):
+    from flashref.cupy import flash_attention_forward
+    o, lse = flash_attention_forward(cp.asarray(q), cp.asarray(k), cp.asarray(v), causal=causal,
+                                     sm_scale=sm_scale, kernel=kernel, return_lse=True)
+    assert o.shape == q.shape and o.dtype == q.dtype
+    assert lse.shape == q.shape[:3] and lse.dtype == np.float32
+    ref_o, ref_lse = reference.attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
+                                         causal=causal, sm_scale=sm_scale, return_lse=True)
+    base_o, base_lse = reference.attention(q, k, v, causal=causal, sm_scale=sm_scale, return_lse=True)
+    assert np.all(np.isfinite(base_o)) and np.all(np.isfinite(base_lse)), "baseline must be finite"
+    result_o = check_tolerance(o, ref_o, base_o)
+    assert result_o.ok, f"O: {result_o}"
+    result_lse = check_tolerance(lse, ref_lse, base_lse.astype(np.float32))
+    assert result_lse.ok, f"lse: {result_lse}"
+
+
+@pytest.mark.parametrize("kernel,dtype", CASES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_matches_reference(cp, kernel, dtype, causal, shape):
+    q, k, v = _inputs(shape, dtype, seed=sum(shape))
+    _check(cp, kernel, q, k, v, causal)
+
+
+@pytest.mark.parametrize("kernel,dtype", CASES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_large_logits(cp, kernel, dtype, causal):
+    """Extreme logits (q scaled by 1e3 in fp32, by 64 in fp16 so that q and the baseline's fp16 scores
+    stay representable): exp would overflow without the running max."""
+    scale = 1e3 if dtype == "float32" else 64.0
+    q, k, v = _inputs((1, 2, 150, 170, 64), dtype, scale=scale, seed=7)
+    _check(cp, kernel, q, k, v, causal)
+
+
+@pytest.mark.parametrize("kernel,dtype", CASES)
+def test_sm_scale(cp, kernel, dtype):
+    q, k, v = _inputs((1, 2, 70, 90, 32), dtype, seed=3)
+    _check(cp, kernel, q, k, v, False, sm_scale=0.5)
+
+
+def test_many_heads_split_over_launches(cp):
+    """More (batch, head) pairs than gridDim.y can hold (65535): the wrapper launches in chunks."""
+    q, k, v = _inputs((2, 33000, 3, 5, 16), "float32", seed=11)
+    _check(cp, "tiled", q, k, v, False)
+
+
+def test_non_contiguous_input(cp):
+    from flashref.cupy import flash_attention_forward
+    q, k, v = _inputs((1, 3, 40, 50, 32), "float16", seed=5)
+    qt = cp.asarray(q.transpose(0, 2, 1, 3).copy()).transpose(0, 2, 1, 3)   # (B, H, N, d) view, strided
+    o = flash_attention_forward(qt, cp.asarray(k), cp.asarray(v), kernel="mma")
+    ref = reference.attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64))
+    assert check_tolerance(o, ref, reference.attention(q, k, v)).ok
+
+
+def test_numpy_input_is_refused(cp):
+    from flashref.cupy import flash_attention_forward
+    q, k, v = _inputs((1, 1, 4, 4, 16), "float32")
+    with pytest.raises(TypeError, match="q must be a CuPy array"):
+        flash_attention_forward(q, k, v)
