@@ -83,6 +83,21 @@ def visited_tiles(N_q: int, N_k: int, block_q: int, block_k: int, causal: bool =
     return [(i, j) for i, j in pairs if not tile_is_skipped(q_tiles[i], k_tiles[j], causal)]
 
 
+def tile_sram_bytes(block_q: int, block_k: int, d: int, itemsize: int = 2, acc_itemsize: int = 4) -> dict:
+    """Bytes of fast memory one forward tile step needs, part by part (notebook 03, "SRAM per tile").
+
+    The input tiles Q_i (block_q x d), K_j and V_j (block_k x d) in the input precision (``itemsize``
+    bytes, 2 for fp16), and in the accumulation precision (``acc_itemsize``, 4 for fp32): the score
+    tile S_ij (P_ij overwrites it), the output accumulator O_i and the row statistics m_i and l_i.
+    """
+    for name, value in (("block_q", block_q), ("block_k", block_k), ("d", d), ("itemsize", itemsize),
+                        ("acc_itemsize", acc_itemsize)):
+        _check_block(name, value)
+    return {"Q_i": block_q * d * itemsize, "K_j": block_k * d * itemsize, "V_j": block_k * d * itemsize,
+            "S_ij": block_q * block_k * acc_itemsize, "O_i": block_q * d * acc_itemsize,
+            "m_i, l_i": 2 * block_q * acc_itemsize}
+
+
 def _causal_mask(q_range, k_range) -> np.ndarray:
     """Boolean ``(rows, cols)`` mask of the tile: True where key index > query index (masked out)."""
     rows = np.arange(q_range[0], q_range[1])[:, None]
