@@ -1,0 +1,110 @@
+"""Timing the CuPy kernels next to PyTorch's SDPA flash backend, on the same GPU in the same run.
+
+Taught in notebook ``06_cupy_kernel`` ("How fast"). ``python -m flashref.cupy.bench`` measures the grid
+of the course's benchmark (N in 1K..16K, B = 65536 / N, H = 2048 / d, fp16; the tiled kernel in fp32
+and fp16 too) and writes book/data/cupy_bench.json. FLOPs: 4 B H N_q N_k d, half of it when causal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+
+OUT_PATH = os.path.join("book", "data", "cupy_bench.json")
+
+
+def forward_flops(B, H, N_q, N_k, d, causal) -> float:
+    flops = 4.0 * B * H * N_q * N_k * d
+    return flops / 2 if causal else flops
+
+
+def time_ms(fn, warmup: int = 1, reps: int = 5) -> float:
+    """Median time of ``fn()`` in milliseconds, with CUDA events on the current stream."""
+    import cupy as cp
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _implementations(q, k, v, causal):
+    """name -> (callable, dtype name) for the same inputs: our kernels and SDPA's flash backend."""
+    import cupy as cp
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from flashref.cupy import flash_attention_forward
+
+    cq, ck, cv = (cp.from_dlpack(x) for x in (q, k, v))
+
+    def sdpa():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    impls = {"cupy mma": lambda: flash_attention_forward(cq, ck, cv, causal, kernel="mma"),
+             "cupy tiled fp16": lambda: flash_attention_forward(cq, ck, cv, causal, kernel="tiled"),
+             "sdpa flash": sdpa}
+    q32, k32, v32 = (cp.from_dlpack(x.float()) for x in (q, k, v))
+    impls["cupy tiled fp32"] = lambda: flash_attention_forward(q32, k32, v32, causal, kernel="tiled")
+    return impls
+
+
+def run(Ns=(1024, 2048, 4096, 8192, 16384), ds=(64, 128), causals=(False, True), impls=None,
+        tokens=65536, width=2048, reps=3, log=print) -> list[dict]:
+    """Measure every implementation at every point; B = tokens / N, H = width / d."""
+    import torch
+    rows = []
+    for d in ds:
+        for N in Ns:
+            B, H = max(1, tokens // N), max(1, width // d)
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            q, k, v = (torch.randn(B, H, N, d, device="cuda", dtype=torch.float16, generator=gen) for _ in range(3))
+            for causal in causals:
+                for name, fn in _implementations(q, k, v, causal).items():
+                    if impls is not None and name not in impls:
+                        continue
+                    ms = time_ms(fn, reps=reps)
+                    tflops = forward_flops(B, H, N, N, d, causal) / ms / 1e9
+                    rows.append(dict(impl=name, N=N, d=d, B=B, H=H, causal=causal, ms=ms, tflops=tflops))
+                    log(f"{name:16s} N={N:5d} d={d:3d} causal={causal!s:5s} {ms:9.3f} ms {tflops:7.1f} TFLOP/s")
+            del q, k, v
+            torch.cuda.empty_cache()
+    return rows
+
+
+def environment() -> dict:
+    import cupy as cp
+    import torch
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cupy": cp.__version__,
+            "cuda": torch.version.cuda, "python": platform.python_version()}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flashref.cupy.bench", description=__doc__)
+    parser.add_argument("--N", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--d", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--impls", nargs="+", default=None)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--out", default=OUT_PATH)
+    args = parser.parse_args(argv)
+    rows = run(Ns=args.N, ds=args.d, impls=args.impls, reps=args.reps)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"environment": environment(), "rows": rows}, f, indent=1)
+        f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
