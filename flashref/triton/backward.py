@@ -5,8 +5,10 @@ With S = sm_scale Q K^T, P = softmax(S) and O = P V, the gradients are
     dV = P^T dO,   dP = dO V^T,   dS = P * (dP - D) with D = rowsum(dO * O),
     dQ = sm_scale dS K,   dK = sm_scale dS^T Q.
 
-P is never stored: each kernel recomputes a tile of it from Q, K and the forward's lse,
-``P = exp(sm_scale Q K^T - lse)``. Three launches:
+P is never stored: each kernel recomputes a tile of it from Q, K and the forward's row statistics,
+``P = exp(sm_scale Q K^T - lse)``, computed in base 2 as ``exp2((s - m) - log2(l))`` with the forward's
+own max m and sum l (two fp32 numbers per row, O(N)), so large logits lose nothing to the rounding of lse.
+Three launches:
 
 - ``flash_bwd_preprocess_kernel``: D = rowsum(dO * O), one fp32 number per query row (O(N) memory);
 - ``flash_bwd_dkdv_kernel``: one program per K/V tile accumulates dK and dV over the Q tiles;
@@ -46,7 +48,7 @@ def flash_bwd_preprocess_kernel(O, DO, Delta,
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+def _dkdv_tiles(dk, dv, k, v, q_base, do_base, m2_base, l2_base, delta_base,
                 stride_qm, stride_qd, stride_dom, stride_dod,
                 start_n, lo, hi, N_q, qk_scale, offs_n, offs_d,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -62,8 +64,9 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
             row_mask = (offs_m[:, None] < N_q) & (offs_d[None, :] < HEAD_DIM)
             q = tl.load(q_ptrs, mask=row_mask, other=0.0)
             do = tl.load(do_ptrs, mask=row_mask, other=0.0)
-            # lse = +inf on padded rows makes their P exactly 0
-            lse = tl.load(lse_base + offs_m, mask=offs_m < N_q, other=float("inf"))
+            # l2 = +inf on padded rows makes their P exactly 0
+            m2 = tl.load(m2_base + offs_m, mask=offs_m < N_q, other=0.0)
+            l2 = tl.load(l2_base + offs_m, mask=offs_m < N_q, other=float("inf"))
             delta = tl.load(delta_base + offs_m, mask=offs_m < N_q, other=0.0)
         else:
             if BLOCK_D != HEAD_DIM:
@@ -72,13 +75,15 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
             else:
                 q = tl.load(q_ptrs)
                 do = tl.load(do_ptrs)
-            lse = tl.load(lse_base + offs_m)
+            m2 = tl.load(m2_base + offs_m)
+            l2 = tl.load(l2_base + offs_m)
             delta = tl.load(delta_base + offs_m)
         s_t = _dot(k, tl.trans(q), DOT)
-        p_t = tl.exp2(s_t * qk_scale - lse[None, :] * 1.4426950408889634)
+        x_t = (s_t * qk_scale - m2[None, :]) - l2[None, :]
         if MASKED:
-            if CAUSAL:
-                p_t = tl.where(offs_n[:, None] <= offs_m[None, :], p_t, 0.0)
+            if CAUSAL:  # mask the exponent, not P: masked scores may be huge and exp2 would overflow
+                x_t = tl.where(offs_n[:, None] <= offs_m[None, :], x_t, float("-inf"))
+        p_t = tl.exp2(x_t)
         dv += _dot(p_t.to(do.dtype), do, DOT)
         dp_t = _dot(v, tl.trans(do), DOT)
         ds_t = p_t * (dp_t - delta[None, :])
@@ -87,7 +92,7 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
 
 
 @triton.jit
-def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, Delta,
+def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, M2, L2, Delta,
                           stride_qb, stride_qh, stride_qm, stride_qd,
                           stride_kb, stride_kh, stride_kn, stride_kd,
                           stride_vb, stride_vh, stride_vn, stride_vd,
@@ -115,7 +120,8 @@ def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, Delta,
                 mask=kv_mask, other=0.0)
     q_base = Q + b64 * stride_qb + h64 * stride_qh
     do_base = DO + b64 * stride_dob + h64 * stride_doh
-    lse_base = LSE + pid_bh.to(tl.int64) * N_q
+    m2_base = M2 + pid_bh.to(tl.int64) * N_q
+    l2_base = L2 + pid_bh.to(tl.int64) * N_q
     delta_base = Delta + pid_bh.to(tl.int64) * N_q
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -125,18 +131,18 @@ def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, Delta,
     full_lo = 0
     if CAUSAL:
         diag_hi = tl.minimum(start_n + BLOCK_N, N_q)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, m2_base, l2_base, delta_base,
                              stride_qm, stride_qd, stride_dom, stride_dod,
                              start_n, start_n, diag_hi, N_q, qk_scale, offs_n, offs_d,
                              HEAD_DIM, BLOCK_D, BLOCK_M, True, CAUSAL, DOT)
         full_lo = start_n + BLOCK_N
     # Phase 2: full query tiles below the diagonal, no mask. Phase 3: the ragged last query tile.
     full_hi = tl.maximum(full_lo, (N_q // BLOCK_M) * BLOCK_M)
-    dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+    dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, m2_base, l2_base, delta_base,
                          stride_qm, stride_qd, stride_dom, stride_dod,
                          start_n, full_lo, full_hi, N_q, qk_scale, offs_n, offs_d,
                          HEAD_DIM, BLOCK_D, BLOCK_M, False, CAUSAL, DOT)
-    dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+    dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, m2_base, l2_base, delta_base,
                          stride_qm, stride_qd, stride_dom, stride_dod,
                          start_n, full_hi, N_q, N_q, qk_scale, offs_n, offs_d,
                          HEAD_DIM, BLOCK_D, BLOCK_M, True, CAUSAL, DOT)
@@ -149,7 +155,7 @@ def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, Delta,
 
 
 @triton.jit
-def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+def _dq_tiles(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
               lo, hi, N_k, qk_scale, offs_m, offs_d,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr):
@@ -170,12 +176,13 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, strid
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
         s = _dot(q, tl.trans(k), DOT)
-        p = tl.exp2(s * qk_scale - lse[:, None])
+        x = (s * qk_scale - m2[:, None]) - l2[:, None]
         if MASKED:
             keep = offs_n[None, :] < N_k
             if CAUSAL:
                 keep = keep & (offs_n[None, :] <= offs_m[:, None])
-            p = tl.where(keep, p, 0.0)
+            x = tl.where(keep, x, float("-inf"))
+        p = tl.exp2(x)
         dp = _dot(do, tl.trans(v), DOT)
         ds = p * (dp - delta[:, None])
         dq += _dot(ds.to(k.dtype), k, DOT)
@@ -183,7 +190,7 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, strid
 
 
 @triton.jit
-def flash_bwd_dq_kernel(Q, K, V, DO, DQ, LSE, Delta,
+def flash_bwd_dq_kernel(Q, K, V, DO, DQ, M2, L2, Delta,
                         stride_qb, stride_qh, stride_qm, stride_qd,
                         stride_kb, stride_kh, stride_kn, stride_kd,
                         stride_vb, stride_vh, stride_vn, stride_vd,
@@ -208,7 +215,8 @@ def flash_bwd_dq_kernel(Q, K, V, DO, DQ, LSE, Delta,
                 mask=q_mask, other=0.0)
     do = tl.load(DO + b64 * stride_dob + h64 * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
                  mask=q_mask, other=0.0)
-    lse = tl.load(LSE + pid_bh.to(tl.int64) * N_q + offs_m, mask=offs_m < N_q, other=0.0) * 1.4426950408889634
+    m2 = tl.load(M2 + pid_bh.to(tl.int64) * N_q + offs_m, mask=offs_m < N_q, other=0.0)
+    l2 = tl.load(L2 + pid_bh.to(tl.int64) * N_q + offs_m, mask=offs_m < N_q, other=0.0)
     delta = tl.load(Delta + pid_bh.to(tl.int64) * N_q + offs_m, mask=offs_m < N_q, other=0.0)
     k_base = K + b64 * stride_kb + h64 * stride_kh
     v_base = V + b64 * stride_vb + h64 * stride_vh
@@ -217,12 +225,12 @@ def flash_bwd_dq_kernel(Q, K, V, DO, DQ, LSE, Delta,
     full_end = (N_k // BLOCK_N) * BLOCK_N
     if CAUSAL:
         full_end = tl.minimum(full_end, start_m)
-    dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+    dq = _dq_tiles(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                    0, full_end, N_k, qk_scale, offs_m, offs_d, HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, DOT)
     hi = N_k
     if CAUSAL:
         hi = tl.minimum(N_k, start_m + BLOCK_M)
-    dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+    dq = _dq_tiles(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                    full_end, hi, N_k, qk_scale, offs_m, offs_d, HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, DOT)
     dq = dq * sm_scale
     tl.store(DQ + b64 * stride_dqb + h64 * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,

@@ -26,11 +26,11 @@ def _signature(kernel: str, dtype: str):
     f32p = "*fp32"
     strides = lambda n: ["i32"] * (4 * n)  # noqa: E731
     if kernel == "forward":
-        return [ptr] * 4 + [f32p] + strides(4) + ["i32"] * 3 + ["fp32"] + ["i32"]
+        return [ptr] * 4 + [f32p] * 3 + strides(4) + ["i32"] * 3 + ["fp32"] + ["i32"]
     if kernel == "dkdv":
-        return [ptr] * 6 + [f32p] * 2 + strides(6) + ["i32"] * 3 + ["fp32", "fp32"] + ["i32"]
+        return [ptr] * 6 + [f32p] * 3 + strides(6) + ["i32"] * 3 + ["fp32", "fp32"] + ["i32"]
     if kernel == "dq":
-        return [ptr] * 5 + [f32p] * 2 + strides(5) + ["i32"] * 3 + ["fp32", "fp32"] + ["i32"]
+        return [ptr] * 5 + [f32p] * 3 + strides(5) + ["i32"] * 3 + ["fp32", "fp32"] + ["i32"]
     raise ValueError(f"kernel must be 'forward', 'dkdv' or 'dq', got {kernel!r}")
 
 

@@ -71,7 +71,7 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
 
 
 @triton.jit
-def flash_fwd_kernel(Q, K, V, O, LSE,
+def flash_fwd_kernel(Q, K, V, O, LSE, M2, L2,
                      stride_qb, stride_qh, stride_qm, stride_qd,
                      stride_kb, stride_kh, stride_kn, stride_kd,
                      stride_vb, stride_vh, stride_vn, stride_vd,
@@ -80,7 +80,8 @@ def flash_fwd_kernel(Q, K, V, O, LSE,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      CAUSAL: tl.constexpr, DOT: tl.constexpr):
-    """Program (pid_m, pid_bh) writes O[b, h, pid_m*BLOCK_M : +BLOCK_M, :] and its lse.
+    """Program (pid_m, pid_bh) writes O[b, h, pid_m*BLOCK_M : +BLOCK_M, :], its lse (natural log), and the
+    base-2 row max M2 and log2 of the row sum L2 that the backward pass uses.
 
     Needs BLOCK_M % BLOCK_N == 0, so every K tile left of the block's first row is fully visible
     (causal) and only the tiles on the diagonal need a mask.
@@ -123,6 +124,12 @@ def flash_fwd_kernel(Q, K, V, O, LSE,
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc / l_safe[:, None]
     lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453  # back to natural log
-    tl.store(LSE + pid_bh.to(tl.int64) * N_q + offs_m, lse, mask=offs_m < N_q)
+    row = pid_bh.to(tl.int64) * N_q + offs_m
+    tl.store(LSE + row, lse, mask=offs_m < N_q)
+    # For the backward pass: the base-2 max and log2(l) kept apart. Recomputing P as
+    # exp2((s - m) - log2(l)) repeats the forward's own rounding of s - m; going through lse would add the
+    # rounding of one large number (|lse| ~ 1e4 for logits scaled by 1e3 costs ~1e-3 in P).
+    tl.store(M2 + row, m_i, mask=offs_m < N_q)
+    tl.store(L2 + row, tl.log2(l_safe), mask=offs_m < N_q)
     tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od, acc.to(O.dtype.element_ty),
              mask=q_mask)

@@ -116,15 +116,17 @@ def _forward(q, k, v, causal: bool, scale: float):
     B, H, N_q, d = q.shape
     N_k = k.shape[2]
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((B, H, N_q), dtype=torch.float32, device=q.device)
-    _launch(flash_fwd_kernel, "forward", N_q, B * H, q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+    lse, m2, l2 = (torch.empty((B, H, N_q), dtype=torch.float32, device=q.device) for _ in range(3))
+    _launch(flash_fwd_kernel, "forward", N_q, B * H, q, k, v, o, lse, m2, l2, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
             H, N_q, N_k, scale * LOG2E,
             HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), CAUSAL=causal,
             DOT=_dot_mode(q.dtype), TUNE_N=_bucket(max(N_q, N_k)))
-    return o, lse
+    return o, lse, (m2, l2)
 
 
-def _backward(q, k, v, o, lse, do, causal: bool, scale: float):
+def _backward(q, k, v, o, stats, do, causal: bool, scale: float):
+    """``stats`` = (m2, l2) from :func:`_forward` (base-2 row max and log2 of the row sum)."""
+    m2, l2 = stats
     B, H, N_q, d = q.shape
     N_k = k.shape[2]
     block_d = max(16, triton.next_power_of_2(d))
@@ -139,10 +141,10 @@ def _backward(q, k, v, o, lse, do, causal: bool, scale: float):
                 TUNE_N=_bucket(max(N_q, N_k)))
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
     _launch(flash_bwd_dkdv_kernel, "dkdv", N_k, B * H,
-            q, k, v, do, dk, dv, lse, delta, *common, *_strides(dk), *_strides(dv),
+            q, k, v, do, dk, dv, m2, l2, delta, *common, *_strides(dk), *_strides(dv),
             H, N_q, N_k, scale, scale * LOG2E, **meta)
     _launch(flash_bwd_dq_kernel, "dq", N_q, B * H,
-            q, k, v, do, dq, lse, delta, *common, *_strides(dq),
+            q, k, v, do, dq, m2, l2, delta, *common, *_strides(dq),
             H, N_q, N_k, scale, scale * LOG2E, **meta)
     return dq, dk, dv
 
@@ -153,7 +155,8 @@ def flash_attention_forward(q, k, v, causal=False, sm_scale=None):
     no TF32). Notebook ``07_triton_forward``."""
     _, scale = _check(q, k, v, causal, sm_scale)
     with torch.no_grad():
-        return _forward(q, k, v, causal, scale)
+        o, lse, _ = _forward(q, k, v, causal, scale)
+    return o, lse
 
 
 def flash_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None):
@@ -166,25 +169,28 @@ def flash_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None):
         raise TypeError(f"o and do must have the dtype of q ({q.dtype}), got {o.dtype} and {do.dtype}")
     if tuple(lse.shape) != tuple(q.shape[:3]):
         raise ValueError(f"lse must have shape (B, H, N_q) = {tuple(q.shape[:3])}, got {tuple(lse.shape)}")
+    # From lse alone, P = exp2(s * log2(e) - lse * log2(e)): one rounding more than the autograd path,
+    # which keeps the forward's max and sum apart (visible only for huge logits).
     with torch.no_grad():
-        return _backward(q, k, v, o, lse.float(), do, causal, scale)
+        m2 = (lse.float() * LOG2E).contiguous()
+        return _backward(q, k, v, o, (m2, torch.zeros_like(m2)), do, causal, scale)
 
 
 class FlashAttentionFunction(torch.autograd.Function):
-    """``O = softmax(sm_scale Q K^T) V`` whose backward recomputes P from Q, K and the saved lse: the
-    only extra memory kept between forward and backward is lse, O(N)."""
+    """``O = softmax(sm_scale Q K^T) V`` whose backward recomputes P from Q, K and the saved row
+    statistics (the max m and the sum l of each row: lse = m + log l): O(N) extra memory."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal, sm_scale):
-        o, lse = _forward(q, k, v, causal, sm_scale)
-        ctx.save_for_backward(q, k, v, o, lse)
+        o, _, (m2, l2) = _forward(q, k, v, causal, sm_scale)
+        ctx.save_for_backward(q, k, v, o, m2, l2)
         ctx.causal, ctx.sm_scale = causal, sm_scale
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(q, k, v, o, lse, do, ctx.causal, ctx.sm_scale)
+        q, k, v, o, m2, l2 = ctx.saved_tensors
+        dq, dk, dv = _backward(q, k, v, o, (m2, l2), do, ctx.causal, ctx.sm_scale)
         return dq, dk, dv, None, None
 
 

@@ -1,0 +1,211 @@
+"""flashref.triton against the float64 reference, forward and backward, on small uneven shapes.
+
+Without a CUDA device (CI) the kernels run in Triton's CPU interpreter on CPU tensors; on the GPU machine
+the same tests run compiled. fp32 is held to the tolerance rule against plain fp32 attention (the kernels
+compute fp32 with input_precision="ieee"); fp16 and bf16 to the rule against plain attention in that
+precision (factor 2 forward, 3 for gradients).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from flashref import reference
+from flashref.tolerance import assert_within_tolerance
+from flashref.triton import flash_attention, flash_attention_backward, flash_attention_forward
+from tests._triton_helpers import flash_forward_backward, make_qkv, plain_forward_backward
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+LENGTHS = [(1, 1), (1, 17), (17, 1), (33, 47), (65, 64)]
+
+
+def _np64(x):
+    return x.detach().cpu().double().numpy()
+
+
+def _atol(q, ref):
+    """fp32: 1e-5 of the reference's scale (plain fp32 attention can be exact on tiny shapes, where the
+    rule's default slack of two ulps would demand bit-exactness from a different summation order);
+    fp16/bf16: the rule's default."""
+    return 1e-5 * max(1.0, float(np.abs(ref).max())) if q.dtype == torch.float32 else None
+
+
+def _check_against_reference(q, k, v, do, causal, sm_scale=None):
+    """Forward, lse and the three gradients against float64, with plain attention in q's dtype as baseline."""
+    o, dq, dk, dv = flash_forward_backward(flash_attention, q, k, v, do, causal, sm_scale)
+    _, lse = flash_attention_forward(q, k, v, causal=causal, sm_scale=sm_scale)
+    q64, k64, v64, do64 = (_np64(x) for x in (q, k, v, do))
+    ref_o, ref_lse = reference.attention(q64, k64, v64, causal=causal, sm_scale=sm_scale, return_lse=True)
+    ref_grads = reference.attention_backward(q64, k64, v64, do64, causal=causal, sm_scale=sm_scale)
+    base = plain_forward_backward(q, k, v, do, causal, sm_scale)
+    assert o.dtype == q.dtype and o.shape == q.shape
+    assert lse.dtype == torch.float32 and lse.shape == q.shape[:3]
+    assert_within_tolerance(o, ref_o, base[0], factor=2.0, atol=_atol(q, ref_o), name="o")
+    for name, got, ref, b in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads, base[1:]):
+        assert got.shape == b.shape
+        assert_within_tolerance(got, ref, b, factor=3.0, atol=_atol(q, ref), name=name)
+    # lse is fp32 whatever the inputs: its error is that of fp32 scores of fp16/bf16-rounded inputs
+    np.testing.assert_allclose(_np64(lse), ref_lse, rtol=0, atol=1e-4 * max(1.0, np.abs(ref_lse).max()))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [16, 40, 64])
+@pytest.mark.parametrize("N_q,N_k", LENGTHS)
+def test_fp32_matches_reference(N_q, N_k, d, causal):
+    q, k, v, do = make_qkv(1, 2, N_q, N_k, d, torch.float32, DEVICE, seed=N_q * 1000 + N_k + d)
+    _check_against_reference(q, k, v, do, causal)
+
+
+def test_fp32_is_computed_in_fp32():
+    """No TF32 and no fp16 rounding: fp32 results agree with float64 to a few fp32 ulps."""
+    q, k, v, _ = make_qkv(1, 1, 40, 50, 64, torch.float32, DEVICE, seed=3)
+    o, lse = flash_attention_forward(q, k, v, causal=True)
+    ref_o, ref_lse = reference.attention(_np64(q), _np64(k), _np64(v), causal=True, return_lse=True)
+    assert np.abs(_np64(o) - ref_o).max() < 2e-6
+    assert np.abs(_np64(lse) - ref_lse).max() < 2e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("N_q,N_k,d", [(33, 47, 40), (65, 64, 64), (17, 1, 16)])
+def test_low_precision_within_tolerance(N_q, N_k, d, causal, dtype):
+    q, k, v, do = make_qkv(2, 2, N_q, N_k, d, dtype, DEVICE, seed=7 + d)
+    _check_against_reference(q, k, v, do, causal)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_large_logits(causal, dtype):
+    """Scores scaled by 1e3: the running max keeps exp from overflowing; every row stays finite."""
+    q, k, v, do = make_qkv(1, 2, 33, 47, 32, dtype, DEVICE, seed=11)
+    _check_against_reference(q, k, v, do, causal, sm_scale=1e3 / 32**0.5)
+
+
+def test_sm_scale_is_used():
+    q, k, v, do = make_qkv(1, 1, 20, 30, 16, torch.float32, DEVICE, seed=5)
+    _check_against_reference(q, k, v, do, False, sm_scale=0.3)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_strided_inputs(causal):
+    """Non-contiguous q, k, v (a (B, N, H, d) buffer seen as (B, H, N, d), and a slice of the head dim) are
+    read through their strides; the result equals the contiguous one's bit for bit."""
+    g = torch.Generator().manual_seed(13)
+    base = torch.randn(2, 37, 3, 3, 48, generator=g).to(DEVICE)  # (B, N, 3 tensors, H, d + 8)
+    q, k, v = (base[:, :, i].transpose(1, 2)[..., :40] for i in range(3))
+    assert not q.is_contiguous()
+    do = torch.randn(2, 37, 3, 40, generator=g).to(DEVICE).transpose(1, 2)
+    o, dq, dk, dv = flash_forward_backward(flash_attention, q, k, v, do, causal)
+    want = flash_forward_backward(flash_attention, *(x.contiguous() for x in (q, k, v, do)), causal)
+    for got, ref in zip((o, dq, dk, dv), want):
+        assert torch.equal(got, ref)
+    _check_against_reference(q, k, v, do, causal)
+
+
+def test_backward_function_matches_autograd():
+    q, k, v, do = make_qkv(1, 2, 19, 23, 16, torch.float32, DEVICE, seed=17)
+    o, lse = flash_attention_forward(q, k, v, causal=True)
+    grads = flash_attention_backward(q, k, v, o, lse, do, causal=True)
+    want = flash_forward_backward(flash_attention, q, k, v, do, True)[1:]
+    for got, ref in zip(grads, want):  # from lse alone P carries one more rounding: fp32-close, not bitwise
+        assert float((got - ref).abs().max()) < 1e-5
+
+
+def test_deterministic():
+    q, k, v, do = make_qkv(1, 2, 45, 45, 16, torch.float16, DEVICE, seed=19)
+    first = flash_forward_backward(flash_attention, q, k, v, do, True)
+    second = flash_forward_backward(flash_attention, q, k, v, do, True)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_gradcheck_float64_is_refused_but_fp32_gradients_match_finite_differences():
+    """float64 is not a kernel dtype (the error names it); a central difference on fp32 agrees with dq."""
+    q, k, v, _ = make_qkv(1, 1, 5, 7, 16, torch.float64, DEVICE, seed=23)
+    with pytest.raises(TypeError, match="float16 or bfloat16 or float32"):
+        flash_attention(q, k, v)
+    q, k, v = (x.float() for x in (q, k, v))
+    qq = q.clone().requires_grad_()
+    flash_attention(qq, k, v, causal=True).sum().backward()
+    eps = 1e-2
+    e = torch.zeros_like(q)
+    e[0, 0, 3, 5] = eps
+    fd = (flash_attention(q + e, k, v, causal=True).double().sum() - flash_attention(q - e, k, v, causal=True).double().sum()) / (2 * eps)
+    assert abs(float(fd) - float(qq.grad[0, 0, 3, 5])) < 1e-3
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input: clear errors that name the argument
+# ------------------------------------------------------------------------------------------------
+
+def _ok(N=8, d=16, dtype=torch.float32):
+    return make_qkv(1, 1, N, N, d, dtype, DEVICE)[:3]
+
+
+def test_rejects_wrong_rank():
+    q, k, v = _ok()
+    with pytest.raises(ValueError, match=r"q must have shape \(B, H, N, d\)"):
+        flash_attention(q[0], k[0], v[0])
+
+
+def test_rejects_mismatched_head_dims():
+    q, k, v = _ok()
+    with pytest.raises(ValueError, match="k must have the head dimension"):
+        flash_attention(q, k[..., :8], v)
+
+
+def test_rejects_head_dim_over_256():
+    q, k, v = _ok(N=2, d=264)
+    with pytest.raises(ValueError, match="head dimension d = 264"):
+        flash_attention(q, k, v)
+
+
+def test_rejects_empty_sequence():
+    q, k, v = _ok()
+    with pytest.raises(ValueError, match="empty sequence"):
+        flash_attention(q[:, :, :0], k, v)
+
+
+def test_rejects_mixed_dtypes_and_ints():
+    q, k, v = _ok()
+    with pytest.raises(TypeError, match="same dtype"):
+        flash_attention(q, k.half(), v)
+    with pytest.raises(TypeError, match="dtype float16 or bfloat16 or float32"):
+        flash_attention(q.int(), k.int(), v.int())
+
+
+def test_rejects_bad_causal_and_scale():
+    q, k, v = _ok()
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        flash_attention(q, k, v, causal=1)
+    with pytest.raises(ValueError, match="sm_scale must be finite"):
+        flash_attention(q, k, v, sm_scale=float("nan"))
+    with pytest.raises(TypeError, match="sm_scale must be a real number"):
+        flash_attention(q, k, v, sm_scale="0.1")
+
+
+def test_rejects_non_tensors():
+    q, k, v = _ok()
+    with pytest.raises(TypeError, match="q must be a torch.Tensor"):
+        flash_attention(q.cpu().numpy(), k, v)
+
+
+def test_rejects_wrong_device():
+    q, k, v = _ok()
+    if DEVICE == "cuda":
+        with pytest.raises(ValueError, match="must be CUDA tensors"):
+            flash_attention(q.cpu(), k.cpu(), v.cpu())
+    else:
+        with pytest.raises(ValueError, match="must be CPU tensors"):
+            flash_attention(q.to("meta"), k.to("meta"), v.to("meta"))
+
+
+def test_backward_rejects_bad_lse_and_do():
+    q, k, v, do = make_qkv(1, 1, 8, 8, 16, torch.float32, DEVICE)
+    o, lse = flash_attention_forward(q, k, v)
+    with pytest.raises(ValueError, match="lse must have shape"):
+        flash_attention_backward(q, k, v, o, lse[..., :4], do)
+    with pytest.raises(ValueError, match="do must have the shape of o"):
+        flash_attention_backward(q, k, v, o, lse, do[..., :4, :])
