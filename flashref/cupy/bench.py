@@ -108,3 +108,57 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+GPU_BENCH_PATH = os.path.join("book", "data", "gpu_bench.json")
+
+
+def _rows_of(path):
+    """(environment, rows) of a benchmark file; rows need impl, N, d, causal and tflops."""
+    if not os.path.exists(path):
+        return {}, []
+    with open(path) as f:
+        data = json.load(f)
+    raw = data.get("rows") or data.get("results") or [] if isinstance(data, dict) else data
+    rows = []
+    for r in raw:
+        if not isinstance(r, dict):
+            continue
+        name = r.get("impl") or r.get("name") or r.get("implementation")
+        if name is None or "tflops" not in r or r.get("pass", "forward") not in ("forward", "fwd"):
+            continue
+        if r.get("dtype", "float16") not in ("float16", "fp16", "torch.float16") and not str(name).startswith("cupy"):
+            continue
+        rows.append(dict(impl=str(name), N=int(r["N"]), d=int(r["d"]), causal=bool(r["causal"]),
+                         tflops=float(r["tflops"])))
+    env = data.get("environment", data.get("env", {})) if isinstance(data, dict) else {}
+    return env, rows
+
+
+def load_results(paths=(OUT_PATH, GPU_BENCH_PATH)):
+    """Our measurements (book/data/cupy_bench.json) and, where the course benchmark has run
+    (book/data/gpu_bench.json), its peers, for the notebook's table. Returns (environment, rows)."""
+    env, rows = {}, []
+    for path in paths:
+        e, r = _rows_of(path)
+        env = env or e
+        have = {(x["impl"], x["N"], x["d"], x["causal"]) for x in rows}
+        rows += [x for x in r if (x["impl"], x["N"], x["d"], x["causal"]) not in have]
+    return env, rows
+
+
+def format_table(rows, d: int, causal: bool, baseline: str = "sdpa flash") -> str:
+    """TFLOP/s of every implementation at each N (one column per N), and each one's ratio to ``baseline``."""
+    sel = [r for r in rows if r["d"] == d and r["causal"] == causal]
+    Ns = sorted({r["N"] for r in sel})
+    impls = sorted({r["impl"] for r in sel}, key=lambda s: (not s.startswith("cupy"), s))
+    value = {(r["impl"], r["N"]): r["tflops"] for r in sel}
+    head = f"d = {d}, causal = {causal}: TFLOP/s (ratio to {baseline})"
+    lines = [head, f"{'':18s}" + "".join(f"{'N=' + str(N):>16s}" for N in Ns)]
+    for impl in impls:
+        cells = []
+        for N in Ns:
+            t, b = value.get((impl, N)), value.get((baseline, N))
+            cells.append("" if t is None else f"{t:7.1f}" + (f" ({t / b:4.2f})" if b else "       "))
+        lines.append(f"{impl:18s}" + "".join(f"{c:>16s}" for c in cells))
+    return "\n".join(lines)

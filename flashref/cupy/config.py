@@ -110,3 +110,33 @@ def nvcc_command(config: KernelConfig, output: str, nvcc: str = "nvcc") -> list[
     """Compile one variant to a cubin with ptxas' resource report (what tests/test_cupy_compile.py runs)."""
     return [nvcc, f"-arch=sm_{config.cc}", "-cubin", "--resource-usage", *config.defines,
             "-o", output, source_path(config.kernel)]
+
+
+def excerpt(kernel: str, first: str, last: str) -> str:
+    """The lines of ``kernel``'s source from the first line containing ``first`` to the next line
+    containing ``last`` (both included): how the notebook reads the kernel piece by piece."""
+    lines = source(kernel).splitlines()
+    start = next(i for i, line in enumerate(lines) if first in line)
+    end = next(i for i in range(start, len(lines)) if last in lines[i])
+    return "\n".join(lines[start:end + 1])
+
+
+def show_cuda(kernel: str, first: str | None = None, last: str | None = None) -> None:
+    """Display the whole source of ``kernel``, or an :func:`excerpt`, as a CUDA code block."""
+    text = source(kernel).rstrip() if first is None else excerpt(kernel, first, last)
+    try:
+        from IPython.display import Markdown, display
+    except ImportError:
+        print(text)
+        return
+    display(Markdown(f"```cuda\n{text}\n```"))
+
+
+def bank_conflict_ways(word_addresses) -> int:
+    """How many shared-memory passes one warp-wide access takes: shared memory has 32 banks of 4 bytes,
+    word address a lives in bank a mod 32, and distinct words in one bank are served one after another
+    (threads reading the *same* word share one pass: a broadcast)."""
+    banks: dict[int, set] = {}
+    for a in word_addresses:
+        banks.setdefault(int(a) % 32, set()).add(int(a))
+    return max(len(words) for words in banks.values())
