@@ -113,8 +113,12 @@ if __name__ == "__main__":
 GPU_BENCH_PATH = os.path.join("book", "data", "gpu_bench.json")
 
 
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
 def _rows_of(path):
     """(environment, rows) of a benchmark file; rows need impl, N, d, causal and tflops."""
+    path = os.path.join(REPO_ROOT, path)
     if not os.path.exists(path):
         return {}, []
     with open(path) as f:

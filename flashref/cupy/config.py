@@ -113,11 +113,12 @@ def nvcc_command(config: KernelConfig, output: str, nvcc: str = "nvcc") -> list[
 
 
 def excerpt(kernel: str, first: str, last: str) -> str:
-    """The lines of ``kernel``'s source from the first line containing ``first`` to the next line
-    containing ``last`` (both included): how the notebook reads the kernel piece by piece."""
+    """The lines of ``kernel``'s source from the first line containing ``first`` to the next line that
+    starts with ``last`` (both included; ``"}"`` ends at the closing brace of a function): how the
+    notebook reads the kernel piece by piece."""
     lines = source(kernel).splitlines()
     start = next(i for i, line in enumerate(lines) if first in line)
-    end = next(i for i in range(start, len(lines)) if last in lines[i])
+    end = next(i for i in range(start, len(lines)) if lines[i].startswith(last))
     return "\n".join(lines[start:end + 1])
 
 

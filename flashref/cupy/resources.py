@@ -20,6 +20,8 @@ from dataclasses import asdict
 from flashref.cupy.config import COMPILE_ARCHS, KernelConfig, nvcc_command, package_configurations
 
 TABLE_PATH = os.path.join("book", "data", "cupy_resources.json")
+#: the repository's root when flashref is used from a checkout (book/ lies beside flashref/)
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _REGISTERS = re.compile(r"Used (\d+) registers")
 _SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 _STACK = re.compile(r"(\d+) bytes stack frame")
@@ -74,6 +76,7 @@ def resource_table(ccs=COMPILE_ARCHS, nvcc: str | None = None, jobs: int = 4) ->
 
 def write_resource_table(path: str = TABLE_PATH, **kwargs) -> list[dict]:
     rows = resource_table(**kwargs)
+    path = os.path.join(REPO_ROOT, path)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump({"nvcc": nvcc_version(), "rows": rows}, f, indent=1)
@@ -82,8 +85,26 @@ def write_resource_table(path: str = TABLE_PATH, **kwargs) -> list[dict]:
 
 
 def load_resource_table(path: str = TABLE_PATH) -> dict:
-    with open(path) as f:
+    """The committed table; a relative ``path`` is taken from the repository's root."""
+    with open(os.path.join(REPO_ROOT, path)) as f:
         return json.load(f)
+
+
+def resource_rows(ccs=(75, 90), head_dims=(64, 128)) -> tuple[str, list[dict]]:
+    """Rows for the notebook: from the committed table when flashref runs from a checkout, else
+    compiled now with nvcc (Colab has it). Returns (where they come from, rows)."""
+    keep = lambda r: r["cc"] in ccs and r["head_dim"] in head_dims
+    try:
+        table = load_resource_table()
+        return f"ptxas of nvcc {table['nvcc']} (book/data/cupy_resources.json)", [r for r in table["rows"] if keep(r)]
+    except FileNotFoundError:
+        nvcc = find_nvcc()
+        if nvcc is None:
+            return "neither the committed table nor nvcc was found", []
+        configs = [c for cc in ccs for c in package_configurations(cc) if c.head_dim in head_dims]
+        with ThreadPoolExecutor(4) as pool:
+            rows = list(pool.map(lambda c: resource_usage(c, nvcc), configs))
+        return f"ptxas of nvcc {nvcc_version(nvcc)}, compiled just now", rows
 
 
 def nvcc_version(nvcc: str | None = None) -> str:
