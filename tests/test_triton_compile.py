@@ -1,0 +1,82 @@
+"""Compile every config a T4, an A100 and an H100 would keep, for that GPU, on this CPU machine, and check
+the compiler's shared-memory figure fits the GPU's per-block limit.
+
+``triton.compile(ASTSource(...), target=GPUTarget("cuda", capability, 32))`` needs kernels defined without
+the interpreter, so the compiling runs in a subprocess with ``TRITON_INTERPRET`` unset and
+``FLASHREF_TRITON_COMPILE_ONLY=1`` (see flashref/triton/compile_check.py). Head dim 128 in fp16 is the
+largest tile of the benchmark grid; d = 256 checks that pruning always leaves something that fits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = r"""
+import json, sys
+from concurrent.futures import ProcessPoolExecutor
+from flashref.triton import configs, compile_check
+
+def one(job):
+    gpu, kernel, d, cfg = job
+    spec = configs.GPUS[gpu]
+    k = compile_check.compile_config(kernel, configs.TileConfig(*cfg), spec["capability"], d, "float16")
+    block_d = max(16, 1 << (d - 1).bit_length())
+    est = configs.shared_bytes_estimate(kernel, configs.TileConfig(*cfg), block_d, 2, spec["capability"])
+    return [gpu, kernel, d, list(cfg), int(k.metadata.shared), est, spec["shared_bytes"]]
+
+jobs = []
+for gpu, spec in configs.GPUS.items():
+    for kernel in ("forward", "dkdv", "dq"):
+        for d in (128, 256):
+            block_d = max(16, 1 << (d - 1).bit_length())
+            kept = configs.candidates(kernel, block_d, 2, spec["shared_bytes"], t4=gpu == "T4",
+                                      capability=spec["capability"])
+            if d == 256:
+                kept = kept[-1:]  # the config pruning always leaves
+            for c in kept:
+                jobs.append((gpu, kernel, d, (c.block_m, c.block_n, c.num_warps, c.num_stages)))
+with ProcessPoolExecutor(2) as pool:
+    rows = list(pool.map(one, jobs))
+print(json.dumps(rows))
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled_rows():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["FLASHREF_TRITON_COMPILE_ONLY"] = "1"
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_every_kept_config_fits_its_gpu(compiled_rows):
+    gpus = {row[0] for row in compiled_rows}
+    assert gpus == {"T4", "A100", "H100"}
+    too_big = [row for row in compiled_rows if row[4] > row[6]]
+    assert not too_big, f"configs that need more shared memory than the GPU has: {too_big}"
+
+
+def test_every_kernel_compiled_for_every_gpu(compiled_rows):
+    seen = {(row[0], row[1], row[2]) for row in compiled_rows}
+    for gpu in ("T4", "A100", "H100"):
+        for kernel in ("forward", "dkdv", "dq"):
+            for d in (128, 256):
+                assert (gpu, kernel, d) in seen
+    assert all(row[4] > 0 for row in compiled_rows)  # a real shared-memory figure came back
+
+
+def test_t4_configs_are_smaller_than_h100_configs(compiled_rows):
+    """Why block sizes differ: the largest forward config a T4 keeps needs less shared memory than the
+    largest an H100 keeps, and the T4's fits its 64 KB."""
+    fwd = lambda gpu: max(row[4] for row in compiled_rows if row[0] == gpu and row[1] == "forward" and row[2] == 128)  # noqa: E731
+    assert fwd("T4") <= 64 * 1024 < 227 * 1024
+    assert fwd("T4") <= fwd("H100")
