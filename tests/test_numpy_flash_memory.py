@@ -8,28 +8,15 @@ P on purpose, must exceed it (so the measurement can see such a buffer when ther
 
 from __future__ import annotations
 
-import tracemalloc
-
 import numpy as np
 import pytest
 
 from flashref import reference
+from flashref.bench.numpy_bench import peak_bytes
 from flashref.numpy_flash import flash_attention_backward, flash_attention_forward
 
 N, D = 4096, 64
 ONE_MATRIX = N * N * 4  # bytes of one float32 N x N buffer: 64 MiB
-
-
-def peak_bytes(fn, *args, **kwargs) -> int:
-    """Peak traced bytes allocated while ``fn`` runs, above what was allocated before it."""
-    tracemalloc.start()
-    try:
-        before = tracemalloc.get_traced_memory()[0]
-        tracemalloc.reset_peak()
-        fn(*args, **kwargs)
-        return tracemalloc.get_traced_memory()[1] - before
-    finally:
-        tracemalloc.stop()
 
 
 @pytest.fixture(scope="module")

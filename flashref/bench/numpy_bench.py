@@ -33,14 +33,17 @@ METHODS = ("naive", "fa2", "fa1")
 
 def peak_bytes(fn, *args, **kwargs) -> int:
     """Peak bytes ``fn`` allocates (traced by ``tracemalloc``) above what was allocated before it."""
-    tracemalloc.start()
+    was_tracing = tracemalloc.is_tracing()
+    if not was_tracing:
+        tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
         tracemalloc.reset_peak()
         fn(*args, **kwargs)
         return tracemalloc.get_traced_memory()[1] - before
     finally:
-        tracemalloc.stop()
+        if not was_tracing:
+            tracemalloc.stop()
 
 
 def best_time(fn, repeats: int) -> float:
@@ -62,8 +65,10 @@ def machine_info() -> dict:
     except Exception:  # older NumPy: no dict mode
         blas = "unknown"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    load = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpu_cores": cores, "python": platform.python_version(), "numpy": np.__version__, "blas": blas}
+            "cpu_cores": cores, "python": platform.python_version(), "numpy": np.__version__, "blas": blas,
+            "loadavg_1_5_15min": load}
 
 
 def _methods(block_q: int, block_k: int):
@@ -77,11 +82,12 @@ def _methods(block_q: int, block_k: int):
 
 
 def run(sizes=DEFAULT_SIZES, d: int = 64, block_q: int = numpy_flash.BLOCK_Q, block_k: int = numpy_flash.BLOCK_K,
-        repeats: int = 3, progress: bool = True) -> dict:
+        repeats: int = 5, progress: bool = True) -> dict:
     """Time and measure every method at every N; return the results as a JSON-ready dict."""
     from tqdm.auto import tqdm
 
     methods = _methods(block_q, block_k)
+    load_before = machine_info()["loadavg_1_5_15min"]  # other work on the machine skews the timings
     rows = []
     bar = tqdm(total=len(sizes) * len(methods), desc="numpy bench", disable=not progress)
     for N in sizes:
@@ -96,10 +102,12 @@ def run(sizes=DEFAULT_SIZES, d: int = 64, block_q: int = numpy_flash.BLOCK_Q, bl
             bar.update()
         rows.append(row)
     bar.close()
+    info = machine_info()
+    info["loadavg_before"] = load_before
     return {
         "benchmark": "tiled NumPy attention forward vs naive NumPy attention",
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-        "machine": machine_info(),
+        "machine": info,
         "config": {"d": d, "dtype": "float32", "causal": False, "block_q": block_q, "block_k": block_k,
                    "repeats": repeats, "timing": "best of repeats after one warm-up",
                    "memory": "tracemalloc peak during the call, above the inputs (outputs included); "
@@ -162,9 +170,10 @@ def plot_results(results: dict, path: str | None = None):
     for name, marker in zip(METHODS, "osd"):
         ax_t.loglog(N, [r[name]["time_s"] * 1e3 for r in rows], marker=marker, label=labels[name])
         ax_m.loglog(N, [r[name]["peak_bytes"] / 2**20 for r in rows], marker=marker, label=labels[name])
-    naive0, tiled0 = rows[0]["naive"]["peak_bytes"] / 2**20, rows[0]["fa2"]["peak_bytes"] / 2**20
+    naive0 = rows[0]["naive"]["peak_bytes"] / 2**20
     ax_m.loglog(N, naive0 * (N / N[0]) ** 2, "k:", lw=1, label="slope 2 (x4 per doubling)")
-    ax_m.loglog(N, tiled0 * (N / N[0]), "k--", lw=1, label="slope 1 (x2 per doubling)")
+    ax_m.loglog(N, [r["fa2"]["output_bytes"] / 2**20 for r in rows], "k--", lw=1,
+                label="O and lse alone (slope 1, x2)")
     ax_t.set(xlabel="N", ylabel="forward time (ms)", title=f"time, d = {results['config']['d']}, float32")
     ax_m.set(xlabel="N", ylabel="peak memory (MiB)", title="peak memory (tracemalloc)")
     for ax in (ax_t, ax_m):
@@ -184,7 +193,7 @@ def main(argv=None) -> int:
     parser.add_argument("--d", type=int, default=64, help="head dimension")
     parser.add_argument("--block-q", type=int, default=numpy_flash.BLOCK_Q, help="query rows per tile")
     parser.add_argument("--block-k", type=int, default=numpy_flash.BLOCK_K, help="keys per tile")
-    parser.add_argument("--repeats", type=int, default=3, help="timed calls per measurement (best is kept)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls per measurement (best is kept)")
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"JSON file to write (default {DEFAULT_OUT})")
     parser.add_argument("--plot", default=None, help="also save the figure to this PNG file")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -195,8 +204,9 @@ def main(argv=None) -> int:
     if any(n < 1 for n in args.sizes):
         parser.error(f"--sizes must be positive ints, got {args.sizes}")
     results = run(args.sizes, args.d, args.block_q, args.block_k, args.repeats, progress=not args.no_progress)
-    print(f"{results['machine']['processor']}, {results['machine']['cpu_cores']} cores, "
-          f"NumPy {results['machine']['numpy']} ({results['machine']['blas']})")
+    m = results["machine"]
+    print(f"{m['processor']}, {m['cpu_cores']} cores, NumPy {m['numpy']} ({m['blas']}), "
+          f"load average before/after: {m['loadavg_before']} / {m['loadavg_1_5_15min']}")
     print(format_table(results))
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
