@@ -1,0 +1,116 @@
+"""The FlashAttention test method on a GPU: flashref.triton in fp16/bf16 against an fp32 reference, within
+2x (forward) and 3x (gradients) the error of plain PyTorch attention in the same precision; forward and
+backward deterministic. Run on the GPU machine (marker ``gpu``), also with ``FLASHREF_T4_CONFIGS=1``.
+
+Autotuning is off here (``FLASHREF_TRITON_AUTOTUNE=0``: the first config that fits the GPU) to keep
+compile time short; ``test_every_config_is_correct`` pins each config the autotuner may choose in turn.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashref.tolerance import assert_within_tolerance
+from tests._triton_helpers import flash_forward_backward, make_qkv, plain_forward_backward
+
+pytestmark = pytest.mark.gpu
+
+LENGTHS = [(113, 203), (128, 217), (1, 239), (1023, 1024), (2048, 2048), (239, 1), (300, 97)]
+CASES = ([(d, torch.float16) for d in (32, 64, 96, 128, 256)] + [(d, torch.bfloat16) for d in (64, 128)])
+
+
+@pytest.fixture(autouse=True)
+def _no_autotune(monkeypatch):
+    monkeypatch.setenv("FLASHREF_TRITON_AUTOTUNE", "0")
+
+
+def _batch(N_q, N_k):
+    return (2, 3) if max(N_q, N_k) <= 1024 else (1, 2)
+
+
+def _check(q, k, v, do, causal):
+    from flashref.triton import flash_attention
+
+    got = flash_forward_backward(flash_attention, q, k, v, do, causal)
+    ref = plain_forward_backward(*(x.float() for x in (q, k, v, do)), causal)
+    base = plain_forward_backward(q, k, v, do, causal)
+    for name, g, r, b, factor in zip(("o", "dq", "dk", "dv"), got, ref, base, (2.0, 3.0, 3.0, 3.0)):
+        assert g.dtype == q.dtype
+        assert_within_tolerance(g, r, b, factor=factor, name=f"{name} ({q.dtype}, causal={causal})")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d,dtype", CASES, ids=lambda x: str(x).replace("torch.", ""))
+def test_method(d, dtype, causal):
+    if dtype == torch.bfloat16 and torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("bf16 needs compute capability 8.0")
+    for i, (N_q, N_k) in enumerate(LENGTHS):
+        if d == 256 and max(N_q, N_k) > 1024:
+            continue
+        B, H = _batch(N_q, N_k)
+        q, k, v, do = make_qkv(B, H, N_q, N_k, d, dtype, "cuda", seed=i + d)
+        _check(q, k, v, do, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_method_with_t4_configs(monkeypatch, dtype, causal):
+    """Our Colab stand-in: the same checks with only the configs a T4 would use."""
+    monkeypatch.setenv("FLASHREF_T4_CONFIGS", "1")
+    for d in (64, 128):
+        for i, (N_q, N_k) in enumerate([(113, 203), (1, 239), (1023, 1024)]):
+            q, k, v, do = make_qkv(2, 3, N_q, N_k, d, dtype, "cuda", seed=100 + i)
+            _check(q, k, v, do, causal)
+
+
+def test_deterministic():
+    from flashref.triton import flash_attention
+
+    q, k, v, do = make_qkv(2, 4, 1000, 1000, 64, torch.float16, "cuda", seed=1)
+    for causal in (False, True):
+        first = flash_forward_backward(flash_attention, q, k, v, do, causal)
+        second = flash_forward_backward(flash_attention, q, k, v, do, causal)
+        for a, b in zip(first, second):
+            assert torch.equal(a, b)
+
+
+def test_every_config_is_correct():
+    """Each config the autotuner may pick on this GPU (d = 64 and 128, fp16, causal), pinned in turn."""
+    from flashref.triton import configs, flash_attention
+    from flashref.triton.ops import fixed_configs
+
+    for d in (64, 128):
+        q, k, v, do = make_qkv(1, 2, 333, 517, d, torch.float16, "cuda", seed=d)
+        lists = {name: configs.device_candidates(name, d, 2) for name in ("forward", "dkdv", "dq")}
+        for i in range(max(len(c) for c in lists.values())):
+            pinned = {name: c[min(i, len(c) - 1)] for name, c in lists.items()}
+            with fixed_configs(**pinned):
+                _check(q, k, v, do, True)
+
+
+def test_autotuned_path():
+    """The default (autotuned) path on one shape."""
+    import os
+
+    from flashref.triton import flash_attention
+
+    os.environ["FLASHREF_TRITON_AUTOTUNE"] = "1"
+    q, k, v, do = make_qkv(2, 4, 1024, 1024, 64, torch.float16, "cuda", seed=3)
+    _check(q, k, v, do, True)
+
+
+def test_memory_is_linear_in_n():
+    """Forward+backward allocates O(N) beyond inputs, outputs and gradients (no N x N matrix)."""
+    from flashref.triton import flash_attention
+
+    q, k, v, do = make_qkv(1, 4, 16384, 16384, 64, torch.float16, "cuda", seed=4)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    flash_attention(q, k, v, causal=True).backward(do)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - start
+    tensor_bytes = q.numel() * q.element_size()
+    assert extra < 6 * tensor_bytes  # o, dq, dk, dv, small row statistics; an N x N matrix would be 256x
