@@ -21,6 +21,12 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LENGTHS = [(1, 1), (1, 17), (17, 1), (33, 47), (65, 64)]
 
 
+@pytest.fixture(autouse=True)
+def _no_autotune(monkeypatch):
+    """On a GPU, launch the first config that fits rather than autotuning every small shape (compile time)."""
+    monkeypatch.setenv("FLASHREF_TRITON_AUTOTUNE", "0")
+
+
 def _np64(x):
     return x.detach().cpu().double().numpy()
 
