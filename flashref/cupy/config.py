@@ -53,10 +53,11 @@ class KernelConfig:
     block_m: int       # query rows per thread block
     block_n: int       # key rows per step
     cc: int            # compute capability, e.g. 90
+    warp_m: int = 16   # mma kernel: query rows per warp (16 or 32)
 
     @property
     def threads(self) -> int:
-        return (self.block_m // 4) * 16 if self.kernel == "tiled" else (self.block_m // 16) * 32
+        return (self.block_m // 4) * 16 if self.kernel == "tiled" else (self.block_m // self.warp_m) * 32
 
     @property
     def smem_bytes(self) -> int:
@@ -75,7 +76,7 @@ class KernelConfig:
         if self.kernel == "tiled":
             return d + (f"-DELEM_T={_C_TYPES[self.dtype]}",)
         # cp.async exists from sm_80; mma.sync m16n8k16 too (sm_75 has m16n8k8).
-        return d + (f"-DUSE_CP_ASYNC={int(self.cc >= 80)}", f"-DMMA_K8={int(self.cc < 80)}")
+        return d + (f"-DWARP_M={self.warp_m}", f"-DUSE_CP_ASYNC={int(self.cc >= 80)}", f"-DMMA_K8={int(self.cc < 80)}")
 
 
 def kernel_config(kernel: str, dtype: str, d: int, cc: int) -> KernelConfig:
