@@ -4,11 +4,12 @@ the compiler's shared-memory figure fits the GPU's per-block limit.
 ``triton.compile(ASTSource(...), target=GPUTarget("cuda", capability, 32))`` needs kernels defined without
 the interpreter, so the compiling runs in a subprocess with ``TRITON_INTERPRET`` unset and
 ``FLASHREF_TRITON_COMPILE_ONLY=1`` (see flashref/triton/compile_check.py). Head dim 128 in fp16 is the
-largest tile of the benchmark grid; d = 256 checks that pruning always leaves something that fits.
+largest tile of the benchmark grid; d = 256 checks that pruning keeps only what fits at the largest head dim.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -16,7 +17,10 @@ import sys
 
 import pytest
 
-pytest.importorskip("triton")
+# Only look for triton here: importing it in this process before flashref.triton would keep the other
+# test files' kernels from running in the interpreter.
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
 
 SCRIPT = r"""
 import json, sys
@@ -38,8 +42,6 @@ for gpu, spec in configs.GPUS.items():
             block_d = max(16, 1 << (d - 1).bit_length())
             kept = configs.candidates(kernel, block_d, 2, spec["shared_bytes"], t4=gpu == "T4",
                                       capability=spec["capability"])
-            if d == 256:
-                kept = kept[-1:]  # the config pruning always leaves
             for c in kept:
                 jobs.append((gpu, kernel, d, (c.block_m, c.block_n, c.num_warps, c.num_stages)))
 with ProcessPoolExecutor(2) as pool:

@@ -204,6 +204,39 @@ def run_grid(impls, ns, ds, causals, modes, rep_ms, progress=True):
     return rows
 
 
+RESULTS_URL = "https://raw.githubusercontent.com/flashref/flashref/main/book/data/gpu_bench.json"
+
+
+def load_results(path=None) -> dict:
+    """The committed benchmark run: ``path``, else book/data/gpu_bench.json beside the notebooks, else (on
+    Colab, where only the package is installed) the copy in the course repository."""
+    import os
+    import urllib.request
+
+    for candidate in [path] if path else ["book/data/gpu_bench.json", "../book/data/gpu_bench.json"]:
+        if candidate and os.path.exists(candidate):
+            with open(candidate) as f:
+                return json.load(f)
+    if path:
+        raise FileNotFoundError(path)
+    with urllib.request.urlopen(RESULTS_URL, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def memory_table(rows, mode="fwd+bwd", impls=("flashref-triton", "sdpa-flash", "sdpa-cudnn", "plain")) -> str:
+    """Peak memory (GiB, torch.cuda.max_memory_allocated) per implementation and point."""
+    pts = sorted({(r["d"], r["causal"], r["N"]) for r in rows if r["mode"] == mode})
+    get = {(r["impl"], r["d"], r["causal"], r["N"]): r for r in rows if r["mode"] == mode}
+    lines = [f"{'peak GiB':8s} {'d':>4s} {'causal':>6s} {'N':>6s} " + " ".join(f"{i[:14]:>14s}" for i in impls)]
+    for d, c, n in pts:
+        cells = []
+        for i in impls:
+            r = get.get((i, d, c, n), {})
+            cells.append(f"{r['peak_bytes'] / 2**30:14.2f}" if r.get("status") == "ok" else f"{r.get('status', '-')[:14]:>14s}")
+        lines.append(f"{mode:8s} {d:4d} {str(c):>6s} {n:6d} " + " ".join(cells))
+    return "\n".join(lines)
+
+
 def table(rows, mode, peers=("sdpa-flash", "sdpa-cudnn")) -> str:
     """A text table of TFLOP/s per implementation with the Triton kernel's ratio to each peer."""
     impls = [i for i in IMPLS if any(r["impl"] == i for r in rows)]

@@ -15,6 +15,7 @@ any kernel is defined, which this module does on import.
 from __future__ import annotations
 
 import os
+import sys
 
 
 def _cuda_available() -> bool:
@@ -28,6 +29,12 @@ def _cuda_available() -> bool:
 # FLASHREF_TRITON_COMPILE_ONLY=1 keeps the kernels compilable on a machine without a GPU (the compile
 # test: kernels defined under the interpreter cannot be handed to triton.compile).
 if not _cuda_available() and os.environ.get("FLASHREF_TRITON_COMPILE_ONLY", "") != "1":
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "") != "1":
+        # Triton's own library functions (tl.max, tl.sum, ...) were compiled for a GPU at import time;
+        # under the interpreter every kernel calling them would fail with an opaque error.
+        raise ImportError("flashref.triton: there is no CUDA device, so the kernels run in Triton's CPU "
+                          "interpreter, which must be switched on before triton is first imported. Import "
+                          "flashref.triton before triton, or set TRITON_INTERPRET=1 in the environment.")
     os.environ["TRITON_INTERPRET"] = "1"
 
 # Fused multiply-add stays on (Triton's long-standing default); saying so silences Triton 3.9's warning.

@@ -26,7 +26,7 @@ import triton.language as tl
 from flashref.triton.forward import _dot
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "N_q"])
 def flash_bwd_preprocess_kernel(O, DO, Delta,
                                 stride_ob, stride_oh, stride_om, stride_od,
                                 stride_dob, stride_doh, stride_dom, stride_dod,
@@ -91,7 +91,7 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, m2_base, l2_base, delta_base,
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "N_q", "N_k", "TUNE_N"])
 def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, M2, L2, Delta,
                           stride_qb, stride_qh, stride_qm, stride_qd,
                           stride_kb, stride_kh, stride_kn, stride_kd,
@@ -189,7 +189,7 @@ def _dq_tiles(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, st
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "N_q", "N_k", "TUNE_N"])
 def flash_bwd_dq_kernel(Q, K, V, DO, DQ, M2, L2, Delta,
                         stride_qb, stride_qh, stride_qm, stride_qd,
                         stride_kb, stride_kh, stride_kn, stride_kd,

@@ -37,7 +37,7 @@ class TileConfig:
 # stay resident, BLOCK_M queries stream past), so the diagonal is always whole tiles.
 FORWARD = {
     "large": [TileConfig(128, 64, 4, 3), TileConfig(128, 128, 8, 3), TileConfig(128, 64, 8, 4),
-              TileConfig(64, 64, 4, 3), TileConfig(64, 32, 4, 2)],
+              TileConfig(128, 128, 8, 2), TileConfig(64, 64, 4, 3), TileConfig(64, 32, 4, 2)],
     "t4": [TileConfig(64, 64, 4, 2), TileConfig(64, 32, 4, 2), TileConfig(32, 32, 4, 2), TileConfig(16, 16, 4, 1)],
 }
 BACKWARD_DKDV = {
@@ -71,8 +71,8 @@ def shared_bytes_estimate(kernel: str, cfg: TileConfig, block_d: int, elem_bytes
     """Shared memory a config is expected to need, in bytes (checked against the compiler's own figure by
     ``tests/test_triton_compile.py``).
 
-    forward / dq keep a resident Q tile (block_m x d) and stream K and V (block_n x d each); dkdv keeps K
-    and V (block_n x d) and streams Q and dO (block_m x d). From sm_80 on, Triton pipelines the streamed
+    forward keeps a resident Q tile (block_m x d) and streams K and V (block_n x d each); dq keeps Q and dO
+    and streams K and V; dkdv keeps K and V (block_n x d) and streams Q and dO (block_m x d). From sm_80 on, Triton pipelines the streamed
     tiles through shared memory with asynchronous copies, once per stage. Before sm_80 (a T4) there are
     no asynchronous copies: shared memory holds the dot operands while they change register layout, about
     two tiles per row of the resident side and one per streamed row in the forward, twice that backward.
@@ -84,8 +84,10 @@ def shared_bytes_estimate(kernel: str, cfg: TileConfig, block_d: int, elem_bytes
     if capability < 80:
         rows = 2 * resident + 2 * streamed if kernel == "forward" else 4 * resident + 2 * streamed
         return rows * block_d * elem_bytes
-    stages = max(cfg.num_stages, 1)
-    tiles = resident * block_d + stages * 2 * streamed * block_d + cfg.block_m * cfg.block_n
+    # num_stages - 1 copies of the streamed pair are in flight; the score tile may be staged once more.
+    in_flight = max(cfg.num_stages - 1, 1)
+    n_resident = 1 if kernel == "forward" else 2  # Q; K and V; Q and dO
+    tiles = (n_resident * resident + in_flight * 2 * streamed) * block_d + cfg.block_m * cfg.block_n
     return tiles * elem_bytes
 
 

@@ -70,7 +70,7 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "N_q", "N_k", "TUNE_N"])  # one compile serves every length
 def flash_fwd_kernel(Q, K, V, O, LSE, M2, L2,
                      stride_qb, stride_qh, stride_qm, stride_qd,
                      stride_kb, stride_kh, stride_kn, stride_kd,
@@ -133,3 +133,23 @@ def flash_fwd_kernel(Q, K, V, O, LSE, M2, L2,
     tl.store(L2 + row, tl.log2(l_safe), mask=offs_m < N_q)
     tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od, acc.to(O.dtype.element_ty),
              mask=q_mask)
+
+
+def tile_counts(N_q: int, N_k: int, block_m: int, block_n: int, causal: bool) -> dict:
+    """How many K/V tiles the forward kernel's programs visit, in plain Python, mirroring the kernel's
+    two phases: ``{"full": unmasked tiles, "masked": tiles with a mask, "skipped": tiles never loaded,
+    "programs": number of programs per (batch, head)}``. Notebook ``07_triton_forward``, "Causal tiles"."""
+    if block_m % block_n:
+        raise ValueError(f"block_m must be a multiple of block_n, got {block_m} and {block_n}")
+    programs = -(-N_q // block_m)
+    per_row = -(-N_k // block_n)
+    full = masked = 0
+    for pid in range(programs):
+        start_m = pid * block_m
+        full_end = (N_k // block_n) * block_n
+        if causal:
+            full_end = min(full_end, start_m)
+        hi = min(N_k, start_m + block_m) if causal else N_k
+        full += full_end // block_n
+        masked += max(0, -(-(hi - full_end) // block_n))
+    return {"full": full, "masked": masked, "skipped": programs * per_row - full - masked, "programs": programs}
