@@ -78,6 +78,7 @@ def test_kernel_config_choices():
     assert config.kernel_config("tiled", "float32", 128, 90).block_m == 32       # 64 rows would not fit a T4
     assert config.kernel_config("mma", "float16", 64, 90).block_m == 128
     assert config.kernel_config("mma", "float16", 64, 75).block_m == 64
+    assert config.kernel_config("mma", "float16", 128, 90).block_m == 64
     assert "-DUSE_CP_ASYNC=0" in config.kernel_config("mma", "float16", 64, 75).defines
     assert "-DMMA_K8=0" in config.kernel_config("mma", "float16", 64, 80).defines
     assert "-DELEM_T=__half" in config.kernel_config("tiled", "float16", 64, 80).defines

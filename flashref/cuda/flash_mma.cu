@@ -2,7 +2,7 @@
 //
 // Same algorithm as flash_tiled.cu, but the two matrix products S_ij = Q_i K_j^T and O_i += P_ij V_j
 // run on tensor cores through the warp-wide instruction mma.sync (m16n8k16 on sm_80 and newer, two
-// m16n8k8 on sm_75), fp16 inputs with fp32 accumulation. Each warp owns WARP_M rows of Q_i; its
+// m16n8k8 on sm_75), fp16 inputs with fp32 accumulation. Each warp owns 16 rows of Q_i; its
 // fragments of Q_i stay in registers for the whole kernel, and the online softmax (m_i, l_i) is
 // applied to the accumulator fragments directly: in the m16n8 accumulator layout, lane
 // 4*g + t holds rows g and g + 8, columns 2t and 2t + 1, so a row's max and sum need only the
@@ -20,10 +20,7 @@
 #ifndef HEAD_DIM
 #define HEAD_DIM 64          // multiple of 16; columns >= d are zero-filled
 #endif
-#ifndef WARP_M               // query rows per warp: 16 or 32 (two m16 tiles share each K/V fragment)
-#define WARP_M 16
-#endif
-#ifndef BLOCK_M              // query rows per thread block: WARP_M per warp
+#ifndef BLOCK_M              // query rows per thread block: 16 per warp
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
 #define BLOCK_M 64           // Turing: 4 warps (8 would spill registers)
 #else
@@ -48,8 +45,7 @@
 #endif
 #endif
 
-#define MT (WARP_M / 16)                          // m16 tiles per warp
-#define NWARPS (BLOCK_M / WARP_M)
+#define NWARPS (BLOCK_M / 16)
 #define NTHREADS (NWARPS * 32)
 #define STRIDE (HEAD_DIM + 8)                     // halves per shared row: +16 bytes against bank conflicts
 #define KSTEPS (HEAD_DIM / 16)                    // k-steps of Q_i K_j^T
@@ -60,7 +56,7 @@
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
 
-static_assert(BLOCK_M % WARP_M == 0 && WARP_M % 16 == 0 && BLOCK_N % 16 == 0 && HEAD_DIM % 16 == 0, "tile shape");
+static_assert(BLOCK_M % 16 == 0 && BLOCK_N % 16 == 0 && HEAD_DIM % 16 == 0, "tile shape");
 
 typedef unsigned int u32;
 
@@ -154,25 +150,19 @@ flash_mma_forward(const __half* __restrict__ q, const __half* __restrict__ k, co
     copy_commit();
     copy_wait_all();
     __syncthreads();
-    u32 Q_frag[MT][KSTEPS][4];
+    u32 Q_frag[KSTEPS][4];
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int ks = 0; ks < KSTEPS; ++ks)
-            ldmatrix_x4(Q_frag[mt][ks], smem + (warp * WARP_M + mt * 16 + lane % 16) * STRIDE + ks * 16 + 8 * (lane / 16));
+    for (int ks = 0; ks < KSTEPS; ++ks)
+        ldmatrix_x4(Q_frag[ks], smem + (warp * 16 + lane % 16) * STRIDE + ks * 16 + 8 * (lane / 16));
     __syncthreads();                            // shared memory is free for K_j and V_j
 
     const float scale_log2 = sm_scale * LOG2E;  // exp(x) = exp2(x * log2 e): one multiply folded in
-    const int row0 = i0 + warp * WARP_M + g;    // this lane's rows: row0 + 16 mt and row0 + 16 mt + 8
-    float O_acc[MT][NT_O][4];
-    float m_i[MT][2], l_i[MT][2];               // running max (in units of log2), this lane's part of the sum
+    const int row0 = i0 + warp * 16 + g;        // this lane's two rows: row0 and row0 + 8
+    float O_acc[NT_O][4];
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-        for (int nt = 0; nt < NT_O; ++nt) O_acc[mt][nt][0] = O_acc[mt][nt][1] = O_acc[mt][nt][2] = O_acc[mt][nt][3] = 0.0f;
-        m_i[mt][0] = m_i[mt][1] = NEG_INF;
-        l_i[mt][0] = l_i[mt][1] = 0.0f;
-    }
+    for (int nt = 0; nt < NT_O; ++nt) O_acc[nt][0] = O_acc[nt][1] = O_acc[nt][2] = O_acc[nt][3] = 0.0f;
+    float m_i[2] = {NEG_INF, NEG_INF};          // running max, in units of log2
+    float l_i[2] = {0.0f, 0.0f};                // this lane's part of the running sum
 
     const int j_end = causal ? min(N_k, i0 + BLOCK_M) : N_k;
     load_tile<BLOCK_N>(K_j, k, 0, N_k, d);
@@ -183,70 +173,62 @@ flash_mma_forward(const __half* __restrict__ q, const __half* __restrict__ k, co
         load_tile<BLOCK_N>(V_j, v, j0, N_k, d); // in flight while S_ij is computed
         copy_commit();
 
-        // S_ij = Q_i K_j^T on tensor cores; each K_j fragment serves the warp's MT row tiles.
-        float S[MT][NT_S][4];
+        // S_ij = Q_i K_j^T on tensor cores.
+        float S[NT_S][4];
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < NT_S; ++nt) S[mt][nt][0] = S[mt][nt][1] = S[mt][nt][2] = S[mt][nt][3] = 0.0f;
+        for (int nt = 0; nt < NT_S; ++nt) S[nt][0] = S[nt][1] = S[nt][2] = S[nt][3] = 0.0f;
 #pragma unroll
         for (int ks = 0; ks < KSTEPS; ++ks) {
 #pragma unroll
             for (int nt = 0; nt < NT_S; nt += 2) {
                 u32 b[4];   // K_j rows are the columns of B = K_j^T: no transpose needed
                 ldmatrix_x4(b, K_j + (nt * 8 + lane % 8 + 8 * (lane / 16)) * STRIDE + ks * 16 + 8 * ((lane / 8) % 2));
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    mma_16x8x16(S[mt][nt], Q_frag[mt][ks], b[0], b[1]);
-                    mma_16x8x16(S[mt][nt + 1], Q_frag[mt][ks], b[2], b[3]);
-                }
+                mma_16x8x16(S[nt], Q_frag[ks], b[0], b[1]);
+                mma_16x8x16(S[nt + 1], Q_frag[ks], b[2], b[3]);
             }
         }
 
         // Online softmax on the fragments. Masking only where a tile crosses N_k or the diagonal.
         const bool need_mask = j0 + BLOCK_N > N_k || (causal && j0 + BLOCK_N - 1 > i0);
-        u32 P_frag[MT][BLOCK_N / 16][4];        // P_ij in fp16, laid out as the A operand of P_ij V_j
+        float row_max[2] = {NEG_INF, NEG_INF};
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            float row_max[2] = {NEG_INF, NEG_INF};
+        for (int nt = 0; nt < NT_S; ++nt) {
 #pragma unroll
-            for (int nt = 0; nt < NT_S; ++nt) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    float s = S[mt][nt][e] * scale_log2;
-                    if (need_mask) {
-                        const int j = j0 + nt * 8 + 2 * t + (e & 1), i = row0 + 16 * mt + 8 * (e / 2);
-                        if (j >= N_k || (causal && j > i)) s = NEG_INF;
-                    }
-                    S[mt][nt][e] = s;
-                    row_max[e / 2] = fmaxf(row_max[e / 2], s);
+            for (int e = 0; e < 4; ++e) {
+                float s = S[nt][e] * scale_log2;
+                if (need_mask) {
+                    const int j = j0 + nt * 8 + 2 * t + (e & 1), i = row0 + 8 * (e / 2);
+                    if (j >= N_k || (causal && j > i)) s = NEG_INF;
                 }
+                S[nt][e] = s;
+                row_max[e / 2] = fmaxf(row_max[e / 2], s);
             }
-            float alpha[2], m_safe[2];
+        }
+        float alpha[2], m_safe[2];
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {       // the 4 lanes of a quad share a row
-                row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 1));
-                row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 2));
-                const float m_new = fmaxf(m_i[mt][h], row_max[h]);
-                m_safe[h] = m_new == NEG_INF ? 0.0f : m_new;   // a row with no visible key yet
-                alpha[h] = exp2f(m_i[mt][h] - m_safe[h]);
-                m_i[mt][h] = m_new;
-                l_i[mt][h] *= alpha[h];
-            }
+        for (int h = 0; h < 2; ++h) {           // the 4 lanes of a quad share a row
+            row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 1));
+            row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 2));
+            const float m_new = fmaxf(m_i[h], row_max[h]);
+            m_safe[h] = m_new == NEG_INF ? 0.0f : m_new;   // a row with no visible key yet
+            alpha[h] = exp2f(m_i[h] - m_safe[h]);
+            m_i[h] = m_new;
+            l_i[h] *= alpha[h];
+        }
+        u32 P_frag[BLOCK_N / 16][4];            // P_ij in fp16, laid out as the A operand of P_ij V_j
 #pragma unroll
-            for (int nt = 0; nt < NT_S; ++nt) {
-                const float p0 = exp2f(S[mt][nt][0] - m_safe[0]), p1 = exp2f(S[mt][nt][1] - m_safe[0]);
-                const float p2 = exp2f(S[mt][nt][2] - m_safe[1]), p3 = exp2f(S[mt][nt][3] - m_safe[1]);
-                l_i[mt][0] += p0 + p1;
-                l_i[mt][1] += p2 + p3;
-                P_frag[mt][nt / 2][(nt % 2) * 2 + 0] = pack_half2(p0, p1);   // row g
-                P_frag[mt][nt / 2][(nt % 2) * 2 + 1] = pack_half2(p2, p3);   // row g + 8
-            }
+        for (int nt = 0; nt < NT_S; ++nt) {
+            const float p0 = exp2f(S[nt][0] - m_safe[0]), p1 = exp2f(S[nt][1] - m_safe[0]);
+            const float p2 = exp2f(S[nt][2] - m_safe[1]), p3 = exp2f(S[nt][3] - m_safe[1]);
+            l_i[0] += p0 + p1;
+            l_i[1] += p2 + p3;
+            P_frag[nt / 2][(nt % 2) * 2 + 0] = pack_half2(p0, p1);   // row g
+            P_frag[nt / 2][(nt % 2) * 2 + 1] = pack_half2(p2, p3);   // row g + 8
+        }
 #pragma unroll
-            for (int nt = 0; nt < NT_O; ++nt) {
-                O_acc[mt][nt][0] *= alpha[0];  O_acc[mt][nt][1] *= alpha[0];
-                O_acc[mt][nt][2] *= alpha[1];  O_acc[mt][nt][3] *= alpha[1];
-            }
+        for (int nt = 0; nt < NT_O; ++nt) {
+            O_acc[nt][0] *= alpha[0];  O_acc[nt][1] *= alpha[0];
+            O_acc[nt][2] *= alpha[1];  O_acc[nt][3] *= alpha[1];
         }
 
         copy_wait_all();
@@ -261,34 +243,27 @@ flash_mma_forward(const __half* __restrict__ q, const __half* __restrict__ k, co
             for (int nt = 0; nt < NT_O; nt += 2) {
                 u32 b[4];   // V_j is stored key-major; .trans gives the B fragments
                 ldmatrix_x4_trans(b, V_j + (kk * 16 + lane % 8 + 8 * ((lane / 8) % 2)) * STRIDE + nt * 8 + 8 * (lane / 16));
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    mma_16x8x16(O_acc[mt][nt], P_frag[mt][kk], b[0], b[1]);
-                    mma_16x8x16(O_acc[mt][nt + 1], P_frag[mt][kk], b[2], b[3]);
-                }
+                mma_16x8x16(O_acc[nt], P_frag[kk], b[0], b[1]);
+                mma_16x8x16(O_acc[nt + 1], P_frag[kk], b[2], b[3]);
             }
         }
     }
 
     // O_i / l_i and lse_i = (m_i + log2 l_i) ln 2, for the rows and columns that exist.
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
+    for (int h = 0; h < 2; ++h) {
+        l_i[h] += __shfl_xor_sync(0xffffffffu, l_i[h], 1);
+        l_i[h] += __shfl_xor_sync(0xffffffffu, l_i[h], 2);
+        const int i = row0 + 8 * h;
+        if (i >= N_q) continue;
+        const float inv_l = 1.0f / l_i[h];
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            float l = l_i[mt][h];
-            l += __shfl_xor_sync(0xffffffffu, l, 1);
-            l += __shfl_xor_sync(0xffffffffu, l, 2);
-            const int i = row0 + 16 * mt + 8 * h;
-            if (i >= N_q) continue;
-            const float inv_l = 1.0f / l;
-#pragma unroll
-            for (int nt = 0; nt < NT_O; ++nt) {
-                const int col = nt * 8 + 2 * t;
-                if (col < d)
-                    *reinterpret_cast<__half2*>(o + (size_t)i * d + col) =
-                        __floats2half2_rn(O_acc[mt][nt][2 * h] * inv_l, O_acc[mt][nt][2 * h + 1] * inv_l);
-            }
-            if (t == 0) lse[i] = (m_i[mt][h] + log2f(l)) * LN2;
+        for (int nt = 0; nt < NT_O; ++nt) {
+            const int col = nt * 8 + 2 * t;
+            if (col < d)
+                *reinterpret_cast<__half2*>(o + (size_t)i * d + col) =
+                    __floats2half2_rn(O_acc[nt][2 * h] * inv_l, O_acc[nt][2 * h + 1] * inv_l);
         }
+        if (t == 0) lse[i] = (m_i[h] + log2f(l_i[h])) * LN2;
     }
 }

@@ -46,7 +46,7 @@ def require_cupy():
 def compiled_kernel(config: KernelConfig):
     """The ``cupy.RawKernel`` of ``config``, compiled on first use and cached (CuPy also keeps the cubin
     on disk, in ~/.cupy/kernel_cache)."""
-    key = (config.kernel, config.dtype, config.head_dim, config.block_m, config.block_n, config.warp_m, config.cc)
+    key = (config.kernel, config.dtype, config.head_dim, config.block_m, config.block_n, config.cc)
     if key not in _CACHE:
         cupy = require_cupy()
         module = cupy.RawModule(code=source(config.kernel), options=("-std=c++17", *config.defines))

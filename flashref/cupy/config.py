@@ -53,11 +53,10 @@ class KernelConfig:
     block_m: int       # query rows per thread block
     block_n: int       # key rows per step
     cc: int            # compute capability, e.g. 90
-    warp_m: int = 16   # mma kernel: query rows per warp (16 or 32)
 
     @property
     def threads(self) -> int:
-        return (self.block_m // 4) * 16 if self.kernel == "tiled" else (self.block_m // self.warp_m) * 32
+        return (self.block_m // 4) * 16 if self.kernel == "tiled" else (self.block_m // 16) * 32
 
     @property
     def smem_bytes(self) -> int:
@@ -76,7 +75,7 @@ class KernelConfig:
         if self.kernel == "tiled":
             return d + (f"-DELEM_T={_C_TYPES[self.dtype]}",)
         # cp.async exists from sm_80; mma.sync m16n8k16 too (sm_75 has m16n8k8).
-        return d + (f"-DWARP_M={self.warp_m}", f"-DUSE_CP_ASYNC={int(self.cc >= 80)}", f"-DMMA_K8={int(self.cc < 80)}")
+        return d + (f"-DUSE_CP_ASYNC={int(self.cc >= 80)}", f"-DMMA_K8={int(self.cc < 80)}")
 
 
 def kernel_config(kernel: str, dtype: str, d: int, cc: int) -> KernelConfig:
@@ -87,8 +86,10 @@ def kernel_config(kernel: str, dtype: str, d: int, cc: int) -> KernelConfig:
         block_m = 64 if tiled_smem_bytes(D, 64, 64) <= T4_BLOCK_SMEM else 32
         return KernelConfig("tiled", dtype, D, block_m, 64, cc)
     if kernel == "mma":
-        # 8 warps (128 rows) where registers allow, 4 warps on Turing (fewer registers per SM).
-        return KernelConfig("mma", dtype, D, 128 if cc >= 80 else 64, 64, cc)
+        # 8 warps (128 rows) for d <= 64 on sm_80+; 4 warps (64 rows) for larger d, whose registers
+        # then leave room for two blocks per SM (measured faster on an H100), and on Turing, which
+        # would spill registers with 8.
+        return KernelConfig("mma", dtype, D, 128 if cc >= 80 and D <= 64 else 64, 64, cc)
     raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
 
 
