@@ -181,7 +181,8 @@ def memory_target(B=1, H=16, N=131072, d=64):
             "ratio": peak / tensors, "seconds": time.time() - start}
 
 
-def run_grid(impls, ns, ds, causals, modes, rep_ms, progress=True):
+def run_grid(impls, ns, ds, causals, modes, rep_ms, progress=True, checkpoint=None):
+    """Measure every point; ``checkpoint(rows)`` is called every 10 points (partial results survive a kill)."""
     from tqdm.auto import tqdm
 
     points = [(n, d, c, m, i) for d in ds for c in causals for n in ns for m in modes for i in impls
@@ -201,6 +202,8 @@ def run_grid(impls, ns, ds, causals, modes, rep_ms, progress=True):
                          "status": f"unavailable: {type(fn).__name__}: {str(fn)[:120]}"})
             continue
         rows.append(measure(fn, i, B, H, n, d, c, m, rep_ms=rep_ms))
+        if checkpoint is not None and len(rows) % 10 == 0:
+            checkpoint(rows)
     return rows
 
 
@@ -329,11 +332,18 @@ def main(argv=None) -> int:
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     impls = args.impls or IMPLS
     start = time.time()
-    rows = run_grid(impls, ns, args.d, causals, modes, args.rep, progress=not args.no_progress)
     data = {"device": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
             "versions": _versions(), "dtype": "float16", "tokens": TOKENS, "width": WIDTH,
             "flops": "4 B H N^2 d forward (x0.5 causal); backward 2.5x; fwd+bwd 3.5x",
-            "seconds": None, "results": rows}
+            "seconds": None, "complete": False, "results": []}
+
+    def checkpoint(rows):
+        with open(args.out, "w") as f:
+            json.dump({**data, "results": rows, "seconds": time.time() - start}, f, indent=1)
+
+    rows = run_grid(impls, ns, args.d, causals, modes, args.rep, progress=not args.no_progress, checkpoint=checkpoint)
+    data["results"] = rows
+    data["complete"] = True
     if args.memory_target:
         try:
             data["memory_target"] = memory_target()
