@@ -111,6 +111,16 @@ def _is_oom(exc) -> bool:
     return "out of memory" in str(exc).lower() or type(exc).__name__ == "OutOfMemoryError"
 
 
+def _diff_vs_sdpa(out, q, k, v, causal) -> float:
+    import torch
+
+    if hasattr(out, "__cuda_array_interface__") and not isinstance(out, torch.Tensor):
+        out = torch.from_dlpack(out)
+    with torch.no_grad():
+        want = _sdpa("sdpa-flash")(q, k, v, causal)
+    return float((out.float() - want.float()).abs().max())
+
+
 def measure(fn, name, B, H, N, d, causal, mode, rep_ms=100, warmup_ms=25):
     """Time one point; return a result dict (status "ok", "OOM" or "unsupported: ...")."""
     import torch
@@ -137,7 +147,10 @@ def measure(fn, name, B, H, N, d, causal, mode, rep_ms=100, warmup_ms=25):
         else:
             def run():
                 fn(q, k, v, causal).backward(do)
-        run()  # compile / autotune / warm caches outside the timing
+        out = run()  # compile / autotune / warm caches outside the timing
+        if mode == "fwd":  # a fast wrong answer is no result: compare with SDPA's flash backend
+            row["max_abs_diff_vs_sdpa_flash"] = _diff_vs_sdpa(out, q, k, v, causal)
+        out = None
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
