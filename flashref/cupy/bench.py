@@ -39,7 +39,8 @@ def time_ms(fn, warmup: int = 1, reps: int = 5) -> float:
 
 
 def _implementations(q, k, v, causal):
-    """name -> (callable, dtype name) for the same inputs: our kernels and SDPA's flash backend."""
+    """name -> callable on the same inputs: our kernels (fp16; the tiled one in fp32 too) and SDPA's
+    flash backend. Names as in the course benchmark (flashref.bench gpu)."""
     import cupy as cp
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -52,11 +53,11 @@ def _implementations(q, k, v, causal):
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-    impls = {"cupy mma": lambda: flash_attention_forward(cq, ck, cv, causal, kernel="mma"),
-             "cupy tiled fp16": lambda: flash_attention_forward(cq, ck, cv, causal, kernel="tiled"),
-             "sdpa flash": sdpa}
+    impls = {"cupy-mma": lambda: flash_attention_forward(cq, ck, cv, causal, kernel="mma"),
+             "cupy-tiled": lambda: flash_attention_forward(cq, ck, cv, causal, kernel="tiled"),
+             "sdpa-flash": sdpa}
     q32, k32, v32 = (cp.from_dlpack(x.float()) for x in (q, k, v))
-    impls["cupy tiled fp32"] = lambda: flash_attention_forward(q32, k32, v32, causal, kernel="tiled")
+    impls["cupy-tiled-fp32"] = lambda: flash_attention_forward(q32, k32, v32, causal, kernel="tiled")
     return impls
 
 
@@ -111,58 +112,37 @@ if __name__ == "__main__":
 
 
 GPU_BENCH_PATH = os.path.join("book", "data", "gpu_bench.json")
-
-
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _rows_of(path):
-    """(environment, rows) of a benchmark file; rows need impl, N, d, causal and tflops."""
+def load_results(path: str = OUT_PATH):
+    """(device name, forward rows) of a saved benchmark: this module's book/data/cupy_bench.json or the
+    course benchmark's book/data/gpu_bench.json (flashref.bench gpu). Rows: impl, N, d, causal, tflops.
+    A missing file gives ("", [])."""
     path = os.path.join(REPO_ROOT, path)
     if not os.path.exists(path):
-        return {}, []
+        return "", []
     with open(path) as f:
         data = json.load(f)
-    raw = data.get("rows") or data.get("results") or [] if isinstance(data, dict) else data
-    rows = []
-    for r in raw:
-        if not isinstance(r, dict):
-            continue
-        name = r.get("impl") or r.get("name") or r.get("implementation")
-        if name is None or "tflops" not in r or r.get("pass", "forward") not in ("forward", "fwd"):
-            continue
-        if r.get("dtype", "float16") not in ("float16", "fp16", "torch.float16") and not str(name).startswith("cupy"):
-            continue
-        rows.append(dict(impl=str(name), N=int(r["N"]), d=int(r["d"]), causal=bool(r["causal"]),
-                         tflops=float(r["tflops"])))
-    env = data.get("environment", data.get("env", {})) if isinstance(data, dict) else {}
-    return env, rows
+    raw = data.get("rows") or data.get("results") or []
+    device = data.get("device") or data.get("environment", {}).get("device", "")
+    rows = [dict(impl=r["impl"], N=int(r["N"]), d=int(r["d"]), causal=bool(r["causal"]), tflops=float(r["tflops"]))
+            for r in raw if r.get("mode", "fwd") == "fwd" and r.get("status", "ok") == "ok" and r.get("tflops")]
+    return device, rows
 
 
-def load_results(paths=(OUT_PATH, GPU_BENCH_PATH)):
-    """Our measurements (book/data/cupy_bench.json) and, where the course benchmark has run
-    (book/data/gpu_bench.json), its peers, for the notebook's table. Returns (environment, rows)."""
-    env, rows = {}, []
-    for path in paths:
-        e, r = _rows_of(path)
-        env = env or e
-        have = {(x["impl"], x["N"], x["d"], x["causal"]) for x in rows}
-        rows += [x for x in r if (x["impl"], x["N"], x["d"], x["causal"]) not in have]
-    return env, rows
-
-
-def format_table(rows, d: int, causal: bool, baseline: str = "sdpa flash") -> str:
+def format_table(rows, d: int, causal: bool, baseline: str = "sdpa-flash") -> str:
     """TFLOP/s of every implementation at each N (one column per N), and each one's ratio to ``baseline``."""
     sel = [r for r in rows if r["d"] == d and r["causal"] == causal]
     Ns = sorted({r["N"] for r in sel})
     impls = sorted({r["impl"] for r in sel}, key=lambda s: (not s.startswith("cupy"), s))
     value = {(r["impl"], r["N"]): r["tflops"] for r in sel}
     head = f"d = {d}, causal = {causal}: TFLOP/s (ratio to {baseline})"
-    lines = [head, f"{'':18s}" + "".join(f"{'N=' + str(N):>16s}" for N in Ns)]
+    lines = [head, f"{'':16s}" + "".join(f"{'N=' + str(N):>15s}" for N in Ns)]
     for impl in impls:
         cells = []
         for N in Ns:
             t, b = value.get((impl, N)), value.get((baseline, N))
-            cells.append("" if t is None else f"{t:7.1f}" + (f" ({t / b:4.2f})" if b else "       "))
-        lines.append(f"{impl:18s}" + "".join(f"{c:>16s}" for c in cells))
+            cells.append("" if t is None else f"{t:6.1f}" + (f" ({t / b:4.2f})" if b else "       "))
+        lines.append(f"{impl:16s}" + "".join(f"{c:>15s}" for c in cells))
     return "\n".join(lines)
