@@ -12,7 +12,8 @@ proves it with ``tracemalloc``.
 Shapes are ``(N, d)`` or ``(B, H, N, d)``; ``N_q`` may differ from ``N_k``; block sizes need not divide
 N. ``causal=True`` is top-left aligned (query i attends keys j <= i): tiles entirely above the diagonal
 are skipped, never touched, and only tiles that straddle the diagonal are masked. Arithmetic happens in
-the input's dtype (float32 or float64) and the outputs have that dtype.
+the input's dtype for float32 and float64. float16 inputs are computed as a GPU kernel computes them:
+tiles in float32 (fp32 accumulation), the output O rounded back to float16 and lse kept in float32.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ BLOCK_Q = 128
 BLOCK_K = 1024
 
 ORDERS = ("fa1", "fa2")
-_DTYPES = ("float32", "float64")
+_DTYPES = ("float16", "float32", "float64")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -143,6 +144,10 @@ def flash_attention_forward(q, k, v, causal=False, sm_scale=None, block_q=BLOCK_
     if trace is not None and not isinstance(trace, list):
         raise TypeError(f"trace must be a list or None, got {type(trace).__name__}")
     run = _forward_fa2 if order == "fa2" else _forward_fa1
+    if q.dtype == np.float16:  # fp32 accumulation, as on a GPU
+        o, lse = run(*(x.astype(np.float32) for x in (q, k, v)), causal, scale,
+                     tile_ranges(N_q, block_q), tile_ranges(N_k, block_k), trace)
+        return o.astype(np.float16), lse
     return run(q, k, v, causal, scale, tile_ranges(N_q, block_q), tile_ranges(N_k, block_k), trace)
 
 
@@ -233,6 +238,10 @@ def flash_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, b
     _check_backward_arrays(q, o, lse, do)
     if trace is not None and not isinstance(trace, list):
         raise TypeError(f"trace must be a list or None, got {type(trace).__name__}")
+    if q.dtype == np.float16:  # fp32 accumulation, gradients rounded back to float16
+        grads = flash_attention_backward(*(x.astype(np.float32) for x in (q, k, v, o, lse, do)), causal=causal,
+                                         sm_scale=scale, block_q=block_q, block_k=block_k, trace=trace)
+        return tuple(g.astype(np.float16) for g in grads)
     q_tiles, k_tiles = tile_ranges(N_q, block_q), tile_ranges(N_k, block_k)
     delta = np.sum(do * o, axis=-1)                              # D, one per query row
     dq = np.zeros_like(q)
@@ -274,5 +283,7 @@ def _check_backward_arrays(q, o, lse, do):
     for name, x in (("o", o), ("lse", lse), ("do", do)):
         if not isinstance(x, np.ndarray):
             raise TypeError(f"{name} must be a NumPy array, got {type(x).__name__}")
-        if x.dtype != q.dtype:
-            raise TypeError(f"{name} must have the dtype of q ({q.dtype}), got {x.dtype}")
+        allowed = (q.dtype, np.float32) if name == "lse" and q.dtype == np.float16 else (q.dtype,)
+        if x.dtype not in allowed:
+            extra = " or float32" if len(allowed) > 1 else ""
+            raise TypeError(f"{name} must have the dtype of q ({q.dtype}){extra}, got {x.dtype}")
