@@ -103,3 +103,15 @@ def test_numpy_input_is_refused(cp):
     q, k, v = _inputs((1, 1, 4, 4, 16), "float32")
     with pytest.raises(TypeError, match="q must be a CuPy array"):
         flash_attention_forward(q, k, v)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(1, 2, 1, 77, 64), (2, 2, 200, 170, 80), (1, 2, 300, 257, 128)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_turing_variant_on_this_gpu(cp, monkeypatch, causal, shape):
+    """The sm_75 (T4) variant of the mma kernel (m16n8k8, plain loads instead of cp.async, 64-row
+    blocks) also runs on newer GPUs: build it here by pretending to be compute capability 7.5."""
+    import flashref.cupy as fc
+    monkeypatch.setattr(fc, "_compute_capability", lambda cupy: 75)
+    q, k, v = _inputs(shape, "float16", seed=sum(shape) + 1)
+    _check(cp, "mma", q, k, v, causal)
