@@ -1,4 +1,5 @@
-"""Shared test set-up: GPU markers and nbval's `gpu` cell tag."""
+"""Shared test set-up for tests/ and notebooks/ (at the root so that `pytest notebooks/...` alone sees it too):
+GPU markers and nbval's `gpu` cell tag."""
 
 from __future__ import annotations
 
