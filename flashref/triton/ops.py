@@ -18,6 +18,9 @@ from flashref.triton.forward import LOG2E, flash_fwd_kernel
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "") == "1"
 MAX_HEAD_DIM = 256
 DTYPES = ("float16", "bfloat16", "float32")
+# Up to this length the first config that fits is launched without autotuning: timing configs on a
+# problem this small measures launch overhead, and each config would cost a compile.
+SMALL_N = 256
 
 
 def _bucket(n: int) -> int:
@@ -92,14 +95,14 @@ class fixed_configs:
 
 
 def _launch(kernel, name, grid_rows, bh, *args, **meta):
-    """Launch autotuned on a GPU, or one fixed config: under the interpreter, when pinned, or when
-    ``FLASHREF_TRITON_AUTOTUNE=0`` (then the first config that fits the GPU)."""
+    """Launch autotuned on a GPU, or one fixed config: under the interpreter, when pinned, for short
+    sequences (``<= SMALL_N``) or when ``FLASHREF_TRITON_AUTOTUNE=0`` (then the first config that fits)."""
     q = args[0]
     if INTERPRETED:
         cfg = configs.INTERPRETER[name]
     elif name in _PINNED:
         cfg = _PINNED[name]
-    elif not configs.autotune_enabled():
+    elif not configs.autotune_enabled() or meta["TUNE_N"] <= SMALL_N:
         cfg = configs.device_candidates(name, meta["BLOCK_D"], q.element_size(), q.device)[0]
     else:
         rows = "BLOCK_N" if name == "dkdv" else "BLOCK_M"
