@@ -97,7 +97,8 @@ def test_sm_scale_is_used():
 @pytest.mark.parametrize("causal", [False, True])
 def test_strided_inputs(causal):
     """Non-contiguous q, k, v (a (B, N, H, d) buffer seen as (B, H, N, d), and a slice of the head dim) are
-    read through their strides; the result equals the contiguous one's bit for bit."""
+    read through their strides, with no copy; the result matches the contiguous inputs' to fp32 rounding
+    (on a GPU the two may compile with different load widths) and the float64 reference."""
     g = torch.Generator().manual_seed(13)
     base = torch.randn(2, 37, 3, 3, 48, generator=g).to(DEVICE)  # (B, N, 3 tensors, H, d + 8)
     q, k, v = (base[:, :, i].transpose(1, 2)[..., :40] for i in range(3))
@@ -106,7 +107,7 @@ def test_strided_inputs(causal):
     o, dq, dk, dv = flash_forward_backward(flash_attention, q, k, v, do, causal)
     want = flash_forward_backward(flash_attention, *(x.contiguous() for x in (q, k, v, do)), causal)
     for got, ref in zip((o, dq, dk, dv), want):
-        assert torch.equal(got, ref)
+        assert float((got - ref).abs().max()) <= 1e-6 * max(1.0, float(ref.abs().max()))
     _check_against_reference(q, k, v, do, causal)
 
 
