@@ -15,3 +15,7 @@ Modules, one idea each (import the one you need; the GPU ones import torch, trit
 """
 
 __version__ = "0.1.0"
+
+#: The course repository (the same URL as _config.yml's repository.url; a test keeps them equal). Code
+#: that runs on Colab, where only the package is installed, fetches committed data from it.
+REPOSITORY_URL = "https://github.com/flashref/flashref"

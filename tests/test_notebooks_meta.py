@@ -37,6 +37,12 @@ def test_there_are_notebooks():
     assert len(NOTEBOOKS) >= 5
 
 
+def test_package_names_the_repository_of_config_yml():
+    import flashref
+
+    assert flashref.REPOSITORY_URL == _read_yaml_value(os.path.join(ROOT, "_config.yml"), "url")
+
+
 def test_toc_lists_every_notebook_in_order():
     toc = open(os.path.join(ROOT, "_toc.yml")).read()
     listed = re.findall(r"file:\s*notebooks/(\S+)", toc)

@@ -21,9 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import sys
 import time
+
+from flashref import REPOSITORY_URL
 
 IMPLS = ["flashref-triton", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math", "plain", "cupy-tiled",
          "cupy-mma"]
@@ -220,19 +223,20 @@ def run_grid(impls, ns, ds, causals, modes, rep_ms, progress=True, checkpoint=No
     return rows
 
 
-RESULTS_URL = "https://raw.githubusercontent.com/flashref/flashref/main/book/data/gpu_bench.json"
+RESULTS_URL = REPOSITORY_URL.replace("https://github.com/", "https://raw.githubusercontent.com/") + \
+    "/main/book/data/gpu_bench.json"
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def load_results(path=None) -> dict:
-    """The committed benchmark run: ``path``, else book/data/gpu_bench.json beside the notebooks, else (on
-    Colab, where only the package is installed) the copy in the course repository."""
-    import os
+    """The committed benchmark run: ``path``, else book/data/gpu_bench.json of the checkout this package
+    lives in, else (on Colab, where only the package is installed) the copy in the course repository."""
     import urllib.request
 
-    for candidate in [path] if path else ["book/data/gpu_bench.json", "../book/data/gpu_bench.json"]:
-        if candidate and os.path.exists(candidate):
-            with open(candidate) as f:
-                return json.load(f)
+    candidate = path or os.path.join(_REPO_ROOT, "book", "data", "gpu_bench.json")
+    if os.path.exists(candidate):
+        with open(candidate) as f:
+            return json.load(f)
     if path:
         raise FileNotFoundError(path)
     with urllib.request.urlopen(RESULTS_URL, timeout=30) as response:

@@ -9,6 +9,7 @@ import os
 
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
 
 from flashref import validation
 from flashref.triton import configs
@@ -103,16 +104,44 @@ def _launch(kernel, name, grid_rows, bh, *args, **meta):
     elif name in _PINNED:
         cfg = _PINNED[name]
     elif not configs.autotune_enabled() or meta["TUNE_N"] <= SMALL_N:
-        cfg = configs.device_candidates(name, meta["BLOCK_D"], q.element_size(), q.device)[0]
+        _launch_first_fit(kernel, name, grid_rows, bh, args, meta)
+        return
     else:
         rows = "BLOCK_N" if name == "dkdv" else "BLOCK_M"
         grid = lambda m: (triton.cdiv(grid_rows, m[rows]), bh)  # noqa: E731
         _TUNED[name][grid](*args, **meta)
         return
+    _launch_config(kernel, name, grid_rows, bh, cfg, args, meta)
+
+
+def _launch_config(kernel, name, grid_rows, bh, cfg, args, meta):
     block_rows = cfg.block_n if name == "dkdv" else cfg.block_m
     grid = (triton.cdiv(grid_rows, block_rows), bh)
     extra = {} if INTERPRETED else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     kernel[grid](*args, **meta, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **extra)
+
+
+_FIRST_FIT = {}
+
+
+def _launch_first_fit(kernel, name, grid_rows, bh, args, meta):
+    """Launch the first candidate config the compiler accepts, and remember it. The shared-memory estimate
+    prunes the candidates, but the compiler has the last word and its layout differs between Triton
+    versions (seen: Triton 3.6 on an H100 keeping num_stages copies of K and V at d = 256, one more than
+    the estimate), so a config that runs out of shared memory falls through to the next one."""
+    q = args[0]
+    key = (name, meta["BLOCK_D"], q.dtype, str(q.device), meta.get("CAUSAL"), configs.t4_mode())
+    cands = [_FIRST_FIT[key]] if key in _FIRST_FIT else \
+        configs.device_candidates(name, meta["BLOCK_D"], q.element_size(), q.device)
+    for i, cfg in enumerate(cands):
+        try:
+            _launch_config(kernel, name, grid_rows, bh, cfg, args, meta)
+        except OutOfResources:
+            if i == len(cands) - 1:
+                raise
+            continue
+        _FIRST_FIT[key] = cfg
+        return
 
 
 def _forward(q, k, v, causal: bool, scale: float):
