@@ -15,7 +15,6 @@ import argparse
 import glob
 import hashlib
 import os
-import subprocess
 import sys
 import time
 
@@ -72,10 +71,7 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=int, default=1800, help="seconds a cell may run")
     args = parser.parse_args(argv)
     paths = args.notebooks or sorted(glob.glob("notebooks/*.ipynb"))
-    if len(paths) > 1:
-        # One process per notebook, so each gets a fresh kernel manager (seen on the GPU machine: the
-        # second kernel started from one process failing to come up).
-        for path in paths:
+    for path in paths:
             subprocess.run([sys.executable, "-m", "flashref.run_notebooks", "--timeout", str(args.timeout), path],
                            check=True)
         return 0
