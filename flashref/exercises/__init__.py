@@ -38,6 +38,14 @@ def wrong(message: str) -> Verdict:
     return Verdict(False, f"Not quite: {message}")
 
 
+def as_number(x):
+    """``float(x)``, or None when the answer is not a number (checkers then say so instead of raising)."""
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return None
+
+
 def check_number(answer, expected: float, *, what: str, rel: float = 1e-9, hint: str = "",
                  explain: str = "") -> Verdict:
     """Compare a numeric answer with ``expected`` to a relative tolerance."""
@@ -58,7 +66,10 @@ def check_array(answer, expected, *, what: str, rtol: float = 1e-6, atol: float 
     """Compare an array answer with ``expected``: shape first, then values."""
     if answer is None:
         return Verdict(False, NOT_ANSWERED)
-    answer = np.asarray(answer, dtype=np.float64)
+    try:
+        answer = np.asarray(answer, dtype=np.float64)
+    except (TypeError, ValueError):
+        return wrong(f"{what} should be an array of numbers, got {type(answer).__name__}: {answer!r}.")
     expected = np.asarray(expected, dtype=np.float64)
     if answer.shape != expected.shape:
         return wrong(f"{what} should have shape {expected.shape}, got {answer.shape}.")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from flashref import reference
-from flashref.exercises import Verdict, check_array, check_number, wrong
+from flashref.exercises import Verdict, as_number, check_array, check_number, wrong
 
 #: Exercise "stored P": batch 4, 16 heads, N = 4096, P in fp16.
 P_BATCH, P_HEADS, P_N, P_DTYPE = 4, 16, 4096, "float16"
@@ -25,7 +25,7 @@ FLOP_N, FLOP_D = 4096, 64
 def check_stored_p_bytes(answer) -> Verdict:
     """Bytes a backward that stores P would keep from the forward, for the configuration above."""
     expected = reference.score_matrix_bytes(P_N, heads=P_HEADS, batch=P_BATCH, dtype=P_DTYPE)
-    value = _number(answer)
+    value = as_number(answer)
     if value == 2 * expected:
         return wrong("that is S and P; the backward only needs P kept.")
     if value == P_BATCH * P_HEADS * P_N * 2:
@@ -66,7 +66,7 @@ def expected_recompute_flops() -> int:
 def check_recompute_flops(answer) -> Verdict:
     """Extra FLOPs the backward spends recomputing S = Q K^T for one head, N = 4096, d = 64."""
     expected = expected_recompute_flops()
-    value = _number(answer)
+    value = as_number(answer)
     if value == 4 * FLOP_N * FLOP_N * FLOP_D:
         return wrong("that is the whole forward (two matmuls); recomputing P needs only S = Q K^T again.")
     if value == FLOP_N * FLOP_N * FLOP_D:
@@ -76,9 +76,3 @@ def check_recompute_flops(answer) -> Verdict:
                         explain=f"2 N^2 d = {expected:,} FLOPs: the backward's four matmuls become five "
                                 "(8 N^2 d to 10 N^2 d, 2.5 times the forward).")
 
-
-def _number(x):
-    try:
-        return float(x)
-    except (TypeError, ValueError):
-        return None

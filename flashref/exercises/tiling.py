@@ -11,7 +11,7 @@ exercises and the code cannot disagree.
 from __future__ import annotations
 
 from flashref import numpy_flash
-from flashref.exercises import Verdict, check_number, wrong
+from flashref.exercises import Verdict, as_number, check_number, wrong
 
 #: Exercise "causal tiles": N = 1024, 64 query rows and 128 keys a tile.
 CAUSAL_N, CAUSAL_BLOCK_Q, CAUSAL_BLOCK_K = 1024, 64, 128
@@ -28,9 +28,9 @@ def check_causal_tiles(answer) -> Verdict:
     """Tiles a causal forward visits at N = 1024 with 64 x 128 tiles."""
     expected = expected_causal_tiles()
     n_q, n_k = CAUSAL_N // CAUSAL_BLOCK_Q, CAUSAL_N // CAUSAL_BLOCK_K
-    if answer is not None and _number(answer) == n_q * n_k:
+    if answer is not None and as_number(answer) == n_q * n_k:
         return wrong(f"{n_q * n_k} is every tile of the {n_q} x {n_k} grid; causal skips those above the diagonal.")
-    if answer is not None and _number(answer) == n_k * (n_k + 1) // 2:
+    if answer is not None and as_number(answer) == n_k * (n_k + 1) // 2:
         return wrong("that counts square tiles; here a tile is 64 query rows by 128 keys, so each key block "
                      "spans two query blocks.")
     return check_number(answer, expected, what="the number of tiles visited",
@@ -47,7 +47,7 @@ def expected_tile_set_bytes() -> int:
 def check_tile_set_bytes(answer) -> Verdict:
     """Bytes of Q_i, K_j, V_j (32 x 128, fp16) and S_ij (32 x 32, fp32) together."""
     expected = expected_tile_set_bytes()
-    value = _number(answer)
+    value = as_number(answer)
     if value == 3 * SRAM_BLOCK * SRAM_D * 2:
         return wrong("that is Q_i, K_j and V_j; add the 32 x 32 score tile S_ij in fp32.")
     if value == 3 * SRAM_BLOCK * SRAM_D * 2 + SRAM_BLOCK * SRAM_BLOCK * 2:
@@ -59,9 +59,3 @@ def check_tile_set_bytes(answer) -> Verdict:
                         explain=f"3 * 32 * 128 * 2 + 32 * 32 * 4 = {expected} bytes = {expected / 1024:g} KiB, "
                                 "a small part of an SM's shared memory.")
 
-
-def _number(x):
-    try:
-        return float(x)
-    except (TypeError, ValueError):
-        return None
