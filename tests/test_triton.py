@@ -222,3 +222,22 @@ def test_backward_rejects_bad_lse_and_do():
         flash_attention_backward(q, k, v, o, lse[..., :4], do)
     with pytest.raises(ValueError, match="do must have the shape of o"):
         flash_attention_backward(q, k, v, o, lse, do[..., :4, :])
+
+
+def test_every_listed_config_keeps_the_tile_rule():
+    from flashref.triton import configs
+
+    for kernel, pools in configs.KERNELS.items():
+        for cfg in [*pools["large"], *pools["t4"], configs.INTERPRETER[kernel]]:
+            configs.check_tile(kernel, cfg)
+
+
+@pytest.mark.parametrize("kernel,cfg", [("forward", (16, 32, 4, 1)), ("dq", (16, 32, 4, 1)), ("dkdv", (32, 16, 4, 1))])
+def test_pinned_config_breaking_the_tile_rule_is_refused(kernel, cfg):
+    """A pinned config whose diagonal would not be whole tiles raises instead of computing garbage."""
+    from flashref.triton import configs
+    from flashref.triton.ops import fixed_configs
+
+    q, k, v, do = make_qkv(1, 1, 40, 40, 16, torch.float32, DEVICE, seed=23)
+    with fixed_configs(**{kernel: configs.TileConfig(*cfg)}), pytest.raises(ValueError, match="multiple of"):
+        flash_forward_backward(flash_attention, q, k, v, do, True)

@@ -82,3 +82,10 @@ def test_t4_configs_are_smaller_than_h100_configs(compiled_rows):
     fwd = lambda gpu: max(row[4] for row in compiled_rows if row[0] == gpu and row[1] == "forward" and row[2] == 128)  # noqa: E731
     assert fwd("T4") <= 64 * 1024 < 227 * 1024
     assert fwd("T4") <= fwd("H100")
+
+
+def test_estimate_bounds_what_the_compiler_reports(compiled_rows):
+    """The pruner trusts the estimate, so it must not undercount: within 4 KB (single-stage configs carry a
+    few small buffers it leaves out) of the compiler's figure for a launch on contiguous tensors."""
+    under = [row for row in compiled_rows if row[4] > row[5] + 4096]
+    assert not under, f"configs the estimate undercounts by more than 4 KB: {under}"

@@ -41,10 +41,28 @@ def _kernel(kernel: str):
     return {"forward": flash_fwd_kernel, "dkdv": flash_bwd_dkdv_kernel, "dq": flash_bwd_dq_kernel}[kernel]
 
 
+def _launch_specialization(fn, constexprs: dict, signature: dict) -> dict:
+    """Specialize the arguments as a real launch on contiguous tensors does, so the compiled figure is the
+    one the GPU sees: Triton turns an integer argument equal to 1 (the head-dim strides) into a constant,
+    and marks pointers and integers divisible by 16 (base addresses, row strides) with that fact. Both let
+    it load 16-byte vectors and pipeline them with asynchronous copies; without them it compiles scalar
+    loads that need far less shared memory (seen: 96 KB instead of 224 KB for the largest H100 forward)."""
+    attrs = {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            continue
+        if name.startswith("stride_") and name.endswith("d"):
+            constexprs[name] = 1
+            signature[name] = "constexpr"
+        elif signature[name].startswith("*") or name.startswith("stride_"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return attrs
+
+
 def compile_config(kernel: str, cfg: configs.TileConfig, capability: int, head_dim: int, dtype: str = "float16",
                    causal: bool = False):
-    """Compile one config of ``kernel`` for a GPU of compute ``capability``; return the compiled kernel
-    (``.metadata.shared`` is its shared memory in bytes, ``.n_regs`` its registers per thread)."""
+    """Compile one config of ``kernel`` for a GPU of compute ``capability`` as a launch on contiguous tensors
+    would; return the compiled kernel (``.metadata.shared`` is its shared memory in bytes)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -62,7 +80,8 @@ def compile_config(kernel: str, cfg: configs.TileConfig, capability: int, head_d
         raise AssertionError(f"{kernel}: {len(runtime)} runtime arguments, signature has {len(types)}")
     signature = dict(zip(runtime, types))
     signature.update({n: "constexpr" for n in constexprs})
-    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    attrs = _launch_specialization(fn, constexprs, signature)
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     target = GPUTarget("cuda", capability, 32)
     return triton.compile(src, target=target, options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
 

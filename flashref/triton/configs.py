@@ -36,18 +36,18 @@ class TileConfig:
 # Forward and dQ kernels: BLOCK_M % BLOCK_N == 0. dK/dV kernel: BLOCK_N % BLOCK_M == 0 (BLOCK_N keys
 # stay resident, BLOCK_M queries stream past), so the diagonal is always whole tiles.
 FORWARD = {
-    "large": [TileConfig(128, 64, 4, 3), TileConfig(128, 128, 8, 3), TileConfig(128, 64, 8, 4),
-              TileConfig(128, 128, 8, 2), TileConfig(64, 64, 4, 3), TileConfig(64, 32, 4, 2)],
+    "large": [TileConfig(128, 64, 4, 3), TileConfig(128, 128, 8, 3), TileConfig(128, 64, 8, 3),
+              TileConfig(128, 64, 8, 4), TileConfig(128, 128, 8, 2), TileConfig(64, 64, 4, 3), TileConfig(64, 32, 4, 2)],
     "t4": [TileConfig(64, 64, 4, 2), TileConfig(64, 32, 4, 2), TileConfig(32, 32, 4, 2), TileConfig(16, 16, 4, 1)],
 }
 BACKWARD_DKDV = {
-    "large": [TileConfig(32, 128, 4, 3), TileConfig(64, 128, 8, 3), TileConfig(32, 64, 4, 3),
-              TileConfig(16, 32, 4, 1)],
+    "large": [TileConfig(32, 128, 4, 3), TileConfig(64, 128, 8, 3), TileConfig(64, 128, 4, 3),
+              TileConfig(32, 64, 4, 3), TileConfig(16, 32, 4, 1)],
     "t4": [TileConfig(32, 64, 4, 2), TileConfig(16, 64, 4, 2), TileConfig(16, 32, 4, 1), TileConfig(16, 16, 4, 1)],
 }
 BACKWARD_DQ = {
-    "large": [TileConfig(128, 32, 4, 3), TileConfig(128, 64, 8, 3), TileConfig(64, 32, 4, 3),
-              TileConfig(32, 16, 4, 1)],
+    "large": [TileConfig(128, 32, 4, 3), TileConfig(128, 64, 8, 3), TileConfig(128, 64, 4, 3),
+              TileConfig(64, 32, 4, 3), TileConfig(32, 16, 4, 1)],
     "t4": [TileConfig(64, 32, 4, 2), TileConfig(64, 16, 4, 2), TileConfig(32, 16, 4, 1), TileConfig(16, 16, 4, 1)],
 }
 KERNELS = {"forward": FORWARD, "dkdv": BACKWARD_DKDV, "dq": BACKWARD_DQ}
@@ -72,8 +72,9 @@ def shared_bytes_estimate(kernel: str, cfg: TileConfig, block_d: int, elem_bytes
     ``tests/test_triton_compile.py``).
 
     forward keeps a resident Q tile (block_m x d) and streams K and V (block_n x d each); dq keeps Q and dO
-    and streams K and V; dkdv keeps K and V (block_n x d) and streams Q and dO (block_m x d). From sm_80 on, Triton pipelines the streamed
-    tiles through shared memory with asynchronous copies, once per stage. Before sm_80 (a T4) there are
+    and streams K and V; dkdv keeps K and V (block_n x d) and streams Q and dO (block_m x d). From sm_80 on,
+    Triton pipelines the streamed tiles through shared memory with asynchronous copies: num_stages - 1 copies
+    in flight on an A100, num_stages on an H100. Before sm_80 (a T4) there are
     no asynchronous copies: shared memory holds the dot operands while they change register layout, about
     two tiles per row of the resident side and one per streamed row in the forward, twice that backward.
     """
@@ -84,11 +85,30 @@ def shared_bytes_estimate(kernel: str, cfg: TileConfig, block_d: int, elem_bytes
     if capability < 80:
         rows = 2 * resident + 2 * streamed if kernel == "forward" else 4 * resident + 2 * streamed
         return rows * block_d * elem_bytes
-    # num_stages - 1 copies of the streamed pair are in flight; the score tile may be staged once more.
-    in_flight = max(cfg.num_stages - 1, 1)
     n_resident = 1 if kernel == "forward" else 2  # Q; K and V; Q and dO
-    tiles = (n_resident * resident + in_flight * 2 * streamed) * block_d + cfg.block_m * cfg.block_n
+    # Unpipelined (one stage), dkdv stages one more streamed tile for a layout change.
+    relayout = streamed if kernel == "dkdv" and cfg.num_stages == 1 else 0
+    if capability >= 90:
+        # Hopper: the tensor cores read both operands from shared memory, and Triton keeps num_stages copies
+        # of the streamed pair there (no staged score tile); dkdv also stages three fp32 numbers per query row.
+        row_stats = 3 * cfg.num_stages * cfg.block_m * 4 if kernel == "dkdv" else 0
+        return (n_resident * resident + (cfg.num_stages * 2) * streamed + relayout) * block_d * elem_bytes + row_stats
+    # sm_80: num_stages - 1 copies of the streamed pair are in flight; the score tile may be staged once more.
+    in_flight = max(cfg.num_stages - 1, 1)
+    tiles = (n_resident * resident + in_flight * 2 * streamed + relayout) * block_d + cfg.block_m * cfg.block_n
     return tiles * elem_bytes
+
+
+def check_tile(kernel: str, cfg: TileConfig) -> None:
+    """Raise ValueError if ``cfg`` breaks the tile rule of ``kernel``: forward and dq need BLOCK_M a multiple
+    of BLOCK_N, dkdv BLOCK_N a multiple of BLOCK_M (so causal diagonals are whole tiles). A config that
+    breaks it would compute garbage on the diagonal, so pinned configs are checked before launch."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {sorted(KERNELS)}, got {kernel!r}")
+    big, small, names = ((cfg.block_n, cfg.block_m, ("block_n", "block_m")) if kernel == "dkdv"
+                         else (cfg.block_m, cfg.block_n, ("block_m", "block_n")))
+    if big % small:
+        raise ValueError(f"{kernel} config {cfg}: {names[0]} must be a multiple of {names[1]}, got {big} and {small}")
 
 
 def candidates(kernel: str, block_d: int, elem_bytes: int, shared_limit: int, t4: bool = False,

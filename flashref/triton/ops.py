@@ -96,13 +96,13 @@ class fixed_configs:
 
 
 def _launch(kernel, name, grid_rows, bh, *args, **meta):
-    """Launch autotuned on a GPU, or one fixed config: under the interpreter, when pinned, for short
+    """Launch autotuned on a GPU, or one fixed config: when pinned, under the interpreter, for short
     sequences (``<= SMALL_N``) or when ``FLASHREF_TRITON_AUTOTUNE=0`` (then the first config that fits)."""
     q = args[0]
-    if INTERPRETED:
-        cfg = configs.INTERPRETER[name]
-    elif name in _PINNED:
+    if name in _PINNED:
         cfg = _PINNED[name]
+    elif INTERPRETED:
+        cfg = configs.INTERPRETER[name]
     elif not configs.autotune_enabled() or meta["TUNE_N"] <= SMALL_N:
         _launch_first_fit(kernel, name, grid_rows, bh, args, meta)
         return
@@ -115,6 +115,7 @@ def _launch(kernel, name, grid_rows, bh, *args, **meta):
 
 
 def _launch_config(kernel, name, grid_rows, bh, cfg, args, meta):
+    configs.check_tile(name, cfg)
     block_rows = cfg.block_n if name == "dkdv" else cfg.block_m
     grid = (triton.cdiv(grid_rows, block_rows), bh)
     extra = {} if INTERPRETED else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
