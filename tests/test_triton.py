@@ -8,6 +8,8 @@ precision (factor 2 forward, 3 for gradients).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -38,9 +40,10 @@ def _atol(q, ref):
     return 1e-5 * max(1.0, float(np.abs(ref).max())) if q.dtype == torch.float32 else None
 
 
-def _check_against_reference(q, k, v, do, causal, sm_scale=None):
+def _check_against_reference(q, k, v, do, causal, sm_scale=None, deterministic=True):
     """Forward, lse and the three gradients against float64, with plain attention in q's dtype as baseline."""
-    o, dq, dk, dv = flash_forward_backward(flash_attention, q, k, v, do, causal, sm_scale)
+    fn = functools.partial(flash_attention, deterministic=deterministic)
+    o, dq, dk, dv = flash_forward_backward(fn, q, k, v, do, causal, sm_scale)
     _, lse = flash_attention_forward(q, k, v, causal=causal, sm_scale=sm_scale)
     q64, k64, v64, do64 = (_np64(x) for x in (q, k, v, do))
     ref_o, ref_lse = reference.attention(q64, k64, v64, causal=causal, sm_scale=sm_scale, return_lse=True)
@@ -109,6 +112,27 @@ def test_strided_inputs(causal):
     for got, ref in zip((o, dq, dk, dv), want):
         assert float((got - ref).abs().max()) <= 1e-6 * max(1.0, float(ref.abs().max()))
     _check_against_reference(q, k, v, do, causal)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("N_q,N_k,d", [(1, 17, 16), (33, 47, 40), (65, 64, 64), (70, 10, 16)])
+def test_atomic_dq_matches_reference(N_q, N_k, d, causal, dtype):
+    """deterministic=False: the dK/dV kernel adds dQ atomically (no dQ kernel); same tolerance rule."""
+    q, k, v, do = make_qkv(1, 2, N_q, N_k, d, dtype, DEVICE, seed=29 + N_q + d)
+    _check_against_reference(q, k, v, do, causal, deterministic=False)
+
+
+def test_atomic_dq_agrees_with_the_deterministic_path():
+    q, k, v, do = make_qkv(2, 2, 50, 70, 32, torch.float32, DEVICE, seed=31)
+    det = flash_forward_backward(flash_attention, q, k, v, do, True)
+    atomic = flash_forward_backward(functools.partial(flash_attention, deterministic=False), q, k, v, do, True)
+    for a, b in zip(det, atomic):
+        assert float((a - b).abs().max()) < 1e-5
+    o, lse = flash_attention_forward(q, k, v, causal=True)
+    explicit = flash_attention_backward(q, k, v, o, lse, do, causal=True, deterministic=False)
+    for a, b in zip(explicit, det[1:]):
+        assert float((a - b).abs().max()) < 1e-5
 
 
 def test_backward_function_matches_autograd():
@@ -187,6 +211,15 @@ def test_rejects_mixed_dtypes_and_ints():
         flash_attention(q, k.half(), v)
     with pytest.raises(TypeError, match="dtype float16 or bfloat16 or float32"):
         flash_attention(q.int(), k.int(), v.int())
+
+
+def test_rejects_non_bool_deterministic():
+    q, k, v, do = make_qkv(1, 1, 4, 4, 16, torch.float32, DEVICE)
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        flash_attention(q, k, v, deterministic=1)
+    o, lse = flash_attention_forward(q, k, v)
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        flash_attention_backward(q, k, v, o, lse, do, deterministic="no")
 
 
 def test_rejects_bad_causal_and_scale():

@@ -15,7 +15,10 @@ Three launches:
 - ``flash_bwd_dq_kernel``: one program per Q tile accumulates dQ over the K/V tiles.
 
 Each output element is written by exactly one program, so there are no atomic additions and the result
-is bitwise deterministic; the price is computing Q K^T and dO V^T twice (once per kernel).
+is bitwise deterministic; the price is computing Q K^T and dO V^T twice (once per kernel): 7 tile products
+where 5 would do. With ``ATOMIC_DQ`` the dK/dV kernel also adds its share of dQ = sm_scale dS K into an
+fp32 buffer with atomic additions, as FlashAttention-2 does, and the dQ kernel is not launched: 5 products,
+but the order of the additions, and so the last bits of dQ, change from run to run.
 """
 
 from __future__ import annotations
@@ -48,13 +51,13 @@ def flash_bwd_preprocess_kernel(O, DO, Delta,
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, q_base, do_base, m2_base, l2_base, delta_base,
-                stride_qm, stride_qd, stride_dom, stride_dod,
-                start_n, lo, hi, N_q, qk_scale, offs_n, offs_d,
+def _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base,
+                stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
+                start_n, lo, hi, N_q, sm_scale, qk_scale, offs_n, offs_d,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr):
+                MASKED: tl.constexpr, CAUSAL: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT: tl.constexpr):
     """Add the contributions of the query tiles [lo, hi) to this K/V tile's dK and dV (transposed form:
-    rows are keys, columns are queries)."""
+    rows are keys, columns are queries), and with ATOMIC_DQ this tile's share of each query tile's dQ."""
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m0
@@ -86,24 +89,30 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, m2_base, l2_base, delta_base,
         p_t = tl.exp2(x_t)
         dv += _dot(p_t.to(do.dtype), do, DOT)
         dp_t = _dot(v, tl.trans(do), DOT)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk += _dot(ds_t.to(q.dtype), q, DOT)
+        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+        dk += _dot(ds_t, q, DOT)
+        if ATOMIC_DQ:  # every K/V tile's program adds into the same dQ rows, in whatever order they run
+            dq = _dot(tl.trans(ds_t), k, DOT) * sm_scale
+            dq_ptrs = dq_base + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
+            tl.atomic_add(dq_ptrs, dq, mask=(offs_m[:, None] < N_q) & (offs_d[None, :] < HEAD_DIM), sem="relaxed")
     return dk, dv
 
 
 @triton.jit(do_not_specialize=["H", "N_q", "N_k", "TUNE_N"])
-def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, M2, L2, Delta,
+def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, M2, L2, Delta,
                           stride_qb, stride_qh, stride_qm, stride_qd,
                           stride_kb, stride_kh, stride_kn, stride_kd,
                           stride_vb, stride_vh, stride_vn, stride_vd,
                           stride_dob, stride_doh, stride_dom, stride_dod,
                           stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                           stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+                          stride_dqb, stride_dqh, stride_dqm, stride_dqd,
                           H, N_q, N_k, sm_scale, qk_scale, TUNE_N,
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          CAUSAL: tl.constexpr, DOT: tl.constexpr):
-    """Program (pid_n, pid_bh) writes dK and dV of keys pid_n*BLOCK_N : +BLOCK_N. Needs BLOCK_N % BLOCK_M == 0."""
+                          CAUSAL: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT: tl.constexpr):
+    """Program (pid_n, pid_bh) writes dK and dV of keys pid_n*BLOCK_N : +BLOCK_N. Needs BLOCK_N % BLOCK_M == 0.
+    With ATOMIC_DQ it also adds into DQ (fp32, zeroed by the caller); otherwise DQ is not touched."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -123,6 +132,7 @@ def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, M2, L2, Delta,
     m2_base = M2 + pid_bh.to(tl.int64) * N_q
     l2_base = L2 + pid_bh.to(tl.int64) * N_q
     delta_base = Delta + pid_bh.to(tl.int64) * N_q
+    dq_base = DQ + b64 * stride_dqb + h64 * stride_dqh
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
@@ -131,21 +141,21 @@ def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, M2, L2, Delta,
     full_lo = 0
     if CAUSAL:
         diag_hi = tl.minimum(start_n + BLOCK_N, N_q)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, m2_base, l2_base, delta_base,
-                             stride_qm, stride_qd, stride_dom, stride_dod,
-                             start_n, start_n, diag_hi, N_q, qk_scale, offs_n, offs_d,
-                             HEAD_DIM, BLOCK_D, BLOCK_M, True, CAUSAL, DOT)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base,
+                             stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
+                             start_n, start_n, diag_hi, N_q, sm_scale, qk_scale, offs_n, offs_d,
+                             HEAD_DIM, BLOCK_D, BLOCK_M, True, CAUSAL, ATOMIC_DQ, DOT)
         full_lo = start_n + BLOCK_N
     # Phase 2: full query tiles below the diagonal, no mask. Phase 3: the ragged last query tile.
     full_hi = tl.maximum(full_lo, (N_q // BLOCK_M) * BLOCK_M)
-    dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, m2_base, l2_base, delta_base,
-                         stride_qm, stride_qd, stride_dom, stride_dod,
-                         start_n, full_lo, full_hi, N_q, qk_scale, offs_n, offs_d,
-                         HEAD_DIM, BLOCK_D, BLOCK_M, False, CAUSAL, DOT)
-    dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, m2_base, l2_base, delta_base,
-                         stride_qm, stride_qd, stride_dom, stride_dod,
-                         start_n, full_hi, N_q, N_q, qk_scale, offs_n, offs_d,
-                         HEAD_DIM, BLOCK_D, BLOCK_M, True, CAUSAL, DOT)
+    dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base,
+                         stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
+                         start_n, full_lo, full_hi, N_q, sm_scale, qk_scale, offs_n, offs_d,
+                         HEAD_DIM, BLOCK_D, BLOCK_M, False, CAUSAL, ATOMIC_DQ, DOT)
+    dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base,
+                         stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
+                         start_n, full_hi, N_q, N_q, sm_scale, qk_scale, offs_n, offs_d,
+                         HEAD_DIM, BLOCK_D, BLOCK_M, True, CAUSAL, ATOMIC_DQ, DOT)
 
     dk = dk * sm_scale
     tl.store(DK + b64 * stride_dkb + h64 * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,

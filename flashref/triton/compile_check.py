@@ -28,7 +28,7 @@ def _signature(kernel: str, dtype: str):
     if kernel == "forward":
         return [ptr] * 4 + [f32p] * 3 + strides(4) + ["i32"] * 3 + ["fp32"] + ["i32"]
     if kernel == "dkdv":
-        return [ptr] * 6 + [f32p] * 3 + strides(6) + ["i32"] * 3 + ["fp32", "fp32"] + ["i32"]
+        return [ptr] * 6 + [f32p] * 4 + strides(7) + ["i32"] * 3 + ["fp32", "fp32"] + ["i32"]
     if kernel == "dq":
         return [ptr] * 5 + [f32p] * 3 + strides(5) + ["i32"] * 3 + ["fp32", "fp32"] + ["i32"]
     raise ValueError(f"kernel must be 'forward', 'dkdv' or 'dq', got {kernel!r}")
@@ -74,6 +74,8 @@ def compile_config(kernel: str, cfg: configs.TileConfig, capability: int, head_d
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
                   "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "CAUSAL": causal,
                   "DOT": 1 if dtype == "float32" else 0}
+    if kernel == "dkdv":
+        constexprs["ATOMIC_DQ"] = False  # the default, deterministic path
     types = _signature(kernel, dtype)
     runtime = [n for n in fn.arg_names if n not in constexprs]
     if len(runtime) != len(types):

@@ -30,8 +30,11 @@ def _bucket(n: int) -> int:
 
 
 def _autotuned(kernel, name: str):
-    return triton.autotune(configs=configs.autotune_configs(name), key=["TUNE_N", "HEAD_DIM", "CAUSAL"],
-                           prune_configs_by={"early_config_prune": configs.make_pruner(name)})(kernel)
+    # dkdv may add into DQ atomically: the autotuner zeroes it before each trial and after the last one.
+    extra = {"reset_to_zero": ["DQ"]} if name == "dkdv" else {}
+    key = ["TUNE_N", "HEAD_DIM", "CAUSAL"] + (["ATOMIC_DQ"] if name == "dkdv" else [])
+    return triton.autotune(configs=configs.autotune_configs(name), key=key,
+                           prune_configs_by={"early_config_prune": configs.make_pruner(name)}, **extra)(kernel)
 
 
 if not INTERPRETED:
@@ -131,7 +134,8 @@ def _launch_first_fit(kernel, name, grid_rows, bh, args, meta):
     versions (seen: Triton 3.6 on an H100 keeping num_stages copies of K and V at d = 256, one more than
     the estimate), so a config that runs out of shared memory falls through to the next one."""
     q = args[0]
-    key = (name, meta["BLOCK_D"], q.dtype, str(q.device), meta.get("CAUSAL"), configs.t4_mode())
+    key = (name, meta["BLOCK_D"], q.dtype, str(q.device), meta.get("CAUSAL"), meta.get("ATOMIC_DQ"),
+           configs.t4_mode())
     cands = [_FIRST_FIT[key]] if key in _FIRST_FIT else \
         configs.device_candidates(name, meta["BLOCK_D"], q.element_size(), q.device)
     for i, cfg in enumerate(cands):
@@ -157,8 +161,9 @@ def _forward(q, k, v, causal: bool, scale: float):
     return o, lse, (m2, l2)
 
 
-def _backward(q, k, v, o, stats, do, causal: bool, scale: float):
-    """``stats`` = (m2, l2) from :func:`_forward` (base-2 row max and log2 of the row sum)."""
+def _backward(q, k, v, o, stats, do, causal: bool, scale: float, deterministic: bool = True):
+    """``stats`` = (m2, l2) from :func:`_forward` (base-2 row max and log2 of the row sum). ``deterministic``:
+    dQ from its own kernel (bitwise reproducible); otherwise added atomically by the dK/dV kernel."""
     m2, l2 = stats
     B, H, N_q, d = q.shape
     N_k = k.shape[2]
@@ -167,15 +172,19 @@ def _backward(q, k, v, o, stats, do, causal: bool, scale: float):
     pre_m = 16 if INTERPRETED else 64
     flash_bwd_preprocess_kernel[(triton.cdiv(N_q, pre_m), B * H)](
         o, do, delta, *_strides(o), *_strides(do), H, N_q, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_m)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    # Atomic dQ accumulates in fp32 (O(N d) more memory); the deterministic path passes a 1-element stand-in.
+    dq_acc = torch.zeros(q.shape if not deterministic else (1, 1, 1, 1), dtype=torch.float32, device=q.device)
     meta = dict(HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=causal, DOT=_dot_mode(q.dtype),
                 TUNE_N=_bucket(max(N_q, N_k)))
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
     _launch(flash_bwd_dkdv_kernel, "dkdv", N_k, B * H,
-            q, k, v, do, dk, dv, m2, l2, delta, *common, *_strides(dk), *_strides(dv),
-            H, N_q, N_k, scale, scale * LOG2E, **meta)
+            q, k, v, do, dk, dv, dq_acc, m2, l2, delta, *common, *_strides(dk), *_strides(dv), *_strides(dq_acc),
+            H, N_q, N_k, scale, scale * LOG2E, ATOMIC_DQ=not deterministic, **meta)
+    if not deterministic:
+        return dq_acc.to(q.dtype), dk, dv
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _launch(flash_bwd_dq_kernel, "dq", N_q, B * H,
             q, k, v, do, dq, m2, l2, delta, *common, *_strides(dq),
             H, N_q, N_k, scale, scale * LOG2E, **meta)
@@ -192,10 +201,12 @@ def flash_attention_forward(q, k, v, causal=False, sm_scale=None):
     return o, lse
 
 
-def flash_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None):
+def flash_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, deterministic=True):
     """Gradients ``(dq, dk, dv)`` from the forward's ``o`` and ``lse``, recomputing P tile by tile.
-    Notebook ``08_triton_backward``."""
+    ``deterministic=False`` adds dQ atomically (faster, last bits vary run to run). Notebook
+    ``08_triton_backward``."""
     _, scale = _check(q, k, v, causal, sm_scale)
+    _check_deterministic(deterministic)
     validation.check_same_shape("o", o, "q", q)
     validation.check_same_shape("do", do, "o", o)
     if do.dtype != q.dtype or o.dtype != q.dtype:
@@ -206,7 +217,7 @@ def flash_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None):
     # which keeps the forward's max and sum apart (visible only for huge logits).
     with torch.no_grad():
         m2 = (lse.float() * LOG2E).contiguous()
-        return _backward(q, k, v, o, (m2, torch.zeros_like(m2)), do, causal, scale)
+        return _backward(q, k, v, o, (m2, torch.zeros_like(m2)), do, causal, scale, deterministic)
 
 
 class FlashAttentionFunction(torch.autograd.Function):
@@ -214,26 +225,35 @@ class FlashAttentionFunction(torch.autograd.Function):
     statistics (the max m and the sum l of each row: lse = m + log l): O(N) extra memory."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, sm_scale):
+    def forward(ctx, q, k, v, causal, sm_scale, deterministic=True):
         o, _, (m2, l2) = _forward(q, k, v, causal, sm_scale)
         ctx.save_for_backward(q, k, v, o, m2, l2)
-        ctx.causal, ctx.sm_scale = causal, sm_scale
+        ctx.causal, ctx.sm_scale, ctx.deterministic = causal, sm_scale, deterministic
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, m2, l2 = ctx.saved_tensors
-        dq, dk, dv = _backward(q, k, v, o, (m2, l2), do, ctx.causal, ctx.sm_scale)
-        return dq, dk, dv, None, None
+        dq, dk, dv = _backward(q, k, v, o, (m2, l2), do, ctx.causal, ctx.sm_scale, ctx.deterministic)
+        return dq, dk, dv, None, None, None
 
 
-def flash_attention(q, k, v, causal=False, sm_scale=None):
+def _check_deterministic(deterministic):
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}: {deterministic!r}")
+
+
+def flash_attention(q, k, v, causal=False, sm_scale=None, deterministic=True):
     """FlashAttention as a differentiable PyTorch op: ``o = flash_attention(q, k, v, causal, sm_scale)``.
 
     ``q``: ``(B, H, N_q, d)``, ``k`` and ``v``: ``(B, H, N_k, d)``, float16, bfloat16 (compute capability
     8.0+) or float32, any strides, ``d <= 256``. ``causal`` is top-left aligned (query i sees keys j <= i),
     as ``scaled_dot_product_attention(is_causal=True)``; ``sm_scale`` defaults to ``1/sqrt(d)``.
+    ``deterministic`` (default True): the backward pass writes each gradient element from one program, so
+    repeated runs agree bit for bit; False adds dQ with atomic additions instead, as FlashAttention-2 does,
+    which saves two of the seven tile products but lets the last bits of dQ vary between runs.
     Notebooks ``07_triton_forward`` and ``08_triton_backward``.
     """
     _, scale = _check(q, k, v, causal, sm_scale)
-    return FlashAttentionFunction.apply(q, k, v, causal, scale)
+    _check_deterministic(deterministic)
+    return FlashAttentionFunction.apply(q, k, v, causal, scale, deterministic)
