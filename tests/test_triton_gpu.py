@@ -105,13 +105,11 @@ def test_every_config_is_correct():
                 _check(q, k, v, do, True)
 
 
-def test_autotuned_path():
+def test_autotuned_path(monkeypatch):
     """The default (autotuned) path on one shape."""
-    import os
-
     from flashref.triton import flash_attention
 
-    os.environ["FLASHREF_TRITON_AUTOTUNE"] = "1"
+    monkeypatch.setenv("FLASHREF_TRITON_AUTOTUNE", "1")
     q, k, v, do = make_qkv(2, 4, 1024, 1024, 64, torch.float16, "cuda", seed=3)
     _check(q, k, v, do, True)
 
