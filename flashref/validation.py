@@ -18,11 +18,16 @@ def _describe_dtype(x) -> str:
     return str(getattr(x, "dtype", type(x).__name__))
 
 
+def check_bool(name: str, value) -> bool:
+    """A flag such as ``causal`` must be a plain bool (a tensor or a string here is almost always a mistake)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}: {value!r}")
+    return value
+
+
 def check_causal(causal) -> bool:
-    """``causal`` must be a plain bool (a tensor or a string here is almost always a mistake)."""
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}: {causal!r}")
-    return causal
+    """``causal`` must be a plain bool."""
+    return check_bool("causal", causal)
 
 
 def check_sm_scale(sm_scale, head_dim: int) -> float:

@@ -203,10 +203,10 @@ def flash_attention_forward(q, k, v, causal=False, sm_scale=None):
 
 def flash_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, deterministic=True):
     """Gradients ``(dq, dk, dv)`` from the forward's ``o`` and ``lse``, recomputing P tile by tile.
-    ``deterministic=False`` adds dQ atomically (faster, last bits vary run to run). Notebook
-    ``08_triton_backward``."""
+    ``deterministic=False`` adds dQ atomically and skips the dQ kernel (measured slower on the H100; the last
+    bits vary run to run). Notebook ``08_triton_backward``."""
     _, scale = _check(q, k, v, causal, sm_scale)
-    _check_deterministic(deterministic)
+    validation.check_bool("deterministic", deterministic)
     validation.check_same_shape("o", o, "q", q)
     validation.check_same_shape("do", do, "o", o)
     if do.dtype != q.dtype or o.dtype != q.dtype:
@@ -238,11 +238,6 @@ class FlashAttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def _check_deterministic(deterministic):
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}: {deterministic!r}")
-
-
 def flash_attention(q, k, v, causal=False, sm_scale=None, deterministic=True):
     """FlashAttention as a differentiable PyTorch op: ``o = flash_attention(q, k, v, causal, sm_scale)``.
 
@@ -251,9 +246,10 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, deterministic=True):
     as ``scaled_dot_product_attention(is_causal=True)``; ``sm_scale`` defaults to ``1/sqrt(d)``.
     ``deterministic`` (default True): the backward pass writes each gradient element from one program, so
     repeated runs agree bit for bit; False adds dQ with atomic additions instead, as FlashAttention-2 does,
-    which saves two of the seven tile products but lets the last bits of dQ vary between runs.
+    which saves two of the seven tile products but lets the last bits of dQ vary between runs (and on the
+    H100 measured slower: notebook ``08_triton_backward``).
     Notebooks ``07_triton_forward`` and ``08_triton_backward``.
     """
     _, scale = _check(q, k, v, causal, sm_scale)
-    _check_deterministic(deterministic)
+    validation.check_bool("deterministic", deterministic)
     return FlashAttentionFunction.apply(q, k, v, causal, scale, deterministic)
