@@ -22,12 +22,23 @@ LN2 = 0.6931471805599453  # ln(2): ln(x) = log2(x) * LN2
 @triton.jit
 def _dot(a, b, DOT: tl.constexpr):
     """a @ b with an fp32 result. DOT = 0: the tensor cores' native precision (fp16/bf16 inputs);
-    1: fp32 inputs in full fp32 ("ieee", no TF32); 2: widen to fp32 first (only under the CPU interpreter,
-    whose bf16 dot is wrong in Triton 3.9: it multiplies the raw bits)."""
+    1: fp32 inputs in full fp32 ("ieee", no TF32); 2: only under the CPU interpreter, every dtype.
+
+    Why the interpreter needs its own mode: the backward pass recomputes S = Q K^T, once as Q K^T (dQ
+    kernel, as in the forward) and once transposed, as K Q^T (dK/dV kernel), and P = exp2(S - m - log2 l)
+    is only right if each recomputed score is bit for bit the forward's (with logits scaled by 1e3, one
+    fp32 ulp of S moves P by 3e-4; plain attention computes S once and never meets this). On a GPU every
+    score is the same chain of multiply-adds along d whichever operand comes first. The interpreter hands
+    tl.dot to NumPy's BLAS, where the order of those additions depends on the matrix shape and on the
+    kernel OpenBLAS picks for the CPU: its Haswell and Zen kernels round Q K^T and (K Q^T)^T differently
+    in about a third of the elements. So under the interpreter the tiles are widened to fp64, where the
+    products of fp32, fp16 and bf16 numbers are exact and the sum carries 29 more bits than fp32, and the
+    result is rounded once to fp32: the same score whatever the shape, orientation or CPU. (It also
+    avoids the interpreter's bf16 dot, which in Triton 3.9 multiplies the raw bits.)"""
     if DOT == 1:
         return tl.dot(a, b, input_precision="ieee")
     elif DOT == 2:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return tl.dot(a.to(tl.float64), b.to(tl.float64)).to(tl.float32)
     else:
         return tl.dot(a, b)
 

@@ -68,10 +68,12 @@ def _check(q, k, v, causal, sm_scale):
 
 
 def _dot_mode(dtype) -> int:
-    """How tl.dot multiplies (see forward._dot): fp32 exactly; bf16 widened under the interpreter."""
-    if dtype == torch.float32:
-        return 1
-    return 2 if INTERPRETED and dtype == torch.bfloat16 else 0
+    """How tl.dot multiplies (see forward._dot): under the interpreter in fp64, rounded once to fp32, so
+    a recomputed score equals the forward's whatever the CPU's BLAS; on a GPU fp32 exactly (no TF32),
+    fp16 and bf16 natively."""
+    if INTERPRETED:
+        return 2
+    return 1 if dtype == torch.float32 else 0
 
 
 def _strides(x):
