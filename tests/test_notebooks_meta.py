@@ -7,11 +7,12 @@ from __future__ import annotations
 import glob
 import os
 import re
+import shutil
 
 import nbformat
 import pytest
 
-from flashref.run_notebooks import code_sha256, colab_setup_source
+from flashref.run_notebooks import _code, code_sha256, colab_setup_source, execute, stale_inputs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
@@ -27,10 +28,6 @@ def _read_yaml_value(path: str, key: str) -> str:
 
 def _load(path):
     return nbformat.read(path, as_version=4)
-
-
-def _code(nb) -> str:
-    return "\n\n".join(c.source for c in nb.cells if c.cell_type == "code")
 
 
 def test_there_are_notebooks():
@@ -73,12 +70,77 @@ def test_ends_with_checked_exercises_and_hidden_solutions(path):
     assert "flashref.exercises" in _code(nb), "exercises are checked by flashref.exercises"
 
 
+def _uses_gpu(nb) -> bool:
+    return any("gpu" in c.metadata.get("tags", []) for c in nb.cells) or any(w in _code(nb) for w in GPU_WORDS)
+
+
+def _rerun_advice(path, nb) -> str:
+    where = "on a GPU (README.md, GPU notes)" if _uses_gpu(nb) else "(a CPU will do)"
+    return f"execute it again {where}: python -m flashref.run_notebooks notebooks/{os.path.basename(path)}"
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
 def test_outputs_are_stamped_from_current_code(path):
     nb = _load(path)
     stamp = nb.metadata.get("flashref")
     assert stamp, "run `python -m flashref.run_notebooks` to execute and stamp it"
-    assert stamp["code_sha256"] == code_sha256(nb), "the code changed since the outputs were made"
-    uses_gpu = any("gpu" in c.metadata.get("tags", []) for c in nb.cells) or any(w in _code(nb) for w in GPU_WORDS)
-    if uses_gpu:
+    assert stamp["code_sha256"] == code_sha256(nb), f"the code changed since the outputs were made; {_rerun_advice(path, nb)}"
+    if _uses_gpu(nb):
         assert stamp["device"] != "cpu", "a GPU notebook's committed outputs must come from a GPU run"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
+def test_outputs_are_stamped_from_current_package_code(path):
+    """The stamp records every file of the repository the notebook's kernel read (flashref modules, .cu
+    sources, benchmark data) with its sha256: an edit to any of them makes the outputs stale."""
+    nb = _load(path)
+    inputs = nb.metadata.get("flashref", {}).get("inputs")
+    assert inputs, f"the stamp does not say which package files the outputs came from; {_rerun_advice(path, nb)}"
+    assert any(rel.startswith("flashref/") for rel in inputs), "a notebook that imports flashref reads its modules"
+    changed = stale_inputs(nb, ROOT)
+    assert not changed, (f"notebooks/{os.path.basename(path)} shows outputs of code that has changed since it "
+                         f"was executed on {nb.metadata['flashref']['device']} ({', '.join(changed)}); "
+                         f"{_rerun_advice(path, nb)}")
+
+
+def _copy_inputs(notebooks, root):
+    for path in notebooks:
+        for rel in _load(path).metadata["flashref"]["inputs"]:
+            dest = os.path.join(root, rel)
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            shutil.copyfile(os.path.join(ROOT, rel), dest)
+
+
+@pytest.mark.parametrize("kernel_file", ["flashref/triton/forward.py", "flashref/cuda/flash_mma.cu"])
+def test_a_one_line_kernel_edit_makes_the_gpu_notebooks_stale(tmp_path, kernel_file):
+    """What the stamp test above sees after a kernel edit: the notebooks that ran that file, and only them."""
+    _copy_inputs(NOTEBOOKS, tmp_path)
+    with open(tmp_path / kernel_file, "a") as f:
+        f.write("\n// an edit\n" if kernel_file.endswith(".cu") else "\n# an edit\n")
+    stale = [os.path.basename(p) for p in NOTEBOOKS if stale_inputs(_load(p), str(tmp_path))]
+    ran_it = [os.path.basename(p) for p in NOTEBOOKS if kernel_file in _load(p).metadata["flashref"]["inputs"]]
+    assert ran_it, f"some notebook runs {kernel_file}"
+    assert stale == ran_it
+    assert all(_uses_gpu(_load(os.path.join(ROOT, "notebooks", name))) for name in stale)
+
+
+def test_execute_records_what_the_kernel_read(tmp_path):
+    """run_notebooks' recorder, on a small notebook: imported flashref modules and opened data files are
+    inputs; files written, and files outside the repository, are not."""
+    outside = tmp_path / "outside.txt"
+    outside.write_text("not part of the repository")
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(
+        "import json, flashref.online_softmax\n"
+        f"json.load(open({os.path.join(ROOT, 'book', 'data', 'numpy_bench.json')!r}))\n"
+        f"open({str(outside)!r}).read()\n"
+        f"open({str(tmp_path / 'written.txt')!r}, 'w').write('x')\n"
+        "print('ran')")]
+    path = tmp_path / "probe.ipynb"
+    nbformat.write(nb, path)
+    execute(str(path), timeout=120)
+    stamp = nbformat.read(path, as_version=4).metadata["flashref"]
+    assert "flashref/online_softmax.py" in stamp["inputs"] and "flashref/__init__.py" in stamp["inputs"]
+    assert "book/data/numpy_bench.json" in stamp["inputs"]
+    assert not any("outside" in rel or "written" in rel or rel.endswith(".pyc") for rel in stamp["inputs"])
+    assert stamp["code_sha256"] == code_sha256(nb)
