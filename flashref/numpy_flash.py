@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashref.validation import check_attention_inputs, check_causal, check_same_shape, check_sm_scale
+from flashref.validation import (check_attention_inputs, check_causal, check_finite, check_numpy, check_same_shape,
+                                 check_sm_scale)
 
 #: Default tile sizes, tuned for speed on a CPU (``python -m flashref.bench numpy``): a 128 x 1024
 #: float32 score tile is 512 KiB, big enough that NumPy's per-call overhead is amortized, small enough
@@ -46,10 +47,7 @@ def _check_block(name: str, value) -> int:
 
 def _check_inputs(q, k, v, causal, sm_scale, block_q, block_k):
     """The checks every entry point runs first; returns ``(N_q, N_k, d, scale, block_q, block_k)``."""
-    N_q, N_k, d = check_attention_inputs(q, k, v, allowed_ndims=(2, 4), allowed_dtypes=_DTYPES)
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, np.ndarray):
-            raise TypeError(f"{name} must be a NumPy array, got {type(x).__name__}")
+    N_q, N_k, d = check_attention_inputs(q, k, v, allowed_ndims=(2, 4), allowed_dtypes=_DTYPES, numpy=True)
     check_causal(causal)
     scale = check_sm_scale(sm_scale, d)
     return N_q, N_k, d, scale, _check_block("block_q", block_q), _check_block("block_k", block_k)
@@ -273,6 +271,8 @@ def flash_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, b
 
 
 def _check_backward_arrays(q, o, lse, do):
+    for name, x in (("o", o), ("lse", lse), ("do", do)):
+        check_numpy(name, x)
     check_same_shape("o", o, "q", q)
     check_same_shape("do", do, "q", q)
     if not hasattr(lse, "shape"):
@@ -281,9 +281,8 @@ def _check_backward_arrays(q, o, lse, do):
         raise ValueError(f"lse must have shape q.shape[:-1] = {tuple(q.shape[:-1])} (one per query row), "
                          f"got {tuple(lse.shape)}")
     for name, x in (("o", o), ("lse", lse), ("do", do)):
-        if not isinstance(x, np.ndarray):
-            raise TypeError(f"{name} must be a NumPy array, got {type(x).__name__}")
         allowed = (q.dtype, np.float32) if name == "lse" and q.dtype == np.float16 else (q.dtype,)
         if x.dtype not in allowed:
             extra = " or float32" if len(allowed) > 1 else ""
             raise TypeError(f"{name} must have the dtype of q ({q.dtype}){extra}, got {x.dtype}")
+    check_finite({"o": o, "lse": lse, "do": do})

@@ -48,9 +48,12 @@ class SoftmaxState:
 # Checks
 # --------------------------------------------------------------------------------------------------
 
-def _as_scores(x, name: str = "scores") -> np.ndarray:
-    """Scores as a float array; integers are promoted to float64. NaN and +inf are refused (``-inf`` is
-    the mask)."""
+def _as_scores(x, name: str = "scores", allow_empty: bool = False) -> np.ndarray:
+    """Scores as a float array (a NumPy array, or Python numbers and lists); integers are promoted to
+    float64. NaN and +inf are refused (``-inf`` is the mask), as is an empty row (validation's rule),
+    except where an empty block means "nothing to add" (``allow_empty``)."""
+    if validation._framework(x) != "numpy":
+        validation.check_numpy(name, x)
     x = np.asarray(x)
     if x.dtype.kind in "iu":
         x = x.astype(np.float64)
@@ -58,8 +61,9 @@ def _as_scores(x, name: str = "scores") -> np.ndarray:
         raise TypeError(f"{name} must be real numbers (a float array), got dtype {x.dtype}")
     if x.ndim == 0:
         raise ValueError(f"{name} must have at least one axis (the row of scores), got a scalar")
-    if np.isnan(x).any() or np.isposinf(x).any():
-        raise ValueError(f"{name} must be finite or -inf (masked), got NaN or +inf")
+    if x.size == 0 and not allow_empty:
+        raise ValueError(f"{name} must hold at least one score in every row, got shape {x.shape}")
+    validation.check_finite({name: x}, allow_neg_inf=True)
     return x
 
 
@@ -100,7 +104,7 @@ def update(state: SoftmaxState, scores_block, v_block=None) -> SoftmaxState:
     With ``state.o`` set, ``v_block`` (shape ``(..., b, d)`` or ``(b, d)``) is the value rows of the
     block, and ``o`` is rescaled by ``exp(m - m_new)`` before the block's ``P V`` is added.
     """
-    x = _as_scores(scores_block, "scores_block")
+    x = _as_scores(scores_block, "scores_block", allow_empty=True)
     m_new = np.maximum(state.m, np.max(x, axis=-1, initial=-np.inf))
     alpha = exp_shift(state.m, m_new)           # how much the old terms shrink
     p = exp_shift(x, m_new[..., None])          # the block's terms, on the new scale
@@ -111,7 +115,11 @@ def update(state: SoftmaxState, scores_block, v_block=None) -> SoftmaxState:
         return SoftmaxState(m_new, l_new)
     if v_block is None:
         raise ValueError("the state carries o, so update needs v_block (the value rows of the block)")
-    o_new = state.o * alpha[..., None] + np.matmul(p, np.asarray(v_block))
+    if validation._framework(v_block) != "numpy":
+        validation.check_numpy("v_block", v_block)
+    v_block = np.asarray(v_block)
+    validation.check_finite({"v_block": v_block})
+    o_new = state.o * alpha[..., None] + np.matmul(p, v_block)
     return SoftmaxState(m_new, l_new, o_new)
 
 
@@ -213,7 +221,8 @@ def attention_by_key_blocks(q, k, v, block_k: int = 64, causal=False, sm_scale=N
     """
     from flashref import reference  # the scores and the mask are the reference's own
 
-    validation.check_attention_inputs(q, k, v, allowed_ndims=(2, 4), allowed_dtypes=reference.FLOAT_DTYPES)
+    validation.check_attention_inputs(q, k, v, allowed_ndims=(2, 4), allowed_dtypes=reference.FLOAT_DTYPES,
+                                      numpy=True)
     validation.check_causal(causal)
     scale = validation.check_sm_scale(sm_scale, q.shape[-1])
     block_k = _check_block_size(block_k)

@@ -43,18 +43,21 @@ _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
 def _check_inputs(q, k, v, causal, sm_scale):
     """Validate q, k, v, causal and sm_scale; return NumPy arrays and the float scale."""
-    _, _, d = validation.check_attention_inputs(q, k, v, allowed_ndims=(2, 4), allowed_dtypes=FLOAT_DTYPES)
+    _, _, d = validation.check_attention_inputs(q, k, v, allowed_ndims=(2, 4), allowed_dtypes=FLOAT_DTYPES,
+                                                numpy=True)
     validation.check_causal(causal)
     scale = validation.check_sm_scale(sm_scale, d)
-    return np.asarray(q), np.asarray(k), np.asarray(v), scale
+    return q, k, v, scale
 
 
 def _check_do(do, q):
     """``do`` (the gradient of the loss with respect to O) must look like O: q's shape and dtype."""
+    validation.check_numpy("do", do)
     validation.check_same_shape("do", do, "o", q)
-    if str(do.dtype).replace("torch.", "") != str(q.dtype).replace("torch.", ""):
+    if do.dtype != q.dtype:
         raise TypeError(f"do must have the dtype of q, k and v ({q.dtype}), got {do.dtype}")
-    return np.asarray(do)
+    validation.check_finite({"do": do})
+    return do
 
 
 # --------------------------------------------------------------------------------------------------

@@ -4,12 +4,27 @@ Each implementation calls :func:`check_attention_inputs` first, so a bad input g
 ``ValueError`` or ``TypeError`` everywhere, naming the argument, what was expected and what came,
 instead of a silent wrong answer or an opaque kernel crash. The checks only read ``shape``, ``ndim``,
 ``dtype`` and ``device``, so they serve NumPy, CuPy and torch arrays alike.
+
+The rule for bad values, the same in every public function (NumPy, CuPy and Triton):
+
+- **Data must be finite.** NaN or +-inf in ``q``, ``k``, ``v``, ``o`` or ``do`` is a ``ValueError`` that
+  names the argument and the first bad element (:func:`check_finite`), never NaN rows or a warning. The
+  one exception is a score given to the ``online_softmax`` functions, where ``-inf`` is the mask. On a
+  GPU the check reads the inputs once and synchronizes once per call; ``check_finite=False`` skips it
+  (SciPy's convention), as the benchmarks do, and then non-finite inputs give non-finite outputs.
+- **Shapes, dtypes and devices** are checked as :func:`check_attention_inputs` says; every axis is
+  non-empty.
+- **sm_scale** is None (``1/sqrt(d)``) or a finite real number > 0.
+- **NumPy implementations take NumPy arrays** (and, for scores, Python numbers and lists); a torch or
+  CuPy array is a ``TypeError`` that says how to convert it, rather than an implicit device copy.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+
+import numpy as np
 
 _NAMES = ("q", "k", "v")
 
@@ -31,27 +46,95 @@ def check_causal(causal) -> bool:
 
 
 def check_sm_scale(sm_scale, head_dim: int) -> float:
-    """Return the softmax scale: ``1/sqrt(d)`` when ``sm_scale`` is None, else a finite real number."""
+    """Return the softmax scale: ``1/sqrt(d)`` when ``sm_scale`` is None, else a finite real number > 0
+    (0 would make every row uniform and a negative scale would turn the softmax into a softmin: both are
+    mistakes far more often than intent)."""
     if sm_scale is None:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
         raise TypeError(f"sm_scale must be a real number or None, got {type(sm_scale).__name__}: {sm_scale!r}")
     sm_scale = float(sm_scale)
-    if not math.isfinite(sm_scale):
-        raise ValueError(f"sm_scale must be finite, got {sm_scale}")
+    if not math.isfinite(sm_scale) or sm_scale <= 0:
+        raise ValueError(f"sm_scale must be a finite number > 0 (or None for 1/sqrt(d)), got {sm_scale}")
     return sm_scale
 
 
-def check_attention_inputs(q, k, v, *, allowed_ndims=(2, 4), allowed_dtypes=None, max_head_dim=None):
+def _framework(x) -> str:
+    module = type(x).__module__
+    return "torch" if module.startswith("torch") else "cupy" if module.startswith("cupy") else "numpy"
+
+
+def check_numpy(name: str, x):
+    """NumPy implementations take NumPy arrays: a torch tensor or CuPy array is refused with the way to
+    convert it (an implicit conversion would hide a device copy, or fail on a GPU tensor)."""
+    kind = _framework(x)
+    if kind == "torch":
+        raise TypeError(f"{name} must be a NumPy array, got a torch.Tensor: pass {name}.detach().cpu().numpy() "
+                        f"(or use flashref.triton for torch tensors)")
+    if kind == "cupy":
+        raise TypeError(f"{name} must be a NumPy array, got a CuPy array: pass {name}.get() "
+                        f"(or use flashref.cupy for CuPy arrays)")
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{name} must be a NumPy array, got {type(x).__name__}")
+    return x
+
+
+def check_finite(arrays: dict, *, allow_neg_inf: bool = False) -> None:
+    """Raise ``ValueError`` naming the first argument in ``{name: array}`` that holds NaN or inf (or, with
+    ``allow_neg_inf``, NaN or +inf) and the index of its first such element. NumPy, CuPy or torch arrays;
+    torch tensors are reduced on their device and synchronized once for all of them."""
+    arrays = {name: x for name, x in arrays.items() if x is not None}
+    if not arrays:
+        return
+    kind = _framework(next(iter(arrays.values())))
+    if kind == "torch" and not allow_neg_inf:
+        import torch
+
+        # One read of each tensor and no temporary: the infinity norm is NaN or inf exactly when an element is.
+        norms = [torch.linalg.vector_norm(x.detach().reshape(-1), float("inf")) for x in arrays.values()]
+        finite = torch.isfinite(torch.stack([n.float() for n in norms])).tolist()
+    else:
+        xp = np if kind == "numpy" else __import__("cupy")
+        finite = [bool(xp.all(_ok(xp, x, allow_neg_inf))) for x in arrays.values()]
+    for (name, x), ok in zip(arrays.items(), finite):
+        if not ok:
+            _raise_not_finite(name, x, allow_neg_inf)
+
+
+def _ok(xp, x, allow_neg_inf):
+    return (xp.isfinite(x) | xp.isneginf(x)) if allow_neg_inf else xp.isfinite(x)
+
+
+def _raise_not_finite(name, x, allow_neg_inf):
+    """Only on the error path: find the first bad element to name it."""
+    if _framework(x) == "torch":
+        bad = (~(x.isfinite() | (x == float("-inf")))) if allow_neg_inf else ~x.isfinite()
+        index = tuple(int(i) for i in bad.nonzero()[0].tolist())
+        value = float(x[index])
+    else:
+        xp = np if _framework(x) == "numpy" else __import__("cupy")
+        bad = ~_ok(xp, x, allow_neg_inf)
+        index = tuple(int(i) for i in np.unravel_index(int(xp.argmax(bad.ravel())), x.shape))
+        value = float(x[index])
+    allowed = "finite or -inf (a masked score)" if allow_neg_inf else "finite (no NaN or inf)"
+    shown = "NaN" if math.isnan(value) else "+inf" if value > 0 else "-inf"
+    raise ValueError(f"{name} must be {allowed}, got {shown} at index {index}")
+
+
+def check_attention_inputs(q, k, v, *, allowed_ndims=(2, 4), allowed_dtypes=None, max_head_dim=None,
+                           numpy=False, finite=True):
     """Check q, k, v for attention; return ``(N_q, N_k, d)``.
 
     Expected: q of shape ``(..., N_q, d)``, k of shape ``(..., N_k, d)``, v of shape ``(..., N_k, d)``,
     the same leading (batch, head) dimensions, the same dtype and the same device, and
     ``N_q, N_k, d >= 1``. ``allowed_ndims`` is ``(2, 4)`` for NumPy (``(N, d)`` or ``(B, H, N, d)``)
-    and ``(4,)`` for the GPU kernels. ``allowed_dtypes`` is a collection of dtype names.
+    and ``(4,)`` for the GPU kernels. ``allowed_dtypes`` is a collection of dtype names. ``numpy``: only
+    NumPy arrays (:func:`check_numpy`); ``finite``: no NaN or inf (:func:`check_finite`), checked last.
     """
     arrays = dict(zip(_NAMES, (q, k, v)))
     for name, x in arrays.items():
+        if numpy:
+            check_numpy(name, x)
         if not (hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "ndim")):
             raise TypeError(f"{name} must be an array or tensor, got {type(x).__name__}")
         if x.ndim not in allowed_ndims:
@@ -85,6 +168,8 @@ def check_attention_inputs(q, k, v, *, allowed_ndims=(2, 4), allowed_dtypes=None
     devices = [str(getattr(x, "device", "cpu")) for x in (q, k, v)]
     if len(set(devices)) != 1:
         raise ValueError(f"q, k and v must be on the same device, got {', '.join(devices)}")
+    if finite:
+        check_finite(arrays)
     return N_q, N_k, d
 
 

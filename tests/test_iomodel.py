@@ -310,7 +310,7 @@ def test_bad_arrays_and_arguments_are_named():
         io.simulate_tiled(q, k, v, 1000, causal="yes")
     with pytest.raises(TypeError, match="causal must be a bool"):
         io.tiled_io(10, 8, 1000, causal=1)
-    with pytest.raises(ValueError, match="sm_scale must be finite"):
+    with pytest.raises(ValueError, match="sm_scale must be a finite number"):
         io.simulate_standard(q, k, v, 1000, sm_scale=math.inf)
     with pytest.raises(TypeError, match="M must be a positive integer"):
         io.simulate_standard(q, k, v, 1000.0)

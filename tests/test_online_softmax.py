@@ -139,12 +139,6 @@ def test_state_that_saw_only_masked_scores_then_real_ones():
     np.testing.assert_allclose(lse, np.log(4.0), rtol=1e-15)
 
 
-def test_empty_block_changes_nothing():
-    s = osm.update(osm.init(), np.array([1.0, 2.0]))
-    s2 = osm.update(s, np.zeros(0))
-    assert s2.m == s.m and s2.l == s.l
-
-
 def test_rescale_factor_is_what_the_recurrence_uses():
     """After a block raises the max from m to m_new, the old sum is multiplied by exp(m - m_new)."""
     s = osm.update(osm.init(), np.array([0.0, 1.0]))
@@ -186,8 +180,8 @@ def test_float32_stays_float32():
 
 
 @pytest.mark.parametrize("bad,exc,match", [
-    (np.array([1.0, np.nan]), ValueError, "NaN"),
-    (np.array([1.0, np.inf]), ValueError, r"\+inf"),
+    (np.array([1.0, np.nan]), ValueError, "got NaN"),
+    (np.array([1.0, np.inf]), ValueError, r"got \+inf"),
     (np.array([1 + 1j]), TypeError, "real"),
     (np.array(["a"]), TypeError, "real"),
     (np.float64(1.0), ValueError, "scalar"),

@@ -165,10 +165,11 @@ def test_low_precision_keeps_dtype_and_is_close(dtype):
     assert not check_tolerance(o + dtype(0.1), o64, o).ok
 
 
-def test_torch_tensor_inputs_are_accepted():
+def test_torch_tensors_are_refused_with_the_conversion():
+    """validation's rule: NumPy implementations take NumPy arrays, and say how to convert a tensor."""
     q, k, v = make_qkv((5, 4), (6, 4), seed=9)
-    o = reference.attention(torch.tensor(q), torch.tensor(k), torch.tensor(v))
-    np.testing.assert_array_equal(o, reference.attention(q, k, v))
+    with pytest.raises(TypeError, match=r"k must be a NumPy array, got a torch.Tensor: pass k.detach\(\).cpu\(\).numpy\(\)"):
+        reference.attention(q, torch.tensor(k), v)
 
 
 # ------------------------------------------------------------------ backward

@@ -226,7 +226,7 @@ def test_rejects_bad_causal_and_scale():
     q, k, v = _ok()
     with pytest.raises(TypeError, match="causal must be a bool"):
         flash_attention(q, k, v, causal=1)
-    with pytest.raises(ValueError, match="sm_scale must be finite"):
+    with pytest.raises(ValueError, match="sm_scale must be a finite number"):
         flash_attention(q, k, v, sm_scale=float("nan"))
     with pytest.raises(TypeError, match="sm_scale must be a real number"):
         flash_attention(q, k, v, sm_scale="0.1")

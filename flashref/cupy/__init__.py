@@ -57,29 +57,35 @@ def compiled_kernel(config: KernelConfig):
     return _CACHE[key]
 
 
-def _check(q, k, v, causal, sm_scale, kernel, return_lse):
+def _check(q, k, v, causal, sm_scale, kernel, return_lse, check_finite):
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
     _, _, d = validation.check_attention_inputs(q, k, v, allowed_ndims=(4,), allowed_dtypes=DTYPES[kernel],
-                                                max_head_dim=MAX_HEAD_DIM)
+                                                max_head_dim=MAX_HEAD_DIM, finite=False)
     validation.check_causal(causal)
+    validation.check_bool("check_finite", check_finite)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}: {return_lse!r}")
     return validation.check_sm_scale(sm_scale, d)
 
 
-def flash_attention_forward(q, k, v, causal=False, sm_scale=None, kernel="tiled", return_lse=False):
+def flash_attention_forward(q, k, v, causal=False, sm_scale=None, kernel="tiled", return_lse=False, *,
+                            check_finite=True):
     """FlashAttention forward on CuPy arrays of shape (B, H, N, d); returns O (and lse when asked).
 
     ``q``: (B, H, N_q, d); ``k``, ``v``: (B, H, N_k, d); float32 or float16 for ``kernel="tiled"``,
     float16 for ``kernel="mma"``; d <= 128. O has q's shape and dtype; lse (natural log, float32) has
-    shape (B, H, N_q). ``causal=True`` is top-left aligned (query i sees keys j <= i).
+    shape (B, H, N_q). ``causal=True`` is top-left aligned (query i sees keys j <= i). ``check_finite``
+    (default True): NaN or inf in q, k or v is a ``ValueError`` (:mod:`flashref.validation`'s rule; one
+    read of the inputs and one synchronization); False skips the check.
     """
-    scale = _check(q, k, v, causal, sm_scale, kernel, return_lse)
+    scale = _check(q, k, v, causal, sm_scale, kernel, return_lse, check_finite)
     cupy = require_cupy()
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, cupy.ndarray):
             raise TypeError(f"{name} must be a CuPy array on the GPU, got {type(x).__module__}.{type(x).__name__}")
+    if check_finite:
+        validation.check_finite({"q": q, "k": k, "v": v})
     B, H, N_q, d = q.shape
     N_k = k.shape[2]
     with q.device:

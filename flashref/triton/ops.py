@@ -43,13 +43,14 @@ if not INTERPRETED:
               "dq": _autotuned(flash_bwd_dq_kernel, "dq")}
 
 
-def _check(q, k, v, causal, sm_scale):
+def _check(q, k, v, causal, sm_scale, check_finite=True):
     """The shared checks, plus what only the Triton kernels need: torch tensors on a usable device."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    validation.check_bool("check_finite", check_finite)
     _, _, d = validation.check_attention_inputs(q, k, v, allowed_ndims=(4,), allowed_dtypes=DTYPES,
-                                                max_head_dim=MAX_HEAD_DIM)
+                                                max_head_dim=MAX_HEAD_DIM, finite=False)
     validation.check_causal(causal)
     scale = validation.check_sm_scale(sm_scale, d)
     if INTERPRETED:
@@ -64,6 +65,8 @@ def _check(q, k, v, causal, sm_scale):
             name = torch.cuda.get_device_name(q.device)
             raise TypeError(f"q, k and v have dtype bfloat16, which needs compute capability 8.0 or newer; "
                             f"{name} has {torch.cuda.get_device_capability(q.device)}: use float16")
+    if check_finite:  # last: the one check that reads the data (validation's rule for bad values)
+        validation.check_finite({"q": q, "k": k, "v": v})
     return d, scale
 
 
@@ -193,21 +196,23 @@ def _backward(q, k, v, o, stats, do, causal: bool, scale: float, deterministic: 
     return dq, dk, dv
 
 
-def flash_attention_forward(q, k, v, causal=False, sm_scale=None):
+def flash_attention_forward(q, k, v, causal=False, sm_scale=None, *, check_finite=True):
     """FlashAttention forward without autograd: ``(o, lse)``; ``o`` like ``q``, ``lse`` of shape
     ``(B, H, N_q)`` in fp32 (natural log). fp32 inputs are computed in full fp32 (``input_precision="ieee"``:
-    no TF32). Notebook ``07_triton_forward``."""
-    _, scale = _check(q, k, v, causal, sm_scale)
+    no TF32). ``check_finite`` as in :func:`flash_attention`. Notebook ``07_triton_forward``."""
+    _, scale = _check(q, k, v, causal, sm_scale, check_finite)
     with torch.no_grad():
         o, lse, _ = _forward(q, k, v, causal, scale)
     return o, lse
 
 
-def flash_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, deterministic=True):
+def flash_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, deterministic=True, *,
+                             check_finite=True):
     """Gradients ``(dq, dk, dv)`` from the forward's ``o`` and ``lse``, recomputing P tile by tile.
     ``deterministic=False`` adds dQ atomically and skips the dQ kernel (measured slower on the H100; the last
-    bits vary run to run). Notebook ``08_triton_backward``."""
-    _, scale = _check(q, k, v, causal, sm_scale)
+    bits vary run to run). ``check_finite`` as in :func:`flash_attention`, for ``o``, ``lse`` and ``do``
+    too. Notebook ``08_triton_backward``."""
+    _, scale = _check(q, k, v, causal, sm_scale, check_finite)
     validation.check_bool("deterministic", deterministic)
     validation.check_same_shape("o", o, "q", q)
     validation.check_same_shape("do", do, "o", o)
@@ -215,6 +220,8 @@ def flash_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, d
         raise TypeError(f"o and do must have the dtype of q ({q.dtype}), got {o.dtype} and {do.dtype}")
     if tuple(lse.shape) != tuple(q.shape[:3]):
         raise ValueError(f"lse must have shape (B, H, N_q) = {tuple(q.shape[:3])}, got {tuple(lse.shape)}")
+    if check_finite:
+        validation.check_finite({"o": o, "lse": lse, "do": do})
     # From lse alone, P = exp2(s * log2(e) - lse * log2(e)): one rounding more than the autograd path,
     # which keeps the forward's max and sum apart (visible only for huge logits).
     with torch.no_grad():
@@ -227,20 +234,22 @@ class FlashAttentionFunction(torch.autograd.Function):
     statistics (the max m and the sum l of each row: lse = m + log l): O(N) extra memory."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, sm_scale, deterministic=True):
+    def forward(ctx, q, k, v, causal, sm_scale, deterministic=True, check_finite=True):
         o, _, (m2, l2) = _forward(q, k, v, causal, sm_scale)
         ctx.save_for_backward(q, k, v, o, m2, l2)
-        ctx.causal, ctx.sm_scale, ctx.deterministic = causal, sm_scale, deterministic
+        ctx.causal, ctx.sm_scale, ctx.deterministic, ctx.check_finite = causal, sm_scale, deterministic, check_finite
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, m2, l2 = ctx.saved_tensors
+        if ctx.check_finite:
+            validation.check_finite({"do (the gradient of o)": do})
         dq, dk, dv = _backward(q, k, v, o, (m2, l2), do, ctx.causal, ctx.sm_scale, ctx.deterministic)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
-def flash_attention(q, k, v, causal=False, sm_scale=None, deterministic=True):
+def flash_attention(q, k, v, causal=False, sm_scale=None, deterministic=True, *, check_finite=True):
     """FlashAttention as a differentiable PyTorch op: ``o = flash_attention(q, k, v, causal, sm_scale)``.
 
     ``q``: ``(B, H, N_q, d)``, ``k`` and ``v``: ``(B, H, N_k, d)``, float16, bfloat16 (compute capability
@@ -250,8 +259,12 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, deterministic=True):
     repeated runs agree bit for bit; False adds dQ with atomic additions instead, as FlashAttention-2 does,
     which saves two of the seven tile products but lets the last bits of dQ vary between runs (and on the
     H100 measured slower: notebook ``08_triton_backward``).
+    ``check_finite`` (default True): refuse NaN or inf in q, k, v (and, in the backward, in dO) with a
+    ``ValueError`` naming the argument (:mod:`flashref.validation`'s rule); the check reads the inputs once
+    and synchronizes with the GPU once per call. False skips it, as the benchmarks do (PyTorch's attention
+    does not check either), and non-finite inputs then give non-finite outputs.
     Notebooks ``07_triton_forward`` and ``08_triton_backward``.
     """
-    _, scale = _check(q, k, v, causal, sm_scale)
+    _, scale = _check(q, k, v, causal, sm_scale, check_finite)
     validation.check_bool("deterministic", deterministic)
-    return FlashAttentionFunction.apply(q, k, v, causal, scale, deterministic)
+    return FlashAttentionFunction.apply(q, k, v, causal, scale, deterministic, check_finite)
