@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import pkgutil
+import subprocess
+import sys
 
 import pytest
 
 import flashref.exercises as exercises
 from flashref.exercises import NOT_ANSWERED, Verdict
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODULES = [importlib.import_module(f"flashref.exercises.{m.name}") for m in pkgutil.iter_modules(exercises.__path__)]
 CHECKERS = [(f"{mod.__name__.rsplit('.', 1)[1]}.{name}", fn) for mod in MODULES
             for name, fn in inspect.getmembers(mod, inspect.isfunction)
@@ -35,3 +39,31 @@ def test_wrong_answer_gets_a_message(name, check, wrong_answer):
     verdict = check(wrong_answer)
     assert isinstance(verdict, Verdict) and not verdict
     assert repr(verdict).startswith("Not quite")
+
+
+def _run_without(modules, code):
+    """Run ``code`` in a fresh interpreter in which importing any of ``modules`` fails, as on a machine
+    without them."""
+    blocker = "import sys\n" + "".join(f"sys.modules[{m!r}] = None\n" for m in modules)
+    return subprocess.run([sys.executable, "-c", blocker + code], capture_output=True, text=True, cwd=ROOT)
+
+
+@pytest.mark.parametrize("missing", [("torch",), ("triton",)])
+def test_flashref_triton_without_its_optional_parts_says_what_to_install(missing):
+    code = "import flashref.triton\n"
+    result = _run_without(missing, code)
+    assert result.returncode != 0
+    assert f"flashref.triton needs torch and triton, and {missing[0]} is not installed: pip install 'flashref[gpu]'" \
+        in result.stderr
+
+
+def test_checkers_need_neither_torch_nor_triton():
+    result = _run_without(("torch", "triton"), (
+        "from flashref.exercises import triton_kernels as ex\n"
+        "from flashref.kernel_tiles import tile_counts\n"
+        "c = tile_counts(4096, 4096, 128, 64, True)\n"
+        "assert ex.check_causal_fraction_skipped(c['skipped'] / (c['full'] + c['masked'] + c['skipped']))\n"
+        "assert not ex.check_causal_fraction_skipped(0.1)\n"
+        "print('ok')\n"))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"

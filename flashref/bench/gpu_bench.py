@@ -100,7 +100,8 @@ def implementation(name):
     if name == "flashref-triton":
         from flashref.triton import flash_attention
 
-        return lambda q, k, v, causal: flash_attention(q, k, v, causal=causal)
+        # check_finite=False: time the kernels as the peers run, with no pass over the inputs to look for NaN
+        return lambda q, k, v, causal: flash_attention(q, k, v, causal=causal, check_finite=False)
     if name.startswith("sdpa-"):
         return _sdpa(name)
     if name == "plain":

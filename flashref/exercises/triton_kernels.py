@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from flashref.exercises import check_number
+from flashref.kernel_tiles import tile_counts
 
 #: exercise "grid": B = 4, H = 16, N_q = 1000 with BLOCK_M = 128
 GRID_B, GRID_H, GRID_N_Q, GRID_BLOCK_M = 4, 16, 1000, 128
@@ -12,12 +13,6 @@ GRID_B, GRID_H, GRID_N_Q, GRID_BLOCK_M = 4, 16, 1000, 128
 CAUSAL_N, CAUSAL_BLOCK_M, CAUSAL_BLOCK_N = 4096, 128, 64
 #: exercise "stored P": B = 8, H = 16, N = 4096, fp16 P against fp32 (m, l) per row
 STORE_B, STORE_H, STORE_N = 8, 16, 4096
-
-
-def _tile_counts(*args):
-    from flashref.triton.forward import tile_counts  # imported late: flashref.triton needs torch and triton
-
-    return tile_counts(*args)
 
 
 def check_grid_programs(answer):
@@ -32,7 +27,7 @@ def check_grid_programs(answer):
 def check_causal_fraction_skipped(answer):
     """Fraction of the K/V tiles (over all programs) that causal attention never loads, N = 4096,
     BLOCK_M = 128, BLOCK_N = 64."""
-    c = _tile_counts(CAUSAL_N, CAUSAL_N, CAUSAL_BLOCK_M, CAUSAL_BLOCK_N, True)
+    c = tile_counts(CAUSAL_N, CAUSAL_N, CAUSAL_BLOCK_M, CAUSAL_BLOCK_N, True)
     total = c["full"] + c["masked"] + c["skipped"]
     expected = c["skipped"] / total
     return check_number(

@@ -17,6 +17,15 @@ from __future__ import annotations
 import os
 import sys
 
+import importlib.util
+
+# The optional parts: say what to install rather than a bare "No module named 'torch'". triton is looked
+# up, not imported: the interpreter must be switched on (below) before its first import.
+for _name in ("torch", "triton"):
+    if importlib.util.find_spec(_name) is None:
+        raise ModuleNotFoundError(f"flashref.triton needs torch and triton, and {_name} is not installed: "
+                                  f"pip install 'flashref[gpu]' (on Colab both are already there)", name=_name)
+
 
 def _cuda_available() -> bool:
     try:

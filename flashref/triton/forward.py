@@ -15,6 +15,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from flashref.kernel_tiles import tile_counts  # noqa: F401  (plain Python, importable without triton)
+
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E)
 LN2 = 0.6931471805599453  # ln(2): ln(x) = log2(x) * LN2
 
@@ -144,23 +146,3 @@ def flash_fwd_kernel(Q, K, V, O, LSE, M2, L2,
     tl.store(L2 + row, tl.log2(l_safe), mask=offs_m < N_q)
     tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od, acc.to(O.dtype.element_ty),
              mask=q_mask)
-
-
-def tile_counts(N_q: int, N_k: int, block_m: int, block_n: int, causal: bool) -> dict:
-    """How many K/V tiles the forward kernel's programs visit, in plain Python, mirroring the kernel's
-    two phases: ``{"full": unmasked tiles, "masked": tiles with a mask, "skipped": tiles never loaded,
-    "programs": number of programs per (batch, head)}``. Notebook ``07_triton_forward``, "Causal tiles"."""
-    if block_m % block_n:
-        raise ValueError(f"block_m must be a multiple of block_n, got {block_m} and {block_n}")
-    programs = -(-N_q // block_m)
-    per_row = -(-N_k // block_n)
-    full = masked = 0
-    for pid in range(programs):
-        start_m = pid * block_m
-        full_end = (N_k // block_n) * block_n
-        if causal:
-            full_end = min(full_end, start_m)
-        hi = min(N_k, start_m + block_m) if causal else N_k
-        full += full_end // block_n
-        masked += max(0, -(-(hi - full_end) // block_n))
-    return {"full": full, "masked": masked, "skipped": programs * per_row - full - masked, "programs": programs}
