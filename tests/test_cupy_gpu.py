@@ -115,3 +115,16 @@ def test_turing_variant_on_this_gpu(cp, monkeypatch, causal, shape):
     monkeypatch.setattr(fc, "_compute_capability", lambda cupy: 75)
     q, k, v = _inputs(shape, "float16", seed=sum(shape) + 1)
     _check(cp, "mma", q, k, v, causal)
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_non_finite_inputs_are_refused(cp, which):
+    """validation's rule for bad values holds on the GPU too; check_finite=False skips the check."""
+    from flashref.cupy import flash_attention_forward
+
+    data = {n: cp.asarray(np.random.default_rng(1).standard_normal((1, 2, 9, 16)), dtype=cp.float32) for n in "qkv"}
+    data[which][0, 1, 4, 3] = cp.nan
+    with pytest.raises(ValueError, match=rf"^{which} must be finite \(no NaN or inf\), got NaN at index \(0, 1, 4, 3\)$"):
+        flash_attention_forward(data["q"], data["k"], data["v"])
+    o = flash_attention_forward(data["q"], data["k"], data["v"], check_finite=False)
+    assert not bool(cp.isfinite(o).all())
