@@ -1,23 +1,36 @@
 # Two commands, each doing its own set-up on a fresh machine:
 #   make book   renders the book to HTML in _build/html
-#   make test   runs every test: unit, property, kernel (Triton interpreter, nvcc), nbval, book build
-PYTHON ?= python3
-VENV   := .venv
-PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.flashref-installed
+#   make test   checks that the pins resolve from the public index, then runs every test (unit, property,
+#               kernel in the Triton interpreter, nvcc, nbval, book build) under each OpenBLAS core type
+# make test-once runs the tests once, with the OpenBLAS kernels this CPU picks (quicker, for development).
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu installs the CPU-only torch (about 200 MB, not 2.3 GB).
+PYTHON      ?= python3
+TORCH_INDEX ?=
+VENV        := .venv
+PY          := $(VENV)/bin/python
+STAMP       := $(VENV)/.flashref-installed
+PYTEST_ARGS := -n 2 --dist loadfile
 
-.PHONY: test book gpu-test clean
+.PHONY: test test-once check-install book clean
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
+	$(if $(TORCH_INDEX),$(PY) -m pip install -q torch==$$(sed -n 's/^torch==\([^ ]*\).*/\1/p' requirements.txt) --index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps -e .
 	touch $@
 
-test: $(STAMP)
-	$(PY) -m pytest -n 2 --dist loadfile
+# What a reader's machine sees: pip's own configuration ignored, the public index only. Resolves, downloads nothing.
+check-install: $(STAMP)
+	PIP_CONFIG_FILE=/dev/null $(PY) -m pip install -q --dry-run --isolated --ignore-installed -r requirements.txt
+	@echo "requirements.txt resolves from the public index"
+
+test: check-install
+	$(PY) tests/openblas_cores.py $(PYTEST_ARGS)
+
+test-once: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 book: $(STAMP)
 	$(VENV)/bin/jupyter-book build . -W -n --keep-going

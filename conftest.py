@@ -3,9 +3,35 @@ GPU markers and nbval's `gpu` cell tag."""
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import os
 
 import pytest
+
+
+def openblas_core() -> str:
+    """The kernel family NumPy's OpenBLAS runs on this CPU (OPENBLAS_CORETYPE may force one)."""
+    import numpy as np
+
+    np.ones((2, 2)) @ np.ones((2, 2))  # make sure the library is loaded and initialized
+    libs = os.path.join(os.path.dirname(os.path.dirname(np.__file__)), "numpy.libs")
+    for name in sorted(os.listdir(libs)) if os.path.isdir(libs) else []:
+        if "openblas" in name:
+            lib = ctypes.CDLL(os.path.join(libs, name))
+            for symbol in ("scipy_openblas_get_corename64_", "scipy_openblas_get_corename", "openblas_get_corename"):
+                if hasattr(lib, symbol):
+                    getter = getattr(lib, symbol)
+                    getter.restype = ctypes.c_char_p
+                    return getter().decode()
+    return "unknown"
+
+
+def pytest_configure(config):
+    """tests/openblas_cores.py forces an OpenBLAS core type: make sure it is the one in use, in every worker."""
+    expected = os.environ.get("FLASHREF_EXPECT_OPENBLAS_CORE")
+    if expected and openblas_core().lower() != expected.lower():
+        raise pytest.UsageError(f"OPENBLAS_CORETYPE={expected} was asked for, but OpenBLAS runs {openblas_core()}")
 
 
 @functools.lru_cache(maxsize=None)
