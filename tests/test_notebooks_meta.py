@@ -13,17 +13,11 @@ import nbformat
 import pytest
 
 from flashref.run_notebooks import _code, code_sha256, colab_setup_source, execute, stale_inputs
+from flashref.publish import configured
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
 GPU_WORDS = ("flashref.triton", "flashref.cupy", "import triton", "import cupy")
-
-
-def _read_yaml_value(path: str, key: str) -> str:
-    text = open(path).read()
-    match = re.search(rf"^\s*{key}:\s*(\S+)\s*$", text, re.M)
-    assert match, f"{key} not found in {path}"
-    return match.group(1)
 
 
 def _load(path):
@@ -37,7 +31,7 @@ def test_there_are_notebooks():
 def test_package_names_the_repository_of_config_yml():
     import flashref
 
-    assert flashref.REPOSITORY_URL == _read_yaml_value(os.path.join(ROOT, "_config.yml"), "url")
+    assert flashref.REPOSITORY_URL == configured()[0]
 
 
 def test_toc_lists_every_notebook_in_order():
@@ -53,8 +47,7 @@ def test_opens_with_title_and_goals_then_colab_setup(path):
     first, second = nb.cells[0], nb.cells[1]
     assert first.cell_type == "markdown" and first.source.startswith("# ")
     assert "learn" in first.source.lower(), "the first cell says what the reader will learn"
-    url = _read_yaml_value(os.path.join(ROOT, "_config.yml"), "url")
-    branch = _read_yaml_value(os.path.join(ROOT, "_config.yml"), "branch")
+    url, branch = configured()
     assert second.cell_type == "code"
     assert second.source == colab_setup_source(url, branch)
 
