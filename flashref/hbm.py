@@ -23,6 +23,8 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
+from flashref.kernel_tiles import keys_visited
+
 STAT = 4  # bytes of one fp32 per-row statistic
 
 
@@ -64,7 +66,7 @@ def flash_forward(B, H, N_q, N_k, d, block_m, block_n, causal=False, elem=2) -> 
     read = write = touched_keys = 0
     for start_m in range(0, N_q, block_m):
         rows = _rows(start_m, start_m + block_m, N_q)
-        keys = min(N_k, start_m + block_m) if causal else N_k  # causal: the tiles right of the diagonal are skipped
+        keys = keys_visited(start_m, block_m, N_k, causal)
         read += rows * d * elem + 2 * keys * d * elem
         write += rows * (d * elem + 3 * STAT)
         touched_keys = max(touched_keys, keys)
@@ -96,7 +98,7 @@ def flash_backward(B, H, N_q, N_k, d, dkdv_blocks, dq_blocks, causal=False, elem
     read = touched_keys = 0
     for start_m in range(0, N_q, dq_m):
         rows = _rows(start_m, start_m + dq_m, N_q)
-        keys = min(N_k, start_m + dq_m) if causal else N_k
+        keys = keys_visited(start_m, dq_m, N_k, causal)
         read += rows * row_q + 2 * keys * d * elem
         touched_keys = max(touched_keys, keys)
     dq_write = B * H * N_q * d * elem

@@ -52,8 +52,7 @@ def _as_scores(x, name: str = "scores", allow_empty: bool = False) -> np.ndarray
     """Scores as a float array (a NumPy array, or Python numbers and lists); integers are promoted to
     float64. NaN and +inf are refused (``-inf`` is the mask), as is an empty row (validation's rule),
     except where an empty block means "nothing to add" (``allow_empty``)."""
-    if validation._framework(x) != "numpy":
-        validation.check_numpy(name, x)
+    validation.check_numpy(name, x, array_like=True)
     x = np.asarray(x)
     if x.dtype.kind in "iu":
         x = x.astype(np.float64)
@@ -115,8 +114,7 @@ def update(state: SoftmaxState, scores_block, v_block=None) -> SoftmaxState:
         return SoftmaxState(m_new, l_new)
     if v_block is None:
         raise ValueError("the state carries o, so update needs v_block (the value rows of the block)")
-    if validation._framework(v_block) != "numpy":
-        validation.check_numpy("v_block", v_block)
+    validation.check_numpy("v_block", v_block, array_like=True)
     v_block = np.asarray(v_block)
     validation.check_finite({"v_block": v_block})
     o_new = state.o * alpha[..., None] + np.matmul(p, v_block)

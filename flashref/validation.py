@@ -64,9 +64,10 @@ def _framework(x) -> str:
     return "torch" if module.startswith("torch") else "cupy" if module.startswith("cupy") else "numpy"
 
 
-def check_numpy(name: str, x):
+def check_numpy(name: str, x, *, array_like: bool = False):
     """NumPy implementations take NumPy arrays: a torch tensor or CuPy array is refused with the way to
-    convert it (an implicit conversion would hide a device copy, or fail on a GPU tensor)."""
+    convert it (an implicit conversion would hide a device copy, or fail on a GPU tensor). With
+    ``array_like``, Python numbers and lists pass too (the online-softmax functions take scores so)."""
     kind = _framework(x)
     if kind == "torch":
         raise TypeError(f"{name} must be a NumPy array, got a torch.Tensor: pass {name}.detach().cpu().numpy() "
@@ -74,7 +75,7 @@ def check_numpy(name: str, x):
     if kind == "cupy":
         raise TypeError(f"{name} must be a NumPy array, got a CuPy array: pass {name}.get() "
                         f"(or use flashref.cupy for CuPy arrays)")
-    if not isinstance(x, np.ndarray):
+    if not isinstance(x, np.ndarray) and not array_like:
         raise TypeError(f"{name} must be a NumPy array, got {type(x).__name__}")
     return x
 
@@ -87,12 +88,15 @@ def check_finite(arrays: dict, *, allow_neg_inf: bool = False) -> None:
     if not arrays:
         return
     kind = _framework(next(iter(arrays.values())))
-    if kind == "torch" and not allow_neg_inf:
+    if kind == "torch":
         import torch
 
-        # One read of each tensor and no temporary: the infinity norm is NaN or inf exactly when an element is.
-        norms = [torch.linalg.vector_norm(x.detach().reshape(-1), float("inf")) for x in arrays.values()]
-        finite = torch.isfinite(torch.stack([n.float() for n in norms])).tolist()
+        if allow_neg_inf:  # -inf is allowed, so the norm cannot tell: look at the elements
+            oks = [(x.detach().isfinite() | (x.detach() == float("-inf"))).all() for x in arrays.values()]
+        else:  # one read of each tensor and no temporary: the infinity norm is NaN or inf exactly when an element is
+            oks = [torch.isfinite(torch.linalg.vector_norm(x.detach().reshape(-1), float("inf")).float())
+                   for x in arrays.values()]
+        finite = torch.stack(oks).tolist()  # one synchronization for all of them
     else:
         xp = np if kind == "numpy" else __import__("cupy")
         finite = [bool(xp.all(_ok(xp, x, allow_neg_inf))) for x in arrays.values()]

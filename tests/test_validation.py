@@ -176,3 +176,32 @@ def test_bad_block_k_of_key_block_attention():
     q, k, v = arrays()
     with pytest.raises(ValueError, match="block_size must be at least 1"):
         online_softmax.attention_by_key_blocks(q, k, v, 0)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_check_finite_allows_neg_inf_only_when_asked(kind):
+    """-inf is a masked score when allow_neg_inf; NaN and +inf never pass; torch tensors take the same
+    rule as NumPy arrays (they have a path of their own, reduced on the device)."""
+    from flashref.validation import check_finite
+
+    make = np.array if kind == "numpy" else pytest.importorskip("torch").tensor
+    masked = make([[0.5, -np.inf], [1.0, 2.0]])
+    check_finite({"s": masked}, allow_neg_inf=True)
+    with pytest.raises(ValueError, match=r"s must be finite \(no NaN or inf\), got -inf at index \(0, 1\)"):
+        check_finite({"s": masked})
+    for bad, shown in ((np.nan, "NaN"), (np.inf, r"\+inf")):
+        x = make([[0.5, -np.inf], [bad, 2.0]])
+        with pytest.raises(ValueError, match=rf"s must be finite or -inf \(a masked score\), got {shown} at index \(1, 0\)"):
+            check_finite({"ok": make([1.0]), "s": x}, allow_neg_inf=True)
+
+
+def test_check_numpy_array_like():
+    """array_like lets Python numbers and lists through (scores), and still refuses torch tensors."""
+    from flashref.validation import check_numpy
+
+    assert check_numpy("scores", [1.0, 2.0], array_like=True) == [1.0, 2.0]
+    with pytest.raises(TypeError, match="scores must be a NumPy array, got list"):
+        check_numpy("scores", [1.0, 2.0])
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match=r"scores must be a NumPy array, got a torch.Tensor"):
+        check_numpy("scores", torch.ones(2), array_like=True)

@@ -29,6 +29,19 @@ import triton.language as tl
 from flashref.triton.forward import _dot
 
 
+@triton.jit
+def _exponent(qk, qk_scale, m2, l2):
+    """The base-2 exponent of P recomputed from the raw q.k tile: (qk * qk_scale - m) - log2(l).
+
+    qk * qk_scale - m is one explicit fused multiply-add, written the same way in the forward kernel. The
+    compiler is otherwise free to contract it or not, and was seen on the H100 to do so in some kernels
+    and tiles and not others: the product then rounds in one place and not in the other, and with fp32
+    logits of 1e3 (|s| ~ 4e3 in base 2) that one rounding moves P by 3e-4, so dV was 1000x less exact
+    than plain attention's. With the FMA written out, every kernel rounds the exponent once, the same way.
+    """
+    return tl.fma(qk, qk_scale, -m2) - l2
+
+
 @triton.jit(do_not_specialize=["H", "N_q"])
 def flash_bwd_preprocess_kernel(O, DO, Delta,
                                 stride_ob, stride_oh, stride_om, stride_od,
@@ -81,8 +94,7 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_
             m2 = tl.load(m2_base + offs_m)
             l2 = tl.load(l2_base + offs_m)
             delta = tl.load(delta_base + offs_m)
-        s_t = _dot(k, tl.trans(q), DOT)
-        x_t = (s_t * qk_scale - m2[None, :]) - l2[None, :]
+        x_t = _exponent(_dot(k, tl.trans(q), DOT), qk_scale, m2[None, :], l2[None, :])
         if MASKED:
             if CAUSAL:  # mask the exponent, not P: masked scores may be huge and exp2 would overflow
                 x_t = tl.where(offs_n[:, None] <= offs_m[None, :], x_t, float("-inf"))
@@ -185,8 +197,7 @@ def _dq_tiles(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, st
         else:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
-        s = _dot(q, tl.trans(k), DOT)
-        x = (s * qk_scale - m2[:, None]) - l2[:, None]
+        x = _exponent(_dot(q, tl.trans(k), DOT), qk_scale, m2[:, None], l2[:, None])
         if MASKED:
             keep = offs_n[None, :] < N_k
             if CAUSAL:

@@ -67,15 +67,21 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
         else:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
-        s = _dot(q, tl.trans(k), DOT) * qk_scale  # base-2 scores: sm_scale * log2(e) * q.k
+        qk = _dot(q, tl.trans(k), DOT)  # raw q.k; the base-2 score is qk * qk_scale (sm_scale * log2(e))
         if MASKED:
             keep = offs_n[None, :] < N_k
             if CAUSAL:
                 keep = keep & (offs_n[None, :] <= offs_m[:, None])
-            s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+            qk = tl.where(keep, qk, float("-inf"))
+        # qk_scale > 0 and rounding is monotone, so max(qk) * qk_scale is exactly the largest rounded
+        # score: the max needs no scaled copy of the tile, and only one score tile stays live.
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         alpha = tl.exp2(m_i - m_new)  # rescales what was summed under the old max
-        p = tl.exp2(s - m_new[:, None])
+        # One explicit fused multiply-add, here and in both backward kernels: left to itself the compiler
+        # contracts qk * qk_scale - m into an FMA in some kernels and tiles and not in others, and then the
+        # backward's recomputed exponent differs from the forward's by a rounding of the score (3e-4 in P
+        # for logits of 1e3 in fp32; see _exponent in backward.py).
+        p = tl.exp2(tl.fma(qk, qk_scale, -m_new[:, None]))
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         acc += _dot(p.to(v.dtype), v, DOT)
