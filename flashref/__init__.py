@@ -6,6 +6,7 @@ Modules, one idea each (import the one you need; the GPU ones import torch, trit
 - ``flashref.online_softmax`` the running max / running sum recurrence and the exact merge of two states
 - ``flashref.numpy_flash``    tiled FlashAttention forward (two loop orders) and backward, in NumPy
 - ``flashref.iomodel``        a simulated SRAM/HBM that counts the IO of standard and tiled attention
+- ``flashref.hbm``            the bytes each GPU kernel launch loads and stores, as the hardware counts them
 - ``flashref.cupy``           CUDA C kernels launched with CuPy
 - ``flashref.triton``         Triton forward and backward as a ``torch.autograd.Function``
 - ``flashref.bench``          the benchmark harness (``python -m flashref.bench``)

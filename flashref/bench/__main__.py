@@ -1,11 +1,11 @@
-"""Command line: ``python -m flashref.bench numpy --help`` or ``python -m flashref.bench gpu --help``."""
+"""Command line: ``python -m flashref.bench numpy --help`` or ``python -m flashref.bench gpu --help`` or ``python -m flashref.bench hbm --help``."""
 
 import sys
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    suites = {"numpy": "flashref.bench.numpy_bench", "gpu": "flashref.bench.gpu_bench"}
+    suites = {"numpy": "flashref.bench.numpy_bench", "gpu": "flashref.bench.gpu_bench", "hbm": "flashref.bench.hbm_bench"}
     if not argv or argv[0] not in suites:
         print(f"usage: python -m flashref.bench {{{','.join(suites)}}} [options]", file=sys.stderr)
         return 2

@@ -1,0 +1,400 @@
+"""HBM traffic counted by the hardware: every kernel of every attention implementation under Nsight Compute.
+
+    python -m flashref.bench hbm            # the whole grid and the block-size sweep (an H100: minutes)
+    python -m flashref.bench hbm --quick    # N in {1K, 4K, 16K}, d = 64, a short sweep
+
+Notebook ``04b_measured_io`` plots the committed result, ``book/data/hbm_bench.json``.
+
+What is measured. Each case (an implementation, a pass, a shape) runs in a child process under ``ncu``,
+which reads, for every kernel launched between ``torch.cuda.profiler.start()`` and ``stop()``:
+
+- ``dram__bytes_read.sum``, ``dram__bytes_write.sum``: bytes between HBM and the L2 cache;
+- ``lts__t_sectors_srcunit_tex_op_read.sum`` / ``_write.sum``: 32-byte sectors between the SMs and the
+  L2, the traffic a kernel asks of memory before the L2 serves any of it (what ``flashref.hbm`` calls
+  ``requested``);
+- ``gpu__time_duration.sum``: the kernel's time under the profiler.
+
+ncu serializes the launches and, by default, flushes the caches before each kernel, so every kernel
+starts with a cold L2: reads include everything it needs from HBM, and a kernel's last writes may still sit
+in the 50 MB L2 when it ends (they are then not counted as DRAM writes). Clocks are left as the GPU runs
+them (``--clock-control none``). Whole-call times are measured apart from ncu, with ``do_bench``.
+
+Implementations: ``plain`` (matmul, softmax, matmul in PyTorch, forward and backward through autograd,
+kernel by kernel), ``flashref-triton`` (forward; backward: its three launches), ``sdpa-flash``,
+``cupy-tiled`` and ``cupy-mma`` (forward). Triton tiles are pinned (:data:`TRITON_TILES`), so the counts
+can be set beside :mod:`flashref.hbm`'s with the same tiles. The Figure 2 sweep runs the Triton forward
+over (BLOCK_M, BLOCK_N) at one shape and reads each config's registers, spills and shared memory from the
+compiled kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+METRICS = ["dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_sectors_srcunit_tex_op_read.sum",
+           "lts__t_sectors_srcunit_tex_op_write.sum", "gpu__time_duration.sum"]
+SHORT = {"dram__bytes_read.sum": "dram_read", "dram__bytes_write.sum": "dram_write",
+         "lts__t_sectors_srcunit_tex_op_read.sum": "l2_read_sectors",
+         "lts__t_sectors_srcunit_tex_op_write.sum": "l2_write_sectors", "gpu__time_duration.sum": "ns"}
+MARKER = "hbm_case_marker"  # a tiny kernel launched first in each case's profiled range: it splits the log
+
+FULL_N = [1024, 2048, 4096, 8192, 16384]
+QUICK_N = [1024, 4096, 16384]
+B, H = 1, 16  # 16 heads of one sequence: plain attention's N x N matrices stay within memory at N = 16K
+IMPLS = {"plain": ("fwd", "bwd"), "flashref-triton": ("fwd", "bwd"), "sdpa-flash": ("fwd", "bwd"),
+         "cupy-tiled": ("fwd",), "cupy-mma": ("fwd",)}
+# The configs the autotuner lists first for an H100, pinned so the model can use the same tiles.
+TRITON_TILES = {"forward": (128, 64, 4, 3), "dkdv": (32, 128, 4, 3), "dq": (128, 32, 4, 3)}
+SWEEP_SHAPE = {"B": 4, "H": 16, "N": 4096, "d": 64, "causal": False}
+SWEEP_TILES = [(16, 16), (32, 16), (32, 32), (64, 16), (64, 32), (64, 64), (128, 16), (128, 32), (128, 64),
+               (128, 128), (256, 32), (256, 64), (256, 128)]
+
+
+def cases(quick: bool = False) -> list[dict]:
+    """Every measurement: the grid of implementations, passes and shapes, then the block-size sweep."""
+    ns, ds = (QUICK_N, [64]) if quick else (FULL_N, [64, 128])
+    grid = [{"kind": "grid", "impl": impl, "mode": mode, "B": B, "H": H, "N": n, "d": d, "causal": causal}
+            for d in ds for causal in (False, True) for n in ns for impl, modes in IMPLS.items() for mode in modes]
+    tiles = SWEEP_TILES[::3] if quick else SWEEP_TILES
+    sweep = [{"kind": "sweep", "impl": "flashref-triton", "mode": "fwd", **SWEEP_SHAPE, "block_m": bm, "block_n": bn}
+             for bm, bn in tiles]
+    return grid + sweep
+
+
+# --------------------------------------------------------------------------------------------------
+# The child: runs cases with the profiler range around exactly the launches to count
+# --------------------------------------------------------------------------------------------------
+
+def _sweep_config(case):
+    from flashref.triton.configs import TileConfig
+
+    bm, bn = case["block_m"], case["block_n"]
+    return TileConfig(bm, bn, 8 if bm >= 256 else 4, 2 if bm * bn >= 256 * 64 else 3)
+
+
+def _pinned(case):
+    """The Triton configs this case launches: ``{kernel: TileConfig}``."""
+    if case["kind"] == "sweep":
+        return {"forward": _sweep_config(case)}
+    from flashref.triton.configs import TileConfig
+
+    return {name: TileConfig(*spec) for name, spec in TRITON_TILES.items()}
+
+
+def _runner(case):
+    """``(prepare, run)``: prepare() makes the inputs and runs everything that must stay outside the
+    profiled range (compilation, autotuning, the forward whose backward is counted); run() is the call
+    whose kernels are counted."""
+    import torch
+
+    from flashref.bench.gpu_bench import implementation
+
+    fn = implementation(case["impl"])
+    shape = (case["B"], case["H"], case["N"], case["d"])
+    state = {}
+
+    def prepare():
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, do = (torch.randn(shape, device="cuda", dtype=torch.float16, generator=gen) for _ in range(4))
+        grad = case["mode"] == "bwd"
+        for x in (q, k, v):
+            x.requires_grad_(grad)
+        state.clear()
+        state.update(q=q, k=k, v=v, do=do)
+        if grad:
+            state["o"] = fn(q, k, v, case["causal"])
+        torch.cuda.synchronize()
+
+    def run():
+        if case["mode"] == "bwd":
+            state["o"].backward(state["do"], retain_graph=True)
+        else:
+            with torch.no_grad():
+                fn(state["q"], state["k"], state["v"], case["causal"])
+
+    return prepare, run
+
+
+def _marker():
+    """A one-element Triton kernel named MARKER: its launch opens each case in ncu's log."""
+    import torch
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def hbm_case_marker(X, i):
+        tl.store(X, i)
+
+    buf = torch.zeros(1, device="cuda", dtype=torch.int32)
+    assert hbm_case_marker.__name__ == MARKER
+    return lambda i: hbm_case_marker[(1,)](buf, i)
+
+
+def _resources(config, d):
+    """Registers per thread, spilled bytes and shared memory of the compiled forward for ``config``."""
+    import torch
+
+    from flashref.triton.compile_check import compile_config
+
+    major, minor = torch.cuda.get_device_capability()
+    compiled = compile_config("forward", config, 10 * major + minor, d)
+    compiled._init_handles()
+    return {"registers": int(compiled.n_regs), "spills": int(compiled.n_spills), "shared": int(compiled.metadata.shared)}
+
+
+def child(case_file: str, result_file: str, profile: bool) -> int:
+    """Run every case of ``case_file``: under ncu (``profile``), one profiled call each; otherwise time each
+    call with do_bench and record peak memory. Results (one JSON line per case) go to ``result_file``."""
+    import torch
+    import triton
+
+    from flashref.triton.ops import fixed_configs
+
+    with open(case_file) as f:
+        todo = json.load(f)
+    mark = _marker()
+    mark(0)
+    for i, case in enumerate(todo):
+        row = {"index": i}
+        try:
+            with fixed_configs(**_pinned(case)):
+                prepare, run = _runner(case)
+                prepare()
+                run()  # compile, and warm every cache outside the count
+                prepare()
+                if profile:
+                    torch.cuda.profiler.start()
+                    mark(i)
+                    run()
+                    torch.cuda.synchronize()
+                    torch.cuda.profiler.stop()
+                else:
+                    torch.cuda.reset_peak_memory_stats()
+                    base = torch.cuda.memory_allocated()
+                    run()
+                    torch.cuda.synchronize()
+                    row["peak_extra_bytes"] = int(torch.cuda.max_memory_allocated() - base)
+                    row["ms"] = triton.testing.do_bench(run, warmup=10, rep=50, return_mode="median")
+                    if case["kind"] == "sweep":
+                        try:
+                            row.update(_resources(_sweep_config(case), case["d"]))
+                        except Exception as exc:  # noqa: BLE001 (the timing stands without the report)
+                            row["resources_error"] = f"{type(exc).__name__}: {exc}"[:200]
+            row["status"] = "ok"
+        except Exception as exc:  # noqa: BLE001 (a case that cannot run is recorded, the rest go on)
+            oom = "out of memory" in str(exc).lower() or "OutOfResources" in type(exc).__name__
+            row["status"] = ("OOM" if "memory" in str(exc).lower() else "out of resources") if oom else \
+                f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+        finally:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        with open(result_file, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------
+# The parent: ncu's log, split into cases
+# --------------------------------------------------------------------------------------------------
+
+def parse_ncu_csv(text: str) -> list[dict]:
+    """ncu's ``--csv --print-units base`` log as a list of kernels in launch order:
+    ``{"id": int, "name": str, <metric>: float, ...}``. Lines before the CSV header (ncu's own messages and
+    the program's output) are skipped."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
+    if start is None:
+        return []
+    kernels: dict[int, dict] = {}
+    for row in csv.DictReader(io.StringIO("\n".join(lines[start:]))):
+        if not row.get("ID", "").isdigit():
+            continue
+        kernel = kernels.setdefault(int(row["ID"]), {"id": int(row["ID"]), "name": row["Kernel Name"]})
+        value = row["Metric Value"].replace(",", "")
+        try:
+            kernel[row["Metric Name"]] = float(value)
+        except ValueError:
+            kernel[row["Metric Name"]] = None  # "n/a": the metric does not exist for this kernel
+    return [kernels[i] for i in sorted(kernels)]
+
+
+def split_cases(kernels: list[dict]) -> dict[int, list[dict]]:
+    """Group the kernels after each marker launch: ``{case index: [kernel, ...]}``. The marker's own store
+    writes the case index, but the index is read from the order: the n-th marker opens the n-th range."""
+    out: dict[int, list[dict]] = {}
+    current = None
+    markers = 0
+    for kernel in kernels:
+        if MARKER in kernel["name"]:
+            current = markers
+            markers += 1
+            out[current] = []
+        elif current is not None:
+            out[current].append(kernel)
+    return out
+
+
+def summarize(kernel: dict) -> dict:
+    """One kernel's counters, named short; L2 sectors in bytes (32 each)."""
+    row = {"name": kernel["name"]}
+    for metric, short in SHORT.items():
+        value = kernel.get(metric)
+        if value is not None and short.startswith("l2_"):
+            row[short.replace("_sectors", "_bytes")] = int(value * 32)
+        elif value is not None:
+            row[short] = int(value) if short != "ns" else float(value)
+    return row
+
+
+def ncu_path() -> str | None:
+    return shutil.which("ncu") or next((p for p in ("/usr/local/cuda/bin/ncu",) if os.path.exists(p)), None)
+
+
+def available_metrics(ncu: str) -> list[str]:
+    """The METRICS this GPU's ncu knows (a name it does not know would fail the whole run)."""
+    out = subprocess.run([ncu, "--query-metrics"], capture_output=True, text=True).stdout
+    names = {line.split()[0] for line in out.splitlines() if line.strip()}
+    return [m for m in METRICS if m.rsplit(".", 1)[0] in names]
+
+
+def _run_child(todo, profile, ncu=None, metrics=(), log=None):
+    with tempfile.TemporaryDirectory() as tmp:
+        case_file, result_file = os.path.join(tmp, "cases.json"), os.path.join(tmp, "results.jsonl")
+        with open(case_file, "w") as f:
+            json.dump(todo, f)
+        cmd = [sys.executable, "-m", "flashref.bench.hbm_bench", "--child", case_file, result_file]
+        env = dict(os.environ)
+        if profile:
+            ncu_log = os.path.join(tmp, "ncu.csv")
+            cmd = [ncu, "--csv", "--print-units", "base", "--metrics", ",".join(metrics), "--profile-from-start",
+                   "off", "--clock-control", "none", "--target-processes", "all", "--log-file", ncu_log,
+                   *cmd, "--profile"]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if log is not None:
+            log.write(proc.stdout[-4000:] + proc.stderr[-4000:])
+        results = []
+        if os.path.exists(result_file):
+            with open(result_file) as f:
+                results = [json.loads(line) for line in f if line.strip()]
+        kernels = []
+        if profile and os.path.exists(ncu_log):
+            with open(ncu_log) as f:
+                kernels = parse_ncu_csv(f.read())
+        return proc.returncode, results, kernels
+
+
+def _versions(ncu):
+    from flashref.bench.gpu_bench import _versions as library_versions
+
+    v = library_versions()
+    v["ncu"] = subprocess.run([ncu, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    v["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True).stdout.strip()
+    return v
+
+
+def measure(todo, ncu, metrics, chunk=24, progress=True, log=None, checkpoint=None):
+    """Profile and time ``todo`` in chunks of cases (one child process each, so one failure costs one chunk);
+    ``checkpoint(rows)`` after each chunk, so a run cut short keeps what it measured."""
+    from tqdm.auto import tqdm
+
+    rows = [dict(case) for case in todo]
+    bar = tqdm(total=2 * len(todo), desc="hbm bench", disable=not progress)
+    for lo in range(0, len(todo), chunk):
+        part = todo[lo:lo + chunk]
+        code, results, kernels = _run_child(part, True, ncu, metrics, log)
+        by_case = split_cases(kernels)
+        for r in results:
+            row = rows[lo + r["index"]]
+            row["profile_status"] = r["status"] if code == 0 or r["status"] != "ok" else f"ncu exit {code}"
+            row["kernels"] = [summarize(k) for k in by_case.get(r["index"], [])]
+        bar.update(len(part))
+        code, results, _ = _run_child(part, False, log=log)
+        for r in results:
+            row = rows[lo + r["index"]]
+            row.update({k: v for k, v in r.items() if k != "index"})
+        bar.update(len(part))
+        if checkpoint is not None:
+            checkpoint(rows)
+    bar.close()
+    return rows
+
+
+_CASE_KEYS = ("kind", "impl", "mode", "B", "H", "N", "d", "causal", "block_m", "block_n")
+
+
+def _key(case) -> tuple:
+    return tuple(case.get(k) for k in _CASE_KEYS)
+
+
+def _measured(path) -> dict:
+    """The cases of a saved run that were measured (profiled and timed): ``{key: row}``."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        rows = json.load(f)["results"]
+    return {_key(r): r for r in rows if r.get("status") == "ok" and r.get("kernels")}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m flashref.bench hbm", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help=f"N in {QUICK_N}, d = 64, a third of the sweep")
+    p.add_argument("--out", default="book/data/hbm_bench.json")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--resume", action="store_true", help="keep the cases --out already holds; measure the rest")
+    p.add_argument("--child", nargs=2, metavar=("CASES", "RESULTS"), help=argparse.SUPPRESS)
+    p.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        return child(*args.child, profile=args.profile)
+
+    import torch
+
+    ncu = ncu_path()
+    if not torch.cuda.is_available() or ncu is None:
+        print("flashref.bench hbm needs a CUDA device and Nsight Compute (ncu) on the PATH", file=sys.stderr)
+        return 2
+    metrics = available_metrics(ncu)
+    start = time.time()
+    todo = cases(args.quick)
+    data = {"device": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
+            "l2_bytes": int(torch.cuda.get_device_properties(0).L2_cache_size), "versions": _versions(ncu),
+            "python": platform.python_version(), "dtype": "float16", "metrics": metrics,
+            "ncu_options": "--cache-control all (default: caches flushed before each kernel), --clock-control none, "
+                           "--profile-from-start off",
+            "triton_tiles": TRITON_TILES, "command": "python -m flashref.bench hbm" + (" --quick" if args.quick else ""),
+            "seconds": None, "complete": False, "results": []}
+
+    done = _measured(args.out) if args.resume else {}
+    rest = [case for case in todo if _key(case) not in done]
+
+    def checkpoint(rows):
+        ordered = [done.get(_key(case)) or next(r for r in rows if _key(r) == _key(case)) for case in todo
+                   if _key(case) in done or any(_key(r) == _key(case) for r in rows)]
+        with open(args.out, "w") as f:
+            json.dump({**data, "results": ordered, "seconds": time.time() - start}, f, indent=1)
+
+    with open(os.path.splitext(args.out)[0] + ".log", "a" if args.resume else "w") as log:
+        rows = measure(rest, ncu, metrics, progress=not args.no_progress, log=log, checkpoint=checkpoint)
+    data["complete"] = all(r.get("status") == "ok" and r.get("kernels") for r in rows)
+    checkpoint(rows)
+    data["seconds"] = time.time() - start
+    rows = _measured(args.out)
+    ok = sum(r.get("status") == "ok" and bool(r.get("kernels")) for r in rows.values())
+    print(f"wrote {args.out}: {ok} of {len(todo)} cases measured, in {data['seconds']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
