@@ -53,8 +53,13 @@ QUICK_N = [1024, 4096, 16384]
 B, H = 1, 16  # 16 heads of one sequence: plain attention's N x N matrices stay within memory at N = 16K
 IMPLS = {"plain": ("fwd", "bwd"), "flashref-triton": ("fwd", "bwd"), "sdpa-flash": ("fwd", "bwd"),
          "cupy-tiled": ("fwd",), "cupy-mma": ("fwd",)}
-# The configs the autotuner lists first for an H100, pinned so the model can use the same tiles.
-TRITON_TILES = {"forward": (128, 64, 4, 3), "dkdv": (32, 128, 4, 3), "dq": (128, 32, 4, 3)}
+# Triton configs pinned per head dim (block_m, block_n, warps, stages), so the model can use the same tiles:
+# the H100 candidates the autotuner lists first, except dK/dV at d = 128, where 32 x 128 with 4 warps holds
+# dK and dV (2 x 128 x 128 fp32) in 128 threads and spills (measured apart: SPILL_CASE).
+TRITON_TILES = {64: {"forward": (128, 64, 4, 3), "dkdv": (32, 128, 4, 3), "dq": (128, 32, 4, 3)},
+                128: {"forward": (128, 64, 4, 3), "dkdv": (64, 128, 8, 3), "dq": (128, 32, 4, 3)}}
+SPILL_CASE = {"kind": "spill", "impl": "flashref-triton", "mode": "bwd", "B": B, "H": H, "N": 4096, "d": 128,
+              "causal": False, "tiles": {"forward": (128, 64, 4, 3), "dkdv": (32, 128, 4, 3), "dq": (128, 32, 4, 3)}}
 SWEEP_SHAPE = {"B": 4, "H": 16, "N": 4096, "d": 64, "causal": False}
 SWEEP_TILES = [(16, 16), (32, 16), (32, 32), (64, 16), (64, 32), (64, 64), (128, 16), (128, 32), (128, 64),
                (128, 128), (256, 32), (256, 64), (256, 128)]
@@ -65,30 +70,31 @@ def cases(quick: bool = False) -> list[dict]:
     ns, ds = (QUICK_N, [64]) if quick else (FULL_N, [64, 128])
     grid = [{"kind": "grid", "impl": impl, "mode": mode, "B": B, "H": H, "N": n, "d": d, "causal": causal}
             for d in ds for causal in (False, True) for n in ns for impl, modes in IMPLS.items() for mode in modes]
+    for case in grid:
+        if case["impl"] == "flashref-triton":
+            case["tiles"] = TRITON_TILES[case["d"]]
     tiles = SWEEP_TILES[::3] if quick else SWEEP_TILES
     sweep = [{"kind": "sweep", "impl": "flashref-triton", "mode": "fwd", **SWEEP_SHAPE, "block_m": bm, "block_n": bn}
              for bm, bn in tiles]
-    return grid + sweep
+    for case in sweep:
+        case["tiles"] = {"forward": _sweep_config(case)}
+    return grid + sweep + ([] if quick else [SPILL_CASE])
 
 
 # --------------------------------------------------------------------------------------------------
 # The child: runs cases with the profiler range around exactly the launches to count
 # --------------------------------------------------------------------------------------------------
 
-def _sweep_config(case):
-    from flashref.triton.configs import TileConfig
-
+def _sweep_config(case) -> tuple:
     bm, bn = case["block_m"], case["block_n"]
-    return TileConfig(bm, bn, 8 if bm >= 256 else 4, 2 if bm * bn >= 256 * 64 else 3)
+    return (bm, bn, 8 if bm >= 256 else 4, 2 if bm * bn >= 256 * 64 else 3)
 
 
 def _pinned(case):
-    """The Triton configs this case launches: ``{kernel: TileConfig}``."""
-    if case["kind"] == "sweep":
-        return {"forward": _sweep_config(case)}
+    """The Triton configs this case launches: ``{kernel: TileConfig}`` (none for the other implementations)."""
     from flashref.triton.configs import TileConfig
 
-    return {name: TileConfig(*spec) for name, spec in TRITON_TILES.items()}
+    return {name: TileConfig(*spec) for name, spec in case.get("tiles", {}).items()}
 
 
 def _runner(case):
@@ -140,16 +146,23 @@ def _marker():
     return lambda i: hbm_case_marker[(1,)](buf, i)
 
 
-def _resources(config, d):
-    """Registers per thread, spilled bytes and shared memory of the compiled forward for ``config``."""
+def _resources(case) -> dict:
+    """``{kernel: {registers, spills, shared}}``: registers per thread, bytes spilled to local memory and
+    shared memory of each Triton kernel the case launches, compiled for this GPU as a launch compiles it."""
     import torch
 
     from flashref.triton.compile_check import compile_config
 
     major, minor = torch.cuda.get_device_capability()
-    compiled = compile_config("forward", config, 10 * major + minor, d)
-    compiled._init_handles()
-    return {"registers": int(compiled.n_regs), "spills": int(compiled.n_spills), "shared": int(compiled.metadata.shared)}
+    kernels = ["forward"] if case["mode"] == "fwd" else ["dkdv", "dq"]
+    out = {}
+    for name, config in _pinned(case).items():
+        if name in kernels:
+            compiled = compile_config(name, config, 10 * major + minor, case["d"], causal=case["causal"])
+            compiled._init_handles()
+            out[name] = {"registers": int(compiled.n_regs), "spills": int(compiled.n_spills),
+                         "shared": int(compiled.metadata.shared)}
+    return out
 
 
 def child(case_file: str, result_file: str, profile: bool) -> int:
@@ -185,12 +198,13 @@ def child(case_file: str, result_file: str, profile: bool) -> int:
                     torch.cuda.synchronize()
                     row["peak_extra_bytes"] = int(torch.cuda.max_memory_allocated() - base)
                     row["ms"] = triton.testing.do_bench(run, warmup=10, rep=50, return_mode="median")
-                    if case["kind"] == "sweep":
+                    if case.get("tiles"):
                         try:
-                            row.update(_resources(_sweep_config(case), case["d"]))
+                            row["resources"] = _resources(case)
                         except Exception as exc:  # noqa: BLE001 (the timing stands without the report)
                             row["resources_error"] = f"{type(exc).__name__}: {exc}"[:200]
             row["status"] = "ok"
+            row["measured_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         except Exception as exc:  # noqa: BLE001 (a case that cannot run is recorded, the rest go on)
             oom = "out of memory" in str(exc).lower() or "OutOfResources" in type(exc).__name__
             row["status"] = ("OOM" if "memory" in str(exc).lower() else "out of resources") if oom else \
@@ -330,11 +344,12 @@ def measure(todo, ncu, metrics, chunk=24, progress=True, log=None, checkpoint=No
     return rows
 
 
-_CASE_KEYS = ("kind", "impl", "mode", "B", "H", "N", "d", "causal", "block_m", "block_n")
+_CASE_KEYS = ("kind", "impl", "mode", "B", "H", "N", "d", "causal", "block_m", "block_n", "tiles")
 
 
 def _key(case) -> tuple:
-    return tuple(case.get(k) for k in _CASE_KEYS)
+    """A case's identity; the tiles (tuples in code, lists once saved) compared as text."""
+    return tuple(json.dumps(case.get(k), sort_keys=True) for k in _CASE_KEYS)
 
 
 def _measured(path) -> dict:
@@ -344,6 +359,89 @@ def _measured(path) -> dict:
     with open(path) as f:
         rows = json.load(f)["results"]
     return {_key(r): r for r in rows if r.get("status") == "ok" and r.get("kernels")}
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading a saved run (notebook 09_measured_io)
+# --------------------------------------------------------------------------------------------------
+
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Kernels that are not the attention itself: CuPy's entry point checks its inputs for NaN and inf first
+# (three small reductions per input); they are kept in the data and left out of the attention's counts.
+INPUT_CHECK_KERNELS = ("cupy_isfinite", "cupy_cub_all")
+# H100 SXM: dense fp16 tensor-core peak and HBM3 bandwidth, from NVIDIA's datasheet.
+H100_PEAK_FLOPS, H100_HBM_BYTES_PER_S = 989e12, 3.35e12
+
+
+def load_results(path=None) -> dict:
+    """The committed run: ``path``, else book/data/hbm_bench.json of this checkout, else (on Colab, where
+    only the package is installed) the copy in the course repository."""
+    import urllib.request
+
+    from flashref import REPOSITORY_URL
+
+    candidate = path or os.path.join(_REPO_ROOT, "book", "data", "hbm_bench.json")
+    if os.path.exists(candidate):
+        with open(candidate) as f:
+            return json.load(f)
+    if path:
+        raise FileNotFoundError(path)
+    url = REPOSITORY_URL.replace("https://github.com/", "https://raw.githubusercontent.com/") + \
+        "/main/book/data/hbm_bench.json"
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def find(data: dict, impl: str, mode: str, N: int, d: int, causal: bool = False, kind: str = "grid", **tiles) -> dict:
+    """The one measured case with these parameters (``block_m=``, ``block_n=`` for the sweep)."""
+    want = {"kind": kind, "impl": impl, "mode": mode, "N": N, "d": d, "causal": causal, **tiles}
+    rows = [r for r in data["results"] if all(r.get(k) == v for k, v in want.items())]
+    if len(rows) != 1:
+        raise KeyError(f"{len(rows)} cases match {want}")
+    return rows[0]
+
+
+def attention_kernels(row: dict) -> list[dict]:
+    """The kernels of a case, without the CuPy input checks."""
+    return [k for k in row["kernels"] if not k["name"].startswith(INPUT_CHECK_KERNELS)]
+
+
+def totals(row: dict) -> dict:
+    """Bytes (DRAM read/write, L2 read/write) and nanoseconds summed over the attention kernels of a case."""
+    keys = ("dram_read", "dram_write", "l2_read_bytes", "l2_write_bytes", "ns")
+    out = {k: sum(kernel.get(k, 0) for kernel in attention_kernels(row)) for k in keys}
+    out["dram"] = out["dram_read"] + out["dram_write"]
+    out["l2"] = out["l2_read_bytes"] + out["l2_write_bytes"]
+    return out
+
+
+def kernel_flops(name: str, B: int, H: int, N: int, d: int, causal: bool) -> float:
+    """The floating-point work of one kernel, counted from its name (not read from a counter): a matrix
+    product of PyTorch's plain path is 2 N^2 d per head (cuBLAS computes the whole product, causal or not);
+    the fused kernels recompute as many N x N x d products as they hold (forward 2, dK/dV 4, dQ 3, SDPA's
+    fused backward 5), halved when causal; an element-wise or softmax kernel is counted as one FLOP per
+    element of S (their few operations per element change nothing in the picture: they sit far left on
+    the roofline). Small kernels (the backward's D = rowsum(dO * O), copies, fills) count 0."""
+    nn = float(B * H * N * N)
+    half = 0.5 if causal else 1.0
+    products = {"flash_fwd_kernel": 2, "flash_tiled_forward": 2, "flash_mma_forward": 2,
+                "flash_bwd_dkdv_kernel": 4, "flash_bwd_dq_kernel": 3, "flash_bwd_dq_dk_dv": 5}
+    for key, count in products.items():
+        if key in name:
+            return 2 * count * nn * d * half
+    if "nvjet" in name or "gemm" in name:
+        return 2 * nn * d
+    if any(key in name for key in ("SoftMax", "masked_", "AUnaryFunctor", "BinaryFunctor")):
+        return nn
+    return 0.0
+
+
+def _previous_runs(path) -> list:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        old = json.load(f)
+    return old.get("runs") or [{"command": old.get("command"), "cases": len(old["results"]), "started": None}]
 
 
 def main(argv=None) -> int:
@@ -378,6 +476,9 @@ def main(argv=None) -> int:
 
     done = _measured(args.out) if args.resume else {}
     rest = [case for case in todo if _key(case) not in done]
+    this_run = {"command": data["command"] + (" --resume" if args.resume else ""), "cases": len(rest),
+                "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    data["runs"] = (_previous_runs(args.out) if args.resume else []) + [this_run]
 
     def checkpoint(rows):
         ordered = [done.get(_key(case)) or next(r for r in rows if _key(r) == _key(case)) for case in todo
