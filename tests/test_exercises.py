@@ -67,3 +67,31 @@ def test_checkers_need_neither_torch_nor_triton():
         "print('ok')\n"))
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+def test_measured_io_checkers_accept_right_answers_and_explain_wrong_ones():
+    from flashref.exercises import measured_io as ex
+
+    B, H, N, d = ex.PREDICT["B"], ex.PREDICT["H"], ex.PREDICT["N"], ex.PREDICT["d"]
+    right = B * H * 3 * N * d * 2
+    assert ex.check_predicted_dram_read(right)
+    assert "ncu measured" in repr(ex.check_predicted_dram_read(right))
+    assert "factor of 2" in repr(ex.check_predicted_dram_read(right // 2))
+    assert "one head" in repr(ex.check_predicted_dram_read(right // (B * H)))
+    assert "O is written" in repr(ex.check_predicted_dram_read(right * 4 // 3))
+    assert not ex.check_predicted_dram_read("lots") and not ex.check_predicted_dram_read(None)
+
+    from flashref.bench import hbm_bench
+
+    measured = hbm_bench.totals(hbm_bench.find(hbm_bench.load_results(), "plain", "fwd", ex.PASSES["N"], ex.PASSES["d"]))
+    passes = ex.nn_passes(measured["dram"])
+    assert 5.5 < passes < 6.5 and ex.check_nn_passes(passes)
+    assert "twice" in repr(ex.check_nn_passes(passes / 2))
+    assert not ex.check_nn_passes(1.0)
+
+    assert ex.check_roofline_time(lambda f, b, p, w: max(f / p, b / w))
+    assert "added" in repr(ex.check_roofline_time(lambda f, b, p, w: f / p + b / w))
+    assert "shorter" in repr(ex.check_roofline_time(lambda f, b, p, w: min(f / p, b / w)))
+    assert "units" in repr(ex.check_roofline_time(lambda f, b, p, w: max(f * p, b * w)))
+    assert "raised" in repr(ex.check_roofline_time(lambda f, b, p, w: 1 / 0))
+    assert not ex.check_roofline_time(None) and not ex.check_roofline_time(3)

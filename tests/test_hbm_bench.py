@@ -55,3 +55,34 @@ def test_cases_cover_the_grid_and_the_sweep():
     sweep = [c for c in cases if c["kind"] == "sweep"]
     assert all(c["block_m"] % c["block_n"] == 0 for c in sweep)  # the forward kernel's tile rule
     assert len(hbm_bench.cases(quick=True)) < len(cases)
+
+
+def test_kernel_flops_counts_the_work_of_each_kind_of_kernel():
+    B, H, N, d = 1, 2, 64, 16
+    nn = B * H * N * N
+    flops = lambda name, causal=False, **k: hbm_bench.kernel_flops({"name": name, **k}, B, H, N, d, causal)  # noqa: E731
+    assert flops("flash_fwd_kernel") == 4 * nn * d and flops("flash_fwd_kernel", causal=True) == 2 * nn * d
+    assert flops("flash_bwd_dkdv_kernel") == 8 * nn * d and flops("flash_bwd_dq_kernel") == 6 * nn * d
+    assert flops("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<...>") == 10 * nn * d
+    assert flops("nvjet_sm90_hsh_128x256_64x4_2x1_v_bz_coopA_TNN", causal=True) == 2 * nn * d  # cuBLAS: whole product
+    # element-wise: one FLOP per fp16 element written, however many launches PyTorch splits it into
+    assert flops("void at::vectorized_elementwise_kernel<8, at::AUnaryFunctor<c10::Half>>", l2_write_bytes=2 * nn) == nn
+    assert flops("flash_bwd_preprocess_kernel") == 0 and flops("void at::elementwise_kernel<direct_copy_kernel>") == 0
+
+
+def test_committed_run_is_complete_and_consistent():
+    """book/data/hbm_bench.json holds every case of the full grid, each profiled and timed, with provenance."""
+    data = hbm_bench.load_results()
+    assert data["complete"] and "H100" in data["device"]
+    for key in ("torch", "triton", "cupy", "ncu", "driver"):
+        assert data["versions"][key]
+    keys = {hbm_bench._key(r) for r in data["results"] if r["status"] == "ok" and r["kernels"]}
+    assert keys == {hbm_bench._key(c) for c in hbm_bench.cases()}
+    # the Triton forward launches exactly one kernel, and its DRAM reads are the compulsory bytes (+-2%)
+    from flashref import hbm
+
+    for N in hbm_bench.FULL_N:
+        row = hbm_bench.find(data, "flashref-triton", "fwd", N, 64)
+        assert [k["name"] for k in row["kernels"]] == ["flash_fwd_kernel"]
+        compulsory = hbm.flash_forward(hbm_bench.B, hbm_bench.H, N, N, 64, 128, 64).compulsory_read
+        assert abs(row["kernels"][0]["dram_read"] / compulsory - 1) < 0.02

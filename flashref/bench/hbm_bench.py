@@ -415,13 +415,16 @@ def totals(row: dict) -> dict:
     return out
 
 
-def kernel_flops(name: str, B: int, H: int, N: int, d: int, causal: bool) -> float:
-    """The floating-point work of one kernel, counted from its name (not read from a counter): a matrix
-    product of PyTorch's plain path is 2 N^2 d per head (cuBLAS computes the whole product, causal or not);
-    the fused kernels recompute as many N x N x d products as they hold (forward 2, dK/dV 4, dQ 3, SDPA's
-    fused backward 5), halved when causal; an element-wise or softmax kernel is counted as one FLOP per
-    element of S (their few operations per element change nothing in the picture: they sit far left on
-    the roofline). Small kernels (the backward's D = rowsum(dO * O), copies, fills) count 0."""
+def kernel_flops(kernel: dict, B: int, H: int, N: int, d: int, causal: bool) -> float:
+    """The floating-point work of one measured kernel (a row of a case's ``kernels``), counted from its
+    name, not read from a counter: a matrix product of PyTorch's plain path is 2 N^2 d per head (cuBLAS
+    computes the whole product, causal or not); the fused kernels compute as many N x N x d products as
+    they hold (forward 2, dK/dV 4, dQ 3, SDPA's fused backward 5), halved when causal; an element-wise or
+    softmax kernel is one FLOP per element it writes (its fp16 output bytes / 2, which also covers PyTorch
+    splitting one operation over 2^31 elements into several launches): a few operations per element would
+    change nothing, these kernels sit far left on the roofline. Small kernels (the backward's
+    D = rowsum(dO * O), copies, fills) count 0."""
+    name = kernel["name"]
     nn = float(B * H * N * N)
     half = 0.5 if causal else 1.0
     products = {"flash_fwd_kernel": 2, "flash_tiled_forward": 2, "flash_mma_forward": 2,
@@ -432,8 +435,29 @@ def kernel_flops(name: str, B: int, H: int, N: int, d: int, causal: bool) -> flo
     if "nvjet" in name or "gemm" in name:
         return 2 * nn * d
     if any(key in name for key in ("SoftMax", "masked_", "AUnaryFunctor", "BinaryFunctor")):
-        return nn
+        return kernel.get("l2_write_bytes", 0) / 2
     return 0.0
+
+
+def add_resources(path) -> int:
+    """Compile, for this GPU, the Triton kernels of every saved case that has tiles but no resource report,
+    and record registers, spills and shared memory (a property of the compiled code, so no re-measurement)."""
+    import torch
+
+    with open(path) as f:
+        data = json.load(f)
+    if torch.cuda.get_device_name() != data["device"]:
+        print(f"{path} was measured on {data['device']}, this is {torch.cuda.get_device_name()}", file=sys.stderr)
+        return 2
+    added = 0
+    for row in data["results"]:
+        if row.get("tiles") and "resources" not in row:
+            row["resources"] = _resources(row)
+            added += 1
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+    print(f"added the resource report to {added} cases of {path}")
+    return 0
 
 
 def _previous_runs(path) -> list:
@@ -451,6 +475,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="book/data/hbm_bench.json")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--resume", action="store_true", help="keep the cases --out already holds; measure the rest")
+    p.add_argument("--resources", action="store_true",
+                   help="only add the compiler's resource report to saved Triton cases that lack it (no profiling)")
     p.add_argument("--child", nargs=2, metavar=("CASES", "RESULTS"), help=argparse.SUPPRESS)
     p.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -459,6 +485,8 @@ def main(argv=None) -> int:
 
     import torch
 
+    if args.resources:
+        return add_resources(args.out)
     ncu = ncu_path()
     if not torch.cuda.is_available() or ncu is None:
         print("flashref.bench hbm needs a CUDA device and Nsight Compute (ncu) on the PATH", file=sys.stderr)
