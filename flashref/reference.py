@@ -14,7 +14,7 @@ is "plain attention in the same low precision", the baseline of the tolerance ru
 
 Conventions (DESIGN.md): shapes ``(N, d)`` or ``(B, H, N, d)``; ``N_q`` may differ from ``N_k``;
 ``causal=True`` is top-left aligned as ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)``
-(query ``i`` attends keys ``j <= i``; every row sees key 0, so no row is empty); ``sm_scale`` defaults to
+(query ``i`` attends keys ``j <= i``; every row sees key 0); ``sm_scale`` defaults to
 ``1/sqrt(d)``; ``lse`` is the natural-log log-sum-exp of the scaled, masked scores of each query row.
 
 Inputs must be floating point (float16, float32 or float64): integer or boolean arrays raise
@@ -42,12 +42,67 @@ _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 # --------------------------------------------------------------------------------------------------
 
 def _check_inputs(q, k, v, causal, sm_scale):
-    """Validate q, k, v, causal and sm_scale; return NumPy arrays and the float scale."""
+    """Validate q, k, v, causal and sm_scale; return NumPy arrays and the float scale. k and v may have
+    fewer heads than q (grouped-query attention, 4-D inputs): ``H % H_kv == 0``."""
     _, _, d = validation.check_attention_inputs(q, k, v, allowed_ndims=(2, 4), allowed_dtypes=FLOAT_DTYPES,
-                                                numpy=True)
+                                                numpy=True, gqa=True)
     validation.check_causal(causal)
     scale = validation.check_sm_scale(sm_scale, d)
     return q, k, v, scale
+
+
+def _masks(q, k, causal, dropout_mask, dropout_p, block_mask, block_size):
+    """The boolean ``visible`` mask (causal and block-sparse together, or None for all visible) and the
+    dropout ``keep`` mask (or None), both broadcastable to ``(..., N_q, N_k)``, and the dropout scale."""
+    N_q, N_k = q.shape[-2], k.shape[-2]
+    lead = q.shape[:-2]
+    visible = causal_mask(N_q, N_k) if causal else None
+    if block_mask is not None:
+        validation.check_numpy("block_mask", block_mask)
+        blocks = validation.check_block_mask(block_mask, lead, N_q, N_k, block_size)
+        element = expand_block_mask(blocks, block_size, N_q, N_k)
+        visible = element if visible is None else (visible & element)
+    p = validation.check_dropout_p(dropout_p)
+    keep = None
+    if dropout_mask is not None:
+        if p == 0.0:
+            raise ValueError("dropout_mask was given with dropout_p = 0.0: pass the p the mask was drawn with")
+        validation.check_numpy("dropout_mask", dropout_mask)
+        if dropout_mask.dtype != np.bool_:
+            raise TypeError(f"dropout_mask must be a boolean keep-mask (True = kept), got dtype {dropout_mask.dtype}")
+        try:
+            np.broadcast_shapes(dropout_mask.shape, (*lead, N_q, N_k))
+        except ValueError:
+            raise ValueError(f"dropout_mask must broadcast to {(*lead, N_q, N_k)}, got shape {dropout_mask.shape}") from None
+        keep = dropout_mask
+    elif p > 0.0:
+        raise ValueError(f"dropout_p = {p} needs the dropout_mask it was drawn with: the reference is "
+                         "deterministic (flashref.triton.dropout_mask gives the kernels' mask for a seed)")
+    return visible, keep, 1.0 / (1.0 - p)
+
+
+def expand_block_mask(blocks: np.ndarray, block_size: int, N_q: int, N_k: int) -> np.ndarray:
+    """The element mask ``(..., N_q, N_k)`` of a block mask ``(..., ceil(N_q / bs), ceil(N_k / bs))``:
+    query i sees key j when block (i // bs, j // bs) is True."""
+    rows = np.arange(N_q) // block_size
+    cols = np.arange(N_k) // block_size
+    return blocks[..., rows[:, None], cols[None, :]]
+
+
+def _repeat_kv(x, H):
+    """K or V with H_kv heads, repeated to H heads for the reference's arithmetic (query head h uses K/V
+    head h // (H // H_kv), the convention of ``scaled_dot_product_attention(..., enable_gqa=True)``)."""
+    if x.ndim != 4 or x.shape[1] == H:
+        return x
+    return np.repeat(x, H // x.shape[1], axis=1)
+
+
+def _sum_groups(dx, H_kv):
+    """dK or dV of the H query heads summed over each group of H // H_kv heads that share a K/V head."""
+    if dx.ndim != 4 or dx.shape[1] == H_kv:
+        return dx
+    B, H, N, d = dx.shape
+    return dx.reshape(B, H_kv, H // H_kv, N, d).sum(axis=2)
 
 
 def _check_do(do, q):
@@ -70,42 +125,60 @@ def causal_mask(N_q: int, N_k: int) -> np.ndarray:
     return np.tril(np.ones((N_q, N_k), dtype=bool))
 
 
-def scores(q, k, causal: bool, sm_scale: float) -> np.ndarray:
-    """S = sm_scale * Q K^T in the input dtype, with masked entries set to -inf. Shape ``(..., N_q, N_k)``."""
-    s = np.matmul(q, np.swapaxes(k, -1, -2)) * q.dtype.type(sm_scale)
-    if causal:
-        s = np.where(causal_mask(q.shape[-2], k.shape[-2]), s, q.dtype.type(-np.inf))
+def scores(q, k, causal: bool, sm_scale: float, visible=None) -> np.ndarray:
+    """S = sm_scale * Q K^T in the input dtype, with masked entries set to -inf. Shape ``(..., N_q, N_k)``.
+    ``visible`` (boolean, broadcastable) replaces the causal mask when given (it already includes it)."""
+    s = np.matmul(q, np.swapaxes(_repeat_kv(k, q.shape[1] if q.ndim == 4 else 0), -1, -2)) * q.dtype.type(sm_scale)
+    if visible is None and causal:
+        visible = causal_mask(q.shape[-2], k.shape[-2])
+    if visible is not None:
+        s = np.where(visible, s, q.dtype.type(-np.inf))
     return s
 
 
 def softmax_rows(s: np.ndarray):
     """Row-wise softmax of S, stable: subtract each row's max before ``exp`` so nothing overflows.
 
-    Returns ``(P, lse)`` with ``lse = m + log(l)``, ``m`` the row max and ``l = sum(exp(S - m))``.
-    Every row has at least one finite entry (key 0), so ``m`` is finite and masked entries give 0.
+    Returns ``(P, lse)`` with ``lse = m + log(l)``, ``m`` the row max and ``l = sum(exp(S - m))``. A row
+    whose every entry is masked (-inf; only a block mask can do that) has P = 0 and lse = -inf, never NaN.
     """
     m = np.max(s, axis=-1, keepdims=True)
+    empty = np.isneginf(m)
+    m = np.where(empty, 0, m).astype(s.dtype)
     p = np.exp(s - m)
     l = np.sum(p, axis=-1, keepdims=True)
-    p = p / l
-    lse = (m + np.log(l))[..., 0]
-    return p, lse
+    p = p / np.where(empty, 1, l).astype(s.dtype)
+    with np.errstate(divide="ignore"):
+        lse = np.where(empty, -np.inf, m + np.log(np.where(empty, 1, l)))[..., 0]
+    return p, lse.astype(s.dtype)
 
 
-def attention(q, k, v, causal=False, sm_scale=None, return_lse=False):
-    """Standard attention ``O = softmax(sm_scale * Q K^T) V``, materializing S and P.
+def attention(q, k, v, causal=False, sm_scale=None, return_lse=False, *, dropout_mask=None, dropout_p=0.0,
+              block_mask=None, block_size=128):
+    """Standard attention ``O = dropout(softmax(sm_scale * Q K^T)) V``, materializing S and P.
 
-    ``q``: ``(..., N_q, d)``, ``k`` and ``v``: ``(..., N_k, d)`` with ``...`` empty or ``(B, H)``.
-    Returns ``o`` of q's shape and dtype, or ``(o, lse)`` with ``lse`` of shape ``(..., N_q)`` when
-    ``return_lse``. Raises ``ValueError``/``TypeError`` naming the argument on bad input (integer
-    dtypes included). Taught in notebook ``01_standard_attention``.
+    ``q``: ``(..., N_q, d)``, ``k`` and ``v``: ``(..., N_k, d)`` with ``...`` empty or ``(B, H)``; for 4-D
+    inputs ``k`` and ``v`` may have ``H_kv`` heads with ``H % H_kv == 0`` (grouped-query attention: query
+    head h uses K/V head ``h // (H // H_kv)``). Returns ``o`` of q's shape and dtype, or ``(o, lse)`` with
+    ``lse`` of shape ``(..., N_q)`` when ``return_lse``.
+
+    ``block_mask`` (boolean, ``(B or 1, H or 1, ceil(N_q / block_size), ceil(N_k / block_size))``, or 2-D
+    for 2-D inputs): block (i, j) False means the queries of block i never see the keys of block j; it
+    combines with ``causal``. A query row that sees no key gets ``o = 0`` and ``lse = -inf``.
+    ``dropout_mask`` (boolean keep-mask broadcastable to ``(..., N_q, N_k)``) with ``dropout_p``: P's
+    dropped entries are zeroed and the kept ones scaled by ``1 / (1 - dropout_p)``; lse is that of P
+    before dropout. Raises ``ValueError``/``TypeError`` naming the argument on bad input (integer dtypes
+    included). Taught in notebook ``01_standard_attention``.
     """
     q, k, v, scale = _check_inputs(q, k, v, causal, sm_scale)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}: {return_lse!r}")
-    s = scores(q, k, causal, scale)
+    visible, keep, keep_scale = _masks(q, k, causal, dropout_mask, dropout_p, block_mask, block_size)
+    s = scores(q, k, causal, scale, visible)
     p, lse = softmax_rows(s)
-    o = np.matmul(p, v)
+    if keep is not None:
+        p = np.where(keep, p * p.dtype.type(keep_scale), p.dtype.type(0))
+    o = np.matmul(p, _repeat_kv(v, q.shape[1] if q.ndim == 4 else 0))
     return (o, lse) if return_lse else o
 
 
@@ -113,28 +186,44 @@ def attention(q, k, v, causal=False, sm_scale=None, return_lse=False):
 # Backward
 # --------------------------------------------------------------------------------------------------
 
-def attention_backward(q, k, v, do, causal=False, sm_scale=None):
-    """Gradients ``(dq, dk, dv)`` of standard attention, given ``do = dLoss/dO``.
+def attention_backward(q, k, v, do, causal=False, sm_scale=None, *, dropout_mask=None, dropout_p=0.0,
+                       block_mask=None, block_size=128):
+    """Gradients ``(dq, dk, dv)`` of standard attention, given ``do = dLoss/dO``; the keywords as in
+    :func:`attention` (dk and dv have k's and v's shapes: with grouped-query attention each K/V head's
+    gradient is the sum over the query heads that share it).
 
-    With S = scale Q K^T, P = softmax(S), O = P V (notebook ``05_backward_recomputation`` derives it):
+    With S = scale Q K^T, P = softmax(S), P~ = P * keep / (1 - p) (P~ = P without dropout), O = P~ V
+    (notebook ``05_backward_recomputation`` derives it):
 
-        dV = P^T dO
-        dP = dO V^T
+        dV = P~^T dO
+        dP = (dO V^T) * keep / (1 - p)
         dS = P * (dP - rowsum(P * dP))      (the softmax Jacobian, row by row)
         dQ = scale dS K,   dK = scale dS^T Q
 
-    Masked entries have P = 0, so their dS is 0 and they pass no gradient. This version stores P (the
-    memory FlashAttention's backward saves by recomputing P from Q, K and lse).
+    Masked entries have P = 0, so their dS is 0 and they pass no gradient; a row that sees no key has
+    zero gradients. This version stores P (the memory FlashAttention's backward saves by recomputing P
+    from Q, K and lse).
     """
     q, k, v, scale = _check_inputs(q, k, v, causal, sm_scale)
     do = _check_do(do, q)
-    p, _ = softmax_rows(scores(q, k, causal, scale))
-    dv = np.matmul(np.swapaxes(p, -1, -2), do)
-    dp = np.matmul(do, np.swapaxes(v, -1, -2))
+    visible, keep, keep_scale = _masks(q, k, causal, dropout_mask, dropout_p, block_mask, block_size)
+    H = q.shape[1] if q.ndim == 4 else 0
+    k_full, v_full = _repeat_kv(k, H), _repeat_kv(v, H)
+    p, _ = softmax_rows(scores(q, k, causal, scale, visible))
+    dp = np.matmul(do, np.swapaxes(v_full, -1, -2))
+    if keep is not None:
+        c = p.dtype.type(keep_scale)
+        p_dropped = np.where(keep, p * c, p.dtype.type(0))
+        dp = np.where(keep, dp * c, dp.dtype.type(0))
+    else:
+        p_dropped = p
+    dv = np.matmul(np.swapaxes(p_dropped, -1, -2), do)
     ds = p * (dp - np.sum(p * dp, axis=-1, keepdims=True))
     s = q.dtype.type(scale)
-    dq = np.matmul(ds, k) * s
+    dq = np.matmul(ds, k_full) * s
     dk = np.matmul(np.swapaxes(ds, -1, -2), q) * s
+    if q.ndim == 4:
+        dk, dv = _sum_groups(dk, k.shape[1]), _sum_groups(dv, v.shape[1])
     return dq, dk, dv
 
 

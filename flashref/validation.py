@@ -126,14 +126,16 @@ def _raise_not_finite(name, x, allow_neg_inf):
 
 
 def check_attention_inputs(q, k, v, *, allowed_ndims=(2, 4), allowed_dtypes=None, max_head_dim=None,
-                           numpy=False, finite=True):
+                           numpy=False, finite=True, gqa=False):
     """Check q, k, v for attention; return ``(N_q, N_k, d)``.
 
     Expected: q of shape ``(..., N_q, d)``, k of shape ``(..., N_k, d)``, v of shape ``(..., N_k, d)``,
     the same leading (batch, head) dimensions, the same dtype and the same device, and
-    ``N_q, N_k, d >= 1``. ``allowed_ndims`` is ``(2, 4)`` for NumPy (``(N, d)`` or ``(B, H, N, d)``)
-    and ``(4,)`` for the GPU kernels. ``allowed_dtypes`` is a collection of dtype names. ``numpy``: only
-    NumPy arrays (:func:`check_numpy`); ``finite``: no NaN or inf (:func:`check_finite`), checked last.
+    ``N_q, N_k, d >= 1``. With ``gqa``, 4-D k and v may have ``H_kv`` heads where q has H, if
+    ``H % H_kv == 0`` (grouped-query attention). ``allowed_ndims`` is ``(2, 4)`` for NumPy (``(N, d)`` or
+    ``(B, H, N, d)``) and ``(4,)`` for the GPU kernels. ``allowed_dtypes`` is a collection of dtype names.
+    ``numpy``: only NumPy arrays (:func:`check_numpy`); ``finite``: no NaN or inf (:func:`check_finite`),
+    checked last.
     """
     arrays = dict(zip(_NAMES, (q, k, v)))
     for name, x in arrays.items():
@@ -146,7 +148,13 @@ def check_attention_inputs(q, k, v, *, allowed_ndims=(2, 4), allowed_dtypes=None
             raise ValueError(f"{name} must have shape {shapes}, got {x.ndim}-d shape {tuple(x.shape)}")
     if not (q.ndim == k.ndim == v.ndim):
         raise ValueError(f"q, k and v must have the same rank, got shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if not (tuple(q.shape[:-2]) == tuple(k.shape[:-2]) == tuple(v.shape[:-2])):
+    if gqa and q.ndim == 4 and tuple(k.shape[:2]) == tuple(v.shape[:2]) and k.shape[0] == q.shape[0] \
+            and k.shape[1] != q.shape[1]:
+        H, H_kv = int(q.shape[1]), int(k.shape[1])
+        if H_kv < 1 or H % H_kv:
+            raise ValueError(f"k and v must have a number of heads H_kv that divides q's H = {H} (grouped-query "
+                             f"attention), got H_kv = {H_kv}: shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    elif not (tuple(q.shape[:-2]) == tuple(k.shape[:-2]) == tuple(v.shape[:-2])):
         raise ValueError(f"q, k and v must share their batch and head dimensions, got shapes "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     N_q, d = int(q.shape[-2]), int(q.shape[-1])
@@ -183,3 +191,40 @@ def check_same_shape(name: str, x, like_name: str, like) -> None:
         raise TypeError(f"{name} must be an array or tensor, got {type(x).__name__}")
     if tuple(x.shape) != tuple(like.shape):
         raise ValueError(f"{name} must have the shape of {like_name} {tuple(like.shape)}, got {tuple(x.shape)}")
+
+
+def check_dropout_p(dropout_p) -> float:
+    """``dropout_p`` must be a real number in [0, 1): the probability that an entry of P is dropped."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a real number in [0, 1), got {type(dropout_p).__name__}: {dropout_p!r}")
+    p = float(dropout_p)
+    if not (0.0 <= p < 1.0):
+        raise ValueError(f"dropout_p must be in [0, 1), got {p}")
+    return p
+
+
+def check_block_size(block_size) -> int:
+    """``block_size`` of a block mask: a positive int."""
+    if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    return int(block_size)
+
+
+def check_block_mask(block_mask, lead: tuple, N_q: int, N_k: int, block_size):
+    """A block mask for inputs with leading dims ``lead`` (``()`` or ``(B, H)``): boolean, of shape
+    ``(ceil(N_q / block_size), ceil(N_k / block_size))`` after ``(B or 1, H or 1)`` when ``lead`` is
+    ``(B, H)``. Returns it (NumPy or torch, as given)."""
+    bs = check_block_size(block_size)
+    rows, cols = -(-N_q // bs), -(-N_k // bs)
+    if not hasattr(block_mask, "shape") or not hasattr(block_mask, "dtype"):
+        raise TypeError(f"block_mask must be a boolean array or tensor, got {type(block_mask).__name__}")
+    if "bool" not in str(block_mask.dtype):
+        raise TypeError(f"block_mask must be boolean (True = the block is visible), got dtype {block_mask.dtype}")
+    shape = tuple(block_mask.shape)
+    want = f"({', '.join(['B or 1', 'H or 1'][:len(lead)] + [str(rows), str(cols)])})"
+    ok = len(shape) == len(lead) + 2 and shape[-2:] == (rows, cols) and \
+        all(s_ in (1, n) for s_, n in zip(shape[:-2], lead))
+    if not ok:
+        raise ValueError(f"block_mask must have shape {want} for N_q = {N_q}, N_k = {N_k} and block_size = {bs} "
+                         f"(ceil(N / block_size) blocks a side), got {shape}")
+    return block_mask

@@ -49,7 +49,7 @@ BAD_QKV = [
     ("k 5-d", dict(shape_q=(5, 4), shape_k=(1, 1, 1, 6, 4), shape_v=(6, 4)), ValueError, "k must have shape"),
     ("v rank", dict(shape_q=(5, 4), shape_k=(6, 4), shape_v=(1, 1, 6, 4)), ValueError, "same rank"),
     ("batch mismatch", dict(shape_k=(1, 3, 6, 4)), ValueError, "batch and head"),
-    ("heads mismatch", dict(shape_q=(2, 2, 5, 4)), ValueError, "batch and head"),
+    ("heads mismatch", dict(shape_q=(2, 2, 5, 4)), ValueError, "head"),  # "batch and head", or GQA's H_kv rule
     ("k head dim", dict(shape_k=(2, 3, 6, 3), shape_v=(2, 3, 6, 4)), ValueError, "k must have the head dimension"),
     ("v head dim", dict(shape_v=(2, 3, 6, 5)), ValueError, "v must have the head dimension"),
     ("v rows", dict(shape_v=(2, 3, 7, 4)), ValueError, "v must have as many rows as k"),

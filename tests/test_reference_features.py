@@ -1,0 +1,115 @@
+"""The float64 reference's grouped-query attention, block mask and dropout: the oracle the kernels are
+checked against, itself checked against repeated heads, explicit masks and finite differences."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from flashref import reference as ref
+
+
+def _inputs(B=2, H=4, H_kv=2, N_q=33, N_k=47, d=8, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, H, N_q, d))
+    k, v = (rng.standard_normal((B, H_kv, N_k, d)) for _ in range(2))
+    return rng, q, k, v
+
+
+def test_gqa_is_attention_with_repeated_kv_heads():
+    _, q, k, v = _inputs(H=6, H_kv=2)
+    rep = lambda x: np.repeat(x, 3, axis=1)  # noqa: E731  (query head h uses K/V head h // 3)
+    o, lse = ref.attention(q, k, v, causal=True, return_lse=True)
+    o2, lse2 = ref.attention(q, rep(k), rep(v), causal=True, return_lse=True)
+    np.testing.assert_array_equal(o, o2)
+    np.testing.assert_array_equal(lse, lse2)
+    do = np.random.default_rng(1).standard_normal(q.shape)
+    dq, dk, dv = ref.attention_backward(q, k, v, do, causal=True)
+    dq2, dk2, dv2 = ref.attention_backward(q, rep(k), rep(v), do, causal=True)
+    np.testing.assert_allclose(dq, dq2, rtol=1e-13, atol=1e-13)
+    assert dk.shape == k.shape and dv.shape == v.shape
+    np.testing.assert_allclose(dk, dk2.reshape(2, 2, 3, 47, 8).sum(axis=2), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(dv, dv2.reshape(2, 2, 3, 47, 8).sum(axis=2), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 40, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_block_mask_is_an_element_mask(block_size, causal):
+    rng, q, k, v = _inputs()
+    blocks = rng.random((2, 1, -(-33 // block_size), -(-47 // block_size))) > 0.4
+    o, lse = ref.attention(q, k, v, causal=causal, block_mask=blocks, block_size=block_size, return_lse=True)
+    visible = blocks[:, :, np.arange(33)[:, None] // block_size, np.arange(47)[None, :] // block_size]
+    if causal:
+        visible = visible & np.tril(np.ones((33, 47), bool))
+    s = np.where(visible, q @ np.repeat(k, 2, 1).swapaxes(-1, -2) / np.sqrt(8), -np.inf)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        m = s.max(-1, keepdims=True)
+        p = np.exp(s - np.where(np.isfinite(m), m, 0))
+        want = np.nan_to_num(p / p.sum(-1, keepdims=True)) @ np.repeat(v, 2, 1)
+        want_lse = np.log(p.sum(-1)) + np.where(np.isfinite(m), m, 0)[..., 0]
+    np.testing.assert_allclose(o, want, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-12, atol=1e-12)
+
+
+def test_a_row_that_sees_no_key_is_zero_with_lse_minus_inf_and_zero_gradients():
+    _, q, k, v = _inputs()
+    blocks = np.ones((1, 1, 3, 3), bool)
+    blocks[..., 1, :] = False  # queries 16..31 see nothing
+    o, lse = ref.attention(q, k, v, block_mask=blocks, block_size=16, return_lse=True)
+    assert np.all(o[..., 16:32, :] == 0) and np.all(np.isneginf(lse[..., 16:32]))
+    assert np.all(np.isfinite(o)) and np.all(np.isfinite(lse[..., :16]))
+    do = np.ones_like(q)
+    dq, dk, dv = ref.attention_backward(q, k, v, do, block_mask=blocks, block_size=16)
+    assert np.all(dq[..., 16:32, :] == 0)
+    assert all(np.all(np.isfinite(g)) for g in (dq, dk, dv))
+
+
+def test_dropout_scales_the_kept_entries():
+    rng, q, k, v = _inputs()
+    keep = rng.random((2, 4, 33, 47)) > 0.25
+    o = ref.attention(q, k, v, dropout_mask=keep, dropout_p=0.25)
+    p = np.exp(ref.scores(q, k, False, 1 / np.sqrt(8)) - ref.attention(q, k, v, return_lse=True)[1][..., None])
+    np.testing.assert_allclose(o, (p * keep / 0.75) @ np.repeat(v, 2, 1), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradients_of_every_feature_together_match_finite_differences(causal):
+    rng, q, k, v = _inputs(H=4, H_kv=1, N_q=21, N_k=30, d=5)
+    blocks = rng.random((2, 4, 3, 4)) > 0.3
+    keep = rng.random((2, 4, 21, 30)) > 0.2
+    kw = dict(causal=causal, dropout_mask=keep, dropout_p=0.2, block_mask=blocks, block_size=8)
+    do = rng.standard_normal(q.shape)
+    grads = ref.attention_backward(q, k, v, do, **kw)
+    for i, x in enumerate((q, k, v)):
+        dx = rng.standard_normal(x.shape)
+        args = [q, k, v]
+        args[i] = x + 1e-6 * dx
+        up = (ref.attention(*args, **kw) * do).sum()
+        args[i] = x - 1e-6 * dx
+        down = (ref.attention(*args, **kw) * do).sum()
+        assert abs((up - down) / 2e-6 - (grads[i] * dx).sum()) < 1e-6 * max(1.0, abs((grads[i] * dx).sum()))
+
+
+@pytest.mark.parametrize("kwargs, exc, words", [
+    (dict(dropout_p=0.1), ValueError, "needs the dropout_mask"),
+    (dict(dropout_p=1.0), ValueError, "dropout_p must be in [0, 1)"),
+    (dict(dropout_p="0.1"), TypeError, "dropout_p must be a real number"),
+    (dict(dropout_mask=np.ones((33, 47), bool)), ValueError, "dropout_p = 0.0"),
+    (dict(dropout_mask=np.ones((33, 47)), dropout_p=0.1), TypeError, "boolean keep-mask"),
+    (dict(dropout_mask=np.ones((33, 46), bool), dropout_p=0.1), ValueError, "dropout_mask must broadcast"),
+    (dict(block_mask=np.ones((1, 1, 2, 1), bool)), ValueError, "block_mask must have shape (B or 1, H or 1, 1, 1)"),
+    (dict(block_mask=np.ones((1, 1, 3, 3), bool), block_size=32), ValueError, "(B or 1, H or 1, 2, 2)"),
+    (dict(block_mask=np.ones((1, 1, 1, 1), int)), TypeError, "block_mask must be boolean"),
+    (dict(block_mask=np.ones((1, 1, 1, 1), bool), block_size=0), ValueError, "block_size must be a positive int"),
+    (dict(block_mask=np.ones((3, 1, 1, 1), bool)), ValueError, "block_mask must have shape"),
+])
+def test_bad_feature_arguments_name_themselves(kwargs, exc, words):
+    _, q, k, v = _inputs()
+    with pytest.raises(exc, match=__import__("re").escape(words)):
+        ref.attention(q, k, v, **kwargs)
+
+
+def test_bad_kv_head_count_is_a_clear_error():
+    _, q, k, v = _inputs(H=4, H_kv=3)
+    with pytest.raises(ValueError, match="H_kv that divides q's H = 4"):
+        ref.attention(q, k, v)
