@@ -53,10 +53,11 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "") == "1"
 
 from flashref.triton.ops import (  # noqa: E402  (the environment must be set first)
     FlashAttentionFunction,
+    dropout_mask,
     flash_attention,
     flash_attention_backward,
     flash_attention_forward,
 )
 
 __all__ = ["flash_attention", "flash_attention_forward", "flash_attention_backward", "FlashAttentionFunction",
-           "INTERPRETED"]
+           "dropout_mask", "INTERPRETED"]

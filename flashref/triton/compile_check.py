@@ -25,12 +25,14 @@ def _signature(kernel: str, dtype: str):
     ptr = f"*{_TY[dtype]}"
     f32p = "*fp32"
     strides = lambda n: ["i32"] * (4 * n)  # noqa: E731
+    bm = ["*i8"]  # the block mask
+    features = ["i32", "i32", "i64", "fp32", "fp32"]  # TUNE_N, GROUP, seed, dropout_p, keep_scale
     if kernel == "forward":
-        return [ptr] * 4 + [f32p] * 3 + strides(4) + ["i32"] * 3 + ["fp32"] + ["i32"]
+        return [ptr] * 4 + [f32p] * 3 + bm + strides(5) + ["i32"] * 3 + ["fp32"] + features
     if kernel == "dkdv":
-        return [ptr] * 6 + [f32p] * 4 + strides(7) + ["i32"] * 3 + ["fp32", "fp32"] + ["i32"]
+        return [ptr] * 6 + [f32p] * 4 + bm + strides(8) + ["i32"] * 3 + ["fp32", "fp32"] + features
     if kernel == "dq":
-        return [ptr] * 5 + [f32p] * 3 + strides(5) + ["i32"] * 3 + ["fp32", "fp32"] + ["i32"]
+        return [ptr] * 5 + [f32p] * 3 + bm + strides(6) + ["i32"] * 3 + ["fp32", "fp32"] + features
     raise ValueError(f"kernel must be 'forward', 'dkdv' or 'dq', got {kernel!r}")
 
 
@@ -60,9 +62,10 @@ def _launch_specialization(fn, constexprs: dict, signature: dict) -> dict:
 
 
 def compile_config(kernel: str, cfg: configs.TileConfig, capability: int, head_dim: int, dtype: str = "float16",
-                   causal: bool = False):
+                   causal: bool = False, block_size: int | None = None, dropout: bool = False):
     """Compile one config of ``kernel`` for a GPU of compute ``capability`` as a launch on contiguous tensors
-    would; return the compiled kernel (``.metadata.shared`` is its shared memory in bytes)."""
+    would; return the compiled kernel (``.metadata.shared`` is its shared memory in bytes). ``block_size``
+    compiles the block-sparse variant, ``dropout`` the one with fused dropout."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -73,7 +76,8 @@ def compile_config(kernel: str, cfg: configs.TileConfig, capability: int, head_d
     fn = _kernel(kernel)
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
                   "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "CAUSAL": causal,
-                  "DOT": 1 if dtype == "float32" else 0}
+                  "DOT": 1 if dtype == "float32" else 0, "HAS_BM": block_size is not None,
+                  "BLOCK_SIZE": block_size or 1, "DROPOUT": dropout}
     if kernel == "dkdv":
         constexprs["ATOMIC_DQ"] = False  # the default, deterministic path
     types = _signature(kernel, dtype)

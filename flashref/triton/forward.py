@@ -46,76 +46,131 @@ def _dot(a, b, DOT: tl.constexpr):
 
 
 @triton.jit
+def _keep(seed, bh, rows, cols, dropout_p):
+    """The dropout keep-mask of the (rows x cols) tile of head ``bh``: True with probability 1 - dropout_p.
+
+    Counter-based: Philox (``tl.philox``) maps (seed; key column, query row, head) to a random number, so
+    any kernel can regenerate exactly the forward's mask for any tile, in any orientation, and nothing of
+    size N^2 is ever stored. ``flashref.triton.dropout_mask`` runs this same function."""
+    c0 = (rows * 0 + cols).to(tl.uint32)
+    c1 = (rows + cols * 0).to(tl.uint32)
+    c2 = c1 * 0 + bh.to(tl.uint32)
+    r, _, _, _ = tl.philox(seed, c0, c1, c2, c2 * 0)
+    return tl.uint_to_uniform_float(r) >= dropout_p
+
+
+@triton.jit
+def _block_visible(bm_base, stride_bmi, stride_bmj, start_m, start_n, BLOCK_SIZE: tl.constexpr):
+    """Whether the block-mask block holding the tile at (start_m, start_n) is visible (tile mode: the tile
+    lies inside one block of the mask, because BLOCK_SIZE is a multiple of both tile sides)."""
+    return tl.load(bm_base + (start_m // BLOCK_SIZE) * stride_bmi + (start_n // BLOCK_SIZE) * stride_bmj) != 0
+
+
+@triton.jit
+def _block_elements(bm_base, stride_bmi, stride_bmj, offs_m, offs_n, N_q, N_k, BLOCK_SIZE: tl.constexpr):
+    """The block mask expanded to one tile, element by element (when a tile spans several mask blocks)."""
+    inside = (offs_m[:, None] < N_q) & (offs_n[None, :] < N_k)
+    ptrs = bm_base + (offs_m // BLOCK_SIZE)[:, None] * stride_bmi + (offs_n // BLOCK_SIZE)[None, :] * stride_bmj
+    return tl.load(ptrs, mask=inside, other=0) != 0
+
+
+@triton.jit
 def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-               start_m, lo, hi, N_k, qk_scale,
-               offs_m, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-               MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr):
+               start_m, lo, hi, N_q, N_k, qk_scale, offs_m, offs_d,
+               bm_base, stride_bmi, stride_bmj, seed, bh, dropout_p, keep_scale,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr,
+               HAS_BM: tl.constexpr, BM_TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, DROPOUT: tl.constexpr):
     """Fold the K/V tiles [lo, hi) into (acc, l_i, m_i). MASKED tiles check key bounds and, when CAUSAL,
-    the diagonal; the others are full tiles that every query row of the block may see, and skip masks."""
+    the diagonal; the others are full tiles that every query row of the block may see, and skip masks.
+    With a block mask (HAS_BM), a tile whose mask block is False is never loaded (BM_TILE), or the mask is
+    applied element by element; rows may then have seen no key yet, so the max is kept finite."""
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + offs_n0
-        k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-        v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
-        if MASKED:
-            kv_mask = (offs_n[:, None] < N_k) & (offs_d[None, :] < HEAD_DIM)
-            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-        elif BLOCK_D != HEAD_DIM:
-            k = tl.load(k_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-            v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
-        qk = _dot(q, tl.trans(k), DOT)  # raw q.k; the base-2 score is qk * qk_scale (sm_scale * log2(e))
-        if MASKED:
-            keep = offs_n[None, :] < N_k
-            if CAUSAL:
-                keep = keep & (offs_n[None, :] <= offs_m[:, None])
-            qk = tl.where(keep, qk, float("-inf"))
-        # qk_scale > 0 and rounding is monotone, so max(qk) * qk_scale is exactly the largest rounded
-        # score: the max needs no scaled copy of the tile, and only one score tile stays live.
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        alpha = tl.exp2(m_i - m_new)  # rescales what was summed under the old max
-        # One explicit fused multiply-add, here and in both backward kernels: left to itself the compiler
-        # contracts qk * qk_scale - m into an FMA in some kernels and tiles and not in others, and then the
-        # backward's recomputed exponent differs from the forward's by a rounding of the score (3e-4 in P
-        # for logits of 1e3 in fp32; see _exponent in backward.py).
-        p = tl.exp2(tl.fma(qk, qk_scale, -m_new[:, None]))
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc += _dot(p.to(v.dtype), v, DOT)
-        m_i = m_new
+        visible = True
+        if HAS_BM:
+            if BM_TILE:
+                visible = _block_visible(bm_base, stride_bmi, stride_bmj, start_m, start_n, BLOCK_SIZE)
+        if visible:
+            offs_n = start_n + offs_n0
+            k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+            v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+            if MASKED:
+                kv_mask = (offs_n[:, None] < N_k) & (offs_d[None, :] < HEAD_DIM)
+                k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+                v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+            elif BLOCK_D != HEAD_DIM:
+                k = tl.load(k_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+                v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+            else:
+                k = tl.load(k_ptrs)
+                v = tl.load(v_ptrs)
+            qk = _dot(q, tl.trans(k), DOT)  # raw q.k; the base-2 score is qk * qk_scale (sm_scale * log2(e))
+            if MASKED:
+                keep = offs_n[None, :] < N_k
+                if CAUSAL:
+                    keep = keep & (offs_n[None, :] <= offs_m[:, None])
+                qk = tl.where(keep, qk, float("-inf"))
+            if HAS_BM:
+                if not BM_TILE:
+                    qk = tl.where(_block_elements(bm_base, stride_bmi, stride_bmj, offs_m, offs_n, N_q, N_k,
+                                                  BLOCK_SIZE), qk, float("-inf"))
+            # qk_scale > 0 and rounding is monotone, so max(qk) * qk_scale is exactly the largest rounded
+            # score: the max needs no scaled copy of the tile, and only one score tile stays live.
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            if HAS_BM:  # a row that has seen no key yet keeps m = -inf; exponents are taken against 0 then
+                m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_new)  # rescales what was summed under the old max
+            # One explicit fused multiply-add, here and in both backward kernels: left to itself the compiler
+            # contracts qk * qk_scale - m into an FMA in some kernels and tiles and not in others, and then the
+            # backward's recomputed exponent differs from the forward's by a rounding of the score (3e-4 in P
+            # for logits of 1e3 in fp32; see _exponent in backward.py).
+            p = tl.exp2(tl.fma(qk, qk_scale, -m_new[:, None]))
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            if DROPOUT:  # l sums P before dropout; O sums the dropped, rescaled P~ = P * keep / (1 - p)
+                p = tl.where(_keep(seed, bh, offs_m[:, None], offs_n[None, :], dropout_p), p * keep_scale, 0.0)
+            acc += _dot(p.to(v.dtype), v, DOT)
+            m_i = m_new
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["H", "N_q", "N_k", "TUNE_N"])  # one compile serves every length
-def flash_fwd_kernel(Q, K, V, O, LSE, M2, L2,
+@triton.jit(do_not_specialize=["H", "N_q", "N_k", "TUNE_N", "GROUP", "seed"])  # one compile serves every length
+def flash_fwd_kernel(Q, K, V, O, LSE, M2, L2, BM,
                      stride_qb, stride_qh, stride_qm, stride_qd,
                      stride_kb, stride_kh, stride_kn, stride_kd,
                      stride_vb, stride_vh, stride_vn, stride_vd,
                      stride_ob, stride_oh, stride_om, stride_od,
-                     H, N_q, N_k, qk_scale, TUNE_N,
+                     stride_bmb, stride_bmh, stride_bmi, stride_bmj,
+                     H, N_q, N_k, qk_scale, TUNE_N, GROUP, seed, dropout_p, keep_scale,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     CAUSAL: tl.constexpr, DOT: tl.constexpr):
+                     CAUSAL: tl.constexpr, DOT: tl.constexpr,
+                     HAS_BM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DROPOUT: tl.constexpr):
     """Program (pid_m, pid_bh) writes O[b, h, pid_m*BLOCK_M : +BLOCK_M, :], its lse (natural log), and the
     base-2 row max M2 and log2 of the row sum L2 that the backward pass uses.
 
     Needs BLOCK_M % BLOCK_N == 0, so every K tile left of the block's first row is fully visible
-    (causal) and only the tiles on the diagonal need a mask.
+    (causal) and only the tiles on the diagonal need a mask. Query head h reads K/V head h // GROUP
+    (grouped-query attention; GROUP = 1 is plain multi-head attention). BM is the block mask (int8,
+    strides 0 along broadcast dims), read only when HAS_BM; with DROPOUT, P is dropped with probability
+    dropout_p from the Philox stream of ``seed``. A row that sees no key stores O = 0, lse = -inf, and
+    M2 = 0, L2 = +inf, which make the backward's recomputed P exactly 0.
     """
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
+    hk = h // GROUP
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
-    v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
+    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
     o_base = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+    bm_base = BM + b.to(tl.int64) * stride_bmb + h.to(tl.int64) * stride_bmh
+    BM_TILE: tl.constexpr = (BLOCK_SIZE % BLOCK_M == 0) and (BLOCK_SIZE % BLOCK_N == 0)
 
     q_mask = (offs_m[:, None] < N_q) & (offs_d[None, :] < HEAD_DIM)
     q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
@@ -129,26 +184,43 @@ def flash_fwd_kernel(Q, K, V, O, LSE, M2, L2,
     if CAUSAL:
         full_end = tl.minimum(full_end, start_m)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                               start_m, 0, full_end, N_k, qk_scale, offs_m, offs_d,
-                               HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, DOT)
+                               start_m, 0, full_end, N_q, N_k, qk_scale, offs_m, offs_d,
+                               bm_base, stride_bmi, stride_bmj, seed, pid_bh, dropout_p, keep_scale,
+                               HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, DOT, HAS_BM, BM_TILE, BLOCK_SIZE, DROPOUT)
     # Phase 2: the diagonal tiles (causal) and the ragged last tile; tiles above the diagonal never run.
     hi = N_k
     if CAUSAL:
         hi = tl.minimum(N_k, start_m + BLOCK_M)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                               start_m, full_end, hi, N_k, qk_scale, offs_m, offs_d,
-                               HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, DOT)
+                               start_m, full_end, hi, N_q, N_k, qk_scale, offs_m, offs_d,
+                               bm_base, stride_bmi, stride_bmj, seed, pid_bh, dropout_p, keep_scale,
+                               HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, DOT, HAS_BM, BM_TILE, BLOCK_SIZE, DROPOUT)
 
-    # Every row sees key 0 (top-left causal), so l_i > 0 for real rows; padded rows are never stored.
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    # Without a block mask every row sees key 0 (top-left causal), so l_i > 0 for real rows; padded rows
+    # are never stored. With one, a row may see nothing: l_i = 0, m_i = -inf (or 0).
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
     acc = acc / l_safe[:, None]
-    lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453  # back to natural log
+    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # back to natural log
     row = pid_bh.to(tl.int64) * N_q + offs_m
     tl.store(LSE + row, lse, mask=offs_m < N_q)
     # For the backward pass: the base-2 max and log2(l) kept apart. Recomputing P as
     # exp2((s - m) - log2(l)) repeats the forward's own rounding of s - m; going through lse would add the
     # rounding of one large number (|lse| ~ 1e4 for logits scaled by 1e3 costs ~1e-3 in P).
-    tl.store(M2 + row, m_i, mask=offs_m < N_q)
-    tl.store(L2 + row, tl.log2(l_safe), mask=offs_m < N_q)
+    tl.store(M2 + row, tl.where(seen, m_i, 0.0), mask=offs_m < N_q)
+    tl.store(L2 + row, tl.where(seen, tl.log2(l_safe), float("inf")), mask=offs_m < N_q)
     tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od, acc.to(O.dtype.element_ty),
              mask=q_mask)
+
+
+@triton.jit
+def dropout_mask_kernel(KEEP, seed, dropout_p, N_q, N_k, BLOCK: tl.constexpr):
+    """KEEP[bh, i, j] = the keep bit of _keep for head bh: the kernels' own mask, for tests and teaching."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    bh = tl.program_id(2)
+    rows = pid_m * BLOCK + tl.arange(0, BLOCK)
+    cols = pid_n * BLOCK + tl.arange(0, BLOCK)
+    keep = _keep(seed, bh, rows[:, None], cols[None, :], dropout_p)
+    ptrs = KEEP + bh.to(tl.int64) * N_q * N_k + rows[:, None].to(tl.int64) * N_k + cols[None, :]
+    tl.store(ptrs, keep.to(tl.int8), mask=(rows[:, None] < N_q) & (cols[None, :] < N_k))

@@ -14,7 +14,7 @@ from triton.runtime.errors import OutOfResources
 from flashref import validation
 from flashref.triton import configs
 from flashref.triton.backward import flash_bwd_dkdv_kernel, flash_bwd_dq_kernel, flash_bwd_preprocess_kernel
-from flashref.triton.forward import LOG2E, flash_fwd_kernel
+from flashref.triton.forward import LOG2E, dropout_mask_kernel, flash_fwd_kernel
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "") == "1"
 MAX_HEAD_DIM = 256
@@ -32,7 +32,7 @@ def _bucket(n: int) -> int:
 def _autotuned(kernel, name: str):
     # dkdv may add into DQ atomically: the autotuner zeroes it before each trial and after the last one.
     extra = {"reset_to_zero": ["DQ"]} if name == "dkdv" else {}
-    key = ["TUNE_N", "HEAD_DIM", "CAUSAL"] + (["ATOMIC_DQ"] if name == "dkdv" else [])
+    key = ["TUNE_N", "HEAD_DIM", "CAUSAL", "HAS_BM", "BLOCK_SIZE", "DROPOUT"] + (["ATOMIC_DQ"] if name == "dkdv" else [])
     return triton.autotune(configs=configs.autotune_configs(name), key=key,
                            prune_configs_by={"early_config_prune": configs.make_pruner(name)}, **extra)(kernel)
 
@@ -50,7 +50,7 @@ def _check(q, k, v, causal, sm_scale, check_finite=True):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     validation.check_bool("check_finite", check_finite)
     _, _, d = validation.check_attention_inputs(q, k, v, allowed_ndims=(4,), allowed_dtypes=DTYPES,
-                                                max_head_dim=MAX_HEAD_DIM, finite=False)
+                                                max_head_dim=MAX_HEAD_DIM, finite=False, gqa=True)
     validation.check_causal(causal)
     scale = validation.check_sm_scale(sm_scale, d)
     if INTERPRETED:
@@ -68,6 +68,60 @@ def _check(q, k, v, causal, sm_scale, check_finite=True):
     if check_finite:  # last: the one check that reads the data (validation's rule for bad values)
         validation.check_finite({"q": q, "k": k, "v": v})
     return d, scale
+
+
+class Features:
+    """The optional parts of one call, checked: dropout (probability, seed) and the block mask (an int8
+    tensor expanded to (B, H, ...) with stride 0 along broadcast dims, and its block size)."""
+
+    def __init__(self, q, k, dropout_p=0.0, seed=None, block_mask=None, block_size=128):
+        self.dropout_p = validation.check_dropout_p(dropout_p)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+            raise TypeError(f"seed must be None or an int in [0, 2**63), got {type(seed).__name__}: {seed!r}")
+        if self.dropout_p > 0.0 and seed is None:  # drawn from torch's generator, so torch.manual_seed rules it
+            seed = int(torch.randint(0, 2**62, (1,)).item())
+        self.seed = 0 if seed is None else seed
+        self.block_size = validation.check_block_size(block_size)
+        B, H, N_q, _ = q.shape
+        if block_mask is None:
+            self.block_mask = None
+        else:
+            if not isinstance(block_mask, torch.Tensor):
+                raise TypeError(f"block_mask must be a torch.Tensor of dtype bool, got {type(block_mask).__name__}")
+            validation.check_block_mask(block_mask, (B, H), N_q, k.shape[2], self.block_size)
+            if block_mask.device != q.device:
+                raise ValueError(f"block_mask must be on q's device ({q.device}), got {block_mask.device}")
+            self.block_mask = block_mask.to(torch.int8).expand(B, H, *block_mask.shape[2:])
+
+    @property
+    def meta(self) -> dict:
+        return dict(HAS_BM=self.block_mask is not None, BLOCK_SIZE=self.block_size if self.block_mask is not None else 1,
+                    DROPOUT=self.dropout_p > 0.0)
+
+    def args(self, q):
+        """(BM, 4 strides) for the kernels; a one-element stand-in when there is no mask."""
+        bm = self.block_mask if self.block_mask is not None else torch.ones((1, 1, 1, 1), dtype=torch.int8, device=q.device)
+        return bm, tuple(bm.stride())
+
+    def scalars(self) -> dict:
+        """seed, dropout_p and keep_scale as the kernels take them."""
+        return dict(seed=self.seed, dropout_p=self.dropout_p, keep_scale=1.0 / (1.0 - self.dropout_p))
+
+
+def dropout_mask(seed, B, H, N_q, N_k, dropout_p, device):
+    """The boolean keep-mask ``(B, H, N_q, N_k)`` the kernels draw for ``seed``, bit for bit: True where an
+    entry of P is kept (probability ``1 - dropout_p``). It runs the kernels' own random function, so tests
+    can compare with the float64 reference exactly. Notebook ``10_dropout_masks_sparsity`` (planned)."""
+    p = validation.check_dropout_p(dropout_p)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise TypeError(f"seed must be an int in [0, 2**63), got {type(seed).__name__}: {seed!r}")
+    for name, n in (("B", B), ("H", H), ("N_q", N_q), ("N_k", N_k)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"{name} must be a positive int, got {n!r}")
+    keep = torch.empty((B, H, N_q, N_k), dtype=torch.int8, device=device)
+    block = 16 if INTERPRETED else 64
+    dropout_mask_kernel[(triton.cdiv(N_q, block), triton.cdiv(N_k, block), B * H)](keep, seed, p, N_q, N_k, BLOCK=block)
+    return keep.bool()
 
 
 def _dot_mode(dtype) -> int:
@@ -140,7 +194,7 @@ def _launch_first_fit(kernel, name, grid_rows, bh, args, meta):
     the estimate), so a config that runs out of shared memory falls through to the next one."""
     q = args[0]
     key = (name, meta["BLOCK_D"], q.dtype, str(q.device), meta.get("CAUSAL"), meta.get("ATOMIC_DQ"),
-           configs.t4_mode())
+           meta.get("HAS_BM"), meta.get("BLOCK_SIZE"), meta.get("DROPOUT"), configs.t4_mode())
     cands = [_FIRST_FIT[key]] if key in _FIRST_FIT else \
         configs.device_candidates(name, meta["BLOCK_D"], q.element_size(), q.device)
     for i, cfg in enumerate(cands):
@@ -154,24 +208,26 @@ def _launch_first_fit(kernel, name, grid_rows, bh, args, meta):
         return
 
 
-def _forward(q, k, v, causal: bool, scale: float):
+def _forward(q, k, v, causal: bool, scale: float, feat: Features):
     B, H, N_q, d = q.shape
     N_k = k.shape[2]
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse, m2, l2 = (torch.empty((B, H, N_q), dtype=torch.float32, device=q.device) for _ in range(3))
-    _launch(flash_fwd_kernel, "forward", N_q, B * H, q, k, v, o, lse, m2, l2, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-            H, N_q, N_k, scale * LOG2E,
+    bm, bm_strides = feat.args(q)
+    _launch(flash_fwd_kernel, "forward", N_q, B * H, q, k, v, o, lse, m2, l2, bm,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(o), *bm_strides,
+            H, N_q, N_k, scale * LOG2E, TUNE_N=_bucket(max(N_q, N_k)), GROUP=H // k.shape[1], **feat.scalars(),
             HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), CAUSAL=causal,
-            DOT=_dot_mode(q.dtype), TUNE_N=_bucket(max(N_q, N_k)))
+            DOT=_dot_mode(q.dtype), **feat.meta)
     return o, lse, (m2, l2)
 
 
-def _backward(q, k, v, o, stats, do, causal: bool, scale: float, deterministic: bool = True):
+def _backward(q, k, v, o, stats, do, causal: bool, scale: float, deterministic: bool, feat: Features):
     """``stats`` = (m2, l2) from :func:`_forward` (base-2 row max and log2 of the row sum). ``deterministic``:
     dQ from its own kernel (bitwise reproducible); otherwise added atomically by the dK/dV kernel."""
     m2, l2 = stats
     B, H, N_q, d = q.shape
-    N_k = k.shape[2]
+    H_kv, N_k = k.shape[1], k.shape[2]
     block_d = max(16, triton.next_power_of_2(d))
     delta = torch.empty((B, H, N_q), dtype=torch.float32, device=q.device)
     pre_m = 16 if INTERPRETED else 64
@@ -181,39 +237,71 @@ def _backward(q, k, v, o, stats, do, causal: bool, scale: float, deterministic: 
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     # Atomic dQ accumulates in fp32 (O(N d) more memory); the deterministic path passes a 1-element stand-in.
     dq_acc = torch.zeros(q.shape if not deterministic else (1, 1, 1, 1), dtype=torch.float32, device=q.device)
-    meta = dict(HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=causal, DOT=_dot_mode(q.dtype),
-                TUNE_N=_bucket(max(N_q, N_k)))
+    bm, bm_strides = feat.args(q)
+    meta = dict(HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=causal, DOT=_dot_mode(q.dtype), TUNE_N=_bucket(max(N_q, N_k)),
+                GROUP=H // H_kv, **feat.scalars(), **feat.meta)
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
-    _launch(flash_bwd_dkdv_kernel, "dkdv", N_k, B * H,
-            q, k, v, do, dk, dv, dq_acc, m2, l2, delta, *common, *_strides(dk), *_strides(dv), *_strides(dq_acc),
-            H, N_q, N_k, scale, scale * LOG2E, ATOMIC_DQ=not deterministic, **meta)
+    tail = (H, N_q, N_k, scale, scale * LOG2E)
+    _launch(flash_bwd_dkdv_kernel, "dkdv", N_k, B * H_kv,
+            q, k, v, do, dk, dv, dq_acc, m2, l2, delta, bm, *common, *_strides(dk), *_strides(dv), *_strides(dq_acc),
+            *bm_strides, *tail, ATOMIC_DQ=not deterministic, **meta)
     if not deterministic:
         return dq_acc.to(q.dtype), dk, dv
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _launch(flash_bwd_dq_kernel, "dq", N_q, B * H,
-            q, k, v, do, dq, m2, l2, delta, *common, *_strides(dq),
-            H, N_q, N_k, scale, scale * LOG2E, **meta)
+            q, k, v, do, dq, m2, l2, delta, bm, *common, *_strides(dq), *bm_strides, *tail, **meta)
     return dq, dk, dv
 
 
-def flash_attention_forward(q, k, v, causal=False, sm_scale=None, *, check_finite=True):
+_FEATURES_DOC = """
+    Keywords shared by the forward, the backward and :func:`flash_attention` (notebook
+    ``10_dropout_masks_sparsity``):
+
+    - grouped-query attention needs no keyword: ``k`` and ``v`` may have ``H_kv`` heads where ``q`` has H,
+      with ``H % H_kv == 0``; query head h uses K/V head ``h // (H // H_kv)`` (``enable_gqa=True``'s
+      convention). K and V are never repeated in memory; dK and dV are summed over each group.
+    - ``dropout_p``: each entry of P is dropped with this probability inside the kernel and the kept ones
+      are scaled by ``1 / (1 - dropout_p)``; the backward regenerates the same mask from ``seed`` (Philox
+      counters: nothing of size N^2 is stored). ``seed=None`` draws one from torch's generator.
+      :func:`dropout_mask` returns the mask a seed gives.
+    - ``block_mask``: a bool tensor ``(B or 1, H or 1, ceil(N_q / block_size), ceil(N_k / block_size))``;
+      block (i, j) False means the queries of block i never see the keys of block j. Combines with
+      ``causal``. When ``block_size`` is a multiple of both sides of a kernel tile, a tile whose block is
+      False is skipped (never loaded); otherwise the mask is applied element by element. A query row
+      that sees no key gets ``o = 0`` and ``lse = -inf``, and zero gradients: never NaN.
+"""
+
+
+def flash_attention_forward(q, k, v, causal=False, sm_scale=None, *, dropout_p=0.0, seed=None, block_mask=None,
+                            block_size=128, check_finite=True):
     """FlashAttention forward without autograd: ``(o, lse)``; ``o`` like ``q``, ``lse`` of shape
-    ``(B, H, N_q)`` in fp32 (natural log). fp32 inputs are computed in full fp32 (``input_precision="ieee"``:
-    no TF32). ``check_finite`` as in :func:`flash_attention`. Notebook ``07_triton_forward``."""
+    ``(B, H, N_q)`` in fp32 (natural log; -inf for a row that sees no key). fp32 inputs are computed in full
+    fp32 (``input_precision="ieee"``: no TF32). Pass ``seed`` with ``dropout_p`` to replay the same mask in
+    :func:`flash_attention_backward`. ``check_finite`` as in :func:`flash_attention`. Notebook
+    ``07_triton_forward``."""
     _, scale = _check(q, k, v, causal, sm_scale, check_finite)
+    feat = Features(q, k, dropout_p, seed, block_mask, block_size)
     with torch.no_grad():
-        o, lse, _ = _forward(q, k, v, causal, scale)
+        o, lse, _ = _forward(q, k, v, causal, scale, feat)
     return o, lse
 
 
+flash_attention_forward.__doc__ += _FEATURES_DOC
+
+
 def flash_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, deterministic=True, *,
-                             check_finite=True):
+                             dropout_p=0.0, seed=None, block_mask=None, block_size=128, check_finite=True):
     """Gradients ``(dq, dk, dv)`` from the forward's ``o`` and ``lse``, recomputing P tile by tile.
     ``deterministic=False`` adds dQ atomically and skips the dQ kernel (measured slower on the H100; the last
-    bits vary run to run). ``check_finite`` as in :func:`flash_attention`, for ``o``, ``lse`` and ``do``
-    too. Notebook ``08_triton_backward``."""
+    bits vary run to run). With ``dropout_p`` the ``seed`` the forward used is required. ``check_finite`` as
+    in :func:`flash_attention`, for ``o``, ``lse`` (which may be -inf) and ``do`` too. Notebook
+    ``08_triton_backward``."""
     _, scale = _check(q, k, v, causal, sm_scale, check_finite)
     validation.check_bool("deterministic", deterministic)
+    if validation.check_dropout_p(dropout_p) > 0.0 and seed is None:
+        raise ValueError("flash_attention_backward with dropout_p > 0 needs the seed the forward used "
+                         "(a new one would draw a different mask)")
+    feat = Features(q, k, dropout_p, seed, block_mask, block_size)
     validation.check_same_shape("o", o, "q", q)
     validation.check_same_shape("do", do, "o", o)
     if do.dtype != q.dtype or o.dtype != q.dtype:
@@ -221,23 +309,32 @@ def flash_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, d
     if tuple(lse.shape) != tuple(q.shape[:3]):
         raise ValueError(f"lse must have shape (B, H, N_q) = {tuple(q.shape[:3])}, got {tuple(lse.shape)}")
     if check_finite:
-        validation.check_finite({"o": o, "lse": lse, "do": do})
+        validation.check_finite({"o": o, "do": do})
+        validation.check_finite({"lse": lse}, allow_neg_inf=True)
     # From lse alone, P = exp2(s * log2(e) - lse * log2(e)): one rounding more than the autograd path,
-    # which keeps the forward's max and sum apart (visible only for huge logits).
+    # which keeps the forward's max and sum apart (visible only for huge logits). A row with lse = -inf
+    # saw no key: m = 0 and log2 l = +inf make its P exactly 0.
     with torch.no_grad():
-        m2 = (lse.float() * LOG2E).contiguous()
-        return _backward(q, k, v, o, (m2, torch.zeros_like(m2)), do, causal, scale, deterministic)
+        empty = torch.isneginf(lse)
+        m2 = torch.where(empty, 0.0, lse.float() * LOG2E).contiguous()
+        l2 = torch.where(empty, float("inf"), 0.0).to(torch.float32).contiguous()
+        return _backward(q, k, v, o, (m2, l2), do, causal, scale, deterministic, feat)
+
+
+flash_attention_backward.__doc__ += _FEATURES_DOC
 
 
 class FlashAttentionFunction(torch.autograd.Function):
-    """``O = softmax(sm_scale Q K^T) V`` whose backward recomputes P from Q, K and the saved row
-    statistics (the max m and the sum l of each row: lse = m + log l): O(N) extra memory."""
+    """``O = dropout(softmax(sm_scale Q K^T)) V`` whose backward recomputes P from Q, K and the saved row
+    statistics (the max m and the sum l of each row: lse = m + log l) and replays the dropout mask from
+    its seed: O(N) extra memory."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, sm_scale, deterministic=True, check_finite=True):
-        o, _, (m2, l2) = _forward(q, k, v, causal, sm_scale)
+    def forward(ctx, q, k, v, causal, sm_scale, deterministic, check_finite, feat):
+        o, _, (m2, l2) = _forward(q, k, v, causal, sm_scale, feat)
         ctx.save_for_backward(q, k, v, o, m2, l2)
         ctx.causal, ctx.sm_scale, ctx.deterministic, ctx.check_finite = causal, sm_scale, deterministic, check_finite
+        ctx.feat = feat  # the seed and the block mask: autograd keeps them for the backward
         return o
 
     @staticmethod
@@ -245,14 +342,15 @@ class FlashAttentionFunction(torch.autograd.Function):
         q, k, v, o, m2, l2 = ctx.saved_tensors
         if ctx.check_finite:
             validation.check_finite({"do (the gradient of o)": do})
-        dq, dk, dv = _backward(q, k, v, o, (m2, l2), do, ctx.causal, ctx.sm_scale, ctx.deterministic)
-        return dq, dk, dv, None, None, None, None
+        dq, dk, dv = _backward(q, k, v, o, (m2, l2), do, ctx.causal, ctx.sm_scale, ctx.deterministic, ctx.feat)
+        return dq, dk, dv, None, None, None, None, None
 
 
-def flash_attention(q, k, v, causal=False, sm_scale=None, deterministic=True, *, check_finite=True):
+def flash_attention(q, k, v, causal=False, sm_scale=None, deterministic=True, *, dropout_p=0.0, seed=None,
+                    block_mask=None, block_size=128, check_finite=True):
     """FlashAttention as a differentiable PyTorch op: ``o = flash_attention(q, k, v, causal, sm_scale)``.
 
-    ``q``: ``(B, H, N_q, d)``, ``k`` and ``v``: ``(B, H, N_k, d)``, float16, bfloat16 (compute capability
+    ``q``: ``(B, H, N_q, d)``, ``k`` and ``v``: ``(B, H_kv, N_k, d)``, float16, bfloat16 (compute capability
     8.0+) or float32, any strides, ``d <= 256``. ``causal`` is top-left aligned (query i sees keys j <= i),
     as ``scaled_dot_product_attention(is_causal=True)``; ``sm_scale`` defaults to ``1/sqrt(d)``.
     ``deterministic`` (default True): the backward pass writes each gradient element from one program, so
@@ -267,4 +365,8 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, deterministic=True, *,
     """
     _, scale = _check(q, k, v, causal, sm_scale, check_finite)
     validation.check_bool("deterministic", deterministic)
-    return FlashAttentionFunction.apply(q, k, v, causal, scale, deterministic, check_finite)
+    feat = Features(q, k, dropout_p, seed, block_mask, block_size)
+    return FlashAttentionFunction.apply(q, k, v, causal, scale, deterministic, check_finite, feat)
+
+
+flash_attention.__doc__ += _FEATURES_DOC

@@ -1,0 +1,191 @@
+"""flashref.triton's grouped-query attention, block-sparse masks and fused dropout, forward and backward,
+against the float64 reference with the same keywords (the tolerance rule's baseline: plain attention in
+the inputs' precision with the same masks). In Triton's CPU interpreter on CI; compiled on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from flashref import reference
+from flashref.tolerance import assert_within_tolerance
+from flashref.triton import dropout_mask, flash_attention, flash_attention_backward, flash_attention_forward
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16]
+
+
+@pytest.fixture(autouse=True)
+def _no_autotune(monkeypatch):
+    monkeypatch.setenv("FLASHREF_TRITON_AUTOTUNE", "0")
+
+
+def _np64(x):
+    return x.detach().cpu().double().numpy()
+
+
+def _inputs(B, H, H_kv, N_q, N_k, d, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, N_q, d, generator=g)
+    k, v = (torch.randn(B, H_kv, N_k, d, generator=g) for _ in range(2))
+    do = torch.randn(B, H, N_q, d, generator=g)
+    return [x.to(DEVICE, dtype) for x in (q, k, v, do)]
+
+
+def _plain(q, k, v, do, causal, visible, keep, p):
+    """Plain attention in q's dtype with the same masks and dropout: output and gradients (the baseline)."""
+    qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    G = q.shape[1] // k.shape[1]
+    s = qq @ kk.repeat_interleave(G, 1).transpose(-1, -2) / math.sqrt(q.shape[-1])
+    mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=q.device)
+    if causal:
+        mask = mask.tril()
+    if visible is not None:
+        mask = mask & torch.as_tensor(visible, device=q.device)
+    s = s.masked_fill(~mask, float("-inf"))
+    P = torch.nan_to_num(torch.softmax(s, -1))  # rows with no key: 0, as the kernels give
+    if keep is not None:
+        P = torch.where(keep, P / (1 - p), torch.zeros_like(P))
+    o = P @ vv.repeat_interleave(G, 1)
+    o.backward(do)
+    return [o.detach(), qq.grad, kk.grad, vv.grad]
+
+
+def _check(B, H, H_kv, N_q, N_k, d, dtype, causal, block_shape=None, block_size=128, p=0.0, seed=0, density=0.6):
+    q, k, v, do = _inputs(B, H, H_kv, N_q, N_k, d, dtype, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    block_mask = None if block_shape is None else (torch.rand(block_shape, generator=gen) < density).to(DEVICE)
+    kw = dict(causal=causal, block_mask=block_mask, block_size=block_size, dropout_p=p, seed=seed if p else None)
+    qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    o = flash_attention(qq, kk, vv, **kw)
+    o.backward(do)
+    got = [o.detach(), qq.grad, kk.grad, vv.grad]
+    _, lse = flash_attention_forward(q, k, v, **kw)
+
+    ref_kw = dict(causal=causal)
+    keep = visible = None
+    if block_mask is not None:
+        ref_kw.update(block_mask=block_mask.cpu().numpy(), block_size=block_size)
+        visible = reference.expand_block_mask(ref_kw["block_mask"], block_size, N_q, N_k)
+    if p:
+        keep = dropout_mask(seed, B, H, N_q, N_k, p, DEVICE)
+        ref_kw.update(dropout_mask=keep.cpu().numpy(), dropout_p=p)
+    q64, k64, v64, do64 = (_np64(x) for x in (q, k, v, do))
+    ref_o, ref_lse = reference.attention(q64, k64, v64, return_lse=True, **ref_kw)
+    refs = [ref_o, *reference.attention_backward(q64, k64, v64, do64, **ref_kw)]
+    base = _plain(q, k, v, do, causal, visible, keep, p)
+    for name, x, r, b in zip(("o", "dq", "dk", "dv"), got, refs, base):
+        assert x.shape == b.shape and torch.isfinite(x).all(), f"{name}: shape or non-finite values"
+        atol = 1e-5 * max(1.0, float(np.abs(r).max())) if dtype == torch.float32 else None
+        assert_within_tolerance(x, r, b, factor=2.0 if name == "o" else 3.0, atol=atol, name=name)
+    empty = np.isneginf(ref_lse)
+    assert np.array_equal(np.isneginf(_np64(lse)), empty), "lse is -inf exactly on the rows that see no key"
+    np.testing.assert_allclose(_np64(lse)[~empty], ref_lse[~empty], rtol=0, atol=1e-4 * max(1.0, np.abs(ref_lse[~empty]).max(initial=0)))
+    return got, lse
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("H, H_kv", [(4, 2), (3, 1)])
+@pytest.mark.parametrize("N_q, N_k", [(1, 1), (33, 47), (47, 33)])
+def test_grouped_query_attention(H, H_kv, N_q, N_k, causal, dtype):
+    _check(2, H, H_kv, N_q, N_k, 16, dtype, causal)
+
+
+# block_size 32: a multiple of every interpreter tile side (32, 16) -> tiles skipped whole;
+# 8 and 40: tiles span several mask blocks -> the mask applied element by element.
+@pytest.mark.parametrize("block_size", [8, 32, 40])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_block_sparse(block_size, causal, dtype):
+    N_q, N_k = 70, 95
+    _check(2, 2, 2, N_q, N_k, 16, dtype, causal, block_shape=(2, 1, -(-N_q // block_size), -(-N_k // block_size)),
+           block_size=block_size)
+
+
+def test_rows_that_see_no_key_are_zero_with_zero_gradients():
+    blocks = torch.ones(1, 1, 3, 3, dtype=torch.bool)
+    blocks[..., 1, :] = False  # queries 32..63 see nothing
+    q, k, v, do = _inputs(1, 2, 1, 70, 95, 16, torch.float32)
+    qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    o = flash_attention(qq, kk, vv, block_mask=blocks.to(DEVICE), block_size=32)
+    o.backward(do)
+    assert torch.all(o[:, :, 32:64] == 0) and torch.isfinite(o).all()
+    assert torch.all(qq.grad[:, :, 32:64] == 0) and all(torch.isfinite(x.grad).all() for x in (qq, kk, vv))
+    o2, lse = flash_attention_forward(q, k, v, block_mask=blocks.to(DEVICE), block_size=32)
+    assert torch.isneginf(lse[:, :, 32:64]).all() and torch.isfinite(lse[:, :, :32]).all()
+    dq, dk, dv = flash_attention_backward(q, k, v, o2, lse, do, block_mask=blocks.to(DEVICE), block_size=32)
+    np.testing.assert_allclose(_np64(dq), _np64(qq.grad), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(_np64(dk), _np64(kk.grad), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_dropout_matches_the_reference_with_the_kernels_mask(causal, dtype):
+    _check(2, 2, 2, 33, 47, 16, dtype, causal, p=0.25, seed=1234)
+
+
+def test_dropout_is_reproducible_from_its_seed_and_keeps_one_minus_p():
+    q, k, v, do = _inputs(1, 2, 2, 64, 96, 16, torch.float32)
+    runs = []
+    for seed in (5, 5, 6):
+        qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
+        o = flash_attention(qq, kk, vv, dropout_p=0.3, seed=seed)
+        o.backward(do)
+        runs.append([o.detach(), qq.grad, kk.grad, vv.grad])
+    assert all(torch.equal(a, b) for a, b in zip(runs[0], runs[1])), "same seed: bitwise-identical results"
+    assert not torch.equal(runs[0][0], runs[2][0]), "another seed, another mask"
+    keep = dropout_mask(5, 4, 4, 128, 256, 0.3, DEVICE)
+    assert keep.dtype == torch.bool and keep.shape == (4, 4, 128, 256)
+    assert abs(keep.float().mean().item() - 0.7) < 0.01  # 524288 draws: the standard error is 0.0006
+    assert torch.equal(keep, dropout_mask(5, 4, 4, 128, 256, 0.3, DEVICE))
+
+
+def test_dropout_seed_none_draws_from_torchs_generator():
+    q, k, v, _ = _inputs(1, 1, 1, 16, 16, 16, torch.float32)
+    torch.manual_seed(3)
+    a = flash_attention(q, k, v, dropout_p=0.5)
+    torch.manual_seed(3)
+    b = flash_attention(q, k, v, dropout_p=0.5)
+    assert torch.equal(a, b)
+
+
+def test_all_three_together():
+    _check(2, 4, 2, 70, 95, 16, torch.float16, True, block_shape=(1, 4, 3, 3), block_size=32, p=0.1, seed=11)
+
+
+@pytest.mark.parametrize("kwargs, exc, words", [
+    (dict(dropout_p=1.0), ValueError, "dropout_p must be in [0, 1)"),
+    (dict(dropout_p=0.1, seed=-1), TypeError, "seed must be None or an int"),
+    (dict(block_mask=torch.ones(1, 1, 2, 2, dtype=torch.bool)), ValueError, "block_mask must have shape (B or 1, H or 1, 1, 1)"),
+    (dict(block_mask=torch.ones(1, 1, 1, 1)), TypeError, "block_mask must be boolean"),
+    (dict(block_mask=np.ones((1, 1, 1, 1), bool)), TypeError, "block_mask must be a torch.Tensor"),
+    (dict(block_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool), block_size=0), ValueError, "block_size must be a positive int"),
+])
+def test_bad_feature_arguments(kwargs, exc, words):
+    q, k, v, _ = _inputs(1, 2, 1, 33, 47, 16, torch.float32)
+    if isinstance(kwargs.get("block_mask"), torch.Tensor):
+        kwargs = {**kwargs, "block_mask": kwargs["block_mask"].to(DEVICE)}
+    with pytest.raises(exc, match=__import__("re").escape(words)):
+        flash_attention(q, k, v, **kwargs)
+
+
+def test_bad_kv_heads_and_backward_without_seed():
+    q, k, v, do = _inputs(1, 4, 3, 16, 16, 16, torch.float32)
+    with pytest.raises(ValueError, match="H_kv that divides q's H = 4"):
+        flash_attention(q, k, v)
+    q, k, v, do = _inputs(1, 2, 2, 16, 16, 16, torch.float32)
+    o, lse = flash_attention_forward(q, k, v, dropout_p=0.2, seed=1)
+    with pytest.raises(ValueError, match="needs the seed the forward used"):
+        flash_attention_backward(q, k, v, o, lse, do, dropout_p=0.2)
+
+
+def test_dropout_mask_arguments():
+    with pytest.raises(ValueError, match="N_q must be a positive int"):
+        dropout_mask(1, 1, 1, 0, 4, 0.1, DEVICE)
+    with pytest.raises(TypeError, match="seed must be an int"):
+        dropout_mask(None, 1, 1, 4, 4, 0.1, DEVICE)
