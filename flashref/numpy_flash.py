@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashref.validation import (check_attention_inputs, check_causal, check_finite, check_numpy, check_same_shape,
-                                 check_sm_scale)
+from flashref.validation import (check_attention_inputs, check_block_mask, check_causal, check_dropout_p, check_finite,
+                                 check_numpy, check_same_shape, check_sm_scale)
 
 #: Default tile sizes, tuned for speed on a CPU (``python -m flashref.bench numpy``): a 128 x 1024
 #: float32 score tile is 512 KiB, big enough that NumPy's per-call overhead is amortized, small enough
@@ -47,7 +47,7 @@ def _check_block(name: str, value) -> int:
 
 def _check_inputs(q, k, v, causal, sm_scale, block_q, block_k):
     """The checks every entry point runs first; returns ``(N_q, N_k, d, scale, block_q, block_k)``."""
-    N_q, N_k, d = check_attention_inputs(q, k, v, allowed_ndims=(2, 4), allowed_dtypes=_DTYPES, numpy=True)
+    N_q, N_k, d = check_attention_inputs(q, k, v, allowed_ndims=(2, 4), allowed_dtypes=_DTYPES, numpy=True, gqa=True)
     check_causal(causal)
     scale = check_sm_scale(sm_scale, d)
     return N_q, N_k, d, scale, _check_block("block_q", block_q), _check_block("block_k", block_k)
@@ -104,13 +104,74 @@ def _causal_mask(q_range, k_range) -> np.ndarray:
     return cols > rows
 
 
-def _scores(q_tile, k_tile, scale, q_range, k_range, causal):
-    """S tile = scale * Q_i K_j^T, with -inf where the causal mask hides a key."""
+class _Extras:
+    """The optional parts of a call (grouped-query heads, block mask, dropout), checked, with what each
+    tile needs: the visible part of the block mask and the dropout keep-mask, sliced to the tile."""
+
+    def __init__(self, q, k, dropout_mask, dropout_p, block_mask, block_size):
+        N_q, N_k = q.shape[-2], k.shape[-2]
+        self.groups = q.shape[1] // k.shape[1] if q.ndim == 4 else 1
+        self.block_size = block_size
+        self.blocks = None
+        if block_mask is not None:
+            check_numpy("block_mask", block_mask)
+            self.blocks = check_block_mask(block_mask, q.shape[:-2], N_q, N_k, block_size)
+        self.p = check_dropout_p(dropout_p)
+        self.keep = None
+        if dropout_mask is not None:
+            check_numpy("dropout_mask", dropout_mask)
+            if self.p == 0.0 or dropout_mask.dtype != np.bool_:
+                raise ValueError("dropout_mask must be a boolean keep-mask given with the dropout_p it was drawn with")
+            self.keep = np.broadcast_to(dropout_mask, (*q.shape[:-2], N_q, N_k))
+        elif self.p > 0.0:
+            raise ValueError(f"dropout_p = {self.p} needs the dropout_mask it was drawn with (NumPy draws none)")
+
+    def grouped(self, x, is_q: bool):
+        """Grouped-query attention without copying K and V: q as (B, H_kv, G, N, d) and K, V as
+        (B, H_kv, 1, N, d), so the tile products broadcast K and V over each group."""
+        if self.groups == 1:
+            return x
+        B, H, N, d = x.shape
+        return x.reshape(B, H // self.groups if is_q else H, self.groups if is_q else 1, N, d)
+
+    def visible(self, q_range, k_range):
+        """The block mask on this tile (element by element, shaped like S), None when there is none, or
+        False when no (batch, head) sees any of it (the tile is skipped)."""
+        if self.blocks is None:
+            return None
+        bs = self.block_size
+        rows = np.arange(*q_range) // bs
+        cols = np.arange(*k_range) // bs
+        tile = self.blocks[..., rows[:, None], cols[None, :]]
+        if not tile.any():
+            return False
+        return self._group_shape(tile)
+
+    def kept(self, q_range, k_range):
+        return None if self.keep is None else \
+            self._group_shape(self.keep[..., q_range[0]:q_range[1], k_range[0]:k_range[1]])
+
+    def _group_shape(self, x):
+        if self.groups == 1 or x.ndim != 4:
+            return x
+        B, H = x.shape[:2]
+        return x.reshape(B, H // self.groups if H > 1 else 1, self.groups if H > 1 else 1, *x.shape[2:])
+
+
+def _scores(q_tile, k_tile, scale, q_range, k_range, causal, visible=None):
+    """S tile = scale * Q_i K_j^T, with -inf where the causal mask (or the block mask) hides a key."""
     s = q_tile @ np.swapaxes(k_tile, -1, -2)
     s *= scale
     if tile_needs_mask(q_range, k_range, causal):
         s[..., _causal_mask(q_range, k_range)] = -np.inf
+    if visible is not None:
+        s = np.where(visible, s, s.dtype.type(-np.inf))
     return s
+
+
+def _drop(p, keep, scale):
+    """P~ = P * keep / (1 - dropout_p) on one tile (P itself without dropout)."""
+    return p if keep is None else np.where(keep, p * p.dtype.type(scale), p.dtype.type(0))
 
 
 def _finite_or_zero(m):
@@ -124,7 +185,8 @@ def _finite_or_zero(m):
 # ----------------------------------------------------------------------------------------------------
 
 def flash_attention_forward(q, k, v, causal=False, sm_scale=None, block_q=BLOCK_Q, block_k=BLOCK_K,
-                            order="fa2", trace=None):
+                            order="fa2", trace=None, *, dropout_mask=None, dropout_p=0.0, block_mask=None,
+                            block_size=128):
     """Tiled attention forward: returns ``(o, lse)``, ``o`` shaped like q and ``lse`` shaped ``q.shape[:-1]``.
 
     ``order="fa2"`` (FlashAttention-2): outer loop over query blocks, the running max m, sum l and the
@@ -135,21 +197,29 @@ def flash_attention_forward(q, k, v, causal=False, sm_scale=None, block_q=BLOCK_
 
     ``trace``, if a list, receives the ``(i, j)`` index of every tile visited, in order.
     ``lse`` is the natural-log log-sum-exp of the scaled scores of each query row.
+
+    The keywords are those of :func:`flashref.reference.attention`: k and v may have fewer heads than q
+    (grouped-query attention; the tile products broadcast them over each group, no copy); ``block_mask``
+    hides blocks of keys from blocks of queries, and a tile that no (batch, head) sees is skipped; a row
+    that sees no key gets o = 0 and lse = -inf; ``dropout_mask`` with ``dropout_p`` drops entries of P.
     """
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     N_q, N_k, d, scale, block_q, block_k = _check_inputs(q, k, v, causal, sm_scale, block_q, block_k)
     if trace is not None and not isinstance(trace, list):
         raise TypeError(f"trace must be a list or None, got {type(trace).__name__}")
+    ex = _Extras(q, k, dropout_mask, dropout_p, block_mask, block_size)
     run = _forward_fa2 if order == "fa2" else _forward_fa1
-    if q.dtype == np.float16:  # fp32 accumulation, as on a GPU
-        o, lse = run(*(x.astype(np.float32) for x in (q, k, v)), causal, scale,
-                     tile_ranges(N_q, block_q), tile_ranges(N_k, block_k), trace)
-        return o.astype(np.float16), lse
-    return run(q, k, v, causal, scale, tile_ranges(N_q, block_q), tile_ranges(N_k, block_k), trace)
+    shape, half = q.shape, q.dtype == np.float16
+    if half:  # fp32 accumulation, as on a GPU
+        q, k, v = (x.astype(np.float32) for x in (q, k, v))
+    o, lse = run(ex.grouped(q, True), ex.grouped(k, False), ex.grouped(v, False), causal, scale,
+                 tile_ranges(N_q, block_q), tile_ranges(N_k, block_k), trace, ex)
+    o, lse = o.reshape(shape), lse.reshape(shape[:-1])
+    return (o.astype(np.float16), lse) if half else (o, lse)
 
 
-def _forward_fa2(q, k, v, causal, scale, q_tiles, k_tiles, trace):
+def _forward_fa2(q, k, v, causal, scale, q_tiles, k_tiles, trace, ex):
     """FlashAttention-2 order. Per query block i, with accumulator acc = sum_j exp(S_ij - m) V_j:
 
         m_new = max(m, rowmax(S_ij));  alpha = exp(m - m_new);  P = exp(S_ij - m_new)
@@ -166,24 +236,29 @@ def _forward_fa2(q, k, v, causal, scale, q_tiles, k_tiles, trace):
         for j, k_range in enumerate(k_tiles):
             if tile_is_skipped(q_range, k_range, causal):
                 break  # every later key block is further right of the diagonal
+            visible = ex.visible(q_range, k_range)
+            if visible is False:
+                continue  # the block mask hides this tile from every (batch, head): never loaded
             if trace is not None:
                 trace.append((i, j))
-            s = _scores(q_tile, k[..., k_range[0]:k_range[1], :], scale, q_range, k_range, causal)
+            s = _scores(q_tile, k[..., k_range[0]:k_range[1], :], scale, q_range, k_range, causal, visible)
             m_new = np.maximum(m, s.max(axis=-1))
             m_sub = _finite_or_zero(m_new)
             alpha = np.exp(m - m_sub)
             s -= m_sub[..., None]
             p = np.exp(s, out=s)                                 # P tile, in place of S
             l = alpha * l + p.sum(axis=-1)
-            acc *= alpha[..., None]
-            acc += p @ v[..., k_range[0]:k_range[1], :]
+            acc = acc * alpha[..., None]
+            acc += _drop(p, ex.kept(q_range, k_range), 1 / (1 - ex.p)) @ v[..., k_range[0]:k_range[1], :]
             m = m_new
-        o[..., q_range[0]:q_range[1], :] = acc / l[..., None]
-        lse[..., q_range[0]:q_range[1]] = m + np.log(l)
+        seen = l > 0  # False only for a row the block mask hides from every key
+        o[..., q_range[0]:q_range[1], :] = acc / np.where(seen, l, 1)[..., None]
+        with np.errstate(divide="ignore"):
+            lse[..., q_range[0]:q_range[1]] = np.where(seen, m + np.log(np.where(seen, l, 1)), -np.inf)
     return o, lse
 
 
-def _forward_fa1(q, k, v, causal, scale, q_tiles, k_tiles, trace):
+def _forward_fa1(q, k, v, causal, scale, q_tiles, k_tiles, trace, ex):
     """Algorithm 1 of FlashAttention. O, l, m are "HBM" arrays; for each key block j and query block i:
     read O_i, l_i, m_i; compute the tile's own max m~ and sum l~ of P~ = exp(S_ij - m~); then
 
@@ -191,7 +266,7 @@ def _forward_fa1(q, k, v, causal, scale, q_tiles, k_tiles, trace):
         O_i  <- (l_i exp(m_i - m_new) O_i + exp(m~ - m_new) P~ V_j) / l_new
     and write O_i, l_i = l_new, m_i = m_new back.
     """
-    o = np.zeros_like(q)                                          # "HBM", kept normalized
+    o = np.zeros(q.shape, dtype=q.dtype)                          # "HBM", kept normalized
     l = np.zeros(q.shape[:-1], dtype=q.dtype)
     m = np.full(q.shape[:-1], -np.inf, dtype=q.dtype)
     for j, k_range in enumerate(k_tiles):
@@ -199,11 +274,14 @@ def _forward_fa1(q, k, v, causal, scale, q_tiles, k_tiles, trace):
         for i, q_range in enumerate(q_tiles):
             if tile_is_skipped(q_range, k_range, causal):
                 continue  # query blocks above this key block see none of its keys
+            visible = ex.visible(q_range, k_range)
+            if visible is False:
+                continue
             if trace is not None:
                 trace.append((i, j))
             rows = slice(q_range[0], q_range[1])
             o_i, l_i, m_i = o[..., rows, :], l[..., rows], m[..., rows]   # read from HBM
-            s = _scores(q[..., rows, :], k_tile, scale, q_range, k_range, causal)
+            s = _scores(q[..., rows, :], k_tile, scale, q_range, k_range, causal, visible)
             m_tile = s.max(axis=-1)
             s -= _finite_or_zero(m_tile)[..., None]
             p = np.exp(s, out=s)
@@ -213,9 +291,11 @@ def _forward_fa1(q, k, v, causal, scale, q_tiles, k_tiles, trace):
             alpha, beta = np.exp(m_i - m_sub), np.exp(m_tile - m_sub)
             l_new = alpha * l_i + beta * l_tile
             denom = np.where(l_new == 0, 1, l_new)[..., None]    # a row with no key yet keeps O = 0
-            o[..., rows, :] = ((l_i * alpha)[..., None] * o_i + beta[..., None] * (p @ v_tile)) / denom
+            pv = _drop(p, ex.kept(q_range, k_range), 1 / (1 - ex.p)) @ v_tile
+            o[..., rows, :] = ((l_i * alpha)[..., None] * o_i + beta[..., None] * pv) / denom
             l[..., rows], m[..., rows] = l_new, m_new           # write back to HBM
-    return o, m + np.log(l)
+    with np.errstate(divide="ignore"):
+        return o, np.where(l > 0, m + np.log(np.where(l > 0, l, 1)), -np.inf).astype(q.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -223,28 +303,39 @@ def _forward_fa1(q, k, v, causal, scale, q_tiles, k_tiles, trace):
 # ----------------------------------------------------------------------------------------------------
 
 def flash_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, block_q=BLOCK_Q,
-                             block_k=BLOCK_K, trace=None):
+                             block_k=BLOCK_K, trace=None, *, dropout_mask=None, dropout_p=0.0, block_mask=None,
+                             block_size=128):
     """Gradients ``(dq, dk, dv)`` of tiled attention, recomputing each tile's P from Q, K and ``lse``.
 
     With D = rowsum(dO * O) (equal to rowsum(P * dP)), for every tile (i, j) not skipped by the causal
     mask: P = exp(scale Q_i K_j^T - lse_i), dV_j += P^T dO_i, dP = dO_i V_j^T, dS = P * (dP - D_i),
     dQ_i += scale dS K_j, dK_j += scale dS^T Q_i. Outer loop over key blocks (dK_j, dV_j accumulate
     locally), inner over query blocks (dQ_i accumulates in a full-size array), as FlashAttention-2.
-    ``trace``, if a list, receives the ``(i, j)`` tiles visited.
+    ``trace``, if a list, receives the ``(i, j)`` tiles visited. The keywords as in
+    :func:`flash_attention_forward`; with dropout, V's gradient takes the dropped P~ and dP the same
+    keep-mask, and with grouped-query attention dK and dV sum over each group.
     """
     N_q, N_k, d, scale, block_q, block_k = _check_inputs(q, k, v, causal, sm_scale, block_q, block_k)
     _check_backward_arrays(q, o, lse, do)
     if trace is not None and not isinstance(trace, list):
         raise TypeError(f"trace must be a list or None, got {type(trace).__name__}")
+    features = dict(dropout_mask=dropout_mask, dropout_p=dropout_p, block_mask=block_mask, block_size=block_size)
     if q.dtype == np.float16:  # fp32 accumulation, gradients rounded back to float16
         grads = flash_attention_backward(*(x.astype(np.float32) for x in (q, k, v, o, lse, do)), causal=causal,
-                                         sm_scale=scale, block_q=block_q, block_k=block_k, trace=trace)
+                                         sm_scale=scale, block_q=block_q, block_k=block_k, trace=trace, **features)
         return tuple(g.astype(np.float16) for g in grads)
+    ex = _Extras(q, k, dropout_mask, dropout_p, block_mask, block_size)
+    shape_q, shape_k = q.shape, k.shape
+    q, o, do = ex.grouped(q, True), ex.grouped(o, True), ex.grouped(do, True)
+    k, v = ex.grouped(k, False), ex.grouped(v, False)
+    lse = lse.reshape(q.shape[:-1])
+    lse = np.where(np.isneginf(lse), np.inf, lse)                # a row that saw no key: P = exp(s - inf) = 0
     q_tiles, k_tiles = tile_ranges(N_q, block_q), tile_ranges(N_k, block_k)
     delta = np.sum(do * o, axis=-1)                              # D, one per query row
     dq = np.zeros_like(q)
     dk = np.empty_like(k)
     dv = np.empty_like(v)
+    keep_scale = 1 / (1 - ex.p)
     for j, k_range in enumerate(k_tiles):
         cols = slice(k_range[0], k_range[1])
         k_tile, v_tile = k[..., cols, :], v[..., cols, :]
@@ -252,22 +343,31 @@ def flash_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, b
         for i, q_range in enumerate(q_tiles):
             if tile_is_skipped(q_range, k_range, causal):
                 continue
+            visible = ex.visible(q_range, k_range)
+            if visible is False:
+                continue
             if trace is not None:
                 trace.append((i, j))
             rows = slice(q_range[0], q_range[1])
             q_tile, do_tile = q[..., rows, :], do[..., rows, :]
-            s = _scores(q_tile, k_tile, scale, q_range, k_range, causal)
+            s = _scores(q_tile, k_tile, scale, q_range, k_range, causal, visible)
             s -= lse[..., rows, None]
             p = np.exp(s, out=s)                                 # recomputed P tile (masked: 0)
-            dv_tile += np.swapaxes(p, -1, -2) @ do_tile
-            dp = do_tile @ np.swapaxes(v_tile, -1, -2)
+            keep = ex.kept(q_range, k_range)
+            dv_tile += _sum_to(np.swapaxes(_drop(p, keep, keep_scale), -1, -2) @ do_tile, dv_tile.shape)
+            dp = _drop(do_tile @ np.swapaxes(v_tile, -1, -2), keep, keep_scale)
             dp -= delta[..., rows, None]
             ds = np.multiply(p, dp, out=dp)                      # dS = P * (dP - D)
             ds *= scale
             dq[..., rows, :] += ds @ k_tile
-            dk_tile += np.swapaxes(ds, -1, -2) @ q_tile
+            dk_tile += _sum_to(np.swapaxes(ds, -1, -2) @ q_tile, dk_tile.shape)
         dk[..., cols, :], dv[..., cols, :] = dk_tile, dv_tile
-    return dq, dk, dv
+    return dq.reshape(shape_q), dk.reshape(shape_k), dv.reshape(shape_k)
+
+
+def _sum_to(x, shape):
+    """x summed over the axes it was broadcast along (the query heads of a group, for dK and dV)."""
+    return x if x.shape == tuple(shape) else x.sum(axis=2, keepdims=True)
 
 
 def _check_backward_arrays(q, o, lse, do):
@@ -285,4 +385,5 @@ def _check_backward_arrays(q, o, lse, do):
         if x.dtype not in allowed:
             extra = " or float32" if len(allowed) > 1 else ""
             raise TypeError(f"{name} must have the dtype of q ({q.dtype}){extra}, got {x.dtype}")
-    check_finite({"o": o, "lse": lse, "do": do})
+    check_finite({"o": o, "do": do})
+    check_finite({"lse": lse}, allow_neg_inf=True)  # -inf: a row the block mask hides from every key
