@@ -5,7 +5,8 @@ import sys
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    suites = {"numpy": "flashref.bench.numpy_bench", "gpu": "flashref.bench.gpu_bench", "hbm": "flashref.bench.hbm_bench"}
+    suites = {"numpy": "flashref.bench.numpy_bench", "gpu": "flashref.bench.gpu_bench", "hbm": "flashref.bench.hbm_bench",
+              "features": "flashref.bench.features_bench"}
     if not argv or argv[0] not in suites:
         print(f"usage: python -m flashref.bench {{{','.join(suites)}}} [options]", file=sys.stderr)
         return 2

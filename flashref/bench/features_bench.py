@@ -1,0 +1,185 @@
+"""The kernel's features against PyTorch's own, in one run: grouped-query attention, fused dropout, and
+block-sparse attention against its own dense time.
+
+    python -m flashref.bench features            # the points below (an H100: about a minute)
+
+- GQA: H = 32 query heads sharing H_kv = 8 or 1 K/V heads, against ``scaled_dot_product_attention(...,
+  enable_gqa=True)`` on its flash and cuDNN backends; forward + backward; peak memory.
+- Dropout p = 0.1 against SDPA's flash backend with the same ``dropout_p``, and against flashref
+  without dropout; forward + backward.
+- Block-sparse: a causal sliding window of ``w`` blocks of 128 keys, time against density (visible
+  blocks / all blocks) next to the dense kernel's time; forward and forward + backward.
+
+FLOPs are counted on the visible entries only (DESIGN.md's 4 B H N_q N_k d forward, 2.5x backward, scaled
+by the fraction of (query, key) pairs visible). fp16. Results go to ``book/data/features_bench.json`` with
+the device and library versions. FlexAttention (compiled per shape) is the next peer to add.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def _time(fn, needs_grad, tensors):
+    import torch
+    import triton
+
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    ms = triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=tensors if needs_grad else None,
+                                 return_mode="median")
+    return ms, int(peak)
+
+
+def _inputs(B, H, H_kv, N, d):
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(B, H, N, d, device="cuda", dtype=torch.float16, generator=g)
+    k, v = (torch.randn(B, H_kv, N, d, device="cuda", dtype=torch.float16, generator=g) for _ in range(2))
+    do = torch.randn(B, H, N, d, device="cuda", dtype=torch.float16, generator=g)
+    for x in (q, k, v):
+        x.requires_grad_(True)
+    return q, k, v, do
+
+
+def _sdpa(backend, **kw):
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    b = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+
+    def fn(q, k, v, causal):
+        with sdpa_kernel(b):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, **kw)
+    return fn
+
+
+def _row(name, impl, B, H, H_kv, N, d, causal, ms, peak, flops, **extra):
+    return {"case": name, "impl": impl, "B": B, "H": H, "H_kv": H_kv, "N": N, "d": d, "causal": causal,
+            "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12, "peak_extra_bytes": peak, **extra}
+
+
+def _fwd_bwd(fn, q, k, v, do):
+    return lambda: fn(q, k, v).backward(do)
+
+
+def gqa_cases(N=4096, d=128, B=2, H=32):
+    from flashref.triton import flash_attention
+
+    rows = []
+    for H_kv in (8, 1):
+        for causal in (False, True):
+            q, k, v, do = _inputs(B, H, H_kv, N, d)
+            flops = 3.5 * 4.0 * B * H * N * N * d * (0.5 if causal else 1.0)
+            peers = {"flashref-triton": lambda q, k, v: flash_attention(q, k, v, causal=causal, check_finite=False),
+                     "sdpa-flash": lambda q, k, v: _sdpa("flash", enable_gqa=True)(q, k, v, causal),
+                     "sdpa-cudnn": lambda q, k, v: _sdpa("cudnn", enable_gqa=True)(q, k, v, causal)}
+            for impl, fn in peers.items():
+                try:
+                    ms, peak = _time(_fwd_bwd(fn, q, k, v, do), True, [q, k, v])
+                    rows.append(_row("gqa fwd+bwd", impl, B, H, H_kv, N, d, causal, ms, peak, flops))
+                except Exception as exc:  # noqa: BLE001 (a backend that refuses is recorded)
+                    rows.append({"case": "gqa fwd+bwd", "impl": impl, "H_kv": H_kv, "causal": causal,
+                                 "status": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"})
+    return rows
+
+
+def dropout_cases(N=4096, d=64, B=8, H=16, p=0.1):
+    from flashref.triton import flash_attention
+
+    rows = []
+    for causal in (False, True):
+        q, k, v, do = _inputs(B, H, H, N, d)
+        flops = 3.5 * 4.0 * B * H * N * N * d * (0.5 if causal else 1.0)
+        peers = {"flashref-triton": lambda q, k, v: flash_attention(q, k, v, causal=causal, dropout_p=p, seed=1,
+                                                                    check_finite=False),
+                 "flashref-triton no dropout": lambda q, k, v: flash_attention(q, k, v, causal=causal, check_finite=False),
+                 "sdpa-flash": lambda q, k, v: _sdpa("flash", dropout_p=p)(q, k, v, causal)}
+        for impl, fn in peers.items():
+            ms, peak = _time(_fwd_bwd(fn, q, k, v, do), True, [q, k, v])
+            rows.append(_row("dropout fwd+bwd", impl, B, H, H, N, d, causal, ms, peak, flops, dropout_p=p))
+    return rows
+
+
+def window_mask(N, block, w, device):
+    """Causal sliding window of w blocks: query block i sees key blocks i-w+1 .. i."""
+    import torch
+
+    n = -(-N // block)
+    i = torch.arange(n, device=device)
+    return ((i[:, None] - i[None, :] >= 0) & (i[:, None] - i[None, :] < w))[None, None]
+
+
+def sparse_cases(N=16384, d=64, B=1, H=16, block=128):
+    from flashref.triton import flash_attention
+
+    rows = []
+    q, k, v, do = _inputs(B, H, H, N, d)
+    n = -(-N // block)
+    for w in (n, 32, 8, 2):
+        mask = window_mask(N, block, w, q.device)
+        # (query, key) pairs visible: per query block, full blocks left of the diagonal, half of the diagonal one
+        visible_pairs = sum((min(i + 1, w) - 1) * block * block + block * (block + 1) // 2 for i in range(n))
+        density = mask.float().mean().item()
+        for mode in ("fwd", "fwd+bwd"):
+            flops = (1.0 if mode == "fwd" else 3.5) * 4.0 * B * H * visible_pairs * d
+
+            def fn(q=q, k=k, v=v, mask=mask, mode=mode):
+                o = flash_attention(q, k, v, causal=True, block_mask=mask, block_size=block, check_finite=False)
+                if mode != "fwd":
+                    o.backward(do)
+            ms, peak = _time(fn, mode != "fwd", [q, k, v])
+            rows.append(_row(f"block-sparse {mode}", "flashref-triton", B, H, H, N, d, True, ms, peak, flops,
+                             window_blocks=w, density=density))
+        for mode in ("fwd", "fwd+bwd"):
+            if w == n:  # the dense kernel, causal: the reference time for density 1
+                def dense(q=q, k=k, v=v, mode=mode):
+                    o = flash_attention(q, k, v, causal=True, check_finite=False)
+                    if mode != "fwd":
+                        o.backward(do)
+                ms, peak = _time(dense, mode != "fwd", [q, k, v])
+                rows.append(_row(f"dense {mode}", "flashref-triton", B, H, H, N, d, True, ms, peak,
+                                 (1.0 if mode == "fwd" else 3.5) * 2.0 * B * H * N * N * d))
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m flashref.bench features", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="book/data/features_bench.json")
+    args = p.parse_args(argv)
+    import torch
+
+    from flashref.bench.gpu_bench import _versions
+
+    if not torch.cuda.is_available():
+        print("flashref.bench features needs a CUDA device", file=sys.stderr)
+        return 2
+    start = time.time()
+    rows = []
+    for part in (gqa_cases, dropout_cases, sparse_cases):
+        rows += part()
+        torch.cuda.empty_cache()
+    data = {"device": torch.cuda.get_device_name(), "versions": _versions(), "dtype": "float16",
+            "command": "python -m flashref.bench features", "seconds": time.time() - start, "results": rows}
+    with open(args.out, "w") as f:
+        json.dump(data, f, indent=1)
+    for r in rows:
+        extra = f" density {r['density']:.3f}" if "density" in r else ""
+        print(f"{r['case']:22} {r['impl']:28} H_kv={r.get('H_kv')} causal={r.get('causal')!s:5}"
+              + (f" {r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s peak+ {r['peak_extra_bytes'] / 2**20:8.1f} MiB{extra}"
+                 if "ms" in r else f" {r.get('status')}"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
