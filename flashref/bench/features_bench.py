@@ -165,19 +165,19 @@ def main(argv=None) -> int:
         print("flashref.bench features needs a CUDA device", file=sys.stderr)
         return 2
     start = time.time()
-    rows = []
-    for part in (gqa_cases, dropout_cases, sparse_cases):
-        rows += part()
-        torch.cuda.empty_cache()
     data = {"device": torch.cuda.get_device_name(), "versions": _versions(), "dtype": "float16",
-            "command": "python -m flashref.bench features", "seconds": time.time() - start, "results": rows}
-    with open(args.out, "w") as f:
-        json.dump(data, f, indent=1)
-    for r in rows:
-        extra = f" density {r['density']:.3f}" if "density" in r else ""
-        print(f"{r['case']:22} {r['impl']:28} H_kv={r.get('H_kv')} causal={r.get('causal')!s:5}"
-              + (f" {r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s peak+ {r['peak_extra_bytes'] / 2**20:8.1f} MiB{extra}"
-                 if "ms" in r else f" {r.get('status')}"))
+            "command": "python -m flashref.bench features", "seconds": None, "results": []}
+    for part in (gqa_cases, dropout_cases, sparse_cases):  # saved after each part: a cut-short run keeps them
+        for r in part():
+            data["results"].append(r)
+            extra = f" density {r['density']:.3f}" if "density" in r else ""
+            print(f"{r['case']:22} {r['impl']:28} H_kv={r.get('H_kv')} causal={r.get('causal')!s:5}"
+                  + (f" {r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s peak+ {r['peak_extra_bytes'] / 2**20:8.1f} MiB"
+                     f"{extra}" if "ms" in r else f" {r.get('status')}"), flush=True)
+        torch.cuda.empty_cache()
+        data["seconds"] = time.time() - start
+        with open(args.out, "w") as f:
+            json.dump(data, f, indent=1)
     return 0
 
 
