@@ -4,12 +4,14 @@ Verdict with a message. (The right answers are checked where the notebooks' solu
 from __future__ import annotations
 
 import importlib
+import math
 import inspect
 import os
 import pkgutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import flashref.exercises as exercises
@@ -95,3 +97,88 @@ def test_measured_io_checkers_accept_right_answers_and_explain_wrong_ones():
     assert "units" in repr(ex.check_roofline_time(lambda f, b, p, w: max(f * p, b * w)))
     assert "raised" in repr(ex.check_roofline_time(lambda f, b, p, w: 1 / 0))
     assert not ex.check_roofline_time(None) and not ex.check_roofline_time(3)
+
+
+def _attention(q, k, v, causal):
+    s = q @ k.T / np.sqrt(q.shape[-1])
+    if causal:
+        s = np.where(np.tril(np.ones(s.shape, bool)), s, -np.inf)
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    return (p / p.sum(axis=-1, keepdims=True)) @ v
+
+
+def _tiled(q, k, v, bq, bk, rescale=True):
+    o = np.empty_like(q)
+    for i in range(0, q.shape[0], bq):
+        q_i = q[i:i + bq]
+        m, l, acc = np.full(len(q_i), -np.inf), np.zeros(len(q_i)), np.zeros_like(q_i)
+        for j in range(0, k.shape[0], bk):
+            s = q_i @ k[j:j + bk].T / np.sqrt(q.shape[-1])
+            m_new = np.maximum(m, s.max(axis=-1))
+            alpha = np.exp(m - m_new) if rescale else 1.0
+            p = np.exp(s - m_new[:, None])
+            l = l * alpha + p.sum(axis=-1)
+            acc = acc * np.reshape(alpha, (-1, 1)) + p @ v[j:j + bk]
+            m = m_new
+        o[i:i + bq] = acc / l[:, None]
+    return o
+
+
+def _tile_backward(q, k, v, do, lse, delta, scale, with_delta=True, scaled=True):
+    p = np.exp(scale * q @ k.T - lse[:, None])
+    ds = p * (do @ v.T - (delta[:, None] if with_delta else 0))
+    c = scale if scaled else 1.0
+    return c * ds @ k, c * ds.T @ q, p.T @ do
+
+
+def _merge(m_a, l_a, m_b, l_b):
+    m = max(m_a, m_b)
+    return (m, 0.0) if m == -math.inf else (m, l_a * math.exp(m_a - m) + l_b * math.exp(m_b - m))
+
+
+@pytest.mark.parametrize("check, right, wrongs", [
+    ("standard_attention.check_attention_function", _attention, [
+        (lambda q, k, v, c: _attention(q * np.sqrt(q.shape[-1]), k, v, c), "not scaled"),
+        (lambda q, k, v, c: _attention(q, k, v, False), "causal mask is missing"),
+        (lambda q, k, v, c: _attention(q, k, v, c) if q.shape[0] < 2 or np.abs(q).max() < 10 else q * np.nan,
+         "NaN or inf"),
+        (lambda q, k, v, c: _attention(q, k, v, c)[:, :1], "output has shape")]),  # noqa: E501
+    ("online_softmax.check_merge_function", _merge, [
+        (lambda m_a, l_a, m_b, l_b: (max(m_a, m_b), l_a + l_b), "added l_a and l_b"),
+        (lambda m_a, l_a, m_b, l_b: (max(m_a, m_b), l_a * math.exp(m_a - max(m_a, m_b)) + l_b * math.exp(m_b - max(m_a, m_b))),
+         "NaN"),
+        (lambda m_a, l_a, m_b, l_b: (min(m_a, m_b), l_a), "the merged max is the larger")]),
+    ("tiling.check_tiled_forward", _tiled, [
+        (lambda q, k, v, bq, bk: _tiled(q, k, v, bq, bk, rescale=False), "exp(m_old - m_new)"),
+        (lambda q, k, v, bq, bk: __import__("flashref").reference.attention(q, k, v), "N x N scores")]),
+    ("backward.check_tile_backward", _tile_backward, [
+        (lambda *a: _tile_backward(*a, with_delta=False), "miss D"),
+        (lambda *a: _tile_backward(*a, scaled=False), "miss the scale"),
+        (lambda *a: (lambda dq, dk, dv: (dq, dk, 2 * dv))(*_tile_backward(*a)), "dV is off")]),
+])
+def test_coding_exercises_accept_the_right_function_and_name_what_is_wrong(check, right, wrongs):
+    import importlib
+
+    module, name = check.split(".")
+    fn = getattr(importlib.import_module(f"flashref.exercises.{module}"), name)
+    assert fn(right), repr(fn(right))
+    assert not fn(None) and "Not answered" in repr(fn(None))
+    assert not fn(lambda *a: None) and "returns None" in repr(fn(lambda *a: None))
+    assert not fn(42) and "pass your function" in repr(fn(42))
+    assert "raised ZeroDivisionError" in repr(fn(lambda *a: 1 / 0))
+    for bad, words in wrongs:
+        verdict = fn(bad)
+        assert not verdict and words in repr(verdict), repr(verdict)
+
+
+def test_misleading_hints_are_fixed():
+    from flashref import reference
+    from flashref.exercises import backward, online_softmax, standard_attention
+
+    assert "fp32" in repr(standard_attention.check_tile_bytes(32 * 128 * 4))
+    q, k, v, do = backward.delta_problem()
+    delta = np.sum(do * reference.attention(q, k, v, causal=True), axis=-1)
+    assert "float32 precision" in repr(backward.check_delta(delta.astype(np.float32)))
+    assert backward.check_delta(delta)
+    message = repr(online_softmax.check_online_logsumexp(lambda x, b: float("nan")))
+    assert message.startswith("Not quite: on the case small scores: your function returned nan")

@@ -13,7 +13,9 @@ from __future__ import annotations
 import numpy as np
 
 from flashref import reference
-from flashref.exercises import Verdict, as_number, check_array, check_number, wrong
+from flashref.exercises import NOT_ANSWERED, Verdict, as_number, check_array, check_number, right, wrong
+
+UNWRITTEN = "Not answered yet: your function returns None; write its body and run the cell again."
 
 #: Exercise "stored P": batch 4, 16 heads, N = 4096, P in fp16.
 P_BATCH, P_HEADS, P_N, P_DTYPE = 4, 16, 4096, "float16"
@@ -54,6 +56,11 @@ def check_delta(answer, seed: int = 5) -> Verdict:
     expected = np.sum(do * o, axis=-1)
     if answer is not None and np.shape(answer) == (6, 9):
         return wrong("D has one number per query row (shape (6,)), not one per score.")
+    low = getattr(answer, "dtype", None)
+    if low is not None and np.dtype(low) in (np.float32, np.float16) and np.shape(answer) == expected.shape \
+            and np.allclose(np.asarray(answer, np.float64), expected, rtol=10 * np.finfo(low).eps, atol=0):
+        return wrong(f"right to {np.dtype(low).name} precision, but the problem is in float64: compute in "
+                     "float64 (do not cast q, k, v or dO down) and the answer will match to the last digits.")
     return check_array(answer, expected, what="D", rtol=1e-9, atol=1e-12,
                        hint="Compute O = reference.attention(q, k, v, causal=True), then sum dO * O over d.",
                        explain="One dot product per row: no N_q x N_k array needed.")
@@ -76,3 +83,55 @@ def check_recompute_flops(answer) -> Verdict:
                         explain=f"2 N^2 d = {expected:,} FLOPs: the backward's four matmuls become five "
                                 "(8 N^2 d to 10 N^2 d, 2.5 times the forward).")
 
+
+
+def tile_problem(seed: int = 8):
+    """One tile of a backward pass: ``(q_i, k_j, v_j, do_i, lse_i, delta_i, scale)`` in float64 for 6 query
+    rows and 5 keys of a 6 x 9 problem (lse_i and delta_i are the whole rows', from the forward)."""
+    rng = np.random.default_rng(seed)
+    q, k, v, do = rng.standard_normal((6, 4)), rng.standard_normal((9, 4)), rng.standard_normal((9, 4)), \
+        rng.standard_normal((6, 4))
+    o, lse = reference.attention(q, k, v, return_lse=True)
+    return q, k[2:7], v[2:7], do, lse, np.sum(do * o, axis=-1), 0.5
+
+
+def _tile_grads(q, k, v, do, lse, delta, scale, use_delta=True, scaled=True):
+    p = np.exp(scale * q @ k.T - lse[:, None])
+    dv = p.T @ do
+    ds = p * (do @ v.T - (delta[:, None] if use_delta else 0))
+    c = scale if scaled else 1.0
+    return c * ds @ k, c * ds.T @ q, dv
+
+
+def check_tile_backward(fn) -> Verdict:
+    """``fn(q_i, k_j, v_j, do_i, lse_i, delta_i, scale)`` must return this tile's contributions
+    ``(dq_i, dk_j, dv_j)``: P = exp(scale Q_i K_j^T - lse_i), dV_j = P^T dO_i, dP = dO_i V_j^T,
+    dS = P * (dP - D_i), dQ_i = scale dS K_j, dK_j = scale dS^T Q_i (:func:`tile_problem`)."""
+    if fn is None:
+        return Verdict(False, NOT_ANSWERED)
+    if not callable(fn):
+        return wrong(f"pass your function itself (tile_backward), not {type(fn).__name__}.")
+    args = tile_problem()
+    try:
+        result = fn(*(a.copy() if hasattr(a, "copy") else a for a in args))
+        if result is None:
+            return Verdict(False, UNWRITTEN)
+        got = [np.asarray(x, dtype=np.float64) for x in result]
+    except Exception as exc:  # noqa: BLE001
+        return wrong(f"your function raised {type(exc).__name__}: {exc}")
+    want = _tile_grads(*args)
+    if len(got) != 3 or any(g.shape != w.shape for g, w in zip(got, want)):
+        return wrong("return three arrays (dq_i, dk_j, dv_j) shaped like q_i, k_j and v_j.")
+    close = [np.allclose(g, w, rtol=1e-9, atol=1e-12) for g, w in zip(got, want)]
+    if all(close):
+        return right("That is one tile of FlashAttention's backward: P from the saved lse, dS = P * (dP - D).")
+    if not close[2]:
+        return wrong("dV is off: P = exp(scale Q K^T - lse) (the forward's lse of each row, not the tile's own "
+                     "softmax), and dV_j = P^T dO_i.")
+    no_delta = _tile_grads(*args, use_delta=False)
+    if all(np.allclose(g, w, rtol=1e-9, atol=1e-12) for g, w in zip(got[:2], no_delta[:2])):
+        return wrong("dQ and dK miss D: the softmax's Jacobian gives dS = P * (dP - D), with D = rowsum(dO * O).")
+    unscaled = _tile_grads(*args, scaled=False)
+    if all(np.allclose(g, w, rtol=1e-9, atol=1e-12) for g, w in zip(got[:2], unscaled[:2])):
+        return wrong("dQ and dK miss the scale: S = scale Q K^T, so dQ = scale dS K and dK = scale dS^T Q.")
+    return wrong(f"dQ or dK differ from the expected by up to {max(np.max(np.abs(g - w)) for g, w in zip(got, want)):.3g}.")

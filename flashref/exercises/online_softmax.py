@@ -15,6 +15,8 @@ import numpy as np
 from flashref import online_softmax as osm
 from flashref.exercises import NOT_ANSWERED, Verdict, check_number, right, wrong
 
+UNWRITTEN = "Not answered yet: your function returns None; write its body and run the cell again."
+
 #: The two partial states of the merge exercise, as (m, l).
 STATE_A = (2.0, 1.5)
 STATE_B = (5.0, 2.0)
@@ -62,19 +64,19 @@ def check_online_logsumexp(fn) -> Verdict:
     cases = [("small scores", rng.standard_normal(10), 3),
              ("scores of size 1e3 (a naive exp overflows)", rng.standard_normal(50) * 1e3, 7),
              ("one block", rng.standard_normal(5), 8),
-             ("masked scores (-inf), a whole block of them first", np.r_[[-np.inf] * 4, rng.standard_normal(6)], 2)]
+             ("masked scores, a whole first block of -inf", np.r_[[-np.inf] * 4, rng.standard_normal(6)], 2)]
     for name, x, block in cases:
         expected = float(np.max(x) + np.log(np.sum(np.exp(x - np.max(x)))))
         try:
             with np.errstate(all="ignore"):
                 got = float(fn(x.copy(), block))
         except Exception as exc:  # a reader's bug must not stop the notebook
-            return wrong(f"on {name} your function raised {type(exc).__name__}: {exc}")
+            return wrong(f"on the case {name}: your function raised {type(exc).__name__}: {exc}")
         if not math.isfinite(got):
-            return wrong(f"on {name} your function returned {got}. Subtract the running max before exp, and "
-                         "treat exp(-inf - (-inf)) as 0.")
+            return wrong(f"on the case {name}: your function returned {got}. Subtract the running max before "
+                         "exp, and treat exp(-inf - (-inf)) as 0.")
         if not math.isclose(got, expected, rel_tol=1e-9, abs_tol=1e-9):
-            return wrong(f"on {name} your function returned {got:.6g}, expected {expected:.6g}.")
+            return wrong(f"on the case {name}: your function returned {got:.6g}, expected {expected:.6g}.")
     return right("Your recurrence matches the one-shot log-sum-exp on every case.")
 
 
@@ -83,3 +85,43 @@ def _close(x, y) -> bool:
         return math.isclose(float(x), y, rel_tol=1e-6)
     except (TypeError, ValueError):
         return False
+
+
+def check_merge_function(fn) -> Verdict:
+    """``fn(m_a, l_a, m_b, l_b)`` must return the merged ``(m, l)`` of two partial softmax states of disjoint
+    parts of a row, with m the part's max and l its sum of exp(x - m); an empty part is (-inf, 0)."""
+    if fn is None:
+        return Verdict(False, NOT_ANSWERED)
+    if not callable(fn):
+        return wrong(f"pass your function itself (merge), not {type(fn).__name__}.")
+    rng = np.random.default_rng(4)
+    cases = [("two parts", rng.standard_normal(5), rng.standard_normal(7)),
+             ("the second part holds the larger max", rng.standard_normal(5), rng.standard_normal(3) + 40),
+             ("scores of size 1e3", rng.standard_normal(4) * 1e3, rng.standard_normal(6) * 1e3),
+             ("an empty first part (m = -inf, l = 0)", np.array([]), rng.standard_normal(4)),
+             ("two empty parts", np.array([]), np.array([]))]
+    for name, a, b in cases:
+        state = lambda x: (float(x.max()), float(np.exp(x - x.max()).sum())) if x.size else (-math.inf, 0.0)  # noqa: E731
+        (m_a, l_a), (m_b, l_b) = state(a), state(b)
+        both = np.r_[a, b]
+        m_want, l_want = state(both)
+        try:
+            with np.errstate(all="ignore"):
+                result = fn(m_a, l_a, m_b, l_b)
+            if result is None:
+                return Verdict(False, UNWRITTEN)
+            m, l = (float(x) for x in result)
+        except Exception as exc:  # noqa: BLE001
+            return wrong(f"on the case {name}: your function raised {type(exc).__name__}: {exc}")
+        if math.isnan(m) or math.isnan(l):
+            return wrong(f"on the case {name}: your function returned NaN. When a part is empty its m is -inf, "
+                         "and exp(-inf - (-inf)) is NaN: rescale an empty part's l (which is 0) to 0 directly.")
+        if m != m_want:
+            return wrong(f"on the case {name}: m = {m:g}, expected {m_want:g}: the merged max is the larger one.")
+        if both.size and math.isclose(l, l_a + l_b, rel_tol=1e-12) and not math.isclose(l, l_want, rel_tol=1e-9):
+            return wrong(f"on the case {name}: you added l_a and l_b, which are sums under different maxima. "
+                         "Rescale each by exp(its m - the merged m) first.")
+        if not math.isclose(l, l_want, rel_tol=1e-9, abs_tol=1e-300):
+            return wrong(f"on the case {name}: l = {l:.6g}, expected {l_want:.6g}.")
+    return right("Your merge is exact on every case, empty parts included: the same merge FlashAttention's "
+                 "tiles, split-K decoding and ring attention all rest on.")
