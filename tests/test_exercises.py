@@ -182,3 +182,20 @@ def test_misleading_hints_are_fixed():
     assert backward.check_delta(delta)
     message = repr(online_softmax.check_online_logsumexp(lambda x, b: float("nan")))
     assert message.startswith("Not quite: on the case small scores: your function returned nan")
+
+
+def test_tiled_accesses_function_checker():
+    from flashref.exercises import io_complexity as ex
+
+    def closed_form(N, d, M, initial_write=True, ceil=True, writes=True):
+        B_c = -(-M // (4 * d))
+        T_c = -(-N // B_c) if ceil else max(1, N // B_c)
+        total = 2 * N * d + T_c * N * (2 * d + 2)
+        return total + ((T_c + int(initial_write)) * N * (d + 2) if writes else 0)
+
+    assert ex.check_tiled_accesses_function(closed_form)
+    assert "reads only" in repr(ex.check_tiled_accesses_function(lambda *a: closed_form(*a, writes=False)))
+    assert "O = 0" in repr(ex.check_tiled_accesses_function(lambda *a: closed_form(*a, initial_write=False)))
+    assert "ceil(N / B_c)" in repr(ex.check_tiled_accesses_function(lambda *a: closed_form(*a, ceil=False)))
+    assert "returns None" in repr(ex.check_tiled_accesses_function(lambda *a: None))
+    assert not ex.check_tiled_accesses_function(None) and not ex.check_tiled_accesses_function(1)

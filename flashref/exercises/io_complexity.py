@@ -10,7 +10,7 @@ and the package cannot disagree (the test suite checks them against numbers work
 from __future__ import annotations
 
 from flashref import iomodel
-from flashref.exercises import NOT_ANSWERED, Verdict, check_number, right, wrong
+from flashref.exercises import NOT_ANSWERED, Verdict, as_number, check_number, right, wrong
 
 #: Exercise 1: one A100 SM's 192 KB of SRAM in fp32 elements, and a head dimension of 80.
 BLOCKS_M, BLOCKS_D = 192 * 1024 // 4, 80
@@ -79,3 +79,48 @@ def check_ratio(answer) -> Verdict:
                              "where to look.",
                         explain=f"{standard:,} / {tiled:,} = {ratio:.2f}: close to M / 3d^2 = {rough:.2f}, "
                                 "lower because T_c = ceil(N / B_c) rounds up.")
+
+
+#: (N, d, M) cases a reader's closed form is checked on: the exercise's, uneven N, a small SRAM, an H100's.
+FORMULA_CASES = [(1024, 64, 25600), (1000, 32, 4096), (77, 16, 1000), (4096, 128, 98304), (5, 4, 64)]
+
+
+def check_tiled_accesses_function(fn) -> Verdict:
+    """``fn(N, d, M)`` must return the HBM accesses (elements read plus written) of Algorithm 1, not causal,
+    for any N, d and M (:func:`flashref.iomodel.tiled_io`)."""
+    import math
+
+    if fn is None:
+        return Verdict(False, NOT_ANSWERED)
+    if not callable(fn):
+        return wrong(f"pass your function itself (tiled_accesses), not {type(fn).__name__}.")
+    for N, d, M in FORMULA_CASES:
+        try:
+            got = fn(N, d, M)
+        except Exception as exc:  # noqa: BLE001 (a reader's bug must not stop the notebook)
+            return wrong(f"on N = {N}, d = {d}, M = {M} your function raised {type(exc).__name__}: {exc}")
+        if got is None:
+            return Verdict(False, "Not answered yet: your function returns None; write its body and run the cell again.")
+        want = iomodel.tiled_io(N, d, M).total
+        value = as_number(got)
+        if value == want:
+            continue
+        B_c = -(-M // (4 * d))
+        T_c, T_floor = -(-N // B_c), max(1, N // B_c)
+        reads = 2 * N * d + T_c * N * (2 * d + 2)
+        if value == reads:
+            return wrong(f"on N = {N}, d = {d}, M = {M} you counted the reads only: each pass over a K/V block "
+                         "also writes O_i, l_i and m_i back.")
+        if value == want - N * (d + 2):
+            return wrong("Algorithm 1 first writes O = 0, l = 0 and m = -inf to HBM: one more write of every row.")
+        floor = 2 * N * d + T_floor * N * (2 * d + 2) + (T_floor + 1) * N * (d + 2)
+        if value == floor and T_floor != T_c:
+            return wrong(f"on N = {N}, d = {d}, M = {M}: T_c = ceil(N / B_c), not floor: the last block of keys "
+                         "may be short, and it is still a pass.")
+        if value is not None and math.isclose(value, want, rel_tol=0.02):
+            return wrong(f"on N = {N}, d = {d}, M = {M} you are close ({value:,.0f} against {want:,}): count l and m, "
+                         "one element per row each, in every read and write of a row.")
+        return wrong(f"on N = {N}, d = {d}, M = {M} your function gave {got!r}; Algorithm 1 makes {want:,} accesses. "
+                     "B_c = ceil(M / 4d), T_c = ceil(N / B_c); K and V are read once, and every pass reads Q_i, O_i, "
+                     "l_i, m_i and writes O_i, l_i, m_i.")
+    return right("Your closed form equals the simulator's count on every case.")
