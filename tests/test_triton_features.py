@@ -118,8 +118,9 @@ def test_visible_block_lists():
     from flashref.triton.ops import visible_block_lists
 
     mask = torch.rand(2, 1, 5, 7, generator=torch.Generator().manual_seed(0)) < 0.5
-    lists = visible_block_lists(mask.expand(2, 3, 5, 7))
-    assert lists.shape == (2, 3, 5, 8) and lists.dtype == torch.int32 and lists.stride(1) == 0
+    lists = visible_block_lists(mask.to(DEVICE).expand(2, 3, 5, 7)).cpu()
+    assert lists.shape == (2, 3, 5, 8) and lists.dtype == torch.int32
+    assert visible_block_lists(mask.to(DEVICE).expand(2, 3, 5, 7)).stride(1) == 0, "no copy along broadcast H"
     for b in range(2):
         for i in range(5):
             want = torch.nonzero(mask[b, 0, i]).flatten().tolist()

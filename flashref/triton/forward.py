@@ -100,12 +100,34 @@ def _block_elements(bm_base, stride_bmi, stride_bmj, offs_m, offs_n, N_q, N_k, B
 def _listed_tiles_before(row, limit, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr):
     """How many tiles of a visible-block list lie before ``limit`` (a multiple of TILE). ``row`` points at
     one list: its count, then the visible block indices in increasing order, each block TILE-tiled, so the
-    tiles before ``limit`` are a prefix of the list's tiles."""
+    tiles before ``limit`` are a prefix of the list's tiles. Read 128 entries at a time, as vectors."""
+    count = tl.load(row)
     n = 0
-    for e in range(0, tl.load(row)):
-        start = tl.load(row + 1 + e) * BLOCK_SIZE
-        n += tl.minimum(tl.maximum(limit - start, 0), BLOCK_SIZE) // TILE
+    for e0 in range(0, count, 128):
+        e = e0 + tl.arange(0, 128)
+        start = tl.load(row + 1 + e, mask=e < count, other=0) * BLOCK_SIZE
+        before = tl.minimum(tl.maximum(limit - start, 0), BLOCK_SIZE) // TILE
+        n += tl.sum(tl.where(e < count, before, 0), 0)
     return n
+
+
+@triton.jit
+def visible_lists_kernel(BM, LISTS, stride_bmb, stride_bmh, stride_bmi, stride_bmj, stride_lb, stride_lh, stride_li,
+                         H, n_j, CHUNK: tl.constexpr):
+    """LISTS[b, h, i] = [count, the j with BM[b, h, i, j] != 0 in increasing order]: one program per row i
+    of the block mask, a running count and a prefix sum placing each visible j."""
+    i = tl.program_id(0)
+    b = tl.program_id(1) // H
+    h = tl.program_id(1) % H
+    src = BM + b.to(tl.int64) * stride_bmb + h.to(tl.int64) * stride_bmh + i.to(tl.int64) * stride_bmi
+    dst = LISTS + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + i.to(tl.int64) * stride_li
+    count = 0
+    for j0 in range(0, n_j, CHUNK):
+        j = j0 + tl.arange(0, CHUNK)
+        visible = (tl.load(src + j * stride_bmj, mask=j < n_j, other=0) != 0).to(tl.int32)
+        tl.store(dst + count + tl.cumsum(visible, 0), j, mask=visible != 0)  # entry 1 + (visibles before j)
+        count += tl.sum(visible, 0)
+    tl.store(dst, count)
 
 
 @triton.jit

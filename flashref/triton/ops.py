@@ -14,7 +14,7 @@ from triton.runtime.errors import OutOfResources
 from flashref import validation
 from flashref.triton import configs
 from flashref.triton.backward import flash_bwd_dkdv_kernel, flash_bwd_dq_kernel, flash_bwd_preprocess_kernel
-from flashref.triton.forward import LOG2E, drop_threshold, dropout_mask_kernel, flash_fwd_kernel
+from flashref.triton.forward import LOG2E, drop_threshold, dropout_mask_kernel, flash_fwd_kernel, visible_lists_kernel
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "") == "1"
 MAX_HEAD_DIM = 256
@@ -92,7 +92,7 @@ class Features:
             validation.check_block_mask(block_mask, (B, H), N_q, k.shape[2], self.block_size)
             if block_mask.device != q.device:
                 raise ValueError(f"block_mask must be on q's device ({q.device}), got {block_mask.device}")
-            self.block_mask = block_mask.to(torch.int8).expand(B, H, *block_mask.shape[2:])
+            self.block_mask = block_mask.view(torch.int8).expand(B, H, *block_mask.shape[2:])  # a view, no copy
 
     @property
     def meta(self) -> dict:
@@ -121,19 +121,25 @@ def visible_block_lists(block_mask: torch.Tensor) -> torch.Tensor:
     """For each row i of a block mask ``(B, H, n_i, n_j)`` (int8 or bool, broadcast dims may have stride
     0): ``[count, j_1 < j_2 < ... < j_count, padding]``, int32 ``(B, H, n_i, n_j + 1)``, with stride 0
     kept along broadcast dims. The kernels walk these lists, so their loops meet only visible tiles
-    (the same idea as FlexAttention's kv_num_blocks and kv_indices)."""
-    B, H = block_mask.shape[:2]
-    own = block_mask[:1 if block_mask.stride(0) == 0 else B, :1 if block_mask.stride(1) == 0 else H] != 0
-    counts = own.sum(-1, dtype=torch.int32)
-    order = torch.argsort((~own).to(torch.int8), dim=-1, stable=True).to(torch.int32)  # visible first, in order
-    lists = torch.cat([counts[..., None], order], dim=-1).contiguous()
-    return lists.expand(B, H, *lists.shape[2:])
+    (the same idea as FlexAttention's kv_num_blocks and kv_indices). One small kernel launch."""
+    B, H, n_i, n_j = block_mask.shape
+    own = block_mask[:1 if block_mask.stride(0) == 0 else B, :1 if block_mask.stride(1) == 0 else H]
+    if own.dtype == torch.bool:
+        own = own.view(torch.int8)
+    lists = torch.zeros((*own.shape[:3], n_j + 1), dtype=torch.int32, device=own.device)
+    chunk = 64 if INTERPRETED else 512
+    visible_lists_kernel[(n_i, own.shape[0] * own.shape[1])](own, lists, *own.stride(), *lists.stride()[:3],
+                                                              own.shape[1], n_j, CHUNK=chunk)
+    return lists.expand(B, H, n_i, n_j + 1)
 
 
 def dropout_mask(seed, B, H, N_q, N_k, dropout_p, device):
     """The boolean keep-mask ``(B, H, N_q, N_k)`` the kernels draw for ``seed``, bit for bit: True where an
     entry of P is kept (probability ``1 - dropout_p``). It runs the kernels' own random function, so tests
-    can compare with the float64 reference exactly. Notebook ``10_dropout_masks_sparsity`` (planned)."""
+    can compare with the float64 reference exactly. Each entry is kept when its 16-bit random number (eight
+    per Philox-4x32-7 call, from ``(seed; key // 8, query, b * H + h)``) is at least
+    ``round(dropout_p * 2**16)``: the kept fraction is ``1 - dropout_p`` within 2**-17. Notebook
+    ``10_dropout_masks_sparsity``."""
     p = validation.check_dropout_p(dropout_p)
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
         raise TypeError(f"seed must be an int in [0, 2**63), got {type(seed).__name__}: {seed!r}")
@@ -309,12 +315,13 @@ _FEATURES_DOC = """
       convention). K and V are never repeated in memory; dK and dV are summed over each group.
     - ``dropout_p``: each entry of P is dropped with this probability inside the kernel and the kept ones
       are scaled by ``1 / (1 - dropout_p)``; the backward regenerates the same mask from ``seed`` (Philox
-      counters: nothing of size N^2 is stored). ``seed=None`` draws one from torch's generator.
+      counters: nothing of size N^2 is stored; the drop probability is ``dropout_p`` rounded to 16 bits). ``seed=None`` draws one from torch's generator.
       :func:`dropout_mask` returns the mask a seed gives.
     - ``block_mask``: a bool tensor ``(B or 1, H or 1, ceil(N_q / block_size), ceil(N_k / block_size))``;
       block (i, j) False means the queries of block i never see the keys of block j. Combines with
-      ``causal``. When ``block_size`` is a multiple of both sides of a kernel tile, a tile whose block is
-      False is skipped (never loaded); otherwise the mask is applied element by element. A query row
+      ``causal``. When ``block_size`` is a multiple of both sides of a kernel tile (128 is, for every
+      config), the kernels walk lists of the visible blocks, built from the mask by one small kernel per
+      call, and a hidden tile is never loaded; otherwise the mask is applied element by element. A query row
       that sees no key gets ``o = 0`` and ``lse = -inf``, and zero gradients: never NaN.
 """
 
