@@ -131,18 +131,30 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT: tl.constexpr,
                 HAS_BM: tl.constexpr, BM_TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, DROPOUT: tl.constexpr,
                 LISTED: tl.constexpr):
-    """Add the query tiles with first row in [lo, hi) to this K/V tile's dK and dV, or, when LISTED, the
-    tiles lo to hi - 1 of this key block's list of visible query blocks (``list_row``). Otherwise a tile the
-    block mask hides is skipped (BM_TILE)."""
+    """Add the query tiles with first row in [lo, hi) to this K/V tile's dK and dV; when LISTED only the
+    visible ones, read from this key block's list of visible query blocks (``list_row``), or the plain loop
+    when all of them are visible (as _fwd_tiles). Otherwise a tile the block mask hides is skipped
+    (BM_TILE)."""
     if LISTED:
-        for it in range(lo, hi):
-            start_m = _listed_start(list_row, it, BLOCK_SIZE, BLOCK_M)
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base,
-                                stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
-                                start_m, start_n, N_q, N_k, sm_scale, qk_scale, offs_n, offs_d,
-                                bm_base, stride_bmi, stride_bmj, seed, bh, drop_below, keep_scale,
-                                HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, MASKED, CAUSAL, ATOMIC_DQ, DOT,
-                                HAS_BM, BM_TILE, BLOCK_SIZE, DROPOUT)
+        it_lo = _listed_tiles_before(list_row, lo, BLOCK_SIZE, BLOCK_M)
+        it_hi = _listed_tiles_before(list_row, hi, BLOCK_SIZE, BLOCK_M)
+        if (it_hi - it_lo) * BLOCK_M == hi - lo:
+            for start_m in range(lo, hi, BLOCK_M):
+                dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base,
+                                    stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
+                                    start_m, start_n, N_q, N_k, sm_scale, qk_scale, offs_n, offs_d,
+                                    bm_base, stride_bmi, stride_bmj, seed, bh, drop_below, keep_scale,
+                                    HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, MASKED, CAUSAL, ATOMIC_DQ, DOT,
+                                    False, BM_TILE, BLOCK_SIZE, DROPOUT)
+        else:
+            for it in range(it_lo, it_hi):
+                start_m = _listed_start(list_row, it, BLOCK_SIZE, BLOCK_M)
+                dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base,
+                                    stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
+                                    start_m, start_n, N_q, N_k, sm_scale, qk_scale, offs_n, offs_d,
+                                    bm_base, stride_bmi, stride_bmj, seed, bh, drop_below, keep_scale,
+                                    HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, MASKED, CAUSAL, ATOMIC_DQ, DOT,
+                                    HAS_BM, BM_TILE, BLOCK_SIZE, DROPOUT)
     else:
         for start_m in range(lo, hi, BLOCK_M):
             visible = True
@@ -233,15 +245,9 @@ def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, M2, L2, Delta, BM, LISTS,
             full_lo = start_n + BLOCK_N
         # Phase 2: full query tiles below the diagonal, no mask. Phase 3: the ragged last query tile.
         full_hi = tl.maximum(full_lo, (N_q // BLOCK_M) * BLOCK_M)
-        if LISTED:  # the tiles of the visible query blocks in [full_lo, full_hi): a stretch of the list
-            phase2_lo = _listed_tiles_before(list_row, full_lo, BLOCK_SIZE, BLOCK_M)
-            phase2_hi = _listed_tiles_before(list_row, full_hi, BLOCK_SIZE, BLOCK_M)
-        else:
-            phase2_lo = full_lo
-            phase2_hi = full_hi
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base,
                              stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
-                             start_n, phase2_lo, phase2_hi, N_q, N_k, sm_scale, qk_scale, offs_n, offs_d,
+                             start_n, full_lo, full_hi, N_q, N_k, sm_scale, qk_scale, offs_n, offs_d,
                              bm_base, stride_bmi, stride_bmj, list_row, seed, bh, drop_below, keep_scale,
                              HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, CAUSAL, ATOMIC_DQ, DOT,
                              HAS_BM, BM_TILE, BLOCK_SIZE, DROPOUT, LISTED)
@@ -310,15 +316,25 @@ def _dq_tiles(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, st
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr,
               HAS_BM: tl.constexpr, BM_TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, DROPOUT: tl.constexpr,
               LISTED: tl.constexpr):
-    """Add the K/V tiles with first key in [lo, hi) to this Q tile's dQ, or, when LISTED, the tiles lo to
-    hi - 1 of this query block's list of visible key blocks (as the forward's _fwd_tiles)."""
+    """Add the K/V tiles with first key in [lo, hi) to this Q tile's dQ; when LISTED only the visible ones,
+    from this query block's list of visible key blocks, or the plain loop when all are visible (as the
+    forward's _fwd_tiles)."""
     if LISTED:
-        for it in range(lo, hi):
-            start_n = _listed_start(list_row, it, BLOCK_SIZE, BLOCK_N)
-            dq = _dq_tile(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                          start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj,
-                          seed, bh, drop_below, keep_scale, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED, CAUSAL, DOT,
-                          HAS_BM, BM_TILE, BLOCK_SIZE, DROPOUT)
+        it_lo = _listed_tiles_before(list_row, lo, BLOCK_SIZE, BLOCK_N)
+        it_hi = _listed_tiles_before(list_row, hi, BLOCK_SIZE, BLOCK_N)
+        if (it_hi - it_lo) * BLOCK_N == hi - lo:
+            for start_n in range(lo, hi, BLOCK_N):
+                dq = _dq_tile(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                              start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj,
+                              seed, bh, drop_below, keep_scale, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED, CAUSAL, DOT,
+                              False, BM_TILE, BLOCK_SIZE, DROPOUT)
+        else:
+            for it in range(it_lo, it_hi):
+                start_n = _listed_start(list_row, it, BLOCK_SIZE, BLOCK_N)
+                dq = _dq_tile(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                              start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj,
+                              seed, bh, drop_below, keep_scale, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED, CAUSAL, DOT,
+                              HAS_BM, BM_TILE, BLOCK_SIZE, DROPOUT)
     else:
         for start_n in range(lo, hi, BLOCK_N):
             visible = True
@@ -378,12 +394,8 @@ def flash_bwd_dq_kernel(Q, K, V, DO, DQ, M2, L2, Delta, BM, LISTS,
     full_end = (N_k // BLOCK_N) * BLOCK_N
     if CAUSAL:
         full_end = tl.minimum(full_end, start_m)
-    if LISTED:
-        phase1_hi = _listed_tiles_before(list_row, full_end, BLOCK_SIZE, BLOCK_N)
-    else:
-        phase1_hi = full_end
     dq = _dq_tiles(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                   start_m, 0, phase1_hi, N_q, N_k, qk_scale, offs_m, offs_d,
+                   start_m, 0, full_end, N_q, N_k, qk_scale, offs_m, offs_d,
                    bm_base, stride_bmi, stride_bmj, list_row, seed, pid_bh, drop_below, keep_scale,
                    HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, DOT, HAS_BM, BM_TILE, BLOCK_SIZE, DROPOUT, LISTED)
     hi = N_k

@@ -197,17 +197,27 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr,
                HAS_BM: tl.constexpr, BM_TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, DROPOUT: tl.constexpr,
                LISTED: tl.constexpr):
-    """Fold the K/V tiles with first key in [lo, hi) into (acc, l_i, m_i), or, when LISTED, the tiles lo to
-    hi - 1 of this query block's list of visible key blocks (``list_row``): then the loop meets only
-    visible tiles and its loads stay pipelined. Otherwise a tile whose mask block is False is skipped
-    (BM_TILE) and the block mask is applied element by element (not BM_TILE)."""
+    """Fold the K/V tiles with first key in [lo, hi) into (acc, l_i, m_i). When LISTED, only the visible
+    ones, read from this query block's list of visible key blocks (``list_row``), so the loop meets no
+    hidden tile and its loads stay pipelined; when every tile of [lo, hi) is visible, the plain loop (no
+    list, no check). Otherwise a tile whose mask block is False is skipped (BM_TILE) and the block mask is
+    applied element by element (not BM_TILE)."""
     if LISTED:
-        for it in range(lo, hi):
-            start_n = _listed_start(list_row, it, BLOCK_SIZE, BLOCK_N)
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                                      start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj,
-                                      seed, bh, drop_below, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED, CAUSAL, DOT,
-                                      HAS_BM, BM_TILE, BLOCK_SIZE, DROPOUT)
+        it_lo = _listed_tiles_before(list_row, lo, BLOCK_SIZE, BLOCK_N)
+        it_hi = _listed_tiles_before(list_row, hi, BLOCK_SIZE, BLOCK_N)
+        if (it_hi - it_lo) * BLOCK_N == hi - lo:
+            for start_n in range(lo, hi, BLOCK_N):
+                acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                                          start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj,
+                                          seed, bh, drop_below, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED, CAUSAL, DOT,
+                                          False, BM_TILE, BLOCK_SIZE, DROPOUT)
+        else:
+            for it in range(it_lo, it_hi):
+                start_n = _listed_start(list_row, it, BLOCK_SIZE, BLOCK_N)
+                acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                                          start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj,
+                                          seed, bh, drop_below, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED, CAUSAL, DOT,
+                                          HAS_BM, BM_TILE, BLOCK_SIZE, DROPOUT)
     else:
         for start_n in range(lo, hi, BLOCK_N):
             visible = True
@@ -275,12 +285,8 @@ def flash_fwd_kernel(Q, K, V, O, LSE, M2, L2, BM, LISTS,
     full_end = (N_k // BLOCK_N) * BLOCK_N
     if CAUSAL:
         full_end = tl.minimum(full_end, start_m)
-    if LISTED:  # the visible key blocks' tiles that end by full_end: a prefix of the list
-        phase1_hi = _listed_tiles_before(list_row, full_end, BLOCK_SIZE, BLOCK_N)
-    else:
-        phase1_hi = full_end
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                               start_m, 0, phase1_hi, N_q, N_k, qk_scale, offs_m, offs_d,
+                               start_m, 0, full_end, N_q, N_k, qk_scale, offs_m, offs_d,
                                bm_base, stride_bmi, stride_bmj, list_row, seed, pid_bh, drop_below,
                                HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, DOT, HAS_BM, BM_TILE, BLOCK_SIZE, DROPOUT,
                                LISTED)
