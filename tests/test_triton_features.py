@@ -176,8 +176,9 @@ def test_dropout_seed_none_draws_from_torchs_generator():
     assert torch.equal(a, b)
 
 
-def test_all_three_together():
-    _check(2, 4, 2, 70, 95, 16, torch.float16, True, block_shape=(1, 4, 3, 3), block_size=32, p=0.1, seed=11)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_all_three_together(dtype):
+    _check(2, 4, 2, 70, 95, 16, dtype, True, block_shape=(1, 4, 3, 3), block_size=32, p=0.1, seed=11)
 
 
 @pytest.mark.parametrize("kwargs, exc, words", [
