@@ -12,6 +12,8 @@ import numbers
 
 import torch
 
+from flashref.validation import check_block_mask, check_block_size
+
 
 def _positive(name: str, n) -> int:
     if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
@@ -27,7 +29,7 @@ def _count(name: str, n) -> int:
 
 def n_blocks(N: int, block_size: int) -> int:
     """ceil(N / block_size): the blocks a side of N tokens."""
-    return -(-_positive("N", N) // _positive("block_size", block_size))
+    return -(-_positive("N", N) // check_block_size(block_size))
 
 
 def _grid(n_q_blocks, n_k_blocks, device):
@@ -81,11 +83,9 @@ def visible_pairs(block_mask: torch.Tensor, N_q: int, N_k: int, block_size: int,
     """The exact number of (query, key) pairs a block mask leaves visible, per leading (B, H) entry
     (int64, shape ``block_mask.shape[:2]``): ragged last blocks clipped at N_q and N_k, and with ``causal``
     only key <= query (top-left). Benchmark FLOPs are counted on these pairs (4 d per pair forward)."""
-    N_q, N_k, bs = _positive("N_q", N_q), _positive("N_k", N_k), _positive("block_size", block_size)
+    N_q, N_k, bs = _positive("N_q", N_q), _positive("N_k", N_k), check_block_size(block_size)
     bm = torch.as_tensor(block_mask)
-    if bm.dim() != 4 or tuple(bm.shape[2:]) != (n_blocks(N_q, bs), n_blocks(N_k, bs)):
-        raise ValueError(f"block_mask must have shape (B or 1, H or 1, {n_blocks(N_q, bs)}, {n_blocks(N_k, bs)}), "
-                         f"got {tuple(bm.shape)}")
+    check_block_mask(bm, tuple(bm.shape[:2]) if bm.dim() == 4 else (1, 1), N_q, N_k, bs)  # the kernels' own rule
     n_q, n_k = bm.shape[2:]
     k_start = torch.arange(n_k, dtype=torch.int64) * bs
     k_end = torch.clamp(k_start + bs, max=N_k)
