@@ -18,7 +18,9 @@ Two algorithms run through it, each in two modes:
 Next to them stand the exact closed forms of this model (:func:`standard_io`, :func:`tiled_io`) and
 the paper's orders of growth (:func:`standard_io_theta`, :func:`tiled_io_theta`): standard attention
 needs Theta(N d + N^2) HBM accesses, FlashAttention Theta(N^2 d^2 / M), and (Proposition 3 of the
-paper) no exact attention algorithm can do o(N^2 d^2 / M) HBM accesses for all M in [d, N d].
+paper) no exact attention algorithm can do o(N^2 d^2 / M) HBM accesses for all M in [d, N d]; with a
+block-sparse mask of density s the order is Theta(N d + N^2 d^2 s / M) (:func:`block_sparse_io_theta`,
+Proposition 4).
 
 Conventions: one head, ``q`` of shape (N_q, d), ``k`` and ``v`` of shape (N_k, d); causal is top-left
 aligned (query i sees keys j <= i). Row statistics l and m live in HBM as (N_q, 1) arrays.
@@ -564,6 +566,17 @@ def tiled_io_theta(N: int, d: int, M: int) -> float:
     return float(N) ** 2 * d ** 2 / M
 
 
+def block_sparse_io_theta(N: int, d: int, M: int, s: float) -> float:
+    """The paper's order for block-sparse FlashAttention (Proposition 4): N d + N^2 d^2 s / M, where ``s``
+    is the fraction of the blocks of the mask that are nonzero. The N d term is reading the inputs and
+    writing the output once, which no mask removes; the second is :func:`tiled_io_theta` scaled by ``s``,
+    because a zero block's tiles are never loaded. Taught in notebook ``10_dropout_masks_sparsity``."""
+    N, d, M = _check_size("N", N), _check_size("d", d), _check_size("M", M)
+    if isinstance(s, bool) or not isinstance(s, numbers.Real) or not 0.0 <= float(s) <= 1.0:
+        raise ValueError(f"s (the fraction of nonzero blocks) must be a number in [0, 1], got {s!r}")
+    return float(N) * d + tiled_io_theta(N, d, M) * float(s)
+
+
 def loglog_slope(x, y) -> float:
     """The slope of the least-squares line through (log x, log y): the fitted exponent of y ~ x^s."""
     x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
@@ -574,5 +587,5 @@ __all__ = [
     "IOCount", "SimResult", "BlockSizes", "SRAMOverflowError", "TwoLevelMemory", "Tile",
     "block_sizes", "TiledPlan", "tiled_plan", "StandardPlan", "standard_plan",
     "simulate_standard", "simulate_tiled", "account_standard", "account_tiled",
-    "standard_io", "tiled_io", "standard_io_theta", "tiled_io_theta", "loglog_slope",
+    "standard_io", "tiled_io", "standard_io_theta", "tiled_io_theta", "block_sparse_io_theta", "loglog_slope",
 ]

@@ -136,6 +136,16 @@ def _merge(m_a, l_a, m_b, l_b):
     return (m, 0.0) if m == -math.inf else (m, l_a * math.exp(m_a - m) + l_b * math.exp(m_b - m))
 
 
+ex_sink_w = 3  # the window of the checker's first case, (n_blocks, window) = (8, 3)
+
+
+def _sink_window(n, w, sink=True, extra=0, causal=True):
+    gap = np.arange(n)[:, None] - np.arange(n)[None, :]
+    mask = ((gap >= 0) | (not causal)) & (gap < w + extra)
+    mask[:, 0] |= sink
+    return mask[None, None]
+
+
 @pytest.mark.parametrize("check, right, wrongs", [
     ("standard_attention.check_attention_function", _attention, [
         (lambda q, k, v, c: _attention(q * np.sqrt(q.shape[-1]), k, v, c), "not scaled"),
@@ -155,6 +165,14 @@ def _merge(m_a, l_a, m_b, l_b):
         (lambda *a: _tile_backward(*a, with_delta=False), "miss D"),
         (lambda *a: _tile_backward(*a, scaled=False), "miss the scale"),
         (lambda *a: (lambda dq, dk, dv: (dq, dk, 2 * dv))(*_tile_backward(*a)), "dV is off")]),
+    ("sparsity.check_sink_window_mask", _sink_window, [
+        (lambda n, w: _sink_window(n, w, sink=False), "the sink, is missing"),
+        (lambda n, w: _sink_window(n, w, extra=1), f"sees {ex_sink_w + 1} blocks of the window instead of {ex_sink_w}"),
+        (lambda n, w: _sink_window(n, w, causal=False), "later key blocks"),
+        (lambda n, w: _sink_window(n, w)[0, 0], "add the two leading dimensions"),
+        (lambda n, w: _sink_window(n, w).astype(np.int8), "dtype bool"),
+        (lambda n, w: _sink_window(n, w) & ~np.eye(n, dtype=bool), "(1, 1), (2, 2)"),
+        (lambda n, w: [[True]], "bool tensor (or NumPy array)")]),
 ])
 def test_coding_exercises_accept_the_right_function_and_name_what_is_wrong(check, right, wrongs):
     import importlib
@@ -199,3 +217,41 @@ def test_tiled_accesses_function_checker():
     assert "ceil(N / B_c)" in repr(ex.check_tiled_accesses_function(lambda *a: closed_form(*a, ceil=False)))
     assert "returns None" in repr(ex.check_tiled_accesses_function(lambda *a: None))
     assert not ex.check_tiled_accesses_function(None) and not ex.check_tiled_accesses_function(1)
+
+
+def test_sparsity_checkers_accept_right_answers_and_name_the_mistake():
+    import torch
+
+    from flashref.exercises import sparsity as ex
+
+    assert ex.SINK_CASES[0] == (8, ex_sink_w)
+    # the kernels' form: a torch bool tensor, built from flashref.block_masks-style index arithmetic
+    def torch_sink(n, w):
+        i = torch.arange(n)
+        mask = (i[:, None] - i[None, :] >= 0) & (i[:, None] - i[None, :] < w)
+        mask[:, 0] = True
+        return mask[None, None]
+
+    assert ex.check_sink_window_mask(torch_sink)
+    assert "dtype torch.float32" in repr(ex.check_sink_window_mask(lambda n, w: torch_sink(n, w).float()))
+
+    B, H, N = ex.MASK_B, ex.MASK_H, ex.MASK_N
+    right = B * H * N * N
+    assert ex.check_dropout_mask_bytes(right) and "3 GiB" in repr(ex.check_dropout_mask_bytes(right))
+    for wrong_answer, words in [(right / (B * H), "B H = 48"), (right / H, "B H = 48"), (right / 8, "one bit"),
+                                (right * 2, "boolean"), (3, "in bytes"),
+                                (B * H * N * ex.MASK_D * 2, "size of Q, K or V"), (12345, "B H N x N")]:
+        verdict = ex.check_dropout_mask_bytes(wrong_answer)
+        assert not verdict and words in repr(verdict), repr(verdict)
+
+    def cache(heads):
+        return 2 * ex.GQA_LAYERS * heads * ex.GQA_D * ex.GQA_N * 2
+
+    saved = cache(ex.GQA_H) - cache(ex.GQA_H_KV)
+    assert ex.check_gqa_cache_saved(saved) and "8.75 GiB saved" in repr(ex.check_gqa_cache_saved(saved))
+    for wrong_answer, words in [(cache(ex.GQA_H_KV), "GQA keeps"), (cache(ex.GQA_H), "whole multi-head cache"),
+                                (saved / 2, "both K and V"), (saved / ex.GQA_LAYERS, "one layer"),
+                                (saved / ex.GQA_N, "one token"), (saved * 2, "not 4"), (saved / 2**30, "in bytes"),
+                                (77, "H_kv = 64 and H_kv = 8")]:
+        verdict = ex.check_gqa_cache_saved(wrong_answer)
+        assert not verdict and words in repr(verdict), repr(verdict)

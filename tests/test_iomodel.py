@@ -350,3 +350,19 @@ def test_exercise_ratio():
     assert ex.check_ratio(round(standard / tiled, 2))
     assert not ex.check_ratio(98304 / (3 * 64 ** 2))  # the rough estimate is not the answer
     assert not ex.check_ratio(None) and not ex.check_ratio([1, 2])
+
+
+def test_block_sparse_order_is_the_dense_order_scaled_by_density_plus_the_inputs():
+    """Proposition 4: Theta(N d + N^2 d^2 s / M). At s = 1 it is the dense order plus reading the inputs once;
+    at s = 0 only the N d term is left; in between it is linear in s."""
+    N, d, M = 4096, 64, 32768
+    assert io.block_sparse_io_theta(N, d, M, 1.0) == N * d + io.tiled_io_theta(N, d, M)
+    assert io.block_sparse_io_theta(N, d, M, 0.0) == N * d
+    s = [0.0, 0.125, 0.5, 1.0]
+    values = [io.block_sparse_io_theta(N, d, M, x) for x in s]
+    assert np.allclose(np.diff(values) / np.diff(s), io.tiled_io_theta(N, d, M))
+    for bad in (-0.1, 1.5, "half", True, float("nan")):
+        with pytest.raises(ValueError, match="fraction of nonzero blocks"):
+            io.block_sparse_io_theta(N, d, M, bad)
+    with pytest.raises(ValueError, match="N must be a positive integer"):
+        io.block_sparse_io_theta(0, d, M, 0.5)

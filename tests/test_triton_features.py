@@ -90,7 +90,7 @@ def _check(B, H, H_kv, N_q, N_k, d, dtype, causal, block_shape=None, block_size=
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("H, H_kv", [(4, 2), (3, 1)])
+@pytest.mark.parametrize("H, H_kv", [(4, 2), (3, 1), (8, 1)])
 @pytest.mark.parametrize("N_q, N_k", [(1, 1), (33, 47), (47, 33)])
 def test_grouped_query_attention(H, H_kv, N_q, N_k, causal, dtype):
     _check(2, H, H_kv, N_q, N_k, 16, dtype, causal)
@@ -105,6 +105,27 @@ def test_block_sparse(block_size, causal, dtype):
     N_q, N_k = 70, 95
     _check(2, 2, 2, N_q, N_k, 16, dtype, causal, block_shape=(2, 1, -(-N_q // block_size), -(-N_k // block_size)),
            block_size=block_size)
+
+
+# block_size 64: each visible block is two tiles of the interpreter's 32 x 16 forward tiles, walked from the
+# kernels' lists of visible blocks; with grouped-query heads whose dK/dV programs split the group.
+@pytest.mark.parametrize("causal", [False, True])
+def test_block_sparse_lists_of_multi_tile_blocks(causal):
+    _check(1, 8, 2, 150, 200, 16, torch.float32, causal, block_shape=(1, 8, 3, 4), block_size=64, density=0.5)
+
+
+def test_visible_block_lists():
+    from flashref.triton.ops import visible_block_lists
+
+    mask = torch.rand(2, 1, 5, 7, generator=torch.Generator().manual_seed(0)) < 0.5
+    lists = visible_block_lists(mask.to(DEVICE).expand(2, 3, 5, 7)).cpu()
+    assert lists.shape == (2, 3, 5, 8) and lists.dtype == torch.int32
+    assert visible_block_lists(mask.to(DEVICE).expand(2, 3, 5, 7)).stride(1) == 0, "no copy along broadcast H"
+    for b in range(2):
+        for i in range(5):
+            want = torch.nonzero(mask[b, 0, i]).flatten().tolist()
+            assert lists[b, 2, i, 0].item() == len(want)
+            assert lists[b, 2, i, 1:1 + len(want)].tolist() == want, "visible blocks first, in increasing order"
 
 
 def test_rows_that_see_no_key_are_zero_with_zero_gradients():
@@ -155,8 +176,9 @@ def test_dropout_seed_none_draws_from_torchs_generator():
     assert torch.equal(a, b)
 
 
-def test_all_three_together():
-    _check(2, 4, 2, 70, 95, 16, torch.float16, True, block_shape=(1, 4, 3, 3), block_size=32, p=0.1, seed=11)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_all_three_together(dtype):
+    _check(2, 4, 2, 70, 95, 16, dtype, True, block_shape=(1, 4, 3, 3), block_size=32, p=0.1, seed=11)
 
 
 @pytest.mark.parametrize("kwargs, exc, words", [

@@ -9,10 +9,16 @@ block-sparse attention against its own dense time.
   without dropout; forward + backward.
 - Block-sparse: a causal sliding window of ``w`` blocks of 128 keys, time against density (visible
   blocks / all blocks) next to the dense kernel's time; forward and forward + backward.
+- Block-sparse against FlexAttention (``torch.compile(flex_attention)`` with ``create_block_mask``) on the
+  same masks (:mod:`flashref.block_masks`: a causal sliding window, BigBird-like, causal), N = 4K to 64K;
+  peak memory of each forward + backward. Flex builds its BlockMask once, outside the timing, as its
+  users do; flashref takes the boolean block mask each call, so its lists of visible blocks are built
+  inside its timing (one small kernel launch).
 
-FLOPs are counted on the visible entries only (DESIGN.md's 4 B H N_q N_k d forward, 2.5x backward, scaled
-by the fraction of (query, key) pairs visible). fp16. Results go to ``book/data/features_bench.json`` with
-the device and library versions. FlexAttention (compiled per shape) is the next peer to add.
+FLOPs are counted on the visible (query, key) pairs only (DESIGN.md's 4 d per pair forward, 2.5x that
+backward: :func:`flashref.block_masks.visible_pairs`). fp16 unless a row says ``dtype``. Results go to
+``book/data/features_bench.json`` with the device and library versions; ``--parts`` runs some of them
+(gqa, dropout, sparse, flex). The whole run takes about 8 minutes on an H100, most of it compiling Flex.
 """
 
 from __future__ import annotations
@@ -39,13 +45,14 @@ def _time(fn, needs_grad, tensors):
     return ms, int(peak)
 
 
-def _inputs(B, H, H_kv, N, d):
+def _inputs(B, H, H_kv, N, d, dtype="float16"):
     import torch
 
+    dt = getattr(torch, dtype)
     g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(B, H, N, d, device="cuda", dtype=torch.float16, generator=g)
-    k, v = (torch.randn(B, H_kv, N, d, device="cuda", dtype=torch.float16, generator=g) for _ in range(2))
-    do = torch.randn(B, H, N, d, device="cuda", dtype=torch.float16, generator=g)
+    q = torch.randn(B, H, N, d, device="cuda", dtype=dt, generator=g)
+    k, v = (torch.randn(B, H_kv, N, d, device="cuda", dtype=dt, generator=g) for _ in range(2))
+    do = torch.randn(B, H, N, d, device="cuda", dtype=dt, generator=g)
     for x in (q, k, v):
         x.requires_grad_(True)
     return q, k, v, do
@@ -120,6 +127,8 @@ def window_mask(N, block, w, device):
 
 
 def sparse_cases(N=16384, d=64, B=1, H=16, block=128):
+    import torch
+
     from flashref.triton import flash_attention
 
     rows = []
@@ -149,13 +158,116 @@ def sparse_cases(N=16384, d=64, B=1, H=16, block=128):
                 ms, peak = _time(dense, mode != "fwd", [q, k, v])
                 rows.append(_row(f"dense {mode}", "flashref-triton", B, H, H, N, d, True, ms, peak,
                                  (1.0 if mode == "fwd" else 3.5) * 2.0 * B * H * N * N * d))
+    for mode in ("fwd", "fwd+bwd"):  # density 1 without causality: an all-True mask against the dense kernel
+        mask = torch.ones(1, 1, n, n, dtype=torch.bool, device=q.device)
+        flops = (1.0 if mode == "fwd" else 3.5) * 4.0 * B * H * N * N * d
+        for kw in (dict(block_mask=mask, block_size=block), {}):
+            def fn(q=q, k=k, v=v, kw=kw, mode=mode):
+                o = flash_attention(q, k, v, check_finite=False, **kw)
+                if mode != "fwd":
+                    o.backward(do)
+            ms, peak = _time(fn, mode != "fwd", [q, k, v])
+            rows.append(_row(f"{'block-sparse' if kw else 'dense'} {mode}", "flashref-triton", B, H, H, N, d, False,
+                             ms, peak, flops, window_blocks=n if kw else None, density=1.0))
     return rows
+
+
+_FLEX = None
+
+
+def _flex():
+    """flex_attention compiled once; every new shape compiles again, so the recompile limit is raised (past
+    it Dynamo would fall back to the slow eager path without saying so)."""
+    global _FLEX
+    if _FLEX is None:
+        import torch
+        import torch._dynamo
+        from torch.nn.attention.flex_attention import flex_attention
+
+        torch._dynamo.config.cache_size_limit = 256
+        if hasattr(torch._dynamo.config, "accumulated_cache_size_limit"):
+            torch._dynamo.config.accumulated_cache_size_limit = 4096
+        _FLEX = torch.compile(flex_attention, dynamic=False)
+    return _FLEX
+
+
+def flex_block_mask(block_mask, N, block_size, causal, compile_mask=True):
+    """FlexAttention's BlockMask for exactly our boolean block mask (and top-left causal): its mask_mod reads
+    the block tensor, so both kernels see the same visible entries. Built with ``create_block_mask``,
+    compiled (``compile_mask``) so that it never holds the N x N mask (at 64K tokens that is 32 GiB)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    bm = block_mask[0, 0]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        visible = bm[q_idx // block_size, kv_idx // block_size]
+        return visible & (q_idx >= kv_idx) if causal else visible
+
+    return create_block_mask(mask_mod, None, None, N, N, device=block_mask.device, BLOCK_SIZE=block_size,
+                             _compile=compile_mask)
+
+
+def flex_cases(grid=None, block=128):
+    """flashref against FlexAttention on the same block masks, forward and forward + backward: yields each
+    row as it is measured (the command line saves it at once: a run cut short keeps what it measured)."""
+    import torch
+
+    from flashref import block_masks
+    from flashref.triton import flash_attention
+
+    grid = grid or [(4096, 64, "float16", 4, 16), (16384, 64, "float16", 1, 16), (65536, 64, "float16", 1, 8),
+                    (16384, 128, "float16", 1, 16), (16384, 64, "bfloat16", 1, 16)]
+    for N, d, dtype, B, H in grid:
+        q, k, v, do = _inputs(B, H, H, N, d, dtype)
+        n = block_masks.n_blocks(N, block)
+        patterns = {"sliding window": (block_masks.sliding_window(n, window=8, causal=True, device="cuda"), True),
+                    "bigbird": (block_masks.bigbird(n, window=3, n_global=1, n_random=2, seed=0, device="cuda"), False),
+                    "causal": (block_masks.causal_blocks(n, device="cuda"), True)}
+        for pattern, (mask, causal) in patterns.items():
+            pairs = int(block_masks.visible_pairs(mask.cpu(), N, N, block, causal=causal)[0, 0])
+            extra = dict(pattern=pattern, density=block_masks.density(mask), pair_fraction=pairs / (N * N), dtype=dtype)
+            try:
+                fbm = flex_block_mask(mask, N, block, causal)
+            except Exception as exc:  # noqa: BLE001 (recorded, the run goes on)
+                yield {"case": "flex block mask", "impl": "flex", "N": N, "d": d, **extra,
+                       "status": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
+                continue
+            impls = {"flashref-triton": lambda q, k, v: flash_attention(q, k, v, causal=causal, block_mask=mask,
+                                                                        block_size=block, check_finite=False),
+                     "flex": lambda q, k, v: _flex()(q, k, v, block_mask=fbm)}
+            for impl, fn in impls.items():
+                for mode in ("fwd", "fwd+bwd"):
+                    flops = (1.0 if mode == "fwd" else 3.5) * 4.0 * B * H * pairs * d
+                    try:
+                        if mode == "fwd":
+                            def run(fn=fn):
+                                with torch.no_grad():
+                                    return fn(q, k, v)
+                        else:
+                            run = _fwd_bwd(fn, q, k, v, do)
+                        ms, peak = _time(run, mode != "fwd", [q, k, v])
+                        yield _row(f"sparse vs flex {mode}", impl, B, H, H, N, d, causal, ms, peak, flops, **extra)
+                    except Exception as exc:  # noqa: BLE001
+                        yield {"case": f"sparse vs flex {mode}", "impl": impl, "N": N, "d": d, **extra,
+                               "status": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
+        del q, k, v, do
+        torch.cuda.empty_cache()
+
+
+def _print(r):
+    extra = f" density {r['density']:.3f}" if "density" in r else ""
+    what = f" {r.get('pattern', '')} N={r.get('N')} d={r.get('d')} {r.get('dtype', '')}"
+    print(f"{r['case']:22} {r['impl']:28} H_kv={r.get('H_kv')} causal={r.get('causal')!s:5}{what}"
+          + (f" {r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s peak+ {r['peak_extra_bytes'] / 2**20:8.1f} MiB"
+             f"{extra}" if "ms" in r else f" {r.get('status')}"), flush=True)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m flashref.bench features", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="book/data/features_bench.json")
+    p.add_argument("--parts", nargs="+", default=["gqa", "dropout", "sparse", "flex"],
+                   choices=["gqa", "dropout", "sparse", "flex"])
     args = p.parse_args(argv)
     import torch
 
@@ -166,18 +278,17 @@ def main(argv=None) -> int:
         return 2
     start = time.time()
     data = {"device": torch.cuda.get_device_name(), "versions": _versions(), "dtype": "float16",
-            "command": "python -m flashref.bench features", "seconds": None, "results": []}
-    for part in (gqa_cases, dropout_cases, sparse_cases):  # saved after each part: a cut-short run keeps them
-        for r in part():
+            "command": "python -m flashref.bench features --parts " + " ".join(args.parts),
+            "seconds": None, "results": []}
+    parts = {"gqa": gqa_cases, "dropout": dropout_cases, "sparse": sparse_cases, "flex": flex_cases}
+    for name in args.parts:
+        for r in parts[name]():  # saved after each row: a run cut short keeps what it measured
             data["results"].append(r)
-            extra = f" density {r['density']:.3f}" if "density" in r else ""
-            print(f"{r['case']:22} {r['impl']:28} H_kv={r.get('H_kv')} causal={r.get('causal')!s:5}"
-                  + (f" {r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s peak+ {r['peak_extra_bytes'] / 2**20:8.1f} MiB"
-                     f"{extra}" if "ms" in r else f" {r.get('status')}"), flush=True)
+            _print(r)
+            data["seconds"] = time.time() - start
+            with open(args.out, "w") as f:
+                json.dump(data, f, indent=1)
         torch.cuda.empty_cache()
-        data["seconds"] = time.time() - start
-        with open(args.out, "w") as f:
-            json.dump(data, f, indent=1)
     return 0
 
 

@@ -26,7 +26,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashref.triton.forward import _block_elements, _block_visible, _dot, _keep
+from flashref.triton.forward import (_block_elements, _block_visible, _dot, _keep, _listed_start,
+                                     _listed_tiles_before)
 
 
 @triton.jit
@@ -64,72 +65,114 @@ def flash_bwd_preprocess_kernel(O, DO, Delta,
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base,
-                stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
-                start_n, lo, hi, N_q, N_k, sm_scale, qk_scale, offs_n, offs_d,
-                bm_base, stride_bmi, stride_bmj, seed, bh, dropout_p, keep_scale,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                MASKED: tl.constexpr, CAUSAL: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT: tl.constexpr,
-                HAS_BM: tl.constexpr, BM_TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, DROPOUT: tl.constexpr):
-    """Add the contributions of the query tiles [lo, hi) to this K/V tile's dK and dV (transposed form:
-    rows are keys, columns are queries), and with ATOMIC_DQ this tile's share of each query tile's dQ.
-    Tiles the block mask hides are skipped (BM_TILE) or masked element by element; with DROPOUT the
-    forward's keep-mask is regenerated for the transposed tile."""
-    offs_m0 = tl.arange(0, BLOCK_M)
-    for start_m in range(lo, hi, BLOCK_M):
-        visible = True
-        if HAS_BM:
-            if BM_TILE:
-                visible = _block_visible(bm_base, stride_bmi, stride_bmj, start_m, start_n, BLOCK_SIZE)
-        if visible:
-            offs_m = start_m + offs_m0
-            q_ptrs = q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
-            do_ptrs = do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod
-            if MASKED:
-                row_mask = (offs_m[:, None] < N_q) & (offs_d[None, :] < HEAD_DIM)
-                q = tl.load(q_ptrs, mask=row_mask, other=0.0)
-                do = tl.load(do_ptrs, mask=row_mask, other=0.0)
-                # l2 = +inf on padded rows makes their P exactly 0
-                m2 = tl.load(m2_base + offs_m, mask=offs_m < N_q, other=0.0)
-                l2 = tl.load(l2_base + offs_m, mask=offs_m < N_q, other=float("inf"))
-                delta = tl.load(delta_base + offs_m, mask=offs_m < N_q, other=0.0)
-            else:
-                if BLOCK_D != HEAD_DIM:
-                    q = tl.load(q_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-                    do = tl.load(do_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-                else:
-                    q = tl.load(q_ptrs)
-                    do = tl.load(do_ptrs)
-                m2 = tl.load(m2_base + offs_m)
-                l2 = tl.load(l2_base + offs_m)
-                delta = tl.load(delta_base + offs_m)
-            x_t = _exponent(_dot(k, tl.trans(q), DOT), qk_scale, m2[None, :], l2[None, :])
-            if MASKED:
-                if CAUSAL:  # mask the exponent, not P: masked scores may be huge and exp2 would overflow
-                    x_t = tl.where(offs_n[:, None] <= offs_m[None, :], x_t, float("-inf"))
-            if HAS_BM:
-                if not BM_TILE:
-                    x_t = tl.where(tl.trans(_block_elements(bm_base, stride_bmi, stride_bmj, offs_m, offs_n, N_q, N_k,
-                                                            BLOCK_SIZE)), x_t, float("-inf"))
-            p_t = tl.exp2(x_t)
-            dp_t = _dot(v, tl.trans(do), DOT)
-            if DROPOUT:  # P~ = P * keep / (1 - p) carries O; dP (of P) = dP~ * keep / (1 - p)
-                keep_t = _keep(seed, bh, offs_m[None, :], offs_n[:, None], dropout_p)
-                dv += _dot(tl.where(keep_t, p_t * keep_scale, 0.0).to(do.dtype), do, DOT)
-                dp_t = tl.where(keep_t, dp_t * keep_scale, 0.0)
-            else:
-                dv += _dot(p_t.to(do.dtype), do, DOT)
-            ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
-            dk += _dot(ds_t, q, DOT)
-            if ATOMIC_DQ:  # every K/V tile's program adds into the same dQ rows, in whatever order they run
-                dq = _dot(tl.trans(ds_t), k, DOT) * sm_scale
-                dq_ptrs = dq_base + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
-                tl.atomic_add(dq_ptrs, dq, mask=(offs_m[:, None] < N_q) & (offs_d[None, :] < HEAD_DIM), sem="relaxed")
+def _dkdv_tile(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base,
+               stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
+               start_m, start_n, N_q, N_k, sm_scale, qk_scale, offs_n, offs_d,
+               bm_base, stride_bmi, stride_bmj, seed, bh, drop_below, keep_scale,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT: tl.constexpr,
+               HAS_BM: tl.constexpr, BM_TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, DROPOUT: tl.constexpr):
+    """Add the contribution of the query tile at ``start_m`` to this K/V tile's dK and dV (transposed form:
+    rows are keys, columns are queries), and with ATOMIC_DQ this tile's share of the query tile's dQ. A
+    block mask finer than the tile is applied element by element; with DROPOUT the forward's keep-mask is
+    regenerated for the transposed tile."""
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    q_ptrs = q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
+    do_ptrs = do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod
+    if MASKED:
+        row_mask = (offs_m[:, None] < N_q) & (offs_d[None, :] < HEAD_DIM)
+        q = tl.load(q_ptrs, mask=row_mask, other=0.0)
+        do = tl.load(do_ptrs, mask=row_mask, other=0.0)
+        # l2 = +inf on padded rows makes their P exactly 0
+        m2 = tl.load(m2_base + offs_m, mask=offs_m < N_q, other=0.0)
+        l2 = tl.load(l2_base + offs_m, mask=offs_m < N_q, other=float("inf"))
+        delta = tl.load(delta_base + offs_m, mask=offs_m < N_q, other=0.0)
+    else:
+        if BLOCK_D != HEAD_DIM:
+            q = tl.load(q_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+            do = tl.load(do_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        else:
+            q = tl.load(q_ptrs)
+            do = tl.load(do_ptrs)
+        m2 = tl.load(m2_base + offs_m)
+        l2 = tl.load(l2_base + offs_m)
+        delta = tl.load(delta_base + offs_m)
+    x_t = _exponent(_dot(k, tl.trans(q), DOT), qk_scale, m2[None, :], l2[None, :])
+    if MASKED:
+        if CAUSAL:  # mask the exponent, not P: masked scores may be huge and exp2 would overflow
+            x_t = tl.where(offs_n[:, None] <= offs_m[None, :], x_t, float("-inf"))
+    if HAS_BM:
+        if not BM_TILE:
+            x_t = tl.where(tl.trans(_block_elements(bm_base, stride_bmi, stride_bmj, offs_m, offs_n, N_q, N_k,
+                                                    BLOCK_SIZE)), x_t, float("-inf"))
+    p_t = tl.exp2(x_t)
+    dp_t = _dot(v, tl.trans(do), DOT)
+    if DROPOUT:  # P~ = P * keep / (1 - p) carries O (dV is scaled at the end); dP = dP~ * keep / (1 - p)
+        keep_t = tl.trans(_keep(seed, bh, offs_m, start_n, BLOCK_N, drop_below))
+        dv += _dot(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, DOT)
+        dp_t = tl.where(keep_t, dp_t * keep_scale, 0.0)
+    else:
+        dv += _dot(p_t.to(do.dtype), do, DOT)
+    ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+    dk += _dot(ds_t, q, DOT)
+    if ATOMIC_DQ:  # every K/V tile's program adds into the same dQ rows, in whatever order they run
+        dq = _dot(tl.trans(ds_t), k, DOT) * sm_scale
+        dq_ptrs = dq_base + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
+        tl.atomic_add(dq_ptrs, dq, mask=(offs_m[:, None] < N_q) & (offs_d[None, :] < HEAD_DIM), sem="relaxed")
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["H", "N_q", "N_k", "TUNE_N", "GROUP", "seed"])
-def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, M2, L2, Delta, BM,
+@triton.jit
+def _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base,
+                stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
+                start_n, lo, hi, N_q, N_k, sm_scale, qk_scale, offs_n, offs_d,
+                bm_base, stride_bmi, stride_bmj, list_row, seed, bh, drop_below, keep_scale,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                MASKED: tl.constexpr, CAUSAL: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT: tl.constexpr,
+                HAS_BM: tl.constexpr, BM_TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, DROPOUT: tl.constexpr,
+                LISTED: tl.constexpr):
+    """Add the query tiles with first row in [lo, hi) to this K/V tile's dK and dV; when LISTED only the
+    visible ones, read from this key block's list of visible query blocks (``list_row``), or the plain loop
+    when all of them are visible (as _fwd_tiles). Otherwise a tile the block mask hides is skipped
+    (BM_TILE)."""
+    if LISTED:
+        it_lo = _listed_tiles_before(list_row, lo, BLOCK_SIZE, BLOCK_M)
+        it_hi = _listed_tiles_before(list_row, hi, BLOCK_SIZE, BLOCK_M)
+        if (it_hi - it_lo) * BLOCK_M == hi - lo:
+            for start_m in range(lo, hi, BLOCK_M):
+                dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base,
+                                    stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
+                                    start_m, start_n, N_q, N_k, sm_scale, qk_scale, offs_n, offs_d,
+                                    bm_base, stride_bmi, stride_bmj, seed, bh, drop_below, keep_scale,
+                                    HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, MASKED, CAUSAL, ATOMIC_DQ, DOT,
+                                    False, BM_TILE, BLOCK_SIZE, DROPOUT)
+        else:
+            for it in range(it_lo, it_hi):
+                start_m = _listed_start(list_row, it, BLOCK_SIZE, BLOCK_M)
+                dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base,
+                                    stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
+                                    start_m, start_n, N_q, N_k, sm_scale, qk_scale, offs_n, offs_d,
+                                    bm_base, stride_bmi, stride_bmj, seed, bh, drop_below, keep_scale,
+                                    HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, MASKED, CAUSAL, ATOMIC_DQ, DOT,
+                                    HAS_BM, BM_TILE, BLOCK_SIZE, DROPOUT)
+    else:
+        for start_m in range(lo, hi, BLOCK_M):
+            visible = True
+            if HAS_BM:
+                if BM_TILE:
+                    visible = _block_visible(bm_base, stride_bmi, stride_bmj, start_m, start_n, BLOCK_SIZE)
+            if visible:
+                dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base,
+                                    stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
+                                    start_m, start_n, N_q, N_k, sm_scale, qk_scale, offs_n, offs_d,
+                                    bm_base, stride_bmi, stride_bmj, seed, bh, drop_below, keep_scale,
+                                    HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, MASKED, CAUSAL, ATOMIC_DQ, DOT,
+                                    HAS_BM, BM_TILE, BLOCK_SIZE, DROPOUT)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["H", "N_q", "N_k", "TUNE_N", "GROUP", "SPLIT", "seed", "drop_below"])
+def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, M2, L2, Delta, BM, LISTS,
                           stride_qb, stride_qh, stride_qm, stride_qd,
                           stride_kb, stride_kh, stride_kn, stride_kd,
                           stride_vb, stride_vh, stride_vn, stride_vd,
@@ -138,7 +181,8 @@ def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, M2, L2, Delta, BM,
                           stride_dvb, stride_dvh, stride_dvn, stride_dvd,
                           stride_dqb, stride_dqh, stride_dqm, stride_dqd,
                           stride_bmb, stride_bmh, stride_bmi, stride_bmj,
-                          H, N_q, N_k, sm_scale, qk_scale, TUNE_N, GROUP, seed, dropout_p, keep_scale,
+                          stride_lb, stride_lh, stride_li,
+                          H, N_q, N_k, sm_scale, qk_scale, TUNE_N, GROUP, SPLIT, seed, drop_below, keep_scale,
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           CAUSAL: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT: tl.constexpr,
@@ -146,19 +190,26 @@ def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, M2, L2, Delta, BM,
     """Program (pid_n, pid_bhk) writes dK and dV of keys pid_n*BLOCK_N : +BLOCK_N of K/V head hk. Needs
     BLOCK_N % BLOCK_M == 0. With grouped-query attention (GROUP query heads per K/V head) it walks the
     query rows of every head of its group, so dK and dV are summed over the group in registers, and K and
-    V are never repeated in memory. With ATOMIC_DQ it also adds into DQ (fp32, zeroed by the caller);
-    otherwise DQ is not touched."""
+    V are never repeated in memory. When a group is large and K/V heads few (multi-query attention), SPLIT
+    programs share one K/V tile, each taking GROUP / SPLIT of the group's heads and writing its partial sums
+    (fp32) to head hk * SPLIT + split of DK and DV, which the caller adds up: more programs than K/V tiles
+    to keep the GPU busy. With ATOMIC_DQ it also adds into DQ (fp32, zeroed by the caller); otherwise DQ is
+    not touched. LISTS: per key block of the mask, the count and increasing indices of the query blocks
+    that see it (the forward's lists, transposed)."""
     pid_n = tl.program_id(0)
     pid_bhk = tl.program_id(1)
     H_kv = H // GROUP
-    b = pid_bhk // H_kv
-    hk = pid_bhk % H_kv
+    b = pid_bhk // (H_kv * SPLIT)
+    hk = (pid_bhk // SPLIT) % H_kv
+    split = pid_bhk % SPLIT
+    heads = GROUP // SPLIT
     start_n = pid_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     b64 = b.to(tl.int64)
     hk64 = hk.to(tl.int64)
     BM_TILE: tl.constexpr = (BLOCK_SIZE % BLOCK_M == 0) and (BLOCK_SIZE % BLOCK_N == 0)
+    LISTED: tl.constexpr = HAS_BM and BM_TILE
     kv_mask = (offs_n[:, None] < N_k) & (offs_d[None, :] < HEAD_DIM)
     k = tl.load(K + b64 * stride_kb + hk64 * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
                 mask=kv_mask, other=0.0)
@@ -167,8 +218,8 @@ def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, M2, L2, Delta, BM,
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    for g in range(0, GROUP):
-        h = hk * GROUP + g
+    for g in range(0, heads):
+        h = hk * GROUP + split * heads + g
         h64 = h.to(tl.int64)
         bh = b * H + h
         q_base = Q + b64 * stride_qb + h64 * stride_qh
@@ -178,6 +229,7 @@ def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, M2, L2, Delta, BM,
         delta_base = Delta + bh.to(tl.int64) * N_q
         dq_base = DQ + b64 * stride_dqb + h64 * stride_dqh
         bm_base = BM + b64 * stride_bmb + h64 * stride_bmh
+        list_row = LISTS + b64 * stride_lb + h64 * stride_lh + (start_n // BLOCK_SIZE) * stride_li
 
         # Causal: query i sees key j when i >= j, so queries before start_n never see this tile.
         # Phase 1 (causal only): the diagonal query tiles, masked.
@@ -187,93 +239,132 @@ def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, M2, L2, Delta, BM,
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base,
                                  stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
                                  start_n, start_n, diag_hi, N_q, N_k, sm_scale, qk_scale, offs_n, offs_d,
-                                 bm_base, stride_bmi, stride_bmj, seed, bh, dropout_p, keep_scale,
-                                 HEAD_DIM, BLOCK_D, BLOCK_M, True, CAUSAL, ATOMIC_DQ, DOT,
-                                 HAS_BM, BM_TILE, BLOCK_SIZE, DROPOUT)
+                                 bm_base, stride_bmi, stride_bmj, list_row, seed, bh, drop_below, keep_scale,
+                                 HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, CAUSAL, ATOMIC_DQ, DOT,
+                                 HAS_BM, BM_TILE, BLOCK_SIZE, DROPOUT, False)
             full_lo = start_n + BLOCK_N
         # Phase 2: full query tiles below the diagonal, no mask. Phase 3: the ragged last query tile.
         full_hi = tl.maximum(full_lo, (N_q // BLOCK_M) * BLOCK_M)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base,
                              stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
                              start_n, full_lo, full_hi, N_q, N_k, sm_scale, qk_scale, offs_n, offs_d,
-                             bm_base, stride_bmi, stride_bmj, seed, bh, dropout_p, keep_scale,
-                             HEAD_DIM, BLOCK_D, BLOCK_M, False, CAUSAL, ATOMIC_DQ, DOT,
-                             HAS_BM, BM_TILE, BLOCK_SIZE, DROPOUT)
+                             bm_base, stride_bmi, stride_bmj, list_row, seed, bh, drop_below, keep_scale,
+                             HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, CAUSAL, ATOMIC_DQ, DOT,
+                             HAS_BM, BM_TILE, BLOCK_SIZE, DROPOUT, LISTED)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base,
                              stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
                              start_n, full_hi, N_q, N_q, N_k, sm_scale, qk_scale, offs_n, offs_d,
-                             bm_base, stride_bmi, stride_bmj, seed, bh, dropout_p, keep_scale,
-                             HEAD_DIM, BLOCK_D, BLOCK_M, True, CAUSAL, ATOMIC_DQ, DOT,
-                             HAS_BM, BM_TILE, BLOCK_SIZE, DROPOUT)
+                             bm_base, stride_bmi, stride_bmj, list_row, seed, bh, drop_below, keep_scale,
+                             HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, CAUSAL, ATOMIC_DQ, DOT,
+                             HAS_BM, BM_TILE, BLOCK_SIZE, DROPOUT, False)
 
     dk = dk * sm_scale
-    tl.store(DK + b64 * stride_dkb + hk64 * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
+    if DROPOUT:
+        dv = dv * keep_scale
+    out_h = (hk * SPLIT + split).to(tl.int64)  # = hk without a split
+    tl.store(DK + b64 * stride_dkb + out_h * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
              dk.to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + b64 * stride_dvb + hk64 * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd,
+    tl.store(DV + b64 * stride_dvb + out_h * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd,
              dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _dq_tile(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+             start_n, N_q, N_k, qk_scale, offs_m, offs_d,
+             bm_base, stride_bmi, stride_bmj, seed, bh, drop_below, keep_scale,
+             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+             MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr,
+             HAS_BM: tl.constexpr, BM_TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, DROPOUT: tl.constexpr):
+    """Add the contribution of the K/V tile at ``start_n`` to this Q tile's dQ."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    if MASKED:
+        kv_mask = (offs_n[:, None] < N_k) & (offs_d[None, :] < HEAD_DIM)
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    elif BLOCK_D != HEAD_DIM:
+        k = tl.load(k_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    x = _exponent(_dot(q, tl.trans(k), DOT), qk_scale, m2[:, None], l2[:, None])
+    if MASKED:
+        keep = offs_n[None, :] < N_k
+        if CAUSAL:
+            keep = keep & (offs_n[None, :] <= offs_m[:, None])
+        x = tl.where(keep, x, float("-inf"))
+    if HAS_BM:
+        if not BM_TILE:
+            x = tl.where(_block_elements(bm_base, stride_bmi, stride_bmj, offs_m, offs_n, N_q, N_k,
+                                         BLOCK_SIZE), x, float("-inf"))
+    p = tl.exp2(x)
+    dp = _dot(do, tl.trans(v), DOT)
+    if DROPOUT:
+        dp = tl.where(_keep(seed, bh, offs_m, start_n, BLOCK_N, drop_below), dp * keep_scale, 0.0)
+    ds = p * (dp - delta[:, None])
+    dq += _dot(ds.to(k.dtype), k, DOT)
+    return dq
 
 
 @triton.jit
 def _dq_tiles(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
               start_m, lo, hi, N_q, N_k, qk_scale, offs_m, offs_d,
-              bm_base, stride_bmi, stride_bmj, seed, bh, dropout_p, keep_scale,
+              bm_base, stride_bmi, stride_bmj, list_row, seed, bh, drop_below, keep_scale,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr,
-              HAS_BM: tl.constexpr, BM_TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, DROPOUT: tl.constexpr):
-    """Add the contributions of the K/V tiles [lo, hi) to this Q tile's dQ."""
-    offs_n0 = tl.arange(0, BLOCK_N)
-    for start_n in range(lo, hi, BLOCK_N):
-        visible = True
-        if HAS_BM:
-            if BM_TILE:
-                visible = _block_visible(bm_base, stride_bmi, stride_bmj, start_m, start_n, BLOCK_SIZE)
-        if visible:
-            offs_n = start_n + offs_n0
-            k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-            v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
-            if MASKED:
-                kv_mask = (offs_n[:, None] < N_k) & (offs_d[None, :] < HEAD_DIM)
-                k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-                v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-            elif BLOCK_D != HEAD_DIM:
-                k = tl.load(k_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-                v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-            else:
-                k = tl.load(k_ptrs)
-                v = tl.load(v_ptrs)
-            x = _exponent(_dot(q, tl.trans(k), DOT), qk_scale, m2[:, None], l2[:, None])
-            if MASKED:
-                keep = offs_n[None, :] < N_k
-                if CAUSAL:
-                    keep = keep & (offs_n[None, :] <= offs_m[:, None])
-                x = tl.where(keep, x, float("-inf"))
+              HAS_BM: tl.constexpr, BM_TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, DROPOUT: tl.constexpr,
+              LISTED: tl.constexpr):
+    """Add the K/V tiles with first key in [lo, hi) to this Q tile's dQ; when LISTED only the visible ones,
+    from this query block's list of visible key blocks, or the plain loop when all are visible (as the
+    forward's _fwd_tiles)."""
+    if LISTED:
+        it_lo = _listed_tiles_before(list_row, lo, BLOCK_SIZE, BLOCK_N)
+        it_hi = _listed_tiles_before(list_row, hi, BLOCK_SIZE, BLOCK_N)
+        if (it_hi - it_lo) * BLOCK_N == hi - lo:
+            for start_n in range(lo, hi, BLOCK_N):
+                dq = _dq_tile(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                              start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj,
+                              seed, bh, drop_below, keep_scale, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED, CAUSAL, DOT,
+                              False, BM_TILE, BLOCK_SIZE, DROPOUT)
+        else:
+            for it in range(it_lo, it_hi):
+                start_n = _listed_start(list_row, it, BLOCK_SIZE, BLOCK_N)
+                dq = _dq_tile(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                              start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj,
+                              seed, bh, drop_below, keep_scale, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED, CAUSAL, DOT,
+                              HAS_BM, BM_TILE, BLOCK_SIZE, DROPOUT)
+    else:
+        for start_n in range(lo, hi, BLOCK_N):
+            visible = True
             if HAS_BM:
-                if not BM_TILE:
-                    x = tl.where(_block_elements(bm_base, stride_bmi, stride_bmj, offs_m, offs_n, N_q, N_k,
-                                                 BLOCK_SIZE), x, float("-inf"))
-            p = tl.exp2(x)
-            dp = _dot(do, tl.trans(v), DOT)
-            if DROPOUT:
-                dp = tl.where(_keep(seed, bh, offs_m[:, None], offs_n[None, :], dropout_p), dp * keep_scale, 0.0)
-            ds = p * (dp - delta[:, None])
-            dq += _dot(ds.to(k.dtype), k, DOT)
+                if BM_TILE:
+                    visible = _block_visible(bm_base, stride_bmi, stride_bmj, start_m, start_n, BLOCK_SIZE)
+            if visible:
+                dq = _dq_tile(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                              start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj,
+                              seed, bh, drop_below, keep_scale, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED, CAUSAL, DOT,
+                              HAS_BM, BM_TILE, BLOCK_SIZE, DROPOUT)
     return dq
 
 
-@triton.jit(do_not_specialize=["H", "N_q", "N_k", "TUNE_N", "GROUP", "seed"])
-def flash_bwd_dq_kernel(Q, K, V, DO, DQ, M2, L2, Delta, BM,
+@triton.jit(do_not_specialize=["H", "N_q", "N_k", "TUNE_N", "GROUP", "seed", "drop_below"])
+def flash_bwd_dq_kernel(Q, K, V, DO, DQ, M2, L2, Delta, BM, LISTS,
                         stride_qb, stride_qh, stride_qm, stride_qd,
                         stride_kb, stride_kh, stride_kn, stride_kd,
                         stride_vb, stride_vh, stride_vn, stride_vd,
                         stride_dob, stride_doh, stride_dom, stride_dod,
                         stride_dqb, stride_dqh, stride_dqm, stride_dqd,
                         stride_bmb, stride_bmh, stride_bmi, stride_bmj,
-                        H, N_q, N_k, sm_scale, qk_scale, TUNE_N, GROUP, seed, dropout_p, keep_scale,
+                        stride_lb, stride_lh, stride_li,
+                        H, N_q, N_k, sm_scale, qk_scale, TUNE_N, GROUP, seed, drop_below, keep_scale,
                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         CAUSAL: tl.constexpr, DOT: tl.constexpr,
                         HAS_BM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DROPOUT: tl.constexpr):
-    """Program (pid_m, pid_bh) writes dQ of queries pid_m*BLOCK_M : +BLOCK_M. Needs BLOCK_M % BLOCK_N == 0."""
+    """Program (pid_m, pid_bh) writes dQ of queries pid_m*BLOCK_M : +BLOCK_M. Needs BLOCK_M % BLOCK_N == 0.
+    LISTS as the forward kernel's (visible key blocks per query block)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -285,6 +376,8 @@ def flash_bwd_dq_kernel(Q, K, V, DO, DQ, M2, L2, Delta, BM,
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     BM_TILE: tl.constexpr = (BLOCK_SIZE % BLOCK_M == 0) and (BLOCK_SIZE % BLOCK_N == 0)
+    LISTED: tl.constexpr = HAS_BM and BM_TILE
+    list_row = LISTS + b64 * stride_lb + h64 * stride_lh + (start_m // BLOCK_SIZE) * stride_li
     q_mask = (offs_m[:, None] < N_q) & (offs_d[None, :] < HEAD_DIM)
     q = tl.load(Q + b64 * stride_qb + h64 * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
                 mask=q_mask, other=0.0)
@@ -303,15 +396,15 @@ def flash_bwd_dq_kernel(Q, K, V, DO, DQ, M2, L2, Delta, BM,
         full_end = tl.minimum(full_end, start_m)
     dq = _dq_tiles(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                    start_m, 0, full_end, N_q, N_k, qk_scale, offs_m, offs_d,
-                   bm_base, stride_bmi, stride_bmj, seed, pid_bh, dropout_p, keep_scale,
-                   HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, DOT, HAS_BM, BM_TILE, BLOCK_SIZE, DROPOUT)
+                   bm_base, stride_bmi, stride_bmj, list_row, seed, pid_bh, drop_below, keep_scale,
+                   HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, DOT, HAS_BM, BM_TILE, BLOCK_SIZE, DROPOUT, LISTED)
     hi = N_k
     if CAUSAL:
         hi = tl.minimum(N_k, start_m + BLOCK_M)
     dq = _dq_tiles(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                    start_m, full_end, hi, N_q, N_k, qk_scale, offs_m, offs_d,
-                   bm_base, stride_bmi, stride_bmj, seed, pid_bh, dropout_p, keep_scale,
-                   HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, DOT, HAS_BM, BM_TILE, BLOCK_SIZE, DROPOUT)
+                   bm_base, stride_bmi, stride_bmj, list_row, seed, pid_bh, drop_below, keep_scale,
+                   HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, DOT, HAS_BM, BM_TILE, BLOCK_SIZE, DROPOUT, False)
     dq = dq * sm_scale
     tl.store(DQ + b64 * stride_dqb + h64 * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
              dq.to(DQ.dtype.element_ty), mask=q_mask)

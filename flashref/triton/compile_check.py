@@ -25,14 +25,16 @@ def _signature(kernel: str, dtype: str):
     ptr = f"*{_TY[dtype]}"
     f32p = "*fp32"
     strides = lambda n: ["i32"] * (4 * n)  # noqa: E731
-    bm = ["*i8"]  # the block mask
-    features = ["i32", "i32", "i64", "fp32", "fp32"]  # TUNE_N, GROUP, seed, dropout_p, keep_scale
+    bm = ["*i8", "*i32"]  # the block mask and its lists of visible blocks
+    lists = ["i32"] * 3  # the lists' strides
+    features = ["i32", "i32", "i64", "i32", "fp32"]  # TUNE_N, GROUP, seed, drop_below, keep_scale
     if kernel == "forward":
-        return [ptr] * 4 + [f32p] * 3 + bm + strides(5) + ["i32"] * 3 + ["fp32"] + features
-    if kernel == "dkdv":
-        return [ptr] * 6 + [f32p] * 4 + bm + strides(8) + ["i32"] * 3 + ["fp32", "fp32"] + features
+        return [ptr] * 4 + [f32p] * 3 + bm + strides(5) + lists + ["i32"] * 3 + ["fp32"] + features
+    if kernel == "dkdv":  # SPLIT after GROUP
+        return [ptr] * 6 + [f32p] * 4 + bm + strides(8) + lists + ["i32"] * 3 + ["fp32", "fp32"] + features[:2] \
+            + ["i32"] + features[2:]
     if kernel == "dq":
-        return [ptr] * 5 + [f32p] * 3 + bm + strides(6) + ["i32"] * 3 + ["fp32", "fp32"] + features
+        return [ptr] * 5 + [f32p] * 3 + bm + strides(6) + lists + ["i32"] * 3 + ["fp32", "fp32"] + features
     raise ValueError(f"kernel must be 'forward', 'dkdv' or 'dq', got {kernel!r}")
 
 

@@ -45,18 +45,40 @@ def _dot(a, b, DOT: tl.constexpr):
         return tl.dot(a, b)
 
 
-@triton.jit
-def _keep(seed, bh, rows, cols, dropout_p):
-    """The dropout keep-mask of the (rows x cols) tile of head ``bh``: True with probability 1 - dropout_p.
+# Dropout's random numbers: Philox-4x32 with 7 rounds (as FlashAttention-2 uses; Random123 found 7 rounds
+# already pass BigCrush), and each call's 128 random bits cut into eight 16-bit numbers, one per entry of P.
+PHILOX_ROUNDS = tl.constexpr(7)
+DROP_BITS = 16
 
-    Counter-based: Philox (``tl.philox``) maps (seed; key column, query row, head) to a random number, so
-    any kernel can regenerate exactly the forward's mask for any tile, in any orientation, and nothing of
-    size N^2 is ever stored. ``flashref.triton.dropout_mask`` runs this same function."""
-    c0 = (rows * 0 + cols).to(tl.uint32)
-    c1 = (rows + cols * 0).to(tl.uint32)
+
+def drop_threshold(dropout_p: float) -> int:
+    """The kernels keep an entry of P when its 16-bit random number is >= this: round(dropout_p * 2**16),
+    at most 2**16 - 1. The dropped fraction is then this / 2**16, within 2**-17 of ``dropout_p`` (below
+    1 - 2**-16)."""
+    return min(int(round(dropout_p * 2**DROP_BITS)), 2**DROP_BITS - 1)
+
+
+@triton.jit
+def _keep(seed, bh, offs_m, start_n, BLOCK_N: tl.constexpr, drop_below):
+    """The dropout keep-mask of one (query rows ``offs_m``) x (keys ``start_n`` : +BLOCK_N) tile of head
+    ``bh``: True where the entry of P is kept, with probability 1 - drop_below / 2**16.
+
+    Counter-based: Philox maps (seed; key group, query row, head) to 128 random bits, so any kernel can
+    regenerate exactly the forward's mask for any tile, in any orientation, and nothing of size N^2 is ever
+    stored. One call serves eight keys (start_n must be a multiple of 8): a fixed function of (row, column),
+    whatever the tile shape. ``flashref.triton.dropout_mask`` runs this same function."""
+    G: tl.constexpr = BLOCK_N // 8
+    groups = start_n // 8 + tl.arange(0, G)
+    c0 = (offs_m[:, None] * 0 + groups[None, :]).to(tl.uint32)
+    c1 = (offs_m[:, None] + groups[None, :] * 0).to(tl.uint32)
     c2 = c1 * 0 + bh.to(tl.uint32)
-    r, _, _, _ = tl.philox(seed, c0, c1, c2, c2 * 0)
-    return tl.uint_to_uniform_float(r) >= dropout_p
+    r0, r1, r2, r3 = tl.philox(seed, c0, c1, c2, c2 * 0, n_rounds=PHILOX_ROUNDS)
+    # Key 8 g + 2 w + h keeps when 16-bit half h of word w is >= drop_below, compared in place: the high
+    # half as w >= drop_below * 2**16, the low one shifted up first (a join's new last axis varies fastest).
+    t = drop_below.to(tl.uint32) << 16
+    words = tl.join(tl.join(r0, r2), tl.join(r1, r3))  # (rows, G, 2, 2): flat index = word number
+    keep = tl.join((words << 16) >= t, words >= t)
+    return tl.reshape(keep, (offs_m.shape[0], BLOCK_N))
 
 
 @triton.jit
@@ -75,74 +97,150 @@ def _block_elements(bm_base, stride_bmi, stride_bmj, offs_m, offs_n, N_q, N_k, B
 
 
 @triton.jit
+def _listed_tiles_before(row, limit, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr):
+    """How many tiles of a visible-block list lie before ``limit`` (a multiple of TILE). ``row`` points at
+    one list: its count, then the visible block indices in increasing order, each block TILE-tiled, so the
+    tiles before ``limit`` are a prefix of the list's tiles. Read 128 entries at a time, as vectors."""
+    count = tl.load(row)
+    n = 0
+    for e0 in range(0, count, 128):
+        e = e0 + tl.arange(0, 128)
+        start = tl.load(row + 1 + e, mask=e < count, other=0) * BLOCK_SIZE
+        before = tl.minimum(tl.maximum(limit - start, 0), BLOCK_SIZE) // TILE
+        n += tl.sum(tl.where(e < count, before, 0), 0)
+    return n
+
+
+@triton.jit
+def visible_lists_kernel(BM, LISTS, stride_bmb, stride_bmh, stride_bmi, stride_bmj, stride_lb, stride_lh, stride_li,
+                         H, n_j, CHUNK: tl.constexpr):
+    """LISTS[b, h, i] = [count, the j with BM[b, h, i, j] != 0 in increasing order]: one program per row i
+    of the block mask, a running count and a prefix sum placing each visible j."""
+    i = tl.program_id(0)
+    b = tl.program_id(1) // H
+    h = tl.program_id(1) % H
+    src = BM + b.to(tl.int64) * stride_bmb + h.to(tl.int64) * stride_bmh + i.to(tl.int64) * stride_bmi
+    dst = LISTS + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + i.to(tl.int64) * stride_li
+    count = 0
+    for j0 in range(0, n_j, CHUNK):
+        j = j0 + tl.arange(0, CHUNK)
+        visible = (tl.load(src + j * stride_bmj, mask=j < n_j, other=0) != 0).to(tl.int32)
+        tl.store(dst + count + tl.cumsum(visible, 0), j, mask=visible != 0)  # entry 1 + (visibles before j)
+        count += tl.sum(visible, 0)
+    tl.store(dst, count)
+
+
+@triton.jit
+def _listed_start(row, it, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr):
+    """The first row (key or query) of tile ``it`` of a visible-block list (see _listed_tiles_before)."""
+    return tl.load(row + 1 + it // (BLOCK_SIZE // TILE)) * BLOCK_SIZE + (it % (BLOCK_SIZE // TILE)) * TILE
+
+
+@triton.jit
+def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+              start_n, N_q, N_k, qk_scale, offs_m, offs_d,
+              bm_base, stride_bmi, stride_bmj, seed, bh, drop_below,
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+              MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr,
+              HAS_BM: tl.constexpr, BM_TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, DROPOUT: tl.constexpr):
+    """Fold the K/V tile at ``start_n`` into (acc, l_i, m_i). A MASKED tile checks key bounds and, when
+    CAUSAL, the diagonal; the others are full tiles that every query row of the block may see. With a
+    block mask applied element by element (HAS_BM, not BM_TILE), rows may have seen no key yet, so the max
+    is kept finite."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    if MASKED:
+        kv_mask = (offs_n[:, None] < N_k) & (offs_d[None, :] < HEAD_DIM)
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    elif BLOCK_D != HEAD_DIM:
+        k = tl.load(k_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    qk = _dot(q, tl.trans(k), DOT)  # raw q.k; the base-2 score is qk * qk_scale (sm_scale * log2(e))
+    if MASKED:
+        keep = offs_n[None, :] < N_k
+        if CAUSAL:
+            keep = keep & (offs_n[None, :] <= offs_m[:, None])
+        qk = tl.where(keep, qk, float("-inf"))
+    if HAS_BM:
+        if not BM_TILE:
+            qk = tl.where(_block_elements(bm_base, stride_bmi, stride_bmj, offs_m, offs_n, N_q, N_k, BLOCK_SIZE),
+                          qk, float("-inf"))
+    # qk_scale > 0 and rounding is monotone, so max(qk) * qk_scale is exactly the largest rounded score: the
+    # max needs no scaled copy of the tile, and only one score tile stays live.
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    if HAS_BM:  # a row that has seen no key yet keeps m = -inf; exponents are taken against 0 then
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_new)  # rescales what was summed under the old max
+    # One explicit fused multiply-add, here and in both backward kernels: left to itself the compiler
+    # contracts qk * qk_scale - m into an FMA in some kernels and tiles and not in others, and then the
+    # backward's recomputed exponent differs from the forward's by a rounding of the score (3e-4 in P for
+    # logits of 1e3 in fp32; see _exponent in backward.py).
+    p = tl.exp2(tl.fma(qk, qk_scale, -m_new[:, None]))
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if DROPOUT:  # l sums P before dropout; O sums the kept entries, and is scaled by 1 / (1 - p) at the end
+        p = tl.where(_keep(seed, bh, offs_m, start_n, BLOCK_N, drop_below), p, 0.0)
+    acc += _dot(p.to(v.dtype), v, DOT)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                start_m, lo, hi, N_q, N_k, qk_scale, offs_m, offs_d,
-               bm_base, stride_bmi, stride_bmj, seed, bh, dropout_p, keep_scale,
+               bm_base, stride_bmi, stride_bmj, list_row, seed, bh, drop_below,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr,
-               HAS_BM: tl.constexpr, BM_TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, DROPOUT: tl.constexpr):
-    """Fold the K/V tiles [lo, hi) into (acc, l_i, m_i). MASKED tiles check key bounds and, when CAUSAL,
-    the diagonal; the others are full tiles that every query row of the block may see, and skip masks.
-    With a block mask (HAS_BM), a tile whose mask block is False is never loaded (BM_TILE), or the mask is
-    applied element by element; rows may then have seen no key yet, so the max is kept finite."""
-    offs_n0 = tl.arange(0, BLOCK_N)
-    for start_n in range(lo, hi, BLOCK_N):
-        visible = True
-        if HAS_BM:
-            if BM_TILE:
-                visible = _block_visible(bm_base, stride_bmi, stride_bmj, start_m, start_n, BLOCK_SIZE)
-        if visible:
-            offs_n = start_n + offs_n0
-            k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-            v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
-            if MASKED:
-                kv_mask = (offs_n[:, None] < N_k) & (offs_d[None, :] < HEAD_DIM)
-                k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-                v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-            elif BLOCK_D != HEAD_DIM:
-                k = tl.load(k_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-                v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-            else:
-                k = tl.load(k_ptrs)
-                v = tl.load(v_ptrs)
-            qk = _dot(q, tl.trans(k), DOT)  # raw q.k; the base-2 score is qk * qk_scale (sm_scale * log2(e))
-            if MASKED:
-                keep = offs_n[None, :] < N_k
-                if CAUSAL:
-                    keep = keep & (offs_n[None, :] <= offs_m[:, None])
-                qk = tl.where(keep, qk, float("-inf"))
+               HAS_BM: tl.constexpr, BM_TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, DROPOUT: tl.constexpr,
+               LISTED: tl.constexpr):
+    """Fold the K/V tiles with first key in [lo, hi) into (acc, l_i, m_i). When LISTED, only the visible
+    ones, read from this query block's list of visible key blocks (``list_row``), so the loop meets no
+    hidden tile and its loads stay pipelined; when every tile of [lo, hi) is visible, the plain loop (no
+    list, no check). Otherwise a tile whose mask block is False is skipped (BM_TILE) and the block mask is
+    applied element by element (not BM_TILE)."""
+    if LISTED:
+        it_lo = _listed_tiles_before(list_row, lo, BLOCK_SIZE, BLOCK_N)
+        it_hi = _listed_tiles_before(list_row, hi, BLOCK_SIZE, BLOCK_N)
+        if (it_hi - it_lo) * BLOCK_N == hi - lo:
+            for start_n in range(lo, hi, BLOCK_N):
+                acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                                          start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj,
+                                          seed, bh, drop_below, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED, CAUSAL, DOT,
+                                          False, BM_TILE, BLOCK_SIZE, DROPOUT)
+        else:
+            for it in range(it_lo, it_hi):
+                start_n = _listed_start(list_row, it, BLOCK_SIZE, BLOCK_N)
+                acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                                          start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj,
+                                          seed, bh, drop_below, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED, CAUSAL, DOT,
+                                          HAS_BM, BM_TILE, BLOCK_SIZE, DROPOUT)
+    else:
+        for start_n in range(lo, hi, BLOCK_N):
+            visible = True
             if HAS_BM:
-                if not BM_TILE:
-                    qk = tl.where(_block_elements(bm_base, stride_bmi, stride_bmj, offs_m, offs_n, N_q, N_k,
-                                                  BLOCK_SIZE), qk, float("-inf"))
-            # qk_scale > 0 and rounding is monotone, so max(qk) * qk_scale is exactly the largest rounded
-            # score: the max needs no scaled copy of the tile, and only one score tile stays live.
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            if HAS_BM:  # a row that has seen no key yet keeps m = -inf; exponents are taken against 0 then
-                m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_new)  # rescales what was summed under the old max
-            # One explicit fused multiply-add, here and in both backward kernels: left to itself the compiler
-            # contracts qk * qk_scale - m into an FMA in some kernels and tiles and not in others, and then the
-            # backward's recomputed exponent differs from the forward's by a rounding of the score (3e-4 in P
-            # for logits of 1e3 in fp32; see _exponent in backward.py).
-            p = tl.exp2(tl.fma(qk, qk_scale, -m_new[:, None]))
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            if DROPOUT:  # l sums P before dropout; O sums the dropped, rescaled P~ = P * keep / (1 - p)
-                p = tl.where(_keep(seed, bh, offs_m[:, None], offs_n[None, :], dropout_p), p * keep_scale, 0.0)
-            acc += _dot(p.to(v.dtype), v, DOT)
-            m_i = m_new
+                if BM_TILE:
+                    visible = _block_visible(bm_base, stride_bmi, stride_bmj, start_m, start_n, BLOCK_SIZE)
+            if visible:
+                acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn,
+                                          stride_vd, start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base,
+                                          stride_bmi, stride_bmj, seed, bh, drop_below, HEAD_DIM, BLOCK_D, BLOCK_N,
+                                          MASKED, CAUSAL, DOT, HAS_BM, BM_TILE, BLOCK_SIZE, DROPOUT)
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["H", "N_q", "N_k", "TUNE_N", "GROUP", "seed"])  # one compile serves every length
-def flash_fwd_kernel(Q, K, V, O, LSE, M2, L2, BM,
+@triton.jit(do_not_specialize=["H", "N_q", "N_k", "TUNE_N", "GROUP", "seed", "drop_below"])  # one compile serves every length
+def flash_fwd_kernel(Q, K, V, O, LSE, M2, L2, BM, LISTS,
                      stride_qb, stride_qh, stride_qm, stride_qd,
                      stride_kb, stride_kh, stride_kn, stride_kd,
                      stride_vb, stride_vh, stride_vn, stride_vd,
                      stride_ob, stride_oh, stride_om, stride_od,
                      stride_bmb, stride_bmh, stride_bmi, stride_bmj,
-                     H, N_q, N_k, qk_scale, TUNE_N, GROUP, seed, dropout_p, keep_scale,
+                     stride_lb, stride_lh, stride_li,
+                     H, N_q, N_k, qk_scale, TUNE_N, GROUP, seed, drop_below, keep_scale,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      CAUSAL: tl.constexpr, DOT: tl.constexpr,
@@ -153,8 +251,10 @@ def flash_fwd_kernel(Q, K, V, O, LSE, M2, L2, BM,
     Needs BLOCK_M % BLOCK_N == 0, so every K tile left of the block's first row is fully visible
     (causal) and only the tiles on the diagonal need a mask. Query head h reads K/V head h // GROUP
     (grouped-query attention; GROUP = 1 is plain multi-head attention). BM is the block mask (int8,
-    strides 0 along broadcast dims), read only when HAS_BM; with DROPOUT, P is dropped with probability
-    dropout_p from the Philox stream of ``seed``. A row that sees no key stores O = 0, lse = -inf, and
+    strides 0 along broadcast dims), read only when HAS_BM; LISTS holds, per query block of the mask, the
+    count and the increasing indices of its visible key blocks, so the full tiles are walked from the list
+    (tile mode: BLOCK_SIZE a multiple of both tile sides). With DROPOUT, P is dropped with probability
+    drop_below / 2**16 from the Philox stream of ``seed``. A row that sees no key stores O = 0, lse = -inf, and
     M2 = 0, L2 = +inf, which make the backward's recomputed P exactly 0.
     """
     pid_m = tl.program_id(0)
@@ -171,6 +271,8 @@ def flash_fwd_kernel(Q, K, V, O, LSE, M2, L2, BM,
     o_base = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
     bm_base = BM + b.to(tl.int64) * stride_bmb + h.to(tl.int64) * stride_bmh
     BM_TILE: tl.constexpr = (BLOCK_SIZE % BLOCK_M == 0) and (BLOCK_SIZE % BLOCK_N == 0)
+    LISTED: tl.constexpr = HAS_BM and BM_TILE
+    list_row = LISTS + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + (start_m // BLOCK_SIZE) * stride_li
 
     q_mask = (offs_m[:, None] < N_q) & (offs_d[None, :] < HEAD_DIM)
     q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
@@ -185,22 +287,26 @@ def flash_fwd_kernel(Q, K, V, O, LSE, M2, L2, BM,
         full_end = tl.minimum(full_end, start_m)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                                start_m, 0, full_end, N_q, N_k, qk_scale, offs_m, offs_d,
-                               bm_base, stride_bmi, stride_bmj, seed, pid_bh, dropout_p, keep_scale,
-                               HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, DOT, HAS_BM, BM_TILE, BLOCK_SIZE, DROPOUT)
+                               bm_base, stride_bmi, stride_bmj, list_row, seed, pid_bh, drop_below,
+                               HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, DOT, HAS_BM, BM_TILE, BLOCK_SIZE, DROPOUT,
+                               LISTED)
     # Phase 2: the diagonal tiles (causal) and the ragged last tile; tiles above the diagonal never run.
     hi = N_k
     if CAUSAL:
         hi = tl.minimum(N_k, start_m + BLOCK_M)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                                start_m, full_end, hi, N_q, N_k, qk_scale, offs_m, offs_d,
-                               bm_base, stride_bmi, stride_bmj, seed, pid_bh, dropout_p, keep_scale,
-                               HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, DOT, HAS_BM, BM_TILE, BLOCK_SIZE, DROPOUT)
+                               bm_base, stride_bmi, stride_bmj, list_row, seed, pid_bh, drop_below,
+                               HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, DOT, HAS_BM, BM_TILE, BLOCK_SIZE, DROPOUT,
+                               False)
 
     # Without a block mask every row sees key 0 (top-left causal), so l_i > 0 for real rows; padded rows
     # are never stored. With one, a row may see nothing: l_i = 0, m_i = -inf (or 0).
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     acc = acc / l_safe[:, None]
+    if DROPOUT:  # P~ = P * keep / (1 - p): one scaling of O instead of one per entry of P
+        acc = acc * keep_scale
     lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # back to natural log
     row = pid_bh.to(tl.int64) * N_q + offs_m
     tl.store(LSE + row, lse, mask=offs_m < N_q)
@@ -214,13 +320,13 @@ def flash_fwd_kernel(Q, K, V, O, LSE, M2, L2, BM,
 
 
 @triton.jit
-def dropout_mask_kernel(KEEP, seed, dropout_p, N_q, N_k, BLOCK: tl.constexpr):
+def dropout_mask_kernel(KEEP, seed, drop_below, N_q, N_k, BLOCK: tl.constexpr):
     """KEEP[bh, i, j] = the keep bit of _keep for head bh: the kernels' own mask, for tests and teaching."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     bh = tl.program_id(2)
     rows = pid_m * BLOCK + tl.arange(0, BLOCK)
     cols = pid_n * BLOCK + tl.arange(0, BLOCK)
-    keep = _keep(seed, bh, rows[:, None], cols[None, :], dropout_p)
+    keep = _keep(seed, bh, rows, pid_n * BLOCK, BLOCK, drop_below)
     ptrs = KEEP + bh.to(tl.int64) * N_q * N_k + rows[:, None].to(tl.int64) * N_k + cols[None, :]
     tl.store(ptrs, keep.to(tl.int8), mask=(rows[:, None] < N_q) & (cols[None, :] < N_k))

@@ -14,7 +14,7 @@ from triton.runtime.errors import OutOfResources
 from flashref import validation
 from flashref.triton import configs
 from flashref.triton.backward import flash_bwd_dkdv_kernel, flash_bwd_dq_kernel, flash_bwd_preprocess_kernel
-from flashref.triton.forward import LOG2E, dropout_mask_kernel, flash_fwd_kernel
+from flashref.triton.forward import LOG2E, drop_threshold, dropout_mask_kernel, flash_fwd_kernel, visible_lists_kernel
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "") == "1"
 MAX_HEAD_DIM = 256
@@ -83,6 +83,7 @@ class Features:
         self.seed = 0 if seed is None else seed
         self.block_size = validation.check_block_size(block_size)
         B, H, N_q, _ = q.shape
+        self._lists = {}
         if block_mask is None:
             self.block_mask = None
         else:
@@ -91,27 +92,54 @@ class Features:
             validation.check_block_mask(block_mask, (B, H), N_q, k.shape[2], self.block_size)
             if block_mask.device != q.device:
                 raise ValueError(f"block_mask must be on q's device ({q.device}), got {block_mask.device}")
-            self.block_mask = block_mask.to(torch.int8).expand(B, H, *block_mask.shape[2:])
+            self.block_mask = block_mask.view(torch.int8).expand(B, H, *block_mask.shape[2:])  # a view, no copy
 
     @property
     def meta(self) -> dict:
         return dict(HAS_BM=self.block_mask is not None, BLOCK_SIZE=self.block_size if self.block_mask is not None else 1,
                     DROPOUT=self.dropout_p > 0.0)
 
-    def args(self, q):
-        """(BM, 4 strides) for the kernels; a one-element stand-in when there is no mask."""
-        bm = self.block_mask if self.block_mask is not None else torch.ones((1, 1, 1, 1), dtype=torch.int8, device=q.device)
-        return bm, tuple(bm.stride())
+    def args(self, q, transposed=False):
+        """(BM, LISTS, 4 + 3 strides) for the kernels; one-element stand-ins when there is no mask. LISTS are
+        the visible-block lists of each query block (of each key block when ``transposed``, for dK/dV)."""
+        if self.block_mask is None:
+            bm = torch.ones((1, 1, 1, 1), dtype=torch.int8, device=q.device)
+            lists = torch.zeros((1, 1, 1), dtype=torch.int32, device=q.device)
+        else:
+            bm = self.block_mask
+            if transposed not in self._lists:  # built once per call, kept by autograd for the backward
+                self._lists[transposed] = visible_block_lists(bm.transpose(-1, -2) if transposed else bm)
+            lists = self._lists[transposed]
+        return bm, lists, (*bm.stride(), *lists.stride()[:3])
 
     def scalars(self) -> dict:
-        """seed, dropout_p and keep_scale as the kernels take them."""
-        return dict(seed=self.seed, dropout_p=self.dropout_p, keep_scale=1.0 / (1.0 - self.dropout_p))
+        """seed, the 16-bit drop threshold and keep_scale = 1 / (1 - dropout_p) as the kernels take them."""
+        return dict(seed=self.seed, drop_below=drop_threshold(self.dropout_p), keep_scale=1.0 / (1.0 - self.dropout_p))
+
+
+def visible_block_lists(block_mask: torch.Tensor) -> torch.Tensor:
+    """For each row i of a block mask ``(B, H, n_i, n_j)`` (int8 or bool, broadcast dims may have stride
+    0): ``[count, j_1 < j_2 < ... < j_count, padding]``, int32 ``(B, H, n_i, n_j + 1)``, with stride 0
+    kept along broadcast dims. The kernels walk these lists, so their loops meet only visible tiles
+    (the same idea as FlexAttention's kv_num_blocks and kv_indices). One small kernel launch."""
+    B, H, n_i, n_j = block_mask.shape
+    own = block_mask[:1 if block_mask.stride(0) == 0 else B, :1 if block_mask.stride(1) == 0 else H]
+    if own.dtype == torch.bool:
+        own = own.view(torch.int8)
+    lists = torch.zeros((*own.shape[:3], n_j + 1), dtype=torch.int32, device=own.device)
+    chunk = 64 if INTERPRETED else 512
+    visible_lists_kernel[(n_i, own.shape[0] * own.shape[1])](own, lists, *own.stride(), *lists.stride()[:3],
+                                                              own.shape[1], n_j, CHUNK=chunk)
+    return lists.expand(B, H, n_i, n_j + 1)
 
 
 def dropout_mask(seed, B, H, N_q, N_k, dropout_p, device):
     """The boolean keep-mask ``(B, H, N_q, N_k)`` the kernels draw for ``seed``, bit for bit: True where an
     entry of P is kept (probability ``1 - dropout_p``). It runs the kernels' own random function, so tests
-    can compare with the float64 reference exactly. Notebook ``10_dropout_masks_sparsity`` (planned)."""
+    can compare with the float64 reference exactly. Each entry is kept when its 16-bit random number (eight
+    per Philox-4x32-7 call, from ``(seed; key // 8, query, b * H + h)``) is at least
+    ``round(dropout_p * 2**16)``: the kept fraction is ``1 - dropout_p`` within 2**-17. Notebook
+    ``10_dropout_masks_sparsity``."""
     p = validation.check_dropout_p(dropout_p)
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
         raise TypeError(f"seed must be an int in [0, 2**63), got {type(seed).__name__}: {seed!r}")
@@ -120,7 +148,8 @@ def dropout_mask(seed, B, H, N_q, N_k, dropout_p, device):
             raise ValueError(f"{name} must be a positive int, got {n!r}")
     keep = torch.empty((B, H, N_q, N_k), dtype=torch.int8, device=device)
     block = 16 if INTERPRETED else 64
-    dropout_mask_kernel[(triton.cdiv(N_q, block), triton.cdiv(N_k, block), B * H)](keep, seed, p, N_q, N_k, BLOCK=block)
+    dropout_mask_kernel[(triton.cdiv(N_q, block), triton.cdiv(N_k, block), B * H)](keep, seed, drop_threshold(p), N_q, N_k,
+                                                                                 BLOCK=block)
     return keep.bool()
 
 
@@ -213,13 +242,28 @@ def _forward(q, k, v, causal: bool, scale: float, feat: Features):
     N_k = k.shape[2]
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse, m2, l2 = (torch.empty((B, H, N_q), dtype=torch.float32, device=q.device) for _ in range(3))
-    bm, bm_strides = feat.args(q)
-    _launch(flash_fwd_kernel, "forward", N_q, B * H, q, k, v, o, lse, m2, l2, bm,
+    bm, lists, bm_strides = feat.args(q)
+    _launch(flash_fwd_kernel, "forward", N_q, B * H, q, k, v, o, lse, m2, l2, bm, lists,
             *_strides(q), *_strides(k), *_strides(v), *_strides(o), *bm_strides,
             H, N_q, N_k, scale * LOG2E, TUNE_N=_bucket(max(N_q, N_k)), GROUP=H // k.shape[1], **feat.scalars(),
             HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), CAUSAL=causal,
             DOT=_dot_mode(q.dtype), **feat.meta)
     return o, lse, (m2, l2)
+
+
+def _group_split(group: int, programs: int, device) -> int:
+    """How many programs share one K/V tile in the dK/dV kernel: the smallest divisor of the group size that
+    gives at least two programs per SM (1 when the K/V tiles alone are enough, as for multi-head attention
+    and most GQA shapes; under the interpreter 2 whenever it can, so CI runs the split path)."""
+    if group == 1:
+        return 1
+    if INTERPRETED:
+        return 2 if group % 2 == 0 else 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    for s in range(1, group + 1):
+        if group % s == 0 and programs * s >= 2 * sms:
+            return s
+    return group
 
 
 def _backward(q, k, v, o, stats, do, causal: bool, scale: float, deterministic: bool, feat: Features):
@@ -233,23 +277,32 @@ def _backward(q, k, v, o, stats, do, causal: bool, scale: float, deterministic: 
     pre_m = 16 if INTERPRETED else 64
     flash_bwd_preprocess_kernel[(triton.cdiv(N_q, pre_m), B * H)](
         o, do, delta, *_strides(o), *_strides(do), H, N_q, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_m)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    # Multi-query attention leaves few K/V tiles: SPLIT programs then share each one (partial sums in fp32).
+    split = _group_split(H // H_kv, B * H_kv * triton.cdiv(N_k, 128), q.device)
+    if split == 1:
+        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    else:
+        dk, dv = (torch.empty((B, H_kv * split, N_k, d), dtype=torch.float32, device=k.device) for _ in range(2))
     # Atomic dQ accumulates in fp32 (O(N d) more memory); the deterministic path passes a 1-element stand-in.
     dq_acc = torch.zeros(q.shape if not deterministic else (1, 1, 1, 1), dtype=torch.float32, device=q.device)
-    bm, bm_strides = feat.args(q)
     meta = dict(HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=causal, DOT=_dot_mode(q.dtype), TUNE_N=_bucket(max(N_q, N_k)),
                 GROUP=H // H_kv, **feat.scalars(), **feat.meta)
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
     tail = (H, N_q, N_k, scale, scale * LOG2E)
-    _launch(flash_bwd_dkdv_kernel, "dkdv", N_k, B * H_kv,
-            q, k, v, do, dk, dv, dq_acc, m2, l2, delta, bm, *common, *_strides(dk), *_strides(dv), *_strides(dq_acc),
-            *bm_strides, *tail, ATOMIC_DQ=not deterministic, **meta)
+    bm, lists_t, bm_strides_t = feat.args(q, transposed=True)
+    _launch(flash_bwd_dkdv_kernel, "dkdv", N_k, B * H_kv * split,
+            q, k, v, do, dk, dv, dq_acc, m2, l2, delta, bm, lists_t, *common, *_strides(dk), *_strides(dv),
+            *_strides(dq_acc), *bm_strides_t, *tail, ATOMIC_DQ=not deterministic, SPLIT=split, **meta)
+    if split > 1:  # the partial sums, added in a fixed order: still bitwise reproducible
+        dk = dk.view(B, H_kv, split, N_k, d).sum(2).to(k.dtype)
+        dv = dv.view(B, H_kv, split, N_k, d).sum(2).to(v.dtype)
     if not deterministic:
         return dq_acc.to(q.dtype), dk, dv
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    bm, lists, bm_strides = feat.args(q)
     _launch(flash_bwd_dq_kernel, "dq", N_q, B * H,
-            q, k, v, do, dq, m2, l2, delta, bm, *common, *_strides(dq), *bm_strides, *tail, **meta)
+            q, k, v, do, dq, m2, l2, delta, bm, lists, *common, *_strides(dq), *bm_strides, *tail, **meta)
     return dq, dk, dv
 
 
@@ -262,12 +315,13 @@ _FEATURES_DOC = """
       convention). K and V are never repeated in memory; dK and dV are summed over each group.
     - ``dropout_p``: each entry of P is dropped with this probability inside the kernel and the kept ones
       are scaled by ``1 / (1 - dropout_p)``; the backward regenerates the same mask from ``seed`` (Philox
-      counters: nothing of size N^2 is stored). ``seed=None`` draws one from torch's generator.
+      counters: nothing of size N^2 is stored; the drop probability is ``dropout_p`` rounded to 16 bits). ``seed=None`` draws one from torch's generator.
       :func:`dropout_mask` returns the mask a seed gives.
     - ``block_mask``: a bool tensor ``(B or 1, H or 1, ceil(N_q / block_size), ceil(N_k / block_size))``;
       block (i, j) False means the queries of block i never see the keys of block j. Combines with
-      ``causal``. When ``block_size`` is a multiple of both sides of a kernel tile, a tile whose block is
-      False is skipped (never loaded); otherwise the mask is applied element by element. A query row
+      ``causal``. When ``block_size`` is a multiple of both sides of a kernel tile (128 is, for every
+      config), the kernels walk lists of the visible blocks, built from the mask by one small kernel per
+      call, and a hidden tile is never loaded; otherwise the mask is applied element by element. A query row
       that sees no key gets ``o = 0`` and ``lse = -inf``, and zero gradients: never NaN.
 """
 
