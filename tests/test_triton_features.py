@@ -212,3 +212,77 @@ def test_dropout_mask_arguments():
         dropout_mask(1, 1, 1, 0, 4, 0.1, DEVICE)
     with pytest.raises(TypeError, match="seed must be an int"):
         dropout_mask(None, 1, 1, 4, 4, 0.1, DEVICE)
+
+
+def test_visible_lists_reused_for_the_same_mask_and_rebuilt_after_an_in_place_change():
+    from flashref.triton import ops
+
+    q, k, v, do = _inputs(1, 2, 2, 70, 64, 16, torch.float32)
+    mask = torch.ones(1, 1, 3, 2, dtype=torch.bool, device=DEVICE)
+    built = []
+    real = ops.visible_block_lists
+    ops.visible_block_lists = lambda bm: built.append(bm.shape) or real(bm)
+    try:
+        o1 = flash_attention(q, k, v, block_mask=mask, block_size=32)
+        o2 = flash_attention(q, k, v, block_mask=mask, block_size=32)
+        assert len(built) == 1, "the second call with the same mask tensor reuses its lists"
+        assert torch.equal(o1, o2)
+        mask[0, 0, 1, 0] = False  # queries 32..63 no longer see keys 0..31
+        o3 = flash_attention(q, k, v, block_mask=mask, block_size=32)
+        assert len(built) == 2, "an in-place change of the mask rebuilds the lists"
+        want = reference.attention(_np64(q), _np64(k), _np64(v), block_mask=mask.cpu().numpy(), block_size=32)
+        assert not torch.equal(o3, o1)
+        np.testing.assert_allclose(_np64(o3), want, atol=1e-4)
+        o4 = flash_attention(q, k, v, block_mask=mask.clone(), block_size=32)
+        assert len(built) == 3 and torch.equal(o3, o4), "another tensor with the same values: its own lists"
+    finally:
+        ops.visible_block_lists = real
+
+
+def test_visible_lists_freed_with_their_mask():
+    import gc
+
+    from flashref.triton import ops
+
+    q, k, v, _ = _inputs(1, 1, 1, 40, 40, 16, torch.float32)
+    mask = torch.ones(1, 1, 2, 2, dtype=torch.bool, device=DEVICE)
+    flash_attention(q, k, v, block_mask=mask, block_size=32)
+    key = [key for key in ops._LISTS_KEPT if key[0] == id(mask)]
+    assert key, "the lists of a live mask are kept"
+    del mask
+    gc.collect()
+    assert not any(k_ in ops._LISTS_KEPT for k_ in key), "and dropped when the mask is freed"
+
+
+def test_autotuner_consulted_once_per_key_then_its_choice_launched_directly(monkeypatch):
+    """On a GPU the autotuner's own dispatch costs about 100 us a call: after it has chosen a config for a key,
+    _launch launches that config itself. Checked with stand-ins for the tuner and the kernel."""
+    import types
+
+    from flashref.triton import configs, ops
+
+    calls = []
+
+    class Tuner:
+        best_config = types.SimpleNamespace(kwargs={"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=2)
+
+        def __getitem__(self, grid):
+            return lambda *a, **meta: calls.append(("tuner", grid({"BLOCK_M": 64})))
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *a, **meta: calls.append(("kernel", grid, meta["BLOCK_M"], meta["BLOCK_N"],
+                                                    meta.get("num_warps"), meta.get("num_stages")))
+
+    monkeypatch.setattr(ops, "INTERPRETED", False)
+    monkeypatch.setattr(ops, "_TUNED", {"forward": Tuner()}, raising=False)
+    monkeypatch.setattr(ops, "_CHOSEN", {})
+    monkeypatch.setenv("FLASHREF_TRITON_AUTOTUNE", "1")
+    q = torch.zeros(1, 2, 1000, 16, dtype=torch.float16)
+    meta = dict(TUNE_N=1024, HEAD_DIM=16, CAUSAL=True, HAS_BM=False, BLOCK_SIZE=1, DROPOUT=False)
+    for _ in range(3):
+        ops._launch(Kernel(), "forward", 1000, 2, q, q, **meta)
+    assert calls == [("tuner", (16, 2)), ("kernel", (16, 2), 64, 32, 4, 2), ("kernel", (16, 2), 64, 32, 4, 2)]
+    ops._launch(Kernel(), "forward", 1000, 2, q, q, **{**meta, "CAUSAL": False})
+    assert calls[-1][0] == "tuner", "another key is tuned afresh"
+    assert configs.TileConfig(64, 32, 4, 2) in ops._CHOSEN.values()

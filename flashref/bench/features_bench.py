@@ -1,7 +1,7 @@
 """The kernel's features against PyTorch's own, in one run: grouped-query attention, fused dropout, and
 block-sparse attention against its own dense time.
 
-    python -m flashref.bench features            # the points below (an H100: about a minute)
+    python -m flashref.bench features            # the points below
 
 - GQA: H = 32 query heads sharing H_kv = 8 or 1 K/V heads, against ``scaled_dot_product_attention(...,
   enable_gqa=True)`` on its flash and cuDNN backends; forward + backward; peak memory.
@@ -12,19 +12,21 @@ block-sparse attention against its own dense time.
 - Block-sparse against FlexAttention (``torch.compile(flex_attention)`` with ``create_block_mask``) on the
   same masks (:mod:`flashref.block_masks`: a causal sliding window, BigBird-like, causal), N = 4K to 64K;
   peak memory of each forward + backward. Flex builds its BlockMask once, outside the timing, as its
-  users do; flashref takes the boolean block mask each call, so its lists of visible blocks are built
-  inside its timing (one small kernel launch).
+  users do; flashref takes the same boolean mask tensor at every call and builds its lists of visible
+  blocks on the first (one small kernel launch), as a model would.
 
 FLOPs are counted on the visible (query, key) pairs only (DESIGN.md's 4 d per pair forward, 2.5x that
 backward: :func:`flashref.block_masks.visible_pairs`). fp16 unless a row says ``dtype``. Results go to
 ``book/data/features_bench.json`` with the device and library versions; ``--parts`` runs some of them
-(gqa, dropout, sparse, flex). The whole run takes about 8 minutes on an H100, most of it compiling Flex.
+(gqa, dropout, sparse, flex), and ``--append`` adds them to the file's rows (one run split over several
+calls of the same machine). The whole run takes about 8 minutes on an H100, most of it compiling Flex.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -117,28 +119,19 @@ def dropout_cases(N=4096, d=64, B=8, H=16, p=0.1):
     return rows
 
 
-def window_mask(N, block, w, device):
-    """Causal sliding window of w blocks: query block i sees key blocks i-w+1 .. i."""
-    import torch
-
-    n = -(-N // block)
-    i = torch.arange(n, device=device)
-    return ((i[:, None] - i[None, :] >= 0) & (i[:, None] - i[None, :] < w))[None, None]
-
-
 def sparse_cases(N=16384, d=64, B=1, H=16, block=128):
     import torch
 
+    from flashref import block_masks
     from flashref.triton import flash_attention
 
     rows = []
     q, k, v, do = _inputs(B, H, H, N, d)
-    n = -(-N // block)
+    n = block_masks.n_blocks(N, block)
     for w in (n, 32, 8, 2):
-        mask = window_mask(N, block, w, q.device)
-        # (query, key) pairs visible: per query block, full blocks left of the diagonal, half of the diagonal one
-        visible_pairs = sum((min(i + 1, w) - 1) * block * block + block * (block + 1) // 2 for i in range(n))
-        density = mask.float().mean().item()
+        mask = block_masks.sliding_window(n, window=w, causal=True, device=q.device)
+        visible_pairs = int(block_masks.visible_pairs(mask.cpu(), N, N, block, causal=True)[0, 0])
+        density = block_masks.density(mask)
         for mode in ("fwd", "fwd+bwd"):
             flops = (1.0 if mode == "fwd" else 3.5) * 4.0 * B * H * visible_pairs * d
 
@@ -207,6 +200,11 @@ def flex_block_mask(block_mask, N, block_size, causal, compile_mask=True):
                              _compile=compile_mask)
 
 
+# (N, d, dtype, B, H) of the FlexAttention comparison
+FLEX_GRID = [(4096, 64, "float16", 4, 16), (16384, 64, "float16", 1, 16), (65536, 64, "float16", 1, 8),
+             (16384, 128, "float16", 1, 16), (16384, 64, "bfloat16", 1, 16)]
+
+
 def flex_cases(grid=None, block=128):
     """flashref against FlexAttention on the same block masks, forward and forward + backward: yields each
     row as it is measured (the command line saves it at once: a run cut short keeps what it measured)."""
@@ -215,8 +213,7 @@ def flex_cases(grid=None, block=128):
     from flashref import block_masks
     from flashref.triton import flash_attention
 
-    grid = grid or [(4096, 64, "float16", 4, 16), (16384, 64, "float16", 1, 16), (65536, 64, "float16", 1, 8),
-                    (16384, 128, "float16", 1, 16), (16384, 64, "bfloat16", 1, 16)]
+    grid = grid or FLEX_GRID
     for N, d, dtype, B, H in grid:
         q, k, v, do = _inputs(B, H, H, N, d, dtype)
         n = block_masks.n_blocks(N, block)
@@ -262,12 +259,31 @@ def _print(r):
              f"{extra}" if "ms" in r else f" {r.get('status')}"), flush=True)
 
 
+def start_results(append_to, device: str, versions: dict, command: str) -> dict:
+    """The results to fill: empty, or (``append_to``, a file path) that file's, with this command added to its
+    commands. Rows measured on another GPU or with other versions are not mixed in: that is an error."""
+    if append_to is None or not os.path.exists(append_to):
+        return {"device": device, "versions": versions, "dtype": "float16", "command": command, "seconds": None,
+                "results": []}
+    with open(append_to) as f:
+        data = json.load(f)
+    if data.get("device") != device or data.get("versions") != versions:
+        raise ValueError(f"--append: {append_to} was measured on {data.get('device')} with {data.get('versions')}, "
+                         f"this run is on {device} with {versions}; write a new file instead")
+    data["command"] = f"{data['command']}; {command}"
+    return data
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m flashref.bench features", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="book/data/features_bench.json")
     p.add_argument("--parts", nargs="+", default=["gqa", "dropout", "sparse", "flex"],
                    choices=["gqa", "dropout", "sparse", "flex"])
+    p.add_argument("--flex-n", nargs="+", type=int, default=None, metavar="N",
+                   help="only these sequence lengths of the FlexAttention comparison (4096 16384 65536)")
+    p.add_argument("--append", action="store_true",
+                   help="add to the rows already in --out (a run split over several calls; same GPU and versions)")
     args = p.parse_args(argv)
     import torch
 
@@ -277,15 +293,19 @@ def main(argv=None) -> int:
         print("flashref.bench features needs a CUDA device", file=sys.stderr)
         return 2
     start = time.time()
-    data = {"device": torch.cuda.get_device_name(), "versions": _versions(), "dtype": "float16",
-            "command": "python -m flashref.bench features --parts " + " ".join(args.parts),
-            "seconds": None, "results": []}
-    parts = {"gqa": gqa_cases, "dropout": dropout_cases, "sparse": sparse_cases, "flex": flex_cases}
+    data = start_results(args.out if args.append else None, torch.cuda.get_device_name(), _versions(),
+                         "python -m flashref.bench features --parts " + " ".join(args.parts)
+                         + (f" --flex-n {' '.join(map(str, args.flex_n))}" if args.flex_n else ""))
+    seconds0 = data["seconds"] or 0.0
+    grid = [g for g in FLEX_GRID if args.flex_n is None or g[0] in args.flex_n]
+    if not grid and "flex" in args.parts:
+        p.error(f"--flex-n {args.flex_n}: none of the comparison's lengths {sorted({g[0] for g in FLEX_GRID})}")
+    parts = {"gqa": gqa_cases, "dropout": dropout_cases, "sparse": sparse_cases, "flex": lambda: flex_cases(grid)}
     for name in args.parts:
         for r in parts[name]():  # saved after each row: a run cut short keeps what it measured
             data["results"].append(r)
             _print(r)
-            data["seconds"] = time.time() - start
+            data["seconds"] = seconds0 + time.time() - start
             with open(args.out, "w") as f:
                 json.dump(data, f, indent=1)
         torch.cuda.empty_cache()

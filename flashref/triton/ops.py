@@ -6,6 +6,7 @@ Taught in notebooks ``07_triton_forward`` (the forward wrapper) and ``08_triton_
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 import triton
@@ -24,9 +25,19 @@ DTYPES = ("float16", "bfloat16", "float32")
 SMALL_N = 256
 
 
+def _pow2(n: int) -> int:
+    """The smallest power of two >= n (triton.next_power_of_2 in plain Python: Triton's version is a
+    constexpr function, with a few microseconds of wrapping on every call)."""
+    return 1 << (int(n) - 1).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def _bucket(n: int) -> int:
     """Autotune once per power-of-two length bucket, not once per exact length."""
-    return triton.next_power_of_2(max(int(n), 16))
+    return _pow2(max(int(n), 16))
 
 
 def _autotuned(kernel, name: str):
@@ -93,6 +104,7 @@ class Features:
             if block_mask.device != q.device:
                 raise ValueError(f"block_mask must be on q's device ({q.device}), got {block_mask.device}")
             self.block_mask = block_mask.view(torch.int8).expand(B, H, *block_mask.shape[2:])  # a view, no copy
+            self._given_mask = block_mask
 
     @property
     def meta(self) -> dict:
@@ -103,18 +115,28 @@ class Features:
         """(BM, LISTS, 4 + 3 strides) for the kernels; one-element stand-ins when there is no mask. LISTS are
         the visible-block lists of each query block (of each key block when ``transposed``, for dK/dV)."""
         if self.block_mask is None:
-            bm = torch.ones((1, 1, 1, 1), dtype=torch.int8, device=q.device)
-            lists = torch.zeros((1, 1, 1), dtype=torch.int32, device=q.device)
+            bm, lists = _stand_ins(q.device)
         else:
             bm = self.block_mask
-            if transposed not in self._lists:  # built once per call, kept by autograd for the backward
-                self._lists[transposed] = visible_block_lists(bm.transpose(-1, -2) if transposed else bm)
+            if transposed not in self._lists:  # kept by autograd for the backward
+                self._lists[transposed] = _lists_of(self._given_mask, bm, transposed)
             lists = self._lists[transposed]
         return bm, lists, (*bm.stride(), *lists.stride()[:3])
 
     def scalars(self) -> dict:
         """seed, the 16-bit drop threshold and keep_scale = 1 / (1 - dropout_p) as the kernels take them."""
         return dict(seed=self.seed, drop_below=drop_threshold(self.dropout_p), keep_scale=1.0 / (1.0 - self.dropout_p))
+
+
+_STAND_INS: dict = {}
+
+
+def _stand_ins(device):
+    """One-element BM and LISTS for calls without a block mask (never read: HAS_BM is False), made once."""
+    if device not in _STAND_INS:
+        _STAND_INS[device] = (torch.ones((1, 1, 1, 1), dtype=torch.int8, device=device),
+                              torch.zeros((1, 1, 1), dtype=torch.int32, device=device))
+    return _STAND_INS[device]
 
 
 def visible_block_lists(block_mask: torch.Tensor) -> torch.Tensor:
@@ -133,6 +155,29 @@ def visible_block_lists(block_mask: torch.Tensor) -> torch.Tensor:
     return lists.expand(B, H, n_i, n_j + 1)
 
 
+# The visible-block lists of recent masks, kept while the mask tensor lives and is not changed in place: a
+# model passes the same mask at every step, and then only its first call builds them (as FlexAttention's
+# users build a BlockMask once). They take about four times the bytes of the mask.
+_LISTS_KEPT: dict = {}
+_LISTS_KEPT_MAX = 16
+
+
+def _lists_of(given, bm, transposed: bool) -> torch.Tensor:
+    """visible_block_lists of ``bm`` (the int8 expansion of the caller's bool mask ``given``, transposed for
+    the dK/dV kernel), reused from an earlier call with the same tensor, unchanged since (its version
+    counter), and the same expansion."""
+    key = (id(given), transposed, tuple(bm.shape), tuple(bm.stride()))
+    kept = _LISTS_KEPT.get(key)
+    if kept is not None and kept[0]() is given and kept[1] == given._version:
+        return kept[2]
+    lists = visible_block_lists(bm.transpose(-1, -2) if transposed else bm)
+    if len(_LISTS_KEPT) >= _LISTS_KEPT_MAX:
+        _LISTS_KEPT.pop(next(iter(_LISTS_KEPT)))  # the oldest
+    _LISTS_KEPT[key] = (weakref.ref(given), given._version, lists)
+    weakref.finalize(given, _LISTS_KEPT.pop, key, None)  # freed with the mask
+    return lists
+
+
 def dropout_mask(seed, B, H, N_q, N_k, dropout_p, device):
     """The boolean keep-mask ``(B, H, N_q, N_k)`` the kernels draw for ``seed``, bit for bit: True where an
     entry of P is kept (probability ``1 - dropout_p``). It runs the kernels' own random function, so tests
@@ -148,7 +193,7 @@ def dropout_mask(seed, B, H, N_q, N_k, dropout_p, device):
             raise ValueError(f"{name} must be a positive int, got {n!r}")
     keep = torch.empty((B, H, N_q, N_k), dtype=torch.int8, device=device)
     block = 16 if INTERPRETED else 64
-    dropout_mask_kernel[(triton.cdiv(N_q, block), triton.cdiv(N_k, block), B * H)](keep, seed, drop_threshold(p), N_q, N_k,
+    dropout_mask_kernel[(_cdiv(N_q, block), _cdiv(N_k, block), B * H)](keep, seed, drop_threshold(p), N_q, N_k,
                                                                                  BLOCK=block)
     return keep.bool()
 
@@ -198,17 +243,37 @@ def _launch(kernel, name, grid_rows, bh, *args, **meta):
         _launch_first_fit(kernel, name, grid_rows, bh, args, meta)
         return
     else:
-        rows = "BLOCK_N" if name == "dkdv" else "BLOCK_M"
-        grid = lambda m: (triton.cdiv(grid_rows, m[rows]), bh)  # noqa: E731
-        _TUNED[name][grid](*args, **meta)
-        return
+        key = _tune_key(name, args, meta)
+        cfg = _CHOSEN.get(key)
+        if cfg is None:  # the first call of this key: the autotuner times the configs and launches the best
+            rows = "BLOCK_N" if name == "dkdv" else "BLOCK_M"
+            grid = lambda m: (_cdiv(grid_rows, m[rows]), bh)  # noqa: E731
+            tuner = _TUNED[name]
+            tuner[grid](*args, **meta)
+            best = tuner.best_config
+            _CHOSEN[key] = configs.TileConfig(best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps,
+                                              best.num_stages)
+            return
     _launch_config(kernel, name, grid_rows, bh, cfg, args, meta)
+
+
+# The config the autotuner chose, per key: later calls launch it directly. Triton's autotuner spends about
+# 100 us of CPU time on every call (it rebuilds a dict of all ~60 arguments to find its key), as much as a
+# small block-sparse forward takes on the GPU.
+_CHOSEN: dict = {}
+
+
+def _tune_key(name, args, meta) -> tuple:
+    """What the autotuner keys on: its key arguments and the dtypes of the tensor arguments."""
+    return (name, meta["TUNE_N"], meta["HEAD_DIM"], meta["CAUSAL"], meta["HAS_BM"], meta["BLOCK_SIZE"],
+            meta["DROPOUT"], meta.get("ATOMIC_DQ"), args[0].device,
+            tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
 
 
 def _launch_config(kernel, name, grid_rows, bh, cfg, args, meta):
     configs.check_tile(name, cfg)
     block_rows = cfg.block_n if name == "dkdv" else cfg.block_m
-    grid = (triton.cdiv(grid_rows, block_rows), bh)
+    grid = (_cdiv(grid_rows, block_rows), bh)
     extra = {} if INTERPRETED else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     kernel[grid](*args, **meta, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **extra)
 
@@ -241,12 +306,12 @@ def _forward(q, k, v, causal: bool, scale: float, feat: Features):
     B, H, N_q, d = q.shape
     N_k = k.shape[2]
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse, m2, l2 = (torch.empty((B, H, N_q), dtype=torch.float32, device=q.device) for _ in range(3))
+    lse, m2, l2 = torch.empty((3, B, H, N_q), dtype=torch.float32, device=q.device).unbind(0)  # one allocation
     bm, lists, bm_strides = feat.args(q)
     _launch(flash_fwd_kernel, "forward", N_q, B * H, q, k, v, o, lse, m2, l2, bm, lists,
             *_strides(q), *_strides(k), *_strides(v), *_strides(o), *bm_strides,
             H, N_q, N_k, scale * LOG2E, TUNE_N=_bucket(max(N_q, N_k)), GROUP=H // k.shape[1], **feat.scalars(),
-            HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), CAUSAL=causal,
+            HEAD_DIM=d, BLOCK_D=max(16, _pow2(d)), CAUSAL=causal,
             DOT=_dot_mode(q.dtype), **feat.meta)
     return o, lse, (m2, l2)
 
@@ -272,13 +337,13 @@ def _backward(q, k, v, o, stats, do, causal: bool, scale: float, deterministic: 
     m2, l2 = stats
     B, H, N_q, d = q.shape
     H_kv, N_k = k.shape[1], k.shape[2]
-    block_d = max(16, triton.next_power_of_2(d))
+    block_d = max(16, _pow2(d))
     delta = torch.empty((B, H, N_q), dtype=torch.float32, device=q.device)
     pre_m = 16 if INTERPRETED else 64
-    flash_bwd_preprocess_kernel[(triton.cdiv(N_q, pre_m), B * H)](
+    flash_bwd_preprocess_kernel[(_cdiv(N_q, pre_m), B * H)](
         o, do, delta, *_strides(o), *_strides(do), H, N_q, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_m)
     # Multi-query attention leaves few K/V tiles: SPLIT programs then share each one (partial sums in fp32).
-    split = _group_split(H // H_kv, B * H_kv * triton.cdiv(N_k, 128), q.device)
+    split = _group_split(H // H_kv, B * H_kv * _cdiv(N_k, 128), q.device)
     if split == 1:
         dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
         dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
@@ -320,8 +385,9 @@ _FEATURES_DOC = """
     - ``block_mask``: a bool tensor ``(B or 1, H or 1, ceil(N_q / block_size), ceil(N_k / block_size))``;
       block (i, j) False means the queries of block i never see the keys of block j. Combines with
       ``causal``. When ``block_size`` is a multiple of both sides of a kernel tile (128 is, for every
-      config), the kernels walk lists of the visible blocks, built from the mask by one small kernel per
-      call, and a hidden tile is never loaded; otherwise the mask is applied element by element. A query row
+      config), the kernels walk lists of the visible blocks, built from the mask by one small kernel on the
+      first call with that mask tensor (kept while it lives and is not changed in place, so pass the same
+      tensor at every step), and a hidden tile is never loaded; otherwise the mask is applied element by element. A query row
       that sees no key gets ``o = 0`` and ``lse = -inf``, and zero gradients: never NaN.
 """
 
