@@ -1,0 +1,395 @@
+"""The kernel inside a model: the GPT of :mod:`flashref.model` trained and timed with each attention.
+
+    python -m flashref.bench model                    # every part, about 8 minutes on an H100
+    python -m flashref.bench model --quick            # fewer steps and lengths, to try it out
+    python -m flashref.bench model --parts speed maxlen --append
+
+Parts (each a list of rows in ``book/data/model_bench.json``, saved with the device, versions and command):
+
+- ``train``: the same model, seed and batches (6 layers, 6 heads of 64, 384 wide, 256 characters, batch
+  64, 1,000 AdamW steps in bf16 autocast) with ``plain``, ``sdpa`` twice (its backward adds dQ in a
+  nondeterministic order: the second run is the noise floor) and ``flashref``; and at 1,024 characters
+  (batch 16) with ``flashref``, ``local`` (a window of 256) and ``performer`` (128 random features). Loss at
+  every step, validation loss every 100, a sample of generated text.
+- ``compile``: step time eager against ``torch.compile`` for the ``flashref`` and ``sdpa`` models (1,024
+  characters), and the graph breaks ``torch._dynamo.explain`` counts.
+- ``speed``: step time and tokens/s at N = 512 to 16K with N x batch = 16K tokens a step, for ``plain``,
+  ``sdpa`` and ``flashref``, with the share of GPU time spent in attention (torch profiler: kernels launched
+  inside the attention's forward and backward) and peak memory.
+- ``maxlen``: the longest sequence (batch 1) each of ``plain``, ``sdpa`` and ``flashref`` trains at, by
+  doubling N until a step runs out of memory, with the peak memory of each length.
+- ``approx``: causal attention alone (6 heads of 64, 16K tokens, bf16), forward + backward, exact
+  (``flashref``, ``sdpa``, ``plain``) against ``local`` and ``performer``, N = 256 to 16K, with the
+  approximations' relative error against exact attention on the same random inputs.
+
+Notebook ``11_attention_in_a_model`` draws its plots from the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+
+OUT = "book/data/model_bench.json"
+TOKENS = 16384  # tokens a step in the speed part, and in the attention-alone timings
+TRAIN = dict(n_layer=6, n_head=6, n_embd=384)
+SPEED_N = [512, 1024, 2048, 4096, 8192, 16384]
+APPROX_N = [256, 512, 1024, 2048, 4096, 8192, 16384]
+
+
+def _is_oom(exc) -> bool:
+    return "out of memory" in str(exc).lower() or type(exc).__name__ == "OutOfMemoryError"
+
+
+def _corpus():
+    from flashref import model
+
+    text = model.load_shakespeare()
+    tok = model.CharTokenizer(text)
+    train, val = model.split(tok.encode(text))
+    return tok, train, val
+
+
+def _build(attention, block_size, seed=0, device="cuda", **over):
+    import torch
+
+    from flashref import model
+
+    torch.manual_seed(seed)
+    cfg = model.GPTConfig(block_size=block_size, attention=attention, **{**TRAIN, **over})
+    return model.GPT(cfg).to(device)
+
+
+def train_runs(steps=1000, quick=False, device="cuda"):
+    """The loss curves of the exactness runs and of the approximations' runs (rows of part "train")."""
+    import torch
+
+    from flashref import model
+
+    tok, train, val = _corpus()
+    runs = [("plain", 256, 64, {}), ("sdpa", 256, 64, {}), ("sdpa", 256, 64, {}), ("flashref", 256, 64, {}),
+            ("flashref", 1024, 16, {}), ("local", 1024, 16, {"window": 256}),
+            ("performer", 1024, 16, {"features": 128})]
+    seen = set()
+    for attention, T, B, over in runs:
+        run = 2 if (attention, T) in seen else 1
+        seen.add((attention, T))
+        gpt = _build(attention, T, device=device, **over)
+        log = model.train(gpt, model.Batches(train, B, T, seed=0), steps, lr=1e-3, warmup=min(100, steps // 10),
+                          val=model.Batches(val, B, T, seed=1), eval_every=max(1, steps // 10), eval_iters=20)
+        final = model.evaluate(gpt, model.Batches(val, B, T, seed=2), iters=50)
+        row = {"part": "train", "attention": attention, "run": run, "T": T, "batch": B, "steps": steps, **over,
+               "loss": log["loss"], "val": log["val"], "final_val": final,
+               "median_step_ms": sorted(log["ms"])[len(log["ms"]) // 2]}
+        if attention == "flashref" and T == 256:
+            g = torch.Generator().manual_seed(0)
+            start = torch.tensor([tok.encode("\n")], device=device)
+            row["sample"] = tok.decode(gpt.generate(start, 300 if not quick else 60, top_k=None, generator=g)[0])
+        yield row
+        del gpt
+        torch.cuda.empty_cache()
+
+
+def _step_time(step, steps=10, warmup=3):
+    import torch
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - start) / steps
+
+
+def _trainer(gpt, B, T, device="cuda", compiled=False):
+    """One training step of ``gpt`` on fixed random tokens (the data does not change the step's time)."""
+    import torch
+
+    from flashref import model
+
+    opt = model.make_optimizer(gpt)
+    x = torch.randint(0, gpt.cfg.vocab_size, (B, T), device=device)
+    fwd = torch.compile(gpt) if compiled else gpt
+
+    def step():
+        with model.autocast(device):
+            _, loss = fwd(x, x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def compile_cases(T=1024, B=16):
+    """Eager against compiled step time, and the graph breaks of the flashref model (rows of "compile")."""
+    import torch
+
+    for attention in ("flashref", "sdpa"):
+        gpt = _build(attention, T)
+        x = torch.randint(0, gpt.cfg.vocab_size, (B, T), device="cuda")
+        explain = torch._dynamo.explain(gpt)(x, x)
+        torch._dynamo.reset()
+        eager = _step_time(_trainer(gpt, B, T))
+        start = time.perf_counter()
+        step = _trainer(gpt, B, T, compiled=True)
+        step()
+        torch.cuda.synchronize()
+        compile_s = time.perf_counter() - start
+        compiled = _step_time(step)
+        yield {"part": "compile", "attention": attention, "T": T, "batch": B, "eager_ms": eager,
+               "compiled_ms": compiled, "compile_s": compile_s, "graph_breaks": explain.graph_break_count,
+               "graphs": explain.graph_count, "break_reasons": [str(r.reason)[:200] for r in explain.break_reasons]}
+        del gpt, step
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+
+
+class _Marked:
+    """Attention wrapped so that its forward and its backward run inside profiler ranges named
+    ``attention`` and ``attention_backward``: the profiler then sums the GPU time of the kernels each
+    launched. The inner graph is built under enable_grad and differentiated in the backward."""
+
+    @staticmethod
+    def make():
+        import torch
+        from torch.profiler import record_function
+
+        class Fn(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, name, window, features, q, k, v):
+                from flashref import model
+
+                with torch.enable_grad(), record_function("attention"):
+                    inner = [t.detach().requires_grad_() for t in (q, k, v)]
+                    o = model._ATTEND(name, *inner, window=window, features=features)
+                ctx.inner, ctx.o = inner, o
+                return o.detach()
+
+            @staticmethod
+            def backward(ctx, do):
+                with record_function("attention_backward"):
+                    grads = torch.autograd.grad(ctx.o, ctx.inner, do)
+                return (None, None, None, *grads)
+
+        return Fn
+
+
+@contextlib.contextmanager
+def marked_attention():
+    """Inside, every attention call of :mod:`flashref.model` runs in the profiler's named ranges."""
+    from flashref import model
+
+    Fn = _Marked.make()
+    model._ATTEND = model.attend
+    model.attend = lambda name, q, k, v, window=128, features=None: Fn.apply(name, window, features, q, k, v)
+    try:
+        yield
+    finally:
+        model.attend = model._ATTEND
+        del model._ATTEND
+
+
+def attention_share(step, steps=3) -> dict:
+    """GPU time of the attention ranges and of every kernel over ``steps`` profiled steps."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with marked_attention():
+        step()  # warm: the marked path builds its graph differently
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+    # Each kernel is listed under the CPU op that launched it; a named range's device time counts the kernels
+    # of every op inside it. (GPU-side copies of the ranges are left out: they would count twice.)
+    from torch.autograd import DeviceType
+
+    cpu = [e for e in prof.events() if e.device_type == DeviceType.CPU]
+    att = sum(e.device_time_total for e in cpu if e.name in ("attention", "attention_backward"))
+    total = sum(k.duration for e in cpu for k in e.kernels)
+    return {"attention_gpu_us": att / steps, "total_gpu_us": total / steps, "attention_share": att / total}
+
+
+def speed_cases(ns=SPEED_N, attentions=("plain", "sdpa", "flashref")):
+    """Rows of part "speed"."""
+    import torch
+    from tqdm.auto import tqdm
+
+    for T in tqdm(ns, desc="speed"):
+        B = max(1, TOKENS // T)
+        for attention in attentions:
+            row = {"part": "speed", "attention": attention, "T": T, "batch": B}
+            torch.cuda.empty_cache()
+            try:
+                gpt = _build(attention, T)
+                step = _trainer(gpt, B, T)
+                step()
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                ms = _step_time(step)
+                row.update(status="ok", step_ms=ms, tokens_per_s=B * T / (ms * 1e-3),
+                           peak_bytes=int(torch.cuda.max_memory_allocated()), **attention_share(step))
+            except Exception as exc:  # noqa: BLE001 (recorded; the run goes on)
+                if not _is_oom(exc):
+                    raise
+                row.update(status="OOM")
+            gpt = step = None
+            torch.cuda.empty_cache()
+            yield row
+
+
+def maxlen_cases(attentions=("plain", "sdpa", "flashref"), start=4096, cap=1 << 20):
+    """Rows of part "maxlen": one per (variant, length) tried, status "ok" with the peak memory or "OOM".
+    The Triton kernels launch their first fitting config here (no autotuning at every new length)."""
+    import torch
+
+    saved = os.environ.get("FLASHREF_TRITON_AUTOTUNE")
+    os.environ["FLASHREF_TRITON_AUTOTUNE"] = "0"
+    try:
+        for attention in attentions:
+            T = start
+            while T <= cap:
+                row = {"part": "maxlen", "attention": attention, "T": T, "batch": 1}
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+                try:
+                    gpt = _build(attention, T)
+                    t0 = time.perf_counter()
+                    _trainer(gpt, 1, T)()
+                    torch.cuda.synchronize()
+                    row.update(status="ok", peak_bytes=int(torch.cuda.max_memory_allocated()),
+                               step_s=time.perf_counter() - t0)
+                except Exception as exc:  # noqa: BLE001
+                    if not _is_oom(exc):
+                        raise
+                    row.update(status="OOM")
+                gpt = None
+                torch.cuda.empty_cache()
+                yield row
+                if row["status"] != "ok":
+                    break
+                T *= 2
+    finally:
+        if saved is None:
+            os.environ.pop("FLASHREF_TRITON_AUTOTUNE", None)
+        else:
+            os.environ["FLASHREF_TRITON_AUTOTUNE"] = saved
+
+
+def approx_cases(ns=APPROX_N, H=6, d=64, window=256, features=128):
+    """Rows of part "approx": forward + backward time of causal attention alone, and the relative error
+    ||O - O_exact|| / ||O_exact|| of the approximations on the same inputs (fp32 exact reference)."""
+    import torch
+    import triton
+
+    from flashref import model, torch_attention
+
+    W = torch_attention.performer_features(d, features, generator=torch.Generator().manual_seed(0)).cuda()
+    for T in ns:
+        B = max(1, TOKENS // T)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, do = (torch.randn(B, H, T, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+        with torch.no_grad():
+            exact = torch_attention.sdpa_attention(q.float(), k.float(), v.float(), causal=True)
+        for attention in ("flashref", "sdpa", "plain", "local", "performer"):
+            row = {"part": "approx", "attention": attention, "T": T, "batch": B, "H": H, "d": d}
+            if attention == "local":
+                row["window"] = window
+            if attention == "performer":
+                row["features"] = features
+            xs = [x.detach().requires_grad_() for x in (q, k, v)]
+
+            def run():
+                model.attend(attention, *xs, window=window, features=W).backward(do)
+
+            try:
+                with torch.no_grad():
+                    o = model.attend(attention, q, k, v, window=window, features=W)
+                row["rel_error"] = float((o.float() - exact).norm() / exact.norm())
+                ms = triton.testing.do_bench(run, warmup=25, rep=100, grad_to_none=xs, return_mode="median")
+                row.update(status="ok", ms=ms)
+            except Exception as exc:  # noqa: BLE001
+                if not _is_oom(exc):
+                    raise
+                row.update(status="OOM")
+            o = None
+            torch.cuda.empty_cache()
+            yield row
+
+
+def amdahl(share: float, kernel_speedup: float) -> float:
+    """The whole step's speed-up when a part taking ``share`` of the time gets ``kernel_speedup`` faster."""
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"share must be in [0, 1], got {share}")
+    if kernel_speedup <= 0:
+        raise ValueError(f"kernel_speedup must be positive, got {kernel_speedup}")
+    return 1.0 / ((1.0 - share) + share / kernel_speedup)
+
+
+def start_results(append_to, device: str, versions: dict, command: str) -> dict:
+    from flashref.bench.features_bench import start_results as start
+
+    data = start(append_to, device, versions, command)
+    data.pop("dtype", None)
+    data["dtype"] = "bfloat16 autocast"
+    return data
+
+
+def load_results(path=None) -> dict:
+    """The committed run (``book/data/model_bench.json``)."""
+    from flashref.bench import results
+
+    return results.load("model_bench.json", path)
+
+
+def rows(data, part, **match) -> list:
+    """The rows of ``part`` whose fields equal ``match``."""
+    return [r for r in data["results"] if r["part"] == part and all(r.get(k) == v for k, v in match.items())]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m flashref.bench model", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=OUT)
+    parts = ["train", "compile", "speed", "maxlen", "approx"]
+    p.add_argument("--parts", nargs="+", default=parts, choices=parts)
+    p.add_argument("--quick", action="store_true", help="100 training steps, three lengths: a try, not the data")
+    p.add_argument("--append", action="store_true", help="add to the rows already in --out (same GPU and versions)")
+    args = p.parse_args(argv)
+    import torch
+
+    from flashref.bench import results
+
+    if not torch.cuda.is_available():
+        print("flashref.bench model needs a CUDA device", file=sys.stderr)
+        return 2
+    command = "python -m flashref.bench model --parts " + " ".join(args.parts) + (" --quick" if args.quick else "")
+    data = start_results(args.out if args.append else None, torch.cuda.get_device_name(), results.versions(), command)
+    data["quick"] = bool(args.quick) or data.get("quick", False)
+    start, seconds0 = time.time(), data["seconds"] or 0.0
+    quick_n = [512, 4096, 16384]
+    cases = {"train": lambda: train_runs(100 if args.quick else 1000, args.quick),
+             "compile": compile_cases,
+             "speed": lambda: speed_cases(quick_n if args.quick else SPEED_N),
+             "maxlen": lambda: maxlen_cases(cap=1 << 17 if args.quick else 1 << 20),
+             "approx": lambda: approx_cases(quick_n if args.quick else APPROX_N)}
+    for name in args.parts:
+        for r in cases[name]():  # saved after each row: a run cut short keeps what it measured
+            data["results"].append(r)
+            print(json.dumps({k: v for k, v in r.items() if k not in ("loss", "val")})[:400], flush=True)
+            data["seconds"] = seconds0 + time.time() - start
+            with open(args.out, "w") as f:
+                json.dump(data, f, indent=None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

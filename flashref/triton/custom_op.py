@@ -1,0 +1,71 @@
+"""The Triton kernels as a ``torch.library`` custom op, so that ``torch.compile`` traces a model through
+attention without a graph break.
+
+    from flashref.triton.custom_op import attention
+    o = attention(q, k, v, causal=True)          # differentiable; torch.ops.flashref.attention_forward inside
+
+``torch.compile`` cannot look inside a Triton launch wrapped in a ``torch.autograd.Function`` that does
+Python bookkeeping (autotuning, cached lists), so it would break the graph there. A custom op is opaque
+to it instead: the compiler needs only the op's *fake* implementation (the shapes and dtypes of its
+outputs) and its autograd formula, both registered below. The forward op returns ``(o, lse)``; the
+backward op recomputes P from q, k and lse (:func:`flashref.triton.flash_attention_backward`).
+Notebook ``11_attention_in_a_model``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashref.triton.ops import flash_attention_backward, flash_attention_forward
+
+
+@torch.library.custom_op("flashref::attention_forward", mutates_args=())
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                      sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(o, lse)`` of :func:`flashref.triton.flash_attention_forward` (inputs not checked for NaN)."""
+    return flash_attention_forward(q, k, v, causal, sm_scale, check_finite=False)
+
+
+@attention_forward.register_fake
+def _(q, k, v, causal, sm_scale):
+    # What the real op returns: a contiguous o like q, and lse (B, H, N_q) in fp32.
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("flashref::attention_backward", mutates_args=())
+def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                       do: torch.Tensor, causal: bool, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                torch.Tensor]:
+    """``(dq, dk, dv)`` of :func:`flashref.triton.flash_attention_backward` (deterministic)."""
+    return flash_attention_backward(q, k, v, o, lse, do.contiguous(), causal, sm_scale, check_finite=False)
+
+
+@attention_backward.register_fake
+def _(q, k, v, o, lse, do, causal, sm_scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, sm_scale = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.causal, ctx.sm_scale = causal, sm_scale
+
+
+def _backward(ctx, do, dlse):
+    # lse is an output only so that the backward can reuse it; nothing differentiates through it.
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = attention_backward(q, k, v, o, lse, do, ctx.causal, ctx.sm_scale)
+    return dq, dk, dv, None, None
+
+
+attention_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def attention(q, k, v, causal=False, sm_scale=None):
+    """``o = softmax(sm_scale q k^T) v`` through the custom op: what a model calls when it may be compiled.
+    Same shapes, dtypes and checks as :func:`flashref.triton.flash_attention` (GQA: fewer K/V heads)."""
+    from flashref.triton.ops import _check
+
+    _, scale = _check(q, k, v, causal, sm_scale, check_finite=False)
+    return attention_forward(q, k, v, bool(causal), scale)[0]
