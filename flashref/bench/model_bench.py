@@ -87,7 +87,7 @@ def train_runs(steps=1000, quick=False, device="cuda"):
                "median_step_ms": sorted(log["ms"])[len(log["ms"]) // 2]}
         if attention == "flashref" and T == 256:
             g = torch.Generator().manual_seed(0)
-            start = torch.tensor([tok.encode("\n")], device=device)
+            start = tok.encode("\n")[None].to(device)
             row["sample"] = tok.decode(gpt.generate(start, 300 if not quick else 60, top_k=None, generator=g)[0])
         yield row
         del gpt
