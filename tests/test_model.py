@@ -136,7 +136,9 @@ def test_custom_op_matches_the_autograd_function_and_passes_opcheck():
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 37, 16, generator=g).to(DEVICE).requires_grad_()
     k, v = (torch.randn(2, 2, 29, 16, generator=g).to(DEVICE).requires_grad_() for _ in range(2))
-    o, o_ref = attention(q, k, v, causal=True), flash_attention(q, k, v, causal=True)
+    o_ref = flash_attention(q, k, v, causal=True)
+    assert torch.equal(attention(q, k, v, causal=True), o_ref)  # eager: the autograd Function itself
+    o = attention_forward(q, k, v, True, 0.25)[0]  # what a compiled model calls (sm_scale 1 / sqrt(16))
     assert torch.equal(o, o_ref)
     grads = torch.autograd.grad(o.sum(), (q, k, v))
     want = torch.autograd.grad(o_ref.sum(), (q, k, v))
@@ -154,6 +156,7 @@ def test_compiling_the_model_breaks_no_graph_at_attention():
     torch._dynamo.reset()
     assert explain.graph_break_count == 0, explain.break_reasons
     assert explain.graph_count == 1
+    assert "flashref.attention_forward" in explain.graphs[0].code  # traced through the custom op
 
 
 def test_training_is_reproducible_and_lowers_the_loss():
@@ -168,7 +171,7 @@ def test_training_is_reproducible_and_lowers_the_loss():
     loss = logs[0]["loss"]
     assert len(loss) == 40 and [s for s, _ in logs[0]["val"]] == [20, 40]
     assert sum(loss[-5:]) / 5 < loss[0] - 0.5  # from ln 65 = 4.17 toward the unigram entropy (about 3.3)
-    out = gpt.generate(torch.zeros(1, 3, dtype=torch.long), 10, top_k=5, generator=torch.Generator().manual_seed(0))
+    out = gpt.generate(torch.zeros(1, 3, dtype=torch.long, device=DEVICE), 10, top_k=5, generator=torch.Generator().manual_seed(0))
     assert out.shape == (1, 13) and int(out.max()) < 65
 
 
@@ -205,3 +208,15 @@ def test_bench_needs_a_gpu(capsys):
         pytest.skip("a GPU is present")
     assert model_bench.main(["--quick"]) == 2
     assert "CUDA" in capsys.readouterr().err
+
+
+def test_approximation_error_is_measured_on_the_models_own_attention_inputs():
+    gpt = tiny("sdpa", block_size=64)
+    x = torch.randint(0, 65, (2, 64), device=DEVICE)
+    with model_bench.captured_attention_inputs() as seen:
+        gpt(x)
+    assert len(seen) == 2 and seen[0][0].shape == (2, 2, 64, 16)
+    exact_window = model_bench.approximation_error(gpt, x, window=64, features=32)
+    assert max(exact_window["local"]) < 1e-5  # a window as long as the sequence is exact
+    short = model_bench.approximation_error(gpt, x, window=4, features=32)
+    assert min(short["local"]) > 0.05 and len(short["performer"]) == 2

@@ -85,6 +85,8 @@ def train_runs(steps=1000, quick=False, device="cuda"):
         row = {"part": "train", "attention": attention, "run": run, "T": T, "batch": B, "steps": steps, **over,
                "loss": log["loss"], "val": log["val"], "final_val": final,
                "median_step_ms": sorted(log["ms"])[len(log["ms"]) // 2]}
+        if attention == "flashref" and T == 1024:
+            row["approx_error"] = approximation_error(gpt, model.Batches(val, B, T, seed=3).next(device)[0])
         if attention == "flashref" and T == 256:
             g = torch.Generator().manual_seed(0)
             start = tok.encode("\n")[None].to(device)
@@ -92,6 +94,46 @@ def train_runs(steps=1000, quick=False, device="cuda"):
         yield row
         del gpt
         torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def captured_attention_inputs():
+    """Inside, every attention call of :mod:`flashref.model` appends its (q, k, v) to the yielded list."""
+    from flashref import model
+
+    seen, attend = [], model.attend
+
+    def recording(name, q, k, v, *args, **kw):
+        seen.append((q.detach(), k.detach(), v.detach()))
+        return attend(name, q, k, v, *args, **kw)
+
+    model.attend = recording
+    try:
+        yield seen
+    finally:
+        model.attend = attend
+
+
+def approximation_error(gpt, x, window=256, features=128) -> dict:
+    """Relative error ||O - O_exact|| / ||O_exact|| of local and Performer attention on the queries, keys and
+    values a trained model computes for the tokens ``x``, per layer (exact: fp32)."""
+    import torch
+
+    from flashref import model, torch_attention
+
+    with torch.no_grad(), captured_attention_inputs() as seen:
+        with model.autocast(x.device):
+            gpt(x)
+    W = torch_attention.performer_features(seen[0][0].shape[-1], features, generator=torch.Generator().manual_seed(0))
+    out = {"local": [], "performer": [], "window": window, "features": features}
+    with torch.no_grad():
+        for q, k, v in seen:
+            q, k, v = q.float(), k.float(), v.float()
+            exact = torch_attention.sdpa_attention(q, k, v, causal=True)
+            for name, o in (("local", torch_attention.local_attention(q, k, v, window=window)),
+                            ("performer", torch_attention.performer_attention(q, k, v, W.to(q.device)))):
+                out[name].append(float((o - exact).norm() / exact.norm()))
+    return out
 
 
 def _step_time(step, steps=10, warmup=3):
@@ -107,15 +149,16 @@ def _step_time(step, steps=10, warmup=3):
     return 1e3 * (time.perf_counter() - start) / steps
 
 
-def _trainer(gpt, B, T, device="cuda", compiled=False):
-    """One training step of ``gpt`` on fixed random tokens (the data does not change the step's time)."""
+def _trainer(gpt, B, T, device="cuda", compiled=None):
+    """One training step of ``gpt`` on fixed random tokens (the data does not change the step's time);
+    ``compiled``: None (eager) or a ``torch.compile`` mode ("default", "reduce-overhead": CUDA graphs)."""
     import torch
 
     from flashref import model
 
     opt = model.make_optimizer(gpt)
     x = torch.randint(0, gpt.cfg.vocab_size, (B, T), device=device)
-    fwd = torch.compile(gpt) if compiled else gpt
+    fwd = gpt if compiled is None else torch.compile(gpt, mode=compiled)
 
     def step():
         with model.autocast(device):
@@ -127,8 +170,9 @@ def _trainer(gpt, B, T, device="cuda", compiled=False):
     return step
 
 
-def compile_cases(T=1024, B=16):
-    """Eager against compiled step time, and the graph breaks of the flashref model (rows of "compile")."""
+def compile_cases(T=1024, B=16, modes=("default", "reduce-overhead")):
+    """Eager against compiled step time (``torch.compile``'s default mode, and "reduce-overhead", which
+    replays the step's kernels as CUDA graphs), and the graph breaks ``torch._dynamo.explain`` counts."""
     import torch
 
     for attention in ("flashref", "sdpa"):
@@ -136,18 +180,20 @@ def compile_cases(T=1024, B=16):
         x = torch.randint(0, gpt.cfg.vocab_size, (B, T), device="cuda")
         explain = torch._dynamo.explain(gpt)(x, x)
         torch._dynamo.reset()
-        eager = _step_time(_trainer(gpt, B, T))
-        start = time.perf_counter()
-        step = _trainer(gpt, B, T, compiled=True)
-        step()
-        torch.cuda.synchronize()
-        compile_s = time.perf_counter() - start
-        compiled = _step_time(step)
-        yield {"part": "compile", "attention": attention, "T": T, "batch": B, "eager_ms": eager,
-               "compiled_ms": compiled, "compile_s": compile_s, "graph_breaks": explain.graph_break_count,
-               "graphs": explain.graph_count, "break_reasons": [str(r.reason)[:200] for r in explain.break_reasons]}
-        del gpt, step
-        torch._dynamo.reset()
+        row = {"part": "compile", "attention": attention, "T": T, "batch": B, "eager_ms": _step_time(_trainer(gpt, B, T)),
+               "graph_breaks": explain.graph_break_count, "graphs": explain.graph_count,
+               "break_reasons": [str(r.reason)[:200] for r in explain.break_reasons]}
+        for mode in modes:
+            start = time.perf_counter()
+            step = _trainer(gpt, B, T, compiled=mode)
+            step()
+            torch.cuda.synchronize()
+            row[f"compile_s[{mode}]"] = time.perf_counter() - start
+            row[f"compiled_ms[{mode}]"] = _step_time(step)
+            step = None
+            torch._dynamo.reset()
+        yield row
+        del gpt
         torch.cuda.empty_cache()
 
 
@@ -213,9 +259,22 @@ def attention_share(step, steps=3) -> dict:
     from torch.autograd import DeviceType
 
     cpu = [e for e in prof.events() if e.device_type == DeviceType.CPU]
-    att = sum(e.device_time_total for e in cpu if e.name in ("attention", "attention_backward"))
+    marked = [e for e in cpu if e.name in ("attention", "attention_backward")]
+    att = sum(e.device_time_total for e in marked)
     total = sum(k.duration for e in cpu for k in e.kernels)
-    return {"attention_gpu_us": att / steps, "total_gpu_us": total / steps, "attention_share": att / total}
+    kernels = {}  # which kernels did the attention's work (SDPA's backend shows in their names)
+
+    def walk(e):
+        for kn in e.kernels:
+            kernels[kn.name] = kernels.get(kn.name, 0.0) + kn.duration
+        for child in e.cpu_children:
+            walk(child)
+
+    for e in marked:
+        walk(e)
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:4]
+    return {"attention_gpu_us": att / steps, "total_gpu_us": total / steps, "attention_share": att / total,
+            "attention_kernels": [name[:120] for name, _ in top]}
 
 
 def speed_cases(ns=SPEED_N, attentions=("plain", "sdpa", "flashref")):

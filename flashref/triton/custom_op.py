@@ -2,7 +2,7 @@
 attention without a graph break.
 
     from flashref.triton.custom_op import attention
-    o = attention(q, k, v, causal=True)          # differentiable; torch.ops.flashref.attention_forward inside
+    o = attention(q, k, v, causal=True)   # differentiable; under torch.compile, torch.ops.flashref.attention_forward
 
 ``torch.compile`` cannot look inside a Triton launch wrapped in a ``torch.autograd.Function`` that does
 Python bookkeeping (autotuning, cached lists), so it would break the graph there. A custom op is opaque
@@ -63,9 +63,16 @@ attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 def attention(q, k, v, causal=False, sm_scale=None):
-    """``o = softmax(sm_scale q k^T) v`` through the custom op: what a model calls when it may be compiled.
-    Same shapes, dtypes and checks as :func:`flashref.triton.flash_attention` (GQA: fewer K/V heads)."""
-    from flashref.triton.ops import _check
+    """``o = softmax(sm_scale q k^T) v``: what a model calls when it may be compiled. Same shapes, dtypes and
+    checks as :func:`flashref.triton.flash_attention` (GQA: fewer K/V heads), NaN not looked for.
 
+    While ``torch.compile`` traces, the call goes through the custom op. Run eagerly it goes straight to
+    :func:`flashref.triton.flash_attention`'s autograd Function: a custom op's Python dispatch measured
+    0.65 ms of CPU time per forward + backward on the H100 machine (1.69 against 1.03 ms), more than the
+    kernels of a 4K-token layer take on the GPU."""
+    from flashref.triton.ops import _check, flash_attention
+
+    if not torch.compiler.is_compiling():
+        return flash_attention(q, k, v, causal, sm_scale, check_finite=False)
     _, scale = _check(q, k, v, causal, sm_scale, check_finite=False)
     return attention_forward(q, k, v, bool(causal), scale)[0]
