@@ -277,8 +277,9 @@ def attention_share(step, steps=3) -> dict:
             "attention_kernels": [name[:120] for name, _ in top]}
 
 
-def speed_cases(ns=SPEED_N, attentions=("plain", "sdpa", "flashref")):
-    """Rows of part "speed"."""
+def speed_cases(ns=SPEED_N, attentions=("plain", "sdpa", "flashref"), compiled_ns=(1024, 4096, 16384)):
+    """Rows of part "speed": eager steps with their attention share, and at ``compiled_ns`` the same model
+    compiled with CUDA graphs."""
     import torch
     from tqdm.auto import tqdm
 
@@ -303,6 +304,34 @@ def speed_cases(ns=SPEED_N, attentions=("plain", "sdpa", "flashref")):
             gpt = step = None
             torch.cuda.empty_cache()
             yield row
+        if T in compiled_ns:
+            yield from _compiled_speed(T, B, attentions)
+
+
+def _compiled_speed(T, B, attentions, mode="reduce-overhead"):
+    """Rows of part "speed" for the model compiled with CUDA graphs: the step's GPU time without the CPU's
+    launch overhead (no profile: the marked ranges would not survive compilation)."""
+    import torch
+
+    for attention in attentions:
+        if attention == "plain":
+            continue
+        row = {"part": "speed", "attention": attention, "T": T, "batch": B, "compiled": mode}
+        try:
+            gpt = _build(attention, T)
+            step = _trainer(gpt, B, T, compiled=mode)
+            step()
+            torch.cuda.synchronize()
+            ms = _step_time(step)
+            row.update(status="ok", step_ms=ms, tokens_per_s=B * T / (ms * 1e-3))
+        except Exception as exc:  # noqa: BLE001
+            if not _is_oom(exc):
+                raise
+            row.update(status="OOM")
+        gpt = step = None
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+        yield row
 
 
 def maxlen_cases(attentions=("plain", "sdpa", "flashref"), start=4096, cap=1 << 20):
@@ -437,7 +466,8 @@ def main(argv=None) -> int:
     quick_n = [512, 4096, 16384]
     cases = {"train": lambda: train_runs(100 if args.quick else 1000, args.quick),
              "compile": compile_cases,
-             "speed": lambda: speed_cases(quick_n if args.quick else SPEED_N),
+             "speed": lambda: speed_cases(quick_n if args.quick else SPEED_N, compiled_ns=(4096,) if args.quick else
+                                          (1024, 4096, 16384)),
              "maxlen": lambda: maxlen_cases(cap=1 << 17 if args.quick else 1 << 20),
              "approx": lambda: approx_cases(quick_n if args.quick else APPROX_N)}
     for name in args.parts:
