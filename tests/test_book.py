@@ -23,5 +23,5 @@ def test_book_builds_without_warnings(tmp_path):
     html = tmp_path / "_build" / "html"
     for page in ("book/intro.html", "book/memory_hierarchy.html", "notebooks/01_standard_attention.html",
                  "notebooks/08_triton_backward.html", "notebooks/09_measured_io.html",
-                 "notebooks/10_dropout_masks_sparsity.html"):
+                 "notebooks/10_dropout_masks_sparsity.html", "notebooks/11_attention_in_a_model.html"):
         assert (html / page).exists(), f"{page} missing from the build"

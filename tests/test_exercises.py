@@ -255,3 +255,40 @@ def test_sparsity_checkers_accept_right_answers_and_name_the_mistake():
                                 (77, "H_kv = 64 and H_kv = 8")]:
         verdict = ex.check_gqa_cache_saved(wrong_answer)
         assert not verdict and words in repr(verdict), repr(verdict)
+
+
+def test_model_checkers_accept_right_answers_and_name_the_mistake():
+    import torch
+
+    from flashref.exercises import model as ex
+
+    def mask(N, w, extra=0, causal=True):
+        i, j = np.arange(N)[:, None], np.arange(N)[None, :]
+        return ((j <= i) | (not causal)) & (j > i - w - extra)
+
+    def torch_mask(N, w):
+        i = torch.arange(N)
+        return (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - w)
+
+    assert ex.check_window_mask(mask) and ex.check_window_mask(torch_mask)
+    assert not ex.check_window_mask(None) and "Not answered" in repr(ex.check_window_mask(None))
+    assert "returns None" in repr(ex.check_window_mask(lambda *a: None))
+    assert "pass your function" in repr(ex.check_window_mask(42))
+    assert "raised ZeroDivisionError" in repr(ex.check_window_mask(lambda *a: 1 / 0))
+    for bad, words in [(lambda N, w: mask(N, w, causal=False), "later token"),
+                       (lambda N, w: mask(N, w, extra=1), "one too many"),
+                       (lambda N, w: mask(N, w, extra=-1), "one too few"),
+                       (lambda N, w: mask(N, w).T.copy(), "later token"),
+                       (lambda N, w: mask(N, w).astype(np.int8), "dtype int8"),
+                       (lambda N, w: mask(N, w)[:1], "shape"),
+                       (lambda N, w: mask(N, w) & ~np.eye(N, dtype=bool), "entry (query 0, key 0)")]:
+        verdict = ex.check_window_mask(bad)
+        assert not verdict and words in repr(verdict), repr(verdict)
+
+    want = 1 / ((1 - ex.SHARE) + ex.SHARE / ex.KERNEL_SPEEDUP)
+    assert ex.check_end_to_end_speedup(want) and ex.check_end_to_end_speedup(round(want, 1))
+    for wrong_answer, words in [(ex.KERNEL_SPEEDUP, "kernels' own speed-up"), (1 / (1 - ex.SHARE), "infinitely fast"),
+                                (ex.SHARE * ex.KERNEL_SPEEDUP + 1 - ex.SHARE, "averages the speed-ups"),
+                                (3.0, "is not it")]:
+        verdict = ex.check_end_to_end_speedup(wrong_answer)
+        assert not verdict and words in repr(verdict), repr(verdict)
