@@ -186,7 +186,7 @@ def _finite_or_zero(m):
 
 def flash_attention_forward(q, k, v, causal=False, sm_scale=None, block_q=BLOCK_Q, block_k=BLOCK_K,
                             order="fa2", trace=None, *, dropout_mask=None, dropout_p=0.0, block_mask=None,
-                            block_size=128):
+                            block_size=128, observe=None):
     """Tiled attention forward: returns ``(o, lse)``, ``o`` shaped like q and ``lse`` shaped ``q.shape[:-1]``.
 
     ``order="fa2"`` (FlashAttention-2): outer loop over query blocks, the running max m, sum l and the
@@ -195,7 +195,10 @@ def flash_attention_forward(q, k, v, causal=False, sm_scale=None, block_q=BLOCK_
     query blocks; O, l and m live in full-size ("HBM") arrays, read and written back at every tile, and
     O is kept normalized after every step, as in the paper.
 
-    ``trace``, if a list, receives the ``(i, j)`` index of every tile visited, in order.
+    ``trace``, if a list, receives the ``(i, j)`` index of every tile visited, in order. ``observe``, if
+    given, is called after every tile as ``observe(i, j, m, l, o)`` with copies of the running max, the
+    running sum and the output so far, normalized (acc / l), of the tile's query rows: what the animated
+    tile walk of notebook ``03_tiled_forward`` draws (:mod:`flashref.tile_walk`).
     ``lse`` is the natural-log log-sum-exp of the scaled scores of each query row.
 
     The keywords are those of :func:`flashref.reference.attention`: k and v may have fewer heads than q
@@ -208,18 +211,26 @@ def flash_attention_forward(q, k, v, causal=False, sm_scale=None, block_q=BLOCK_
     N_q, N_k, d, scale, block_q, block_k = _check_inputs(q, k, v, causal, sm_scale, block_q, block_k)
     if trace is not None and not isinstance(trace, list):
         raise TypeError(f"trace must be a list or None, got {type(trace).__name__}")
+    if observe is not None and not callable(observe):
+        raise TypeError(f"observe must be a callable or None, got {type(observe).__name__}")
     ex = _Extras(q, k, dropout_mask, dropout_p, block_mask, block_size)
     run = _forward_fa2 if order == "fa2" else _forward_fa1
     shape, half = q.shape, q.dtype == np.float16
     if half:  # fp32 accumulation, as on a GPU
         q, k, v = (x.astype(np.float32) for x in (q, k, v))
     o, lse = run(ex.grouped(q, True), ex.grouped(k, False), ex.grouped(v, False), causal, scale,
-                 tile_ranges(N_q, block_q), tile_ranges(N_k, block_k), trace, ex)
+                 tile_ranges(N_q, block_q), tile_ranges(N_k, block_k), trace, ex, observe)
     o, lse = o.reshape(shape), lse.reshape(shape[:-1])
     return (o.astype(np.float16), lse) if half else (o, lse)
 
 
-def _forward_fa2(q, k, v, causal, scale, q_tiles, k_tiles, trace, ex):
+def _observed(observe, i, j, m, l, o):
+    if observe is not None:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            observe(i, j, m.copy(), l.copy(), np.where((l > 0)[..., None], o, 0.0))
+
+
+def _forward_fa2(q, k, v, causal, scale, q_tiles, k_tiles, trace, ex, observe=None):
     """FlashAttention-2 order. Per query block i, with accumulator acc = sum_j exp(S_ij - m) V_j:
 
         m_new = max(m, rowmax(S_ij));  alpha = exp(m - m_new);  P = exp(S_ij - m_new)
@@ -251,6 +262,8 @@ def _forward_fa2(q, k, v, causal, scale, q_tiles, k_tiles, trace, ex):
             acc = acc * alpha[..., None]
             acc += _drop(p, ex.kept(q_range, k_range), 1 / (1 - ex.p)) @ v[..., k_range[0]:k_range[1], :]
             m = m_new
+            if observe is not None:
+                _observed(observe, i, j, m, l, acc / np.where(l > 0, l, 1)[..., None])
         seen = l > 0  # False only for a row the block mask hides from every key
         o[..., q_range[0]:q_range[1], :] = acc / np.where(seen, l, 1)[..., None]
         with np.errstate(divide="ignore"):
@@ -258,7 +271,7 @@ def _forward_fa2(q, k, v, causal, scale, q_tiles, k_tiles, trace, ex):
     return o, lse
 
 
-def _forward_fa1(q, k, v, causal, scale, q_tiles, k_tiles, trace, ex):
+def _forward_fa1(q, k, v, causal, scale, q_tiles, k_tiles, trace, ex, observe=None):
     """Algorithm 1 of FlashAttention. O, l, m are "HBM" arrays; for each key block j and query block i:
     read O_i, l_i, m_i; compute the tile's own max m~ and sum l~ of P~ = exp(S_ij - m~); then
 
@@ -294,6 +307,8 @@ def _forward_fa1(q, k, v, causal, scale, q_tiles, k_tiles, trace, ex):
             pv = _drop(p, ex.kept(q_range, k_range), 1 / (1 - ex.p)) @ v_tile
             o[..., rows, :] = ((l_i * alpha)[..., None] * o_i + beta[..., None] * pv) / denom
             l[..., rows], m[..., rows] = l_new, m_new           # write back to HBM
+            if observe is not None:
+                _observed(observe, i, j, m_new, l_new, o[..., rows, :])
     with np.errstate(divide="ignore"):
         return o, np.where(l > 0, m + np.log(np.where(l > 0, l, 1)), -np.inf).astype(q.dtype)
 

@@ -25,3 +25,6 @@ def test_book_builds_without_warnings(tmp_path):
                  "notebooks/08_triton_backward.html", "notebooks/09_measured_io.html",
                  "notebooks/10_dropout_masks_sparsity.html", "notebooks/11_attention_in_a_model.html"):
         assert (html / page).exists(), f"{page} missing from the build"
+    # The animated tile walk plays in the rendered page: matplotlib's JavaScript player and its frames.
+    tiled = (html / "notebooks/03_tiled_forward.html").read_text()
+    assert tiled.count('<div class="animation">') == 2 and tiled.count("data:image/png;base64") > 20
