@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
+
+# The one plain PyTorch attention of the package: every step in the inputs' dtype (matmul, softmax, matmul).
+from flashref.torch_attention import plain_attention
 
 
 def make_qkv(B, H, N_q, N_k, d, dtype, device, seed=0, scale=1.0):
@@ -14,16 +15,6 @@ def make_qkv(B, H, N_q, N_k, d, dtype, device, seed=0, scale=1.0):
     v = torch.randn(B, H, N_k, d, generator=g).to(device=device, dtype=dtype)
     do = torch.randn(B, H, N_q, d, generator=g).to(device=device, dtype=dtype)
     return q, k, v, do
-
-
-def plain_attention(q, k, v, causal=False, sm_scale=None):
-    """softmax(scale Q K^T) V with every step in the inputs' dtype (matmul, softmax, matmul)."""
-    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if causal:
-        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-        s = s.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(s, dim=-1), v)
 
 
 def plain_forward_backward(q, k, v, do, causal=False, sm_scale=None):
