@@ -292,3 +292,26 @@ def test_model_checkers_accept_right_answers_and_name_the_mistake():
                                 (3.0, "is not it")]:
         verdict = ex.check_end_to_end_speedup(wrong_answer)
         assert not verdict and words in repr(verdict), repr(verdict)
+
+
+def test_causal_tile_rule_checker_accepts_the_kernels_rule_and_names_each_mistake():
+    from flashref.exercises import cupy_kernels as ex
+
+    rule = ex.causal_tile_rule
+    assert ex.check_causal_tile_rule(rule)
+    assert "returns None" in repr(ex.check_causal_tile_rule(lambda *a: None))
+    assert "pass your function" in repr(ex.check_causal_tile_rule(42))
+    assert "raised ZeroDivisionError" in repr(ex.check_causal_tile_rule(lambda *a: 1 / 0))
+    for bad, words in [
+        (lambda i0, j0, bm, bn, N: "mask" if rule(i0, j0, bm, bn, N) != "skip" else "skip", "only slower"),
+        (lambda i0, j0, bm, bn, N: "skip" if j0 > i0 else rule(i0, j0, bm, bn, N), "go missing"),
+        (lambda i0, j0, bm, bn, N: "full" if rule(i0, j0, bm, bn, N) == "skip" else rule(i0, j0, bm, bn, N),
+         "half the work"),
+        (lambda i0, j0, bm, bn, N: "full" if j0 + bn > N and rule(i0, j0, bm, bn, N) == "mask" else
+         rule(i0, j0, bm, bn, N), "past the last key"),
+        (lambda i0, j0, bm, bn, N: "full" if rule(i0, j0, bm, bn, N) == "mask" and j0 + bn <= N else
+         rule(i0, j0, bm, bn, N), "comes after row"),
+        (lambda *a: "maybe", '"skip", "mask" or "full"'),
+    ]:
+        verdict = ex.check_causal_tile_rule(bad)
+        assert not verdict and words in repr(verdict), repr(verdict)

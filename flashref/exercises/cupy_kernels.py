@@ -1,11 +1,12 @@
-"""Checkers for notebook ``06_cupy_kernel`` (the CUDA C kernels)."""
+"""Checkers for notebook ``06_cupy_kernel`` (the CUDA C kernels), and its coding exercise: the causal rule
+of the key loop (which tiles to skip, which to mask)."""
 
 from __future__ import annotations
 
 import math
 
 from flashref.cupy.config import T4_BLOCK_SMEM, bank_conflict_ways, tiled_smem_bytes
-from flashref.exercises import check_number
+from flashref.exercises import NOT_ANSWERED, Verdict, check_number, right, wrong
 
 #: the exercise's configuration: fp32 tiled kernel, d = 128, 64 x 64 tiles
 SMEM_D, SMEM_BLOCK_M, SMEM_BLOCK_N = 128, 64, 64
@@ -44,3 +45,64 @@ def check_bank_conflict_ways(answer):
         hint="Word tx * 64 + x lives in bank (tx * 64 + x) mod 32: which banks do the 16 threads hit?",
         explain=f"All 16 addresses land in one bank: a {expected}-way conflict. With rows of 65 floats "
                 f"they land in 16 different banks: {bank_conflict_ways(tx * 65 for tx in range(16))} pass.")
+
+
+# --------------------------------------------------------------------------------------------------
+# Coding exercise: the causal rule of the tensor-core kernel's key loop
+# --------------------------------------------------------------------------------------------------
+
+#: (block_m, block_n, N_q, N_k) the reader's rule is checked on: uneven lengths, N_q != N_k, one key.
+RULE_CASES = [(64, 64, 1000, 1000), (128, 64, 300, 500), (64, 32, 200, 77), (128, 64, 40, 1)]
+RULE_UNWRITTEN = "Not answered yet: your function returns None; write its body and run the cell again."
+
+
+def causal_tile_rule(i0: int, j0: int, block_m: int, block_n: int, N_k: int) -> str:
+    """The kernels' rule (flash_mma.cu: ``j_end`` and ``need_mask``) for the tile whose first query row is
+    ``i0`` and first key ``j0``, causal: "skip" when no row of the tile sees any of its keys (the loop
+    stops before it), "mask" when some entries must be masked (the diagonal crosses it, or it runs past
+    the last key), "full" when every entry is visible."""
+    if j0 >= min(N_k, i0 + block_m):
+        return "skip"
+    if j0 + block_n > N_k or j0 + block_n - 1 > i0:
+        return "mask"
+    return "full"
+
+
+def _rule_problem(i0, j0, bm, bn, N_k, got, want) -> str:
+    tile = f"the tile of rows {i0}..{i0 + bm - 1} and keys {j0}..{j0 + bn - 1} (N_k = {N_k})"
+    if got == "skip":
+        return f"{tile} was skipped, but row {max(i0 + bm - 1, j0)} sees key {j0}: its keys go missing."
+    if want == "skip":
+        return (f"{tile} is computed, but every one of its keys comes after every row (or after the last key): "
+                "the loop can stop before it, which is half the work of causal attention.")
+    if got == "full":
+        why = "it runs past the last key" if j0 + bn > N_k else f"key {j0 + bn - 1} comes after row {i0}"
+        return f"{tile} is computed without the mask, but {why}: those entries must be -inf."
+    return (f"{tile} is masked, but every row sees every key of it: it is right, only slower. The mask is "
+            "needed where the diagonal crosses the tile or the tile runs past N_k.")
+
+
+def check_causal_tile_rule(fn) -> Verdict:
+    """``fn(i0, j0, block_m, block_n, N_k)`` must return "skip", "mask" or "full" as the kernels decide."""
+    if fn is None:
+        return Verdict(False, NOT_ANSWERED)
+    if not callable(fn):
+        return wrong(f"pass your function itself (tile_rule), not {type(fn).__name__}.")
+    counts = {"skip": 0, "mask": 0, "full": 0}
+    for bm, bn, N_q, N_k in RULE_CASES:
+        for i0 in range(0, N_q, bm):
+            for j0 in range(0, N_k, bn):
+                try:
+                    got = fn(i0, j0, bm, bn, N_k)
+                except Exception as exc:  # noqa: BLE001 (the reader's code: say what it raised)
+                    return wrong(f"for i0 = {i0}, j0 = {j0} your function raised {type(exc).__name__}: {exc}")
+                if got is None:
+                    return Verdict(False, RULE_UNWRITTEN)
+                if got not in counts:
+                    return wrong(f'return one of "skip", "mask" or "full", got {got!r}.')
+                want = causal_tile_rule(i0, j0, bm, bn, N_k)
+                if got != want:
+                    return wrong(_rule_problem(i0, j0, bm, bn, N_k, got, want))
+                counts[got] += 1
+    return right(f"On these shapes {counts['full']} tiles run unmasked, {counts['mask']} masked and {counts['skip']} "
+                 "are skipped: the masked ones are only those the diagonal or the end of the keys crosses.")
