@@ -1,8 +1,9 @@
 """Timing the CuPy kernels next to PyTorch's SDPA flash backend, on the same GPU in the same run.
 
-Taught in notebook ``06_cupy_kernel`` ("How fast"). ``python -m flashref.cupy.bench`` measures the grid
+Taught in notebook ``06_cupy_kernel`` ("How fast"). ``python -m flashref.bench cupy`` measures the grid
 of the course's benchmark (N in 1K..16K, B = 65536 / N, H = 2048 / d, fp16; the tiled kernel in fp32
-and fp16 too) and writes book/data/cupy_bench.json. FLOPs: 4 B H N_q N_k d, half of it when causal.
+and fp16 too) and writes book/data/cupy_bench.json, its rows in the course benchmark's schema (impl,
+mode, B, H, N, d, causal, status, ms, tflops) and its FLOPs counted by :func:`gpu_bench.flops`.
 """
 
 from __future__ import annotations
@@ -13,12 +14,9 @@ import os
 import platform
 import sys
 
+from flashref.bench.gpu_bench import flops
+
 OUT_PATH = os.path.join("book", "data", "cupy_bench.json")
-
-
-def forward_flops(B, H, N_q, N_k, d, causal) -> float:
-    flops = 4.0 * B * H * N_q * N_k * d
-    return flops / 2 if causal else flops
 
 
 def time_ms(fn, warmup: int = 1, reps: int = 5) -> float:
@@ -76,23 +74,26 @@ def run(Ns=(1024, 2048, 4096, 8192, 16384), ds=(64, 128), causals=(False, True),
                     if impls is not None and name not in impls:
                         continue
                     ms = time_ms(fn, reps=reps)
-                    tflops = forward_flops(B, H, N, N, d, causal) / ms / 1e9
-                    rows.append(dict(impl=name, N=N, d=d, B=B, H=H, causal=causal, ms=ms, tflops=tflops))
+                    tflops = flops(B, H, N, N, d, causal, "fwd") / ms / 1e9
+                    rows.append(dict(impl=name, mode="fwd", B=B, H=H, N=N, d=d, causal=causal, status="ok", ms=ms,
+                                     tflops=tflops))
                     log(f"{name:16s} N={N:5d} d={d:3d} causal={causal!s:5s} {ms:9.3f} ms {tflops:7.1f} TFLOP/s")
             del q, k, v
             torch.cuda.empty_cache()
     return rows
 
 
-def environment() -> dict:
+def environment() -> tuple[str, dict]:
+    """(device name, versions) of this machine."""
     import cupy as cp
     import torch
-    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cupy": cp.__version__,
-            "cuda": torch.version.cuda, "python": platform.python_version()}
+
+    return torch.cuda.get_device_name(), {"torch": torch.__version__, "cupy": cp.__version__,
+                                          "cuda": torch.version.cuda, "python": platform.python_version()}
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flashref.cupy.bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m flashref.bench cupy", description=__doc__)
     parser.add_argument("--N", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--d", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--impls", nargs="+", default=None)
@@ -101,8 +102,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     rows = run(Ns=args.N, ds=args.d, impls=args.impls, reps=args.reps)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    device, versions = environment()
+    command = "python -m flashref.bench cupy " + " ".join(argv if argv is not None else sys.argv[1:])
     with open(args.out, "w") as f:
-        json.dump({"environment": environment(), "rows": rows}, f, indent=1)
+        json.dump({"device": device, "versions": versions, "command": command.strip(), "results": rows}, f, indent=1)
         f.write("\n")
     return 0
 
@@ -112,20 +115,19 @@ if __name__ == "__main__":
 
 
 GPU_BENCH_PATH = os.path.join("book", "data", "gpu_bench.json")
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def load_results(path: str = OUT_PATH):
     """(device name, forward rows) of a saved benchmark: this module's book/data/cupy_bench.json or the
-    course benchmark's book/data/gpu_bench.json (flashref.bench gpu). Rows: impl, N, d, causal, tflops.
-    A missing file gives ("", [])."""
-    path = os.path.join(REPO_ROOT, path)
-    if not os.path.exists(path):
+    course benchmark's book/data/gpu_bench.json (flashref.bench gpu), read by :func:`flashref.bench.results.load`.
+    Rows: impl, N, d, causal, tflops. A missing file gives ("", [])."""
+    from flashref.bench import results
+
+    try:
+        data = results.load(os.path.basename(path), os.path.join(results.REPO_ROOT, path))
+    except FileNotFoundError:
         return "", []
-    with open(path) as f:
-        data = json.load(f)
-    raw = data.get("rows") or data.get("results") or []
-    device = data.get("device") or data.get("environment", {}).get("device", "")
+    raw, device = data.get("results", []), data.get("device", "")
     rows = [dict(impl=r["impl"], N=int(r["N"]), d=int(r["d"]), causal=bool(r["causal"]), tflops=float(r["tflops"]))
             for r in raw if r.get("mode", "fwd") == "fwd" and r.get("status", "ok") == "ok" and r.get("tflops")]
     return device, rows
