@@ -45,6 +45,21 @@ def _is_oom(exc) -> bool:
     return "out of memory" in str(exc).lower() or type(exc).__name__ == "OutOfMemoryError"
 
 
+def _unless_oom(row: dict, measure) -> dict:
+    """``row`` with status "ok" and what ``measure()`` returns, or status "OOM" when the GPU ran out of memory
+    (a result: how far each variant goes). Any other failure is raised. What ``measure`` built is freed."""
+    import torch
+
+    try:
+        row.update(status="ok", **measure())
+    except Exception as exc:  # noqa: BLE001 (only out-of-memory is caught: it is re-raised otherwise)
+        if not _is_oom(exc):
+            raise
+        row.update(status="OOM")
+    torch.cuda.empty_cache()
+    return row
+
+
 def _corpus():
     from flashref import model
 
@@ -286,24 +301,18 @@ def speed_cases(ns=SPEED_N, attentions=("plain", "sdpa", "flashref"), compiled_n
     for T in tqdm(ns, desc="speed"):
         B = max(1, TOKENS // T)
         for attention in attentions:
-            row = {"part": "speed", "attention": attention, "T": T, "batch": B}
             torch.cuda.empty_cache()
-            try:
-                gpt = _build(attention, T)
-                step = _trainer(gpt, B, T)
+
+            def measure():
+                step = _trainer(_build(attention, T), B, T)
                 step()
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
                 ms = _step_time(step)
-                row.update(status="ok", step_ms=ms, tokens_per_s=B * T / (ms * 1e-3),
-                           peak_bytes=int(torch.cuda.max_memory_allocated()), **attention_share(step))
-            except Exception as exc:  # noqa: BLE001 (recorded; the run goes on)
-                if not _is_oom(exc):
-                    raise
-                row.update(status="OOM")
-            gpt = step = None
-            torch.cuda.empty_cache()
-            yield row
+                return dict(step_ms=ms, tokens_per_s=B * T / (ms * 1e-3),
+                            peak_bytes=int(torch.cuda.max_memory_allocated()), **attention_share(step))
+
+            yield _unless_oom({"part": "speed", "attention": attention, "T": T, "batch": B}, measure)
         if T in compiled_ns:
             yield from _compiled_speed(T, B, attentions)
 
@@ -316,21 +325,16 @@ def _compiled_speed(T, B, attentions, mode="reduce-overhead"):
     for attention in attentions:
         if attention == "plain":
             continue
-        row = {"part": "speed", "attention": attention, "T": T, "batch": B, "compiled": mode}
-        try:
-            gpt = _build(attention, T)
-            step = _trainer(gpt, B, T, compiled=mode)
+
+        def measure():
+            step = _trainer(_build(attention, T), B, T, compiled=mode)
             step()
             torch.cuda.synchronize()
             ms = _step_time(step)
-            row.update(status="ok", step_ms=ms, tokens_per_s=B * T / (ms * 1e-3))
-        except Exception as exc:  # noqa: BLE001
-            if not _is_oom(exc):
-                raise
-            row.update(status="OOM")
-        gpt = step = None
+            return dict(step_ms=ms, tokens_per_s=B * T / (ms * 1e-3))
+
+        row = _unless_oom({"part": "speed", "attention": attention, "T": T, "batch": B, "compiled": mode}, measure)
         torch._dynamo.reset()
-        torch.cuda.empty_cache()
         yield row
 
 
@@ -345,22 +349,17 @@ def maxlen_cases(attentions=("plain", "sdpa", "flashref"), start=4096, cap=1 << 
         for attention in attentions:
             T = start
             while T <= cap:
-                row = {"part": "maxlen", "attention": attention, "T": T, "batch": 1}
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
-                try:
-                    gpt = _build(attention, T)
+
+                def measure():
+                    step = _trainer(_build(attention, T), 1, T)
                     t0 = time.perf_counter()
-                    _trainer(gpt, 1, T)()
+                    step()
                     torch.cuda.synchronize()
-                    row.update(status="ok", peak_bytes=int(torch.cuda.max_memory_allocated()),
-                               step_s=time.perf_counter() - t0)
-                except Exception as exc:  # noqa: BLE001
-                    if not _is_oom(exc):
-                        raise
-                    row.update(status="OOM")
-                gpt = None
-                torch.cuda.empty_cache()
+                    return dict(peak_bytes=int(torch.cuda.max_memory_allocated()), step_s=time.perf_counter() - t0)
+
+                row = _unless_oom({"part": "maxlen", "attention": attention, "T": T, "batch": 1}, measure)
                 yield row
                 if row["status"] != "ok":
                     break
@@ -398,19 +397,14 @@ def approx_cases(ns=APPROX_N, H=6, d=64, window=256, features=128):
             def run():
                 model.attend(attention, *xs, window=window, features=W).backward(do)
 
-            try:
+            def measure():
                 with torch.no_grad():
                     o = model.attend(attention, q, k, v, window=window, features=W)
-                row["rel_error"] = float((o.float() - exact).norm() / exact.norm())
-                ms = triton.testing.do_bench(run, warmup=25, rep=100, grad_to_none=xs, return_mode="median")
-                row.update(status="ok", ms=ms)
-            except Exception as exc:  # noqa: BLE001
-                if not _is_oom(exc):
-                    raise
-                row.update(status="OOM")
-            o = None
-            torch.cuda.empty_cache()
-            yield row
+                error = float((o.float() - exact).norm() / exact.norm())
+                return dict(rel_error=error, ms=triton.testing.do_bench(run, warmup=25, rep=100, grad_to_none=xs,
+                                                                        return_mode="median"))
+
+            yield _unless_oom(row, measure)
 
 
 def amdahl(share: float, kernel_speedup: float) -> float:
