@@ -20,10 +20,10 @@ D) are fp32.
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 
 from flashref.kernel_tiles import keys_visited
+from flashref.validation import check_positive_int
 
 STAT = 4  # bytes of one fp32 per-row statistic
 
@@ -49,8 +49,7 @@ class Traffic:
 def _check(B, H, N_q, N_k, d, block_m, block_n, elem):
     for name, value in (("B", B), ("H", H), ("N_q", N_q), ("N_k", N_k), ("d", d), ("block_m", block_m),
                         ("block_n", block_n), ("elem", elem)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_positive_int(name, value)
 
 
 def _rows(start: int, stop: int, n: int) -> int:

@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from flashref.validation import check_attention_inputs, check_causal, check_sm_scale
+from flashref.validation import check_attention_inputs, check_causal, check_positive_int, check_sm_scale
 
 # The on-chip row statistics of one step of Algorithm 1: m_i, l_i (loaded), m~_ij, l~_ij (of the new
 # tile), m_i^new, l_i^new (the merged state).
@@ -84,26 +84,17 @@ class BlockSizes(NamedTuple):
 # Argument checks
 # --------------------------------------------------------------------------------------------------
 
-def _check_size(name: str, value) -> int:
-    """A size must be a positive integer; say which one is wrong and what came."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be a positive integer, got {type(value).__name__}: {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value}")
-    return int(value)
-
-
 def _check_blocks(blocks, M: int, d: int) -> BlockSizes:
     if blocks is None:
         return block_sizes(M, d)
     if not isinstance(blocks, tuple) or len(blocks) != 2:
         raise TypeError(f"blocks must be a pair (B_c, B_r) or None, got {blocks!r}")
-    return BlockSizes(_check_size("blocks B_c", blocks[0]), _check_size("blocks B_r", blocks[1]))
+    return BlockSizes(check_positive_int("blocks B_c", blocks[0]), check_positive_int("blocks B_r", blocks[1]))
 
 
 def _check_sizes(N, d, M, N_k):
-    N, d, M = _check_size("N", N), _check_size("d", d), _check_size("M", M)
-    N_k = N if N_k is None else _check_size("N_k", N_k)
+    N, d, M = check_positive_int("N", N), check_positive_int("d", d), check_positive_int("M", M)
+    N_k = N if N_k is None else check_positive_int("N_k", N_k)
     return N, N_k, d, M
 
 
@@ -128,7 +119,7 @@ class TwoLevelMemory:
     """
 
     def __init__(self, M: int, execute: bool = True):
-        self.capacity = _check_size("M", M)
+        self.capacity = check_positive_int("M", M)
         self.execute = bool(execute)
         self.hbm: dict[str, np.ndarray | tuple[int, int]] = {}
         self.reads = self.writes = self.flops = 0
@@ -213,7 +204,7 @@ class TwoLevelMemory:
 
 def block_sizes(M: int, d: int) -> BlockSizes:
     """The paper's block sizes (Algorithm 1, line 1): ``B_c = ceil(M / 4d)``, ``B_r = min(B_c, d)``."""
-    M, d = _check_size("M", M), _check_size("d", d)
+    M, d = check_positive_int("M", M), check_positive_int("d", d)
     B_c = -(-M // (4 * d))
     return BlockSizes(B_c, min(B_c, d))
 
@@ -451,7 +442,7 @@ def _prepare(q, k, v, M, causal, sm_scale):
     N_q, N_k, d = check_attention_inputs(q, k, v, allowed_ndims=(2,))
     check_causal(causal)
     scale = check_sm_scale(sm_scale, d)
-    M = _check_size("M", M)
+    M = check_positive_int("M", M)
     mem = TwoLevelMemory(M, execute=True)
     for name, x in (("Q", q), ("K", k), ("V", v)):
         mem.place(name, np.asarray(x))
@@ -571,7 +562,7 @@ def block_sparse_io_theta(N: int, d: int, M: int, s: float) -> float:
     is the fraction of the blocks of the mask that are nonzero. The N d term is reading the inputs and
     writing the output once, which no mask removes; the second is :func:`tiled_io_theta` scaled by ``s``,
     because a zero block's tiles are never loaded. Taught in notebook ``10_dropout_masks_sparsity``."""
-    N, d, M = _check_size("N", N), _check_size("d", d), _check_size("M", M)
+    N, d, M = check_positive_int("N", N), check_positive_int("d", d), check_positive_int("M", M)
     if isinstance(s, bool) or not isinstance(s, numbers.Real) or not 0.0 <= float(s) <= 1.0:
         raise ValueError(f"s (the fraction of nonzero blocks) must be a number in [0, 1], got {s!r}")
     return float(N) * d + tiled_io_theta(N, d, M) * float(s)

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashref.validation import (check_attention_inputs, check_block_mask, check_causal, check_dropout_p, check_finite,
-                                 check_numpy, check_same_shape, check_sm_scale)
+from flashref.validation import (check_attention_inputs, check_block_mask, check_causal, check_dropout_p,
+                                 check_finite, check_numpy, check_positive_int, check_same_shape, check_sm_scale)
 
 #: Default tile sizes, tuned for speed on a CPU (``python -m flashref.bench numpy``): a 128 x 1024
 #: float32 score tile is 512 KiB, big enough that NumPy's per-call overhead is amortized, small enough
@@ -37,20 +37,12 @@ _DTYPES = ("float16", "float32", "float64")
 # Checks and the tile grid
 # ----------------------------------------------------------------------------------------------------
 
-def _check_block(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be a positive int, got {type(value).__name__}: {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value}")
-    return int(value)
-
-
 def _check_inputs(q, k, v, causal, sm_scale, block_q, block_k):
     """The checks every entry point runs first; returns ``(N_q, N_k, d, scale, block_q, block_k)``."""
     N_q, N_k, d = check_attention_inputs(q, k, v, allowed_ndims=(2, 4), allowed_dtypes=_DTYPES, numpy=True, gqa=True)
     check_causal(causal)
     scale = check_sm_scale(sm_scale, d)
-    return N_q, N_k, d, scale, _check_block("block_q", block_q), _check_block("block_k", block_k)
+    return N_q, N_k, d, scale, check_positive_int("block_q", block_q), check_positive_int("block_k", block_k)
 
 
 def tile_ranges(n: int, block: int) -> list[tuple[int, int]]:
@@ -91,7 +83,7 @@ def tile_sram_bytes(block_q: int, block_k: int, d: int, itemsize: int = 2, acc_i
     """
     for name, value in (("block_q", block_q), ("block_k", block_k), ("d", d), ("itemsize", itemsize),
                         ("acc_itemsize", acc_itemsize)):
-        _check_block(name, value)
+        check_positive_int(name, value)
     return {"Q_i": block_q * d * itemsize, "K_j": block_k * d * itemsize, "V_j": block_k * d * itemsize,
             "S_ij": block_q * block_k * acc_itemsize, "O_i": block_q * d * acc_itemsize,
             "m_i, l_i": 2 * block_q * acc_itemsize}

@@ -19,6 +19,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from flashref.validation import check_positive_int
+
 
 def _scale(q, sm_scale):
     return 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
@@ -47,8 +49,7 @@ def local_attention(q, k, v, window=256, sm_scale=None):
     The sequence is cut into chunks of ``window`` queries; each chunk scores against its own keys and the
     previous chunk's (``2 * window`` keys, the band masked inside), so S has N x 2 window entries, not N^2.
     Exact attention when ``window >= N``."""
-    if not isinstance(window, int) or window < 1:
-        raise ValueError(f"window must be a positive int, got {window!r}")
+    check_positive_int("window", window)
     B, H, N, d = q.shape
     w = min(window, N)
     pad = (-N) % w  # padded keys come after every real query: the causal band never reaches them

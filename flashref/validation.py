@@ -203,11 +203,19 @@ def check_dropout_p(dropout_p) -> float:
     return p
 
 
+def check_positive_int(name: str, value) -> int:
+    """A size or count: an integer (Python or NumPy, not a bool) of at least 1, returned as an int. A
+    TypeError names the argument when it is not an integer, a ValueError when it is below 1."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be a positive integer, got {type(value).__name__}: {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value}")
+    return int(value)
+
+
 def check_block_size(block_size) -> int:
     """``block_size`` of a block mask: a positive int."""
-    if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-    return int(block_size)
+    return check_positive_int("block_size", block_size)
 
 
 def check_block_mask(block_mask, lead: tuple, N_q: int, N_k: int, block_size):

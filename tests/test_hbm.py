@@ -113,8 +113,9 @@ def test_the_flash_forward_moves_n_squared_d_bytes_and_standard_n_squared():
     assert hbm.total(hbm.standard_forward(1, 1, N, N, 64, causal=True)) > hbm.total(hbm.standard_forward(1, 1, N, N, 64))
 
 
-@pytest.mark.parametrize("kwargs,name", [({"N_q": 0}, "N_q"), ({"d": 2.5}, "d"), ({"block_m": True}, "block_m")])
-def test_bad_sizes_are_named(kwargs, name):
+@pytest.mark.parametrize("kwargs,name,error", [({"N_q": 0}, "N_q", ValueError), ({"d": 2.5}, "d", TypeError),
+                                               ({"block_m": True}, "block_m", TypeError)])
+def test_bad_sizes_are_named(kwargs, name, error):
     args = dict(B=1, H=1, N_q=8, N_k=8, d=4, block_m=4, block_n=4) | kwargs
-    with pytest.raises(ValueError, match=f"{name} must be a positive integer"):
+    with pytest.raises(error, match=f"{name} must be a positive integer"):
         hbm.flash_forward(**args)

@@ -114,6 +114,22 @@ def test_autotuned_path(monkeypatch):
     _check(q, k, v, do, True)
 
 
+def test_autotuned_path_with_t4_configs(monkeypatch):
+    """FLASHREF_T4_CONFIGS=1 is read when tuning, not at import: the autotuner then picks from the T4 list,
+    after it has tuned the same shape with the large list."""
+    from flashref.triton import configs, flash_attention, ops
+
+    monkeypatch.setenv("FLASHREF_TRITON_AUTOTUNE", "1")
+    q, k, v, do = make_qkv(1, 2, 1024, 1024, 64, torch.float16, "cuda", seed=4)
+    _check(q, k, v, do, False)
+    monkeypatch.setenv("FLASHREF_T4_CONFIGS", "1")
+    _check(q, k, v, do, False)
+    chosen = {key[0]: cfg for key, cfg in ops._CHOSEN.items() if key[9] and key[2] == 64}  # key[9]: T4 mode
+    assert set(chosen) == {"forward", "dkdv", "dq"}
+    for name, cfg in chosen.items():
+        assert cfg in configs.KERNELS[name]["t4"], (name, cfg)
+
+
 def test_memory_is_linear_in_n():
     """Forward+backward allocates O(N) beyond inputs, outputs and gradients (no N x N matrix)."""
     from flashref.triton import flash_attention

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from flashref.triton.forward import (_block_elements, _block_visible, _dot, _keep, _listed_start,
-                                     _listed_tiles_before)
+                                     _listed_tiles_before, _load_rows)
 
 
 @triton.jit
@@ -77,23 +77,15 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_b
     block mask finer than the tile is applied element by element; with DROPOUT the forward's keep-mask is
     regenerated for the transposed tile."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    q_ptrs = q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
-    do_ptrs = do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod
-    if MASKED:
-        row_mask = (offs_m[:, None] < N_q) & (offs_d[None, :] < HEAD_DIM)
-        q = tl.load(q_ptrs, mask=row_mask, other=0.0)
-        do = tl.load(do_ptrs, mask=row_mask, other=0.0)
-        # l2 = +inf on padded rows makes their P exactly 0
+    q = _load_rows(q_base, offs_m, offs_d, stride_qm, stride_qd, N_q, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+                   MASKED=MASKED)
+    do = _load_rows(do_base, offs_m, offs_d, stride_dom, stride_dod, N_q, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+                    MASKED=MASKED)
+    if MASKED:  # l2 = +inf on padded rows makes their P exactly 0
         m2 = tl.load(m2_base + offs_m, mask=offs_m < N_q, other=0.0)
         l2 = tl.load(l2_base + offs_m, mask=offs_m < N_q, other=float("inf"))
         delta = tl.load(delta_base + offs_m, mask=offs_m < N_q, other=0.0)
     else:
-        if BLOCK_D != HEAD_DIM:
-            q = tl.load(q_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-            do = tl.load(do_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-        else:
-            q = tl.load(q_ptrs)
-            do = tl.load(do_ptrs)
         m2 = tl.load(m2_base + offs_m)
         l2 = tl.load(l2_base + offs_m)
         delta = tl.load(delta_base + offs_m)
@@ -140,21 +132,21 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_
         it_hi = _listed_tiles_before(list_row, hi, BLOCK_SIZE, BLOCK_M)
         if (it_hi - it_lo) * BLOCK_M == hi - lo:
             for start_m in range(lo, hi, BLOCK_M):
-                dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base,
-                                    stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
-                                    start_m, start_n, N_q, N_k, sm_scale, qk_scale, offs_n, offs_d,
-                                    bm_base, stride_bmi, stride_bmj, seed, bh, drop_below, keep_scale,
-                                    HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, MASKED, CAUSAL, ATOMIC_DQ, DOT,
-                                    False, BM_TILE, BLOCK_SIZE, DROPOUT)
+                dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base, stride_qm,
+                                    stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd, start_m, start_n, N_q,
+                                    N_k, sm_scale, qk_scale, offs_n, offs_d, bm_base, stride_bmi, stride_bmj, seed,
+                                    bh, drop_below, keep_scale, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M,
+                                    BLOCK_N=BLOCK_N, MASKED=MASKED, CAUSAL=CAUSAL, ATOMIC_DQ=ATOMIC_DQ, DOT=DOT,
+                                    HAS_BM=False, BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT)
         else:
             for it in range(it_lo, it_hi):
                 start_m = _listed_start(list_row, it, BLOCK_SIZE, BLOCK_M)
-                dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base,
-                                    stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
-                                    start_m, start_n, N_q, N_k, sm_scale, qk_scale, offs_n, offs_d,
-                                    bm_base, stride_bmi, stride_bmj, seed, bh, drop_below, keep_scale,
-                                    HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, MASKED, CAUSAL, ATOMIC_DQ, DOT,
-                                    HAS_BM, BM_TILE, BLOCK_SIZE, DROPOUT)
+                dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base, stride_qm,
+                                    stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd, start_m, start_n, N_q,
+                                    N_k, sm_scale, qk_scale, offs_n, offs_d, bm_base, stride_bmi, stride_bmj, seed,
+                                    bh, drop_below, keep_scale, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M,
+                                    BLOCK_N=BLOCK_N, MASKED=MASKED, CAUSAL=CAUSAL, ATOMIC_DQ=ATOMIC_DQ, DOT=DOT,
+                                    HAS_BM=HAS_BM, BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT)
     else:
         for start_m in range(lo, hi, BLOCK_M):
             visible = True
@@ -162,12 +154,12 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_
                 if BM_TILE:
                     visible = _block_visible(bm_base, stride_bmi, stride_bmj, start_m, start_n, BLOCK_SIZE)
             if visible:
-                dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base,
-                                    stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
-                                    start_m, start_n, N_q, N_k, sm_scale, qk_scale, offs_n, offs_d,
-                                    bm_base, stride_bmi, stride_bmj, seed, bh, drop_below, keep_scale,
-                                    HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, MASKED, CAUSAL, ATOMIC_DQ, DOT,
-                                    HAS_BM, BM_TILE, BLOCK_SIZE, DROPOUT)
+                dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base, stride_qm,
+                                    stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd, start_m, start_n, N_q,
+                                    N_k, sm_scale, qk_scale, offs_n, offs_d, bm_base, stride_bmi, stride_bmj, seed,
+                                    bh, drop_below, keep_scale, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M,
+                                    BLOCK_N=BLOCK_N, MASKED=MASKED, CAUSAL=CAUSAL, ATOMIC_DQ=ATOMIC_DQ, DOT=DOT,
+                                    HAS_BM=HAS_BM, BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT)
     return dk, dv
 
 
@@ -211,10 +203,10 @@ def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, M2, L2, Delta, BM, LISTS,
     BM_TILE: tl.constexpr = (BLOCK_SIZE % BLOCK_M == 0) and (BLOCK_SIZE % BLOCK_N == 0)
     LISTED: tl.constexpr = HAS_BM and BM_TILE
     kv_mask = (offs_n[:, None] < N_k) & (offs_d[None, :] < HEAD_DIM)
-    k = tl.load(K + b64 * stride_kb + hk64 * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                mask=kv_mask, other=0.0)
-    v = tl.load(V + b64 * stride_vb + hk64 * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                mask=kv_mask, other=0.0)
+    k = _load_rows(K + b64 * stride_kb + hk64 * stride_kh, offs_n, offs_d, stride_kn, stride_kd, N_k,
+                   HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, MASKED=True)
+    v = _load_rows(V + b64 * stride_vb + hk64 * stride_vh, offs_n, offs_d, stride_vn, stride_vd, N_k,
+                   HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, MASKED=True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
@@ -236,27 +228,28 @@ def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, M2, L2, Delta, BM, LISTS,
         full_lo = 0
         if CAUSAL:
             diag_hi = tl.minimum(start_n + BLOCK_N, N_q)
-            dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base,
-                                 stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
-                                 start_n, start_n, diag_hi, N_q, N_k, sm_scale, qk_scale, offs_n, offs_d,
-                                 bm_base, stride_bmi, stride_bmj, list_row, seed, bh, drop_below, keep_scale,
-                                 HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, CAUSAL, ATOMIC_DQ, DOT,
-                                 HAS_BM, BM_TILE, BLOCK_SIZE, DROPOUT, False)
+            dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base, stride_qm,
+                                 stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd, start_n, start_n, diag_hi,
+                                 N_q, N_k, sm_scale, qk_scale, offs_n, offs_d, bm_base, stride_bmi, stride_bmj,
+                                 list_row, seed, bh, drop_below, keep_scale, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+                                 BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, MASKED=True, CAUSAL=CAUSAL, ATOMIC_DQ=ATOMIC_DQ,
+                                 DOT=DOT, HAS_BM=HAS_BM, BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT,
+                                 LISTED=False)
             full_lo = start_n + BLOCK_N
         # Phase 2: full query tiles below the diagonal, no mask. Phase 3: the ragged last query tile.
         full_hi = tl.maximum(full_lo, (N_q // BLOCK_M) * BLOCK_M)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base,
-                             stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
-                             start_n, full_lo, full_hi, N_q, N_k, sm_scale, qk_scale, offs_n, offs_d,
-                             bm_base, stride_bmi, stride_bmj, list_row, seed, bh, drop_below, keep_scale,
-                             HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, CAUSAL, ATOMIC_DQ, DOT,
-                             HAS_BM, BM_TILE, BLOCK_SIZE, DROPOUT, LISTED)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base,
-                             stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
-                             start_n, full_hi, N_q, N_q, N_k, sm_scale, qk_scale, offs_n, offs_d,
-                             bm_base, stride_bmi, stride_bmj, list_row, seed, bh, drop_below, keep_scale,
-                             HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, CAUSAL, ATOMIC_DQ, DOT,
-                             HAS_BM, BM_TILE, BLOCK_SIZE, DROPOUT, False)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base, stride_qm,
+                             stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd, start_n, full_lo, full_hi,
+                             N_q, N_k, sm_scale, qk_scale, offs_n, offs_d, bm_base, stride_bmi, stride_bmj, list_row,
+                             seed, bh, drop_below, keep_scale, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M,
+                             BLOCK_N=BLOCK_N, MASKED=False, CAUSAL=CAUSAL, ATOMIC_DQ=ATOMIC_DQ, DOT=DOT,
+                             HAS_BM=HAS_BM, BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, LISTED=LISTED)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base, stride_qm,
+                             stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd, start_n, full_hi, N_q, N_q,
+                             N_k, sm_scale, qk_scale, offs_n, offs_d, bm_base, stride_bmi, stride_bmj, list_row, seed,
+                             bh, drop_below, keep_scale, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M,
+                             BLOCK_N=BLOCK_N, MASKED=True, CAUSAL=CAUSAL, ATOMIC_DQ=ATOMIC_DQ, DOT=DOT, HAS_BM=HAS_BM,
+                             BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, LISTED=False)
 
     dk = dk * sm_scale
     if DROPOUT:
@@ -277,18 +270,10 @@ def _dq_tile(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, str
              HAS_BM: tl.constexpr, BM_TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, DROPOUT: tl.constexpr):
     """Add the contribution of the K/V tile at ``start_n`` to this Q tile's dQ."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
-    if MASKED:
-        kv_mask = (offs_n[:, None] < N_k) & (offs_d[None, :] < HEAD_DIM)
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-    elif BLOCK_D != HEAD_DIM:
-        k = tl.load(k_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-        v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-    else:
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
+    k = _load_rows(k_base, offs_n, offs_d, stride_kn, stride_kd, N_k, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+                   MASKED=MASKED)
+    v = _load_rows(v_base, offs_n, offs_d, stride_vn, stride_vd, N_k, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+                   MASKED=MASKED)
     x = _exponent(_dot(q, tl.trans(k), DOT), qk_scale, m2[:, None], l2[:, None])
     if MASKED:
         keep = offs_n[None, :] < N_k
@@ -325,16 +310,18 @@ def _dq_tiles(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, st
         if (it_hi - it_lo) * BLOCK_N == hi - lo:
             for start_n in range(lo, hi, BLOCK_N):
                 dq = _dq_tile(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                              start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj,
-                              seed, bh, drop_below, keep_scale, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED, CAUSAL, DOT,
-                              False, BM_TILE, BLOCK_SIZE, DROPOUT)
+                              start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj, seed, bh,
+                              drop_below, keep_scale, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
+                              MASKED=MASKED, CAUSAL=CAUSAL, DOT=DOT, HAS_BM=False, BM_TILE=BM_TILE,
+                              BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT)
         else:
             for it in range(it_lo, it_hi):
                 start_n = _listed_start(list_row, it, BLOCK_SIZE, BLOCK_N)
                 dq = _dq_tile(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                              start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj,
-                              seed, bh, drop_below, keep_scale, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED, CAUSAL, DOT,
-                              HAS_BM, BM_TILE, BLOCK_SIZE, DROPOUT)
+                              start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj, seed, bh,
+                              drop_below, keep_scale, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
+                              MASKED=MASKED, CAUSAL=CAUSAL, DOT=DOT, HAS_BM=HAS_BM, BM_TILE=BM_TILE,
+                              BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT)
     else:
         for start_n in range(lo, hi, BLOCK_N):
             visible = True
@@ -343,9 +330,10 @@ def _dq_tiles(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, st
                     visible = _block_visible(bm_base, stride_bmi, stride_bmj, start_m, start_n, BLOCK_SIZE)
             if visible:
                 dq = _dq_tile(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                              start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj,
-                              seed, bh, drop_below, keep_scale, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED, CAUSAL, DOT,
-                              HAS_BM, BM_TILE, BLOCK_SIZE, DROPOUT)
+                              start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj, seed, bh,
+                              drop_below, keep_scale, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
+                              MASKED=MASKED, CAUSAL=CAUSAL, DOT=DOT, HAS_BM=HAS_BM, BM_TILE=BM_TILE,
+                              BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT)
     return dq
 
 
@@ -379,10 +367,10 @@ def flash_bwd_dq_kernel(Q, K, V, DO, DQ, M2, L2, Delta, BM, LISTS,
     LISTED: tl.constexpr = HAS_BM and BM_TILE
     list_row = LISTS + b64 * stride_lb + h64 * stride_lh + (start_m // BLOCK_SIZE) * stride_li
     q_mask = (offs_m[:, None] < N_q) & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(Q + b64 * stride_qb + h64 * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                mask=q_mask, other=0.0)
-    do = tl.load(DO + b64 * stride_dob + h64 * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
-                 mask=q_mask, other=0.0)
+    q = _load_rows(Q + b64 * stride_qb + h64 * stride_qh, offs_m, offs_d, stride_qm, stride_qd, N_q,
+                   HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, MASKED=True)
+    do = _load_rows(DO + b64 * stride_dob + h64 * stride_doh, offs_m, offs_d, stride_dom, stride_dod, N_q,
+                    HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, MASKED=True)
     m2 = tl.load(M2 + pid_bh.to(tl.int64) * N_q + offs_m, mask=offs_m < N_q, other=0.0)
     l2 = tl.load(L2 + pid_bh.to(tl.int64) * N_q + offs_m, mask=offs_m < N_q, other=0.0)
     delta = tl.load(Delta + pid_bh.to(tl.int64) * N_q + offs_m, mask=offs_m < N_q, other=0.0)
@@ -394,17 +382,19 @@ def flash_bwd_dq_kernel(Q, K, V, DO, DQ, M2, L2, Delta, BM, LISTS,
     full_end = (N_k // BLOCK_N) * BLOCK_N
     if CAUSAL:
         full_end = tl.minimum(full_end, start_m)
-    dq = _dq_tiles(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                   start_m, 0, full_end, N_q, N_k, qk_scale, offs_m, offs_d,
-                   bm_base, stride_bmi, stride_bmj, list_row, seed, pid_bh, drop_below, keep_scale,
-                   HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, DOT, HAS_BM, BM_TILE, BLOCK_SIZE, DROPOUT, LISTED)
+    dq = _dq_tiles(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, start_m, 0,
+                   full_end, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj, list_row, seed,
+                   pid_bh, drop_below, keep_scale, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, MASKED=False,
+                   CAUSAL=CAUSAL, DOT=DOT, HAS_BM=HAS_BM, BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT,
+                   LISTED=LISTED)
     hi = N_k
     if CAUSAL:
         hi = tl.minimum(N_k, start_m + BLOCK_M)
-    dq = _dq_tiles(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                   start_m, full_end, hi, N_q, N_k, qk_scale, offs_m, offs_d,
-                   bm_base, stride_bmi, stride_bmj, list_row, seed, pid_bh, drop_below, keep_scale,
-                   HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, DOT, HAS_BM, BM_TILE, BLOCK_SIZE, DROPOUT, False)
+    dq = _dq_tiles(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, start_m,
+                   full_end, hi, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj, list_row, seed,
+                   pid_bh, drop_below, keep_scale, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, MASKED=True,
+                   CAUSAL=CAUSAL, DOT=DOT, HAS_BM=HAS_BM, BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT,
+                   LISTED=False)
     dq = dq * sm_scale
     tl.store(DQ + b64 * stride_dqb + h64 * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
              dq.to(DQ.dtype.element_ty), mask=q_mask)

@@ -72,13 +72,15 @@ def compile_config(kernel: str, cfg: configs.TileConfig, capability: int, head_d
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from flashref.triton.forward import DOT_IEEE, DOT_NATIVE
+
     if os.environ.get("TRITON_INTERPRET", "") == "1":
         raise RuntimeError("kernels defined under TRITON_INTERPRET=1 cannot be compiled: run with "
                            "FLASHREF_TRITON_COMPILE_ONLY=1 and TRITON_INTERPRET unset")
     fn = _kernel(kernel)
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
                   "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "CAUSAL": causal,
-                  "DOT": 1 if dtype == "float32" else 0, "HAS_BM": block_size is not None,
+                  "DOT": (DOT_IEEE if dtype == "float32" else DOT_NATIVE).value, "HAS_BM": block_size is not None,
                   "BLOCK_SIZE": block_size or 1, "DROPOUT": dropout}
     if kernel == "dkdv":
         constexprs["ATOMIC_DQ"] = False  # the default, deterministic path

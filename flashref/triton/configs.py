@@ -151,8 +151,10 @@ def _to_triton(cfg: TileConfig, names: tuple[str, str]):
 
 
 def autotune_configs(kernel: str):
-    """Every candidate of ``kernel`` as ``triton.Config`` (T4 list only, under ``FLASHREF_T4_CONFIGS=1``)."""
-    pool = KERNELS[kernel]["t4" if t4_mode() else "large"]
+    """Every candidate of ``kernel``, both lists, as ``triton.Config``: the autotuner is built once, at
+    import, and :func:`make_pruner` picks the list (``FLASHREF_T4_CONFIGS``) when it tunes, as the
+    first-fit path does on every call, so the variable is read at one time for both."""
+    pool = KERNELS[kernel]["large"] + [c for c in KERNELS[kernel]["t4"] if c not in KERNELS[kernel]["large"]]
     return [_to_triton(c, ("BLOCK_M", "BLOCK_N")) for c in pool]
 
 
@@ -165,7 +167,8 @@ def device_candidates(kernel: str, block_d: int, elem_bytes: int, device=None) -
 
 
 def make_pruner(kernel: str):
-    """An ``early_config_prune`` hook: keep the configs whose estimate fits the running GPU."""
+    """An ``early_config_prune`` hook: keep the configs of the list in use (the T4 list under
+    ``FLASHREF_T4_CONFIGS=1``) whose estimate fits the running GPU."""
 
     def prune(configs, named_args, **kwargs):
         args = {**named_args, **kwargs}
@@ -175,11 +178,14 @@ def make_pruner(kernel: str):
         capability = device_capability(args["Q"].device)
         if t4_mode():
             limit = min(limit, GPUS["T4"]["shared_bytes"])
+        pool = KERNELS[kernel]["t4" if t4_mode() else "large"]
+        listed = [c for c in configs
+                  if TileConfig(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in pool]
         keep = []
-        for c in configs:
+        for c in listed:
             tc = TileConfig(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
             if shared_bytes_estimate(kernel, tc, block_d, elem, capability) <= limit:
                 keep.append(c)
-        return keep or [configs[-1]]
+        return keep or [listed[-1]]
 
     return prune

@@ -18,13 +18,19 @@ import triton.language as tl
 from flashref.kernel_tiles import tile_counts  # noqa: F401  (plain Python, importable without triton)
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E)
-LN2 = 0.6931471805599453  # ln(2): ln(x) = log2(x) * LN2
+LN2 = tl.constexpr(0.6931471805599453)  # ln(2): ln(x) = log2(x) * LN2 (a constexpr, so kernels can read it)
+
+# How tl.dot multiplies (the DOT argument of every kernel; see _dot).
+DOT_NATIVE = tl.constexpr(0)  # the tensor cores' own precision: fp16 and bf16 inputs, fp32 sums
+DOT_IEEE = tl.constexpr(1)  # fp32 inputs in full fp32 (no TF32)
+DOT_FP64 = tl.constexpr(2)  # only under the CPU interpreter: products and sums in fp64, rounded once
 
 
 @triton.jit
 def _dot(a, b, DOT: tl.constexpr):
-    """a @ b with an fp32 result. DOT = 0: the tensor cores' native precision (fp16/bf16 inputs);
-    1: fp32 inputs in full fp32 ("ieee", no TF32); 2: only under the CPU interpreter, every dtype.
+    """a @ b with an fp32 result. DOT_NATIVE: the tensor cores' native precision (fp16/bf16 inputs);
+    DOT_IEEE: fp32 inputs in full fp32 ("ieee", no TF32); DOT_FP64: only under the CPU interpreter, every
+    dtype.
 
     Why the interpreter needs its own mode: the backward pass recomputes S = Q K^T, once as Q K^T (dQ
     kernel, as in the forward) and once transposed, as K Q^T (dK/dV kernel), and P = exp2(S - m - log2 l)
@@ -37,9 +43,9 @@ def _dot(a, b, DOT: tl.constexpr):
     products of fp32, fp16 and bf16 numbers are exact and the sum carries 29 more bits than fp32, and the
     result is rounded once to fp32: the same score whatever the shape, orientation or CPU. (It also
     avoids the interpreter's bf16 dot, which in Triton 3.9 multiplies the raw bits.)"""
-    if DOT == 1:
+    if DOT == DOT_IEEE:
         return tl.dot(a, b, input_precision="ieee")
-    elif DOT == 2:
+    elif DOT == DOT_FP64:
         return tl.dot(a.to(tl.float64), b.to(tl.float64)).to(tl.float32)
     else:
         return tl.dot(a, b)
@@ -79,6 +85,22 @@ def _keep(seed, bh, offs_m, start_n, BLOCK_N: tl.constexpr, drop_below):
     words = tl.join(tl.join(r0, r2), tl.join(r1, r3))  # (rows, G, 2, 2): flat index = word number
     keep = tl.join((words << 16) >= t, words >= t)
     return tl.reshape(keep, (offs_m.shape[0], BLOCK_N))
+
+
+@triton.jit
+def _load_rows(base, offs_r, offs_d, stride_r, stride_d, n_rows, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               MASKED: tl.constexpr):
+    """The tile of rows ``offs_r`` (all columns) of one head's (rows, HEAD_DIM) matrix at ``base``, padded
+    to BLOCK_D columns with zeros. MASKED: rows from ``n_rows`` on read as zeros too (the ragged last tile);
+    otherwise every row exists, and when BLOCK_D == HEAD_DIM the load needs no mask at all."""
+    ptrs = base + offs_r[:, None] * stride_r + offs_d[None, :] * stride_d
+    if MASKED:
+        x = tl.load(ptrs, mask=(offs_r[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    elif BLOCK_D != HEAD_DIM:
+        x = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
 
 
 @triton.jit
@@ -148,18 +170,10 @@ def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn,
     block mask applied element by element (HAS_BM, not BM_TILE), rows may have seen no key yet, so the max
     is kept finite."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
-    if MASKED:
-        kv_mask = (offs_n[:, None] < N_k) & (offs_d[None, :] < HEAD_DIM)
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-    elif BLOCK_D != HEAD_DIM:
-        k = tl.load(k_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-        v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-    else:
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
+    k = _load_rows(k_base, offs_n, offs_d, stride_kn, stride_kd, N_k, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+                   MASKED=MASKED)
+    v = _load_rows(v_base, offs_n, offs_d, stride_vn, stride_vd, N_k, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+                   MASKED=MASKED)
     qk = _dot(q, tl.trans(k), DOT)  # raw q.k; the base-2 score is qk * qk_scale (sm_scale * log2(e))
     if MASKED:
         keep = offs_n[None, :] < N_k
@@ -207,17 +221,19 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
         it_hi = _listed_tiles_before(list_row, hi, BLOCK_SIZE, BLOCK_N)
         if (it_hi - it_lo) * BLOCK_N == hi - lo:
             for start_n in range(lo, hi, BLOCK_N):
-                acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                                          start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj,
-                                          seed, bh, drop_below, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED, CAUSAL, DOT,
-                                          False, BM_TILE, BLOCK_SIZE, DROPOUT)
+                acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn,
+                                          stride_vd, start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi,
+                                          stride_bmj, seed, bh, drop_below, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+                                          BLOCK_N=BLOCK_N, MASKED=MASKED, CAUSAL=CAUSAL, DOT=DOT, HAS_BM=False,
+                                          BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT)
         else:
             for it in range(it_lo, it_hi):
                 start_n = _listed_start(list_row, it, BLOCK_SIZE, BLOCK_N)
-                acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                                          start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj,
-                                          seed, bh, drop_below, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED, CAUSAL, DOT,
-                                          HAS_BM, BM_TILE, BLOCK_SIZE, DROPOUT)
+                acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn,
+                                          stride_vd, start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi,
+                                          stride_bmj, seed, bh, drop_below, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+                                          BLOCK_N=BLOCK_N, MASKED=MASKED, CAUSAL=CAUSAL, DOT=DOT, HAS_BM=HAS_BM,
+                                          BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT)
     else:
         for start_n in range(lo, hi, BLOCK_N):
             visible = True
@@ -226,9 +242,10 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
                     visible = _block_visible(bm_base, stride_bmi, stride_bmj, start_m, start_n, BLOCK_SIZE)
             if visible:
                 acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn,
-                                          stride_vd, start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base,
-                                          stride_bmi, stride_bmj, seed, bh, drop_below, HEAD_DIM, BLOCK_D, BLOCK_N,
-                                          MASKED, CAUSAL, DOT, HAS_BM, BM_TILE, BLOCK_SIZE, DROPOUT)
+                                          stride_vd, start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi,
+                                          stride_bmj, seed, bh, drop_below, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+                                          BLOCK_N=BLOCK_N, MASKED=MASKED, CAUSAL=CAUSAL, DOT=DOT, HAS_BM=HAS_BM,
+                                          BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT)
     return acc, l_i, m_i
 
 
@@ -274,8 +291,7 @@ def flash_fwd_kernel(Q, K, V, O, LSE, M2, L2, BM, LISTS,
     LISTED: tl.constexpr = HAS_BM and BM_TILE
     list_row = LISTS + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + (start_m // BLOCK_SIZE) * stride_li
 
-    q_mask = (offs_m[:, None] < N_q) & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
+    q = _load_rows(q_base, offs_m, offs_d, stride_qm, stride_qd, N_q, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, MASKED=True)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -285,20 +301,20 @@ def flash_fwd_kernel(Q, K, V, O, LSE, M2, L2, BM, LISTS,
     full_end = (N_k // BLOCK_N) * BLOCK_N
     if CAUSAL:
         full_end = tl.minimum(full_end, start_m)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                               start_m, 0, full_end, N_q, N_k, qk_scale, offs_m, offs_d,
-                               bm_base, stride_bmi, stride_bmj, list_row, seed, pid_bh, drop_below,
-                               HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, DOT, HAS_BM, BM_TILE, BLOCK_SIZE, DROPOUT,
-                               LISTED)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, start_m,
+                               0, full_end, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj,
+                               list_row, seed, pid_bh, drop_below, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+                               BLOCK_N=BLOCK_N, MASKED=False, CAUSAL=CAUSAL, DOT=DOT, HAS_BM=HAS_BM, BM_TILE=BM_TILE,
+                               BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, LISTED=LISTED)
     # Phase 2: the diagonal tiles (causal) and the ragged last tile; tiles above the diagonal never run.
     hi = N_k
     if CAUSAL:
         hi = tl.minimum(N_k, start_m + BLOCK_M)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                               start_m, full_end, hi, N_q, N_k, qk_scale, offs_m, offs_d,
-                               bm_base, stride_bmi, stride_bmj, list_row, seed, pid_bh, drop_below,
-                               HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, DOT, HAS_BM, BM_TILE, BLOCK_SIZE, DROPOUT,
-                               False)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, start_m,
+                               full_end, hi, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj,
+                               list_row, seed, pid_bh, drop_below, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+                               BLOCK_N=BLOCK_N, MASKED=True, CAUSAL=CAUSAL, DOT=DOT, HAS_BM=HAS_BM, BM_TILE=BM_TILE,
+                               BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, LISTED=False)
 
     # Without a block mask every row sees key 0 (top-left causal), so l_i > 0 for real rows; padded rows
     # are never stored. With one, a row may see nothing: l_i = 0, m_i = -inf (or 0).
@@ -307,7 +323,7 @@ def flash_fwd_kernel(Q, K, V, O, LSE, M2, L2, BM, LISTS,
     acc = acc / l_safe[:, None]
     if DROPOUT:  # P~ = P * keep / (1 - p): one scaling of O instead of one per entry of P
         acc = acc * keep_scale
-    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # back to natural log
+    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))  # back to natural log
     row = pid_bh.to(tl.int64) * N_q + offs_m
     tl.store(LSE + row, lse, mask=offs_m < N_q)
     # For the backward pass: the base-2 max and log2(l) kept apart. Recomputing P as
@@ -316,7 +332,7 @@ def flash_fwd_kernel(Q, K, V, O, LSE, M2, L2, BM, LISTS,
     tl.store(M2 + row, tl.where(seen, m_i, 0.0), mask=offs_m < N_q)
     tl.store(L2 + row, tl.where(seen, tl.log2(l_safe), float("inf")), mask=offs_m < N_q)
     tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od, acc.to(O.dtype.element_ty),
-             mask=q_mask)
+             mask=(offs_m[:, None] < N_q) & (offs_d[None, :] < HEAD_DIM))
 
 
 @triton.jit

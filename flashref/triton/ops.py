@@ -15,7 +15,9 @@ from triton.runtime.errors import OutOfResources
 from flashref import validation
 from flashref.triton import configs
 from flashref.triton.backward import flash_bwd_dkdv_kernel, flash_bwd_dq_kernel, flash_bwd_preprocess_kernel
-from flashref.triton.forward import LOG2E, drop_threshold, dropout_mask_kernel, flash_fwd_kernel, visible_lists_kernel
+from flashref.triton.forward import (DOT_FP64, DOT_IEEE, DOT_NATIVE, LOG2E, drop_threshold, dropout_mask_kernel,
+                                      flash_fwd_kernel, visible_lists_kernel)
+from flashref.triton.launch import Relauncher
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "") == "1"
 MAX_HEAD_DIM = 256
@@ -189,8 +191,7 @@ def dropout_mask(seed, B, H, N_q, N_k, dropout_p, device):
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
         raise TypeError(f"seed must be an int in [0, 2**63), got {type(seed).__name__}: {seed!r}")
     for name, n in (("B", B), ("H", H), ("N_q", N_q), ("N_k", N_k)):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"{name} must be a positive int, got {n!r}")
+        validation.check_positive_int(name, n)
     keep = torch.empty((B, H, N_q, N_k), dtype=torch.int8, device=device)
     block = 16 if INTERPRETED else 64
     dropout_mask_kernel[(_cdiv(N_q, block), _cdiv(N_k, block), B * H)](keep, seed, drop_threshold(p), N_q, N_k,
@@ -203,8 +204,8 @@ def _dot_mode(dtype) -> int:
     a recomputed score equals the forward's whatever the CPU's BLAS; on a GPU fp32 exactly (no TF32),
     fp16 and bf16 natively."""
     if INTERPRETED:
-        return 2
-    return 1 if dtype == torch.float32 else 0
+        return DOT_FP64.value
+    return DOT_IEEE.value if dtype == torch.float32 else DOT_NATIVE.value
 
 
 def _strides(x):
@@ -249,6 +250,9 @@ def _launch(kernel, name, grid_rows, bh, *args, **meta):
             rows = "BLOCK_N" if name == "dkdv" else "BLOCK_M"
             grid = lambda m: (_cdiv(grid_rows, m[rows]), bh)  # noqa: E731
             tuner = _TUNED[name]
+            # Triton's autotuner remembers its best config per its own key, which does not see
+            # FLASHREF_T4_CONFIGS; ours does, so let it tune afresh whenever ours has no answer.
+            getattr(tuner, "cache", {}).clear()
             tuner[grid](*args, **meta)
             best = tuner.best_config
             _CHOSEN[key] = configs.TileConfig(best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps,
@@ -266,7 +270,7 @@ _CHOSEN: dict = {}
 def _tune_key(name, args, meta) -> tuple:
     """What the autotuner keys on: its key arguments and the dtypes of the tensor arguments."""
     return (name, meta["TUNE_N"], meta["HEAD_DIM"], meta["CAUSAL"], meta["HAS_BM"], meta["BLOCK_SIZE"],
-            meta["DROPOUT"], meta.get("ATOMIC_DQ"), args[0].device,
+            meta["DROPOUT"], meta.get("ATOMIC_DQ"), args[0].device, configs.t4_mode(),
             tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
 
 
@@ -274,8 +278,22 @@ def _launch_config(kernel, name, grid_rows, bh, cfg, args, meta):
     configs.check_tile(name, cfg)
     block_rows = cfg.block_n if name == "dkdv" else cfg.block_m
     grid = (_cdiv(grid_rows, block_rows), bh)
-    extra = {} if INTERPRETED else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    kernel[grid](*args, **meta, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **extra)
+    if INTERPRETED:
+        kernel[grid](*args, **meta, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
+    else:
+        _relaunch(kernel, grid, args, dict(meta, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                                           num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+
+
+_RELAUNCHERS: dict = {}
+
+
+def _relaunch(kernel, grid, args, kwargs):
+    """Launch a compiled kernel through its :class:`~flashref.triton.launch.Relauncher` (one per kernel):
+    Triton's own launch path costs about 100 us of CPU time per call for these signatures."""
+    if kernel not in _RELAUNCHERS:
+        _RELAUNCHERS[kernel] = Relauncher(kernel)
+    _RELAUNCHERS[kernel](grid, args, kwargs)
 
 
 _FIRST_FIT = {}
@@ -331,6 +349,9 @@ def _group_split(group: int, programs: int, device) -> int:
     return group
 
 
+PRE_M = 16 if INTERPRETED else 64  # rows of D per program of the preprocess kernel
+
+
 def _backward(q, k, v, o, stats, do, causal: bool, scale: float, deterministic: bool, feat: Features):
     """``stats`` = (m2, l2) from :func:`_forward` (base-2 row max and log2 of the row sum). ``deterministic``:
     dQ from its own kernel (bitwise reproducible); otherwise added atomically by the dK/dV kernel."""
@@ -339,9 +360,12 @@ def _backward(q, k, v, o, stats, do, causal: bool, scale: float, deterministic: 
     H_kv, N_k = k.shape[1], k.shape[2]
     block_d = max(16, _pow2(d))
     delta = torch.empty((B, H, N_q), dtype=torch.float32, device=q.device)
-    pre_m = 16 if INTERPRETED else 64
-    flash_bwd_preprocess_kernel[(_cdiv(N_q, pre_m), B * H)](
-        o, do, delta, *_strides(o), *_strides(do), H, N_q, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_m)
+    pre_grid, pre_args = (_cdiv(N_q, PRE_M), B * H), (o, do, delta, *_strides(o), *_strides(do), H, N_q)
+    pre_meta = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=PRE_M)
+    if INTERPRETED:
+        flash_bwd_preprocess_kernel[pre_grid](*pre_args, **pre_meta)
+    else:
+        _relaunch(flash_bwd_preprocess_kernel, pre_grid, pre_args, dict(pre_meta, num_warps=4, num_stages=3))
     # Multi-query attention leaves few K/V tiles: SPLIT programs then share each one (partial sums in fp32).
     split = _group_split(H // H_kv, B * H_kv * _cdiv(N_k, 128), q.device)
     if split == 1:
@@ -447,13 +471,18 @@ flash_attention_backward.__doc__ += _FEATURES_DOC
 class FlashAttentionFunction(torch.autograd.Function):
     """``O = dropout(softmax(sm_scale Q K^T)) V`` whose backward recomputes P from Q, K and the saved row
     statistics (the max m and the sum l of each row: lse = m + log l) and replays the dropout mask from
-    its seed: O(N) extra memory."""
+    its seed: O(N) extra memory. ``FlashAttentionFunction.apply(q, k, v, causal, sm_scale, ...)`` takes the
+    arguments of :func:`flash_attention` in its order (defaults included) and checks them the same way."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, sm_scale, deterministic, check_finite, feat):
-        o, _, (m2, l2) = _forward(q, k, v, causal, sm_scale, feat)
+    def forward(ctx, q, k, v, causal=False, sm_scale=None, deterministic=True, check_finite=True, dropout_p=0.0,
+                seed=None, block_mask=None, block_size=128):
+        _, scale = _check(q, k, v, causal, sm_scale, check_finite)
+        validation.check_bool("deterministic", deterministic)
+        feat = Features(q, k, dropout_p, seed, block_mask, block_size)
+        o, _, (m2, l2) = _forward(q, k, v, causal, scale, feat)
         ctx.save_for_backward(q, k, v, o, m2, l2)
-        ctx.causal, ctx.sm_scale, ctx.deterministic, ctx.check_finite = causal, sm_scale, deterministic, check_finite
+        ctx.causal, ctx.sm_scale, ctx.deterministic, ctx.check_finite = causal, scale, deterministic, check_finite
         ctx.feat = feat  # the seed and the block mask: autograd keeps them for the backward
         return o
 
@@ -463,7 +492,7 @@ class FlashAttentionFunction(torch.autograd.Function):
         if ctx.check_finite:
             validation.check_finite({"do (the gradient of o)": do})
         dq, dk, dv = _backward(q, k, v, o, (m2, l2), do, ctx.causal, ctx.sm_scale, ctx.deterministic, ctx.feat)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, *(None,) * 9
 
 
 def flash_attention(q, k, v, causal=False, sm_scale=None, deterministic=True, *, dropout_p=0.0, seed=None,
@@ -483,10 +512,8 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, deterministic=True, *,
     does not check either), and non-finite inputs then give non-finite outputs.
     Notebooks ``07_triton_forward`` and ``08_triton_backward``.
     """
-    _, scale = _check(q, k, v, causal, sm_scale, check_finite)
-    validation.check_bool("deterministic", deterministic)
-    feat = Features(q, k, dropout_p, seed, block_mask, block_size)
-    return FlashAttentionFunction.apply(q, k, v, causal, scale, deterministic, check_finite, feat)
+    return FlashAttentionFunction.apply(q, k, v, causal, sm_scale, deterministic, check_finite, dropout_p, seed,
+                                        block_mask, block_size)
 
 
 flash_attention.__doc__ += _FEATURES_DOC
