@@ -286,3 +286,16 @@ def test_autotuner_consulted_once_per_key_then_its_choice_launched_directly(monk
     ops._launch(Kernel(), "forward", 1000, 2, q, q, **{**meta, "CAUSAL": False})
     assert calls[-1][0] == "tuner", "another key is tuned afresh"
     assert configs.TileConfig(64, 32, 4, 2) in ops._CHOSEN.values()
+
+
+def test_apply_takes_flash_attentions_arguments_and_checks_them():
+    from flashref.triton import FlashAttentionFunction, flash_attention
+
+    q, k, v, _ = _inputs(1, 2, 2, 19, 23, 16, torch.float32, seed=3)
+    expected = flash_attention(q, k, v, check_finite=False)
+    assert torch.equal(FlashAttentionFunction.apply(q, k, v), expected)  # sm_scale=None: 1/sqrt(d)
+    assert torch.equal(FlashAttentionFunction.apply(q, k, v, False, None), expected)
+    with pytest.raises(ValueError, match="sm_scale"):
+        FlashAttentionFunction.apply(q, k, v, False, float("nan"))
+    with pytest.raises(TypeError, match="deterministic"):
+        FlashAttentionFunction.apply(q, k, v, False, None, "yes")

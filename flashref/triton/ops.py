@@ -17,7 +17,6 @@ from flashref.triton import configs
 from flashref.triton.backward import flash_bwd_dkdv_kernel, flash_bwd_dq_kernel, flash_bwd_preprocess_kernel
 from flashref.triton.forward import (DOT_FP64, DOT_IEEE, DOT_NATIVE, LOG2E, drop_threshold, dropout_mask_kernel,
                                       flash_fwd_kernel, visible_lists_kernel)
-from flashref.triton.launch import Relauncher
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "") == "1"
 MAX_HEAD_DIM = 256
@@ -278,22 +277,8 @@ def _launch_config(kernel, name, grid_rows, bh, cfg, args, meta):
     configs.check_tile(name, cfg)
     block_rows = cfg.block_n if name == "dkdv" else cfg.block_m
     grid = (_cdiv(grid_rows, block_rows), bh)
-    if INTERPRETED:
-        kernel[grid](*args, **meta, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
-    else:
-        _relaunch(kernel, grid, args, dict(meta, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                                           num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-
-
-_RELAUNCHERS: dict = {}
-
-
-def _relaunch(kernel, grid, args, kwargs):
-    """Launch a compiled kernel through its :class:`~flashref.triton.launch.Relauncher` (one per kernel):
-    Triton's own launch path costs about 100 us of CPU time per call for these signatures."""
-    if kernel not in _RELAUNCHERS:
-        _RELAUNCHERS[kernel] = Relauncher(kernel)
-    _RELAUNCHERS[kernel](grid, args, kwargs)
+    extra = {} if INTERPRETED else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    kernel[grid](*args, **meta, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **extra)
 
 
 _FIRST_FIT = {}
@@ -360,12 +345,8 @@ def _backward(q, k, v, o, stats, do, causal: bool, scale: float, deterministic: 
     H_kv, N_k = k.shape[1], k.shape[2]
     block_d = max(16, _pow2(d))
     delta = torch.empty((B, H, N_q), dtype=torch.float32, device=q.device)
-    pre_grid, pre_args = (_cdiv(N_q, PRE_M), B * H), (o, do, delta, *_strides(o), *_strides(do), H, N_q)
-    pre_meta = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=PRE_M)
-    if INTERPRETED:
-        flash_bwd_preprocess_kernel[pre_grid](*pre_args, **pre_meta)
-    else:
-        _relaunch(flash_bwd_preprocess_kernel, pre_grid, pre_args, dict(pre_meta, num_warps=4, num_stages=3))
+    flash_bwd_preprocess_kernel[(_cdiv(N_q, PRE_M), B * H)](
+        o, do, delta, *_strides(o), *_strides(do), H, N_q, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=PRE_M)
     # Multi-query attention leaves few K/V tiles: SPLIT programs then share each one (partial sums in fp32).
     split = _group_split(H // H_kv, B * H_kv * _cdiv(N_k, 128), q.device)
     if split == 1:
