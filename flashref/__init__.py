@@ -7,12 +7,20 @@ Modules, one idea each (import the one you need; the GPU ones import torch, trit
 - ``flashref.numpy_flash``    tiled FlashAttention forward (two loop orders) and backward, in NumPy
 - ``flashref.iomodel``        a simulated SRAM/HBM that counts the IO of standard and tiled attention
 - ``flashref.hbm``            the bytes each GPU kernel launch loads and stores, as the hardware counts them
+- ``flashref.kernel_tiles``   which tiles each program of the GPU kernels visits (pure Python)
+- ``flashref.tile_walk``      the animated walk over the tile grid, drawn from numpy_flash and iomodel
+- ``flashref.tile_plots``     pictures of the tile grid: which tiles a pass visits, in which order
+- ``flashref.block_masks``    block masks for block-sparse attention: sliding window, BigBird, causal
 - ``flashref.cupy``           CUDA C kernels launched with CuPy
-- ``flashref.triton``         Triton forward and backward as a ``torch.autograd.Function``
+- ``flashref.triton``         Triton forward and backward as a ``torch.autograd.Function`` (and a custom op)
+- ``flashref.torch_attention`` attention in plain PyTorch: the baseline, SDPA, a sliding window, Performer
+- ``flashref.model``          a small GPT trained on tiny Shakespeare with any of those attentions
 - ``flashref.bench``          the benchmark harness (``python -m flashref.bench``)
 - ``flashref.exercises``      checkers for the notebooks' exercises
 - ``flashref.tolerance``      the one low-precision tolerance rule every test and notebook uses
 - ``flashref.validation``     input checks shared by every implementation
+- ``flashref.notebook``       small helpers the notebooks share (show the package's source, name the device)
+- ``flashref.run_notebooks``  executes and stamps the notebooks; ``flashref.publish`` sets the repository URL
 """
 
 __version__ = "0.1.0"

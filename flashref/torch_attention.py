@@ -22,6 +22,18 @@ import torch.nn.functional as F
 from flashref.validation import check_positive_int
 
 
+def make_qkv(B, H, N_q, N_k, d, dtype=torch.float32, device="cpu", seed=0, scale=1.0):
+    """Seeded random ``(q, k, v, do)`` of shapes ``(B, H, N_q, d)``, ``(B, H, N_k, d)`` twice and ``(B, H, N_q,
+    d)``, standard normal (q times ``scale``, for large logits), drawn on the CPU so every device gets the same
+    numbers. The inputs of the tests and of notebooks ``07_triton_forward`` and ``08_triton_backward``."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q = (torch.randn(B, H, N_q, d, generator=g) * scale).to(device=device, dtype=dtype)
+    k = torch.randn(B, H, N_k, d, generator=g).to(device=device, dtype=dtype)
+    v = torch.randn(B, H, N_k, d, generator=g).to(device=device, dtype=dtype)
+    do = torch.randn(B, H, N_q, d, generator=g).to(device=device, dtype=dtype)
+    return q, k, v, do
+
+
 def _scale(q, sm_scale):
     return 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
 

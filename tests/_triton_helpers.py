@@ -5,16 +5,7 @@ from __future__ import annotations
 import torch
 
 # The one plain PyTorch attention of the package: every step in the inputs' dtype (matmul, softmax, matmul).
-from flashref.torch_attention import plain_attention
-
-
-def make_qkv(B, H, N_q, N_k, d, dtype, device, seed=0, scale=1.0):
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    q = (torch.randn(B, H, N_q, d, generator=g) * scale).to(device=device, dtype=dtype)
-    k = torch.randn(B, H, N_k, d, generator=g).to(device=device, dtype=dtype)
-    v = torch.randn(B, H, N_k, d, generator=g).to(device=device, dtype=dtype)
-    do = torch.randn(B, H, N_q, d, generator=g).to(device=device, dtype=dtype)
-    return q, k, v, do
+from flashref.torch_attention import make_qkv, plain_attention  # noqa: F401  (make_qkv: the tests' inputs)
 
 
 def plain_forward_backward(q, k, v, do, causal=False, sm_scale=None):

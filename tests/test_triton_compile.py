@@ -89,3 +89,16 @@ def test_estimate_bounds_what_the_compiler_reports(compiled_rows):
     few small buffers it leaves out) of the compiler's figure for a launch on contiguous tensors."""
     under = [row for row in compiled_rows if row[4] > row[5] + 4096]
     assert not under, f"configs the estimate undercounts by more than 4 KB: {under}"
+
+
+def test_the_notebooks_compile_reports():
+    """Notebook 07's two reports, computed in a child process whatever this process runs."""
+    from flashref.triton.compile_check import report_in_child
+
+    shared = report_in_child("shared").splitlines()
+    assert [line.split(":")[0] for line in shared] == ["T4", "H100"]
+    assert "of 64 KB" in shared[0] and "of 227 KB" in shared[1]
+    wgmma = report_in_child("wgmma")
+    assert "wgmma instructions" in wgmma and "waits until no product is in flight" in wgmma
+    with pytest.raises(ValueError, match="name must be one of"):
+        report_in_child("registers")

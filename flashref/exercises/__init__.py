@@ -28,6 +28,8 @@ class Verdict:
 
 
 NOT_ANSWERED = "Not answered yet: replace None with your answer and run the cell again."
+#: What a coding exercise's checker says while the reader's function still returns None.
+UNWRITTEN = "Not answered yet: your function returns None; write its body and run the cell again."
 
 
 def right(message: str = "") -> Verdict:

@@ -13,9 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from flashref import reference
-from flashref.exercises import NOT_ANSWERED, Verdict, as_number, check_array, check_number, right, wrong
+from flashref.exercises import NOT_ANSWERED, UNWRITTEN, Verdict, as_number, check_array, check_number, right, wrong
 
-UNWRITTEN = "Not answered yet: your function returns None; write its body and run the cell again."
 
 #: Exercise "stored P": batch 4, 16 heads, N = 4096, P in fp16.
 P_BATCH, P_HEADS, P_N, P_DTYPE = 4, 16, 4096, "float16"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from flashref.cupy.config import T4_BLOCK_SMEM, bank_conflict_ways, tiled_smem_bytes
-from flashref.exercises import NOT_ANSWERED, Verdict, check_number, right, wrong
+from flashref.exercises import NOT_ANSWERED, UNWRITTEN, Verdict, check_number, right, wrong
 
 #: the exercise's configuration: fp32 tiled kernel, d = 128, 64 x 64 tiles
 SMEM_D, SMEM_BLOCK_M, SMEM_BLOCK_N = 128, 64, 64
@@ -53,7 +53,6 @@ def check_bank_conflict_ways(answer):
 
 #: (block_m, block_n, N_q, N_k) the reader's rule is checked on: uneven lengths, N_q != N_k, one key.
 RULE_CASES = [(64, 64, 1000, 1000), (128, 64, 300, 500), (64, 32, 200, 77), (128, 64, 40, 1)]
-RULE_UNWRITTEN = "Not answered yet: your function returns None; write its body and run the cell again."
 
 
 def causal_tile_rule(i0: int, j0: int, block_m: int, block_n: int, N_k: int) -> str:
@@ -97,7 +96,7 @@ def check_causal_tile_rule(fn) -> Verdict:
                 except Exception as exc:  # noqa: BLE001 (the reader's code: say what it raised)
                     return wrong(f"for i0 = {i0}, j0 = {j0} your function raised {type(exc).__name__}: {exc}")
                 if got is None:
-                    return Verdict(False, RULE_UNWRITTEN)
+                    return Verdict(False, UNWRITTEN)
                 if got not in counts:
                     return wrong(f'return one of "skip", "mask" or "full", got {got!r}.')
                 want = causal_tile_rule(i0, j0, bm, bn, N_k)

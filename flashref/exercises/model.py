@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashref.exercises import NOT_ANSWERED, Verdict, as_number, right, wrong
+from flashref.exercises import NOT_ANSWERED, UNWRITTEN, Verdict, as_number, right, wrong
 
-UNWRITTEN = "Not answered yet: your function returns None; write its body and run the cell again."
 
 #: Exercise "end to end": rounded from the committed H100 run at N = 4096 (book/data/model_bench.json):
 #: the plain model spends SHARE of its GPU time in attention, and flashref's kernels do that work

@@ -13,9 +13,8 @@ import math
 import numpy as np
 
 from flashref import online_softmax as osm
-from flashref.exercises import NOT_ANSWERED, Verdict, check_number, right, wrong
+from flashref.exercises import NOT_ANSWERED, UNWRITTEN, Verdict, check_number, right, wrong
 
-UNWRITTEN = "Not answered yet: your function returns None; write its body and run the cell again."
 
 #: The two partial states of the merge exercise, as (m, l).
 STATE_A = (2.0, 1.5)

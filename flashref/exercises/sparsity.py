@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashref.exercises import NOT_ANSWERED, Verdict, as_number, right, wrong
+from flashref.exercises import NOT_ANSWERED, UNWRITTEN, Verdict, as_number, right, wrong
 
-UNWRITTEN = "Not answered yet: your function returns None; write its body and run the cell again."
 
 #: Exercise "sink window": (n_blocks, window) cases the reader's function is checked on.
 SINK_CASES = [(8, 3), (1, 1), (5, 8), (12, 1), (16, 4)]

@@ -12,9 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from flashref import reference
-from flashref.exercises import NOT_ANSWERED, Verdict, as_number, check_number, right, wrong
+from flashref.exercises import NOT_ANSWERED, UNWRITTEN, Verdict, as_number, check_number, right, wrong
 
-UNWRITTEN = "Not answered yet: your function returns None; write its body and run the cell again."
 
 MiB = 2 ** 20
 GiB = 2 ** 30

@@ -13,9 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from flashref import numpy_flash, reference
-from flashref.exercises import NOT_ANSWERED, Verdict, as_number, check_number, right, wrong
+from flashref.exercises import NOT_ANSWERED, UNWRITTEN, Verdict, as_number, check_number, right, wrong
 
-UNWRITTEN = "Not answered yet: your function returns None; write its body and run the cell again."
 
 #: Exercise "causal tiles": N = 1024, 64 query rows and 128 keys a tile.
 CAUSAL_N, CAUSAL_BLOCK_Q, CAUSAL_BLOCK_K = 1024, 64, 128

@@ -1,6 +1,8 @@
 """Compile the kernels for a GPU we do not have, and read the shared memory each config needs.
 
     FLASHREF_TRITON_COMPILE_ONLY=1 python -m flashref.triton.compile_check      # prints a table
+    FLASHREF_TRITON_COMPILE_ONLY=1 python -m flashref.triton.compile_check shared|wgmma   # one report
+    print(report_in_child("wgmma"))                                              # the same, from a notebook
 
 Triton compiles for any target on a CPU machine: ``triton.compile(ASTSource(fn, signature, constexprs),
 target=GPUTarget("cuda", capability, 32))`` runs the whole pipeline down to a cubin (``ptxas`` ships with
@@ -113,7 +115,61 @@ def table(gpus=("T4", "A100", "H100"), head_dims=(64, 128), dtype="float16", ker
     return rows
 
 
+def shared_report() -> str:
+    """The forward's shared memory at d = 128 in a T4 config and an H100 config, against each GPU's limit."""
+    lines = []
+    for gpu, cfg in [("T4", configs.TileConfig(64, 64, 4, 2)), ("H100", configs.TileConfig(128, 64, 4, 3))]:
+        spec = configs.GPUS[gpu]
+        k = compile_config("forward", cfg, spec["capability"], 128)
+        lines.append(f"{gpu}: forward {cfg.block_m}x{cfg.block_n}, d=128, {cfg.num_stages} stages: "
+                     f"{k.metadata.shared // 1024} KB of {spec['shared_bytes'] // 1024} KB")
+    return "\n".join(lines)
+
+
+def wgmma_report() -> str:
+    """What the PTX of the forward (128 x 128 tiles, 8 warps, 3 stages, d = 128) for an H100 holds: its
+    asynchronous tensor-core products (wgmma), exponentials, barriers, and how often it waits for every
+    product in flight (``wgmma.wait_group 0``)."""
+    import re
+
+    import triton
+
+    k = compile_config("forward", configs.TileConfig(128, 128, 8, 3), 90, 128)
+    ptx = k.asm["ptx"]
+    waits = [int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)]
+    return (f"Triton {triton.__version__}, forward 128x128/8w/3s, d=128, for an H100: "
+            f"{k.metadata.shared // 1024} KB of shared memory, {ptx.count('wgmma.mma_async')} wgmma instructions, "
+            f"{ptx.count('ex2.approx')} exp2, {ptx.count('bar.sync')} barriers\n"
+            f"waits for the tensor cores: {len(waits)}; waits until no product is in flight: {waits.count(0)}")
+
+
+REPORTS = {"shared": shared_report, "wgmma": wgmma_report}
+
+
+def report_in_child(name: str) -> str:
+    """One of :data:`REPORTS`, computed in a child Python with the interpreter off, so it works in a process
+    whose kernels run interpreted (a notebook on a CPU machine) as well as on a GPU."""
+    import subprocess
+
+    if name not in REPORTS:
+        raise ValueError(f"name must be one of {sorted(REPORTS)}, got {name!r}")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["FLASHREF_TRITON_COMPILE_ONLY"] = "1"
+    done = subprocess.run([sys.executable, "-m", "flashref.triton.compile_check", name], env=env,
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"compile_check {name} failed:\n{done.stderr[-2000:]}")
+    return done.stdout.rstrip("\n")
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv:
+        if argv[0] not in REPORTS:
+            print(f"usage: python -m flashref.triton.compile_check [{'|'.join(REPORTS)}]", file=sys.stderr)
+            return 2
+        print(REPORTS[argv[0]]())
+        return 0
     for gpu, kernel, d, cfg, est, shared, limit in table():
         print(f"{gpu:5s} {kernel:8s} d={d:<4d} M={cfg.block_m:<4d} N={cfg.block_n:<4d} warps={cfg.num_warps} "
               f"stages={cfg.num_stages}  estimate {est / 1024:6.1f} KB  compiled {shared / 1024:6.1f} KB  "
