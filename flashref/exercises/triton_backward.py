@@ -95,7 +95,10 @@ def check_dv_kernel(kernel) -> Verdict:
             continue
         for kind, message in (("no scale", "P was computed from q k^T without sm_scale: scale the scores first"),
                               ("no lse", "P is exp(S) without the normalization: subtract lse (P = exp(S - lse))")):
-            if np.allclose(got, dv_of(q, k, do, scale, kind), rtol=1e-4, atol=1e-5):
+            alt = dv_of(q, k, do, scale, kind)
+            # these mistakes make P large (exp of unnormalized scores): compare against the largest entry,
+            # as fp32 rounding of a score is amplified by exp (seen 7e-4 elementwise with OpenBLAS's Katmai)
+            if np.abs(got - alt).max() <= 1e-3 * np.abs(alt).max():
                 return wrong(f"for {case} {message}.")
         diff = np.abs(got - dv_of(q, k, do, scale)).max(axis=(0, 2))
         return wrong(f"for {case} dV differs from P^T dO, first at key row {int(np.argmax(diff > 1e-4))}. Do the "
