@@ -32,6 +32,30 @@ NOT_ANSWERED = "Not answered yet: replace None with your answer and run the cell
 UNWRITTEN = "Not answered yet: your function returns None; write its body and run the cell again."
 
 
+def triton_kernel_unready(kernel, name: str, unwritten: str) -> Verdict | None:
+    """The verdict for a Triton coding exercise's answer that cannot be run yet, or None when it can: not
+    answered (None), not a ``@triton.jit`` kernel (``name`` is the skeleton's), or its source still holds
+    the skeleton's line marked "your code" (``unwritten`` says what to write there)."""
+    if kernel is None:
+        return Verdict(False, NOT_ANSWERED)
+    if not hasattr(kernel, "fn") or not callable(getattr(kernel, "__getitem__", None)):
+        return wrong(f"pass your @triton.jit kernel itself ({name}), not {type(kernel).__name__}.")
+    if "your code" in _kernel_source(kernel):
+        return Verdict(False, unwritten)
+    return None
+
+
+def _kernel_source(kernel) -> str:
+    """A Triton kernel's Python source: a compiled kernel keeps it as ``src``; under the interpreter, read its
+    ``fn``."""
+    import inspect
+
+    try:
+        return getattr(kernel, "src", None) or inspect.getsource(kernel.fn)
+    except (OSError, TypeError):
+        return ""
+
+
 def right(message: str = "") -> Verdict:
     return Verdict(True, "Correct." + (f" {message}" if message else ""))
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashref.exercises import NOT_ANSWERED, Verdict, right, wrong
+from flashref.exercises import Verdict, right, triton_kernel_unready, wrong
 
 #: (N_q, N_k) cases: uneven lengths, one query, one key, more keys than queries.
 CASES = [(37, 29), (1, 20), (45, 1), (16, 50)]
@@ -58,24 +58,12 @@ def run_kernel(kernel, q, k, do, sm_scale: float):
     return DV.cpu().numpy()
 
 
-def _source(kernel) -> str:
-    import inspect
-
-    try:
-        return getattr(kernel, "src", None) or inspect.getsource(kernel.fn)
-    except (OSError, TypeError):
-        return ""
-
-
 def check_dv_kernel(kernel) -> Verdict:
     """``kernel``: the reader's completed skeleton. Right when dV matches ``P^T dO`` (P recomputed from q, k and
     lse) within fp32 rounding on every case; otherwise the message names the mistake when it is a common one."""
-    if kernel is None:
-        return Verdict(False, NOT_ANSWERED)
-    if not hasattr(kernel, "fn") or not callable(getattr(kernel, "__getitem__", None)):
-        return wrong(f"pass your @triton.jit kernel itself (dv_kernel), not {type(kernel).__name__}.")
-    if "your code" in _source(kernel):
-        return Verdict(False, UNWRITTEN)
+    unready = triton_kernel_unready(kernel, "dv_kernel", UNWRITTEN)
+    if unready is not None:
+        return unready
     rng = np.random.default_rng(0)
     for N_q, N_k in CASES:
         q, do = (rng.standard_normal((BH, N_q, D)) for _ in range(2))

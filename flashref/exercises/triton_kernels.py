@@ -2,26 +2,13 @@
 
 from __future__ import annotations
 
-import math
-
 from flashref.exercises import check_number
 from flashref.kernel_tiles import tile_counts
 
-#: exercise "grid": B = 4, H = 16, N_q = 1000 with BLOCK_M = 128
-GRID_B, GRID_H, GRID_N_Q, GRID_BLOCK_M = 4, 16, 1000, 128
 #: exercise "causal tiles": N = 4096, BLOCK_M = 128, BLOCK_N = 64, causal
 CAUSAL_N, CAUSAL_BLOCK_M, CAUSAL_BLOCK_N = 4096, 128, 64
 #: exercise "stored P": B = 8, H = 16, N = 4096, fp16 P against fp32 (m, l) per row
 STORE_B, STORE_H, STORE_N = 8, 16, 4096
-
-
-def check_grid_programs(answer):
-    """Programs the forward kernel launches for B = 4, H = 16, N_q = 1000, BLOCK_M = 128."""
-    expected = math.ceil(GRID_N_Q / GRID_BLOCK_M) * GRID_B * GRID_H
-    return check_number(
-        answer, expected, what="number of programs",
-        hint="One program per (query tile, batch x head); the last, partial query tile is a program too.",
-        explain=f"ceil(1000 / 128) = 8 query tiles times 64 (batch, head) pairs = {expected}.")
 
 
 def check_causal_fraction_skipped(answer):

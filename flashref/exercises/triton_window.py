@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashref.exercises import NOT_ANSWERED, Verdict, right, wrong
+from flashref.exercises import Verdict, right, triton_kernel_unready, wrong
 
 #: (N, window) cases: uneven lengths, a window of one key, one longer than the sequence.
 CASES = [(37, 5), (1, 3), (50, 16), (40, 1), (29, 64)]
@@ -57,26 +57,13 @@ def run_kernel(kernel, q, k, v, window: int, sm_scale: float):
     return O.cpu().numpy()
 
 
-def _source(kernel) -> str:
-    """The kernel's Python source: a compiled kernel keeps it as ``src``; under the interpreter, read its ``fn``."""
-    import inspect
-
-    try:
-        return getattr(kernel, "src", None) or inspect.getsource(kernel.fn)
-    except (OSError, TypeError):
-        return ""
-
-
 def check_window_kernel(kernel) -> Verdict:
     """``kernel``: the reader's completed skeleton. Right when O matches causal sliding-window attention (query
     i sees keys i - WINDOW < j <= i) within fp32 rounding on every case; otherwise the message names the
     mask the kernel did compute when it is a common mistake."""
-    if kernel is None:
-        return Verdict(False, NOT_ANSWERED)
-    if not hasattr(kernel, "fn") or not callable(getattr(kernel, "__getitem__", None)):
-        return wrong(f"pass your @triton.jit kernel itself (window_attention_kernel), not {type(kernel).__name__}.")
-    if "your code" in _source(kernel):
-        return Verdict(False, UNWRITTEN)
+    unready = triton_kernel_unready(kernel, "window_attention_kernel", UNWRITTEN)
+    if unready is not None:
+        return unready
     rng = np.random.default_rng(0)
     for N, w in CASES:
         q, k, v = (rng.standard_normal((BH, N, D)) for _ in range(3))
