@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from flashref import varlen
+from flashref.score_mods import ScoreMods
 from flashref.validation import (check_attention_inputs, check_block_mask, check_causal, check_dropout_p,
                                  check_finite, check_numpy, check_positive_int, check_same_shape, check_sm_scale)
 
@@ -97,12 +99,16 @@ def _causal_mask(q_range, k_range) -> np.ndarray:
 
 
 class _Extras:
-    """The optional parts of a call (grouped-query heads, block mask, dropout), checked, with what each
-    tile needs: the visible part of the block mask and the dropout keep-mask, sliced to the tile."""
+    """The optional parts of a call (grouped-query heads, block mask, dropout, score modifications), checked,
+    with what each tile needs: the visible part of the block mask and of the window, the dropout keep-mask
+    sliced to the tile, and the scores' cap and bias."""
 
-    def __init__(self, q, k, dropout_mask, dropout_p, block_mask, block_size):
+    def __init__(self, q, k, dropout_mask, dropout_p, block_mask, block_size, window_size=(-1, -1), softcap=0.0,
+                 alibi_slopes=None):
         N_q, N_k = q.shape[-2], k.shape[-2]
         self.groups = q.shape[1] // k.shape[1] if q.ndim == 4 else 1
+        self.mods = ScoreMods(window_size, softcap, alibi_slopes, lead=q.shape[:-2])
+        self.slopes = None if self.mods.slopes is None else self._group_shape(self.mods.slopes)
         self.block_size = block_size
         self.blocks = None
         if block_mask is not None:
@@ -127,17 +133,28 @@ class _Extras:
         return x.reshape(B, H // self.groups if is_q else H, self.groups if is_q else 1, N, d)
 
     def visible(self, q_range, k_range):
-        """The block mask on this tile (element by element, shaped like S), None when there is none, or
-        False when no (batch, head) sees any of it (the tile is skipped)."""
+        """The block mask and the window on this tile (element by element, shaped like S), None when there
+        is neither, or False when no (batch, head) sees any of it (the tile is skipped)."""
+        if self.mods.tile_outside_window(q_range, k_range):
+            return False
+        window = self.mods.window(np.arange(*q_range), np.arange(*k_range))
         if self.blocks is None:
-            return None
+            return window
         bs = self.block_size
         rows = np.arange(*q_range) // bs
         cols = np.arange(*k_range) // bs
         tile = self.blocks[..., rows[:, None], cols[None, :]]
+        if window is not None:
+            tile = tile & window
         if not tile.any():
             return False
         return self._group_shape(tile)
+
+    def modify(self, s, q_range, k_range):
+        """The tile's scaled scores capped and biased (:mod:`flashref.score_mods`), or s itself."""
+        if not self.mods.changes_scores:
+            return s
+        return self.mods.modify(s, np.arange(*q_range), np.arange(*k_range), slopes=self.slopes)
 
     def kept(self, q_range, k_range):
         return None if self.keep is None else \
@@ -150,10 +167,13 @@ class _Extras:
         return x.reshape(B, H // self.groups if H > 1 else 1, self.groups if H > 1 else 1, *x.shape[2:])
 
 
-def _scores(q_tile, k_tile, scale, q_range, k_range, causal, visible=None):
-    """S tile = scale * Q_i K_j^T, with -inf where the causal mask (or the block mask) hides a key."""
+def _scores(q_tile, k_tile, scale, q_range, k_range, causal, visible=None, ex=None):
+    """S tile = scale * Q_i K_j^T (capped and biased by ``ex``'s score modifications), with -inf where the
+    causal mask (or the block mask, or the window) hides a key."""
     s = q_tile @ np.swapaxes(k_tile, -1, -2)
     s *= scale
+    if ex is not None:
+        s = ex.modify(s, q_range, k_range)
     if tile_needs_mask(q_range, k_range, causal):
         s[..., _causal_mask(q_range, k_range)] = -np.inf
     if visible is not None:
@@ -178,7 +198,7 @@ def _finite_or_zero(m):
 
 def flash_attention_forward(q, k, v, causal=False, sm_scale=None, block_q=BLOCK_Q, block_k=BLOCK_K,
                             order="fa2", trace=None, *, dropout_mask=None, dropout_p=0.0, block_mask=None,
-                            block_size=128, observe=None):
+                            block_size=128, observe=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
     """Tiled attention forward: returns ``(o, lse)``, ``o`` shaped like q and ``lse`` shaped ``q.shape[:-1]``.
 
     ``order="fa2"`` (FlashAttention-2): outer loop over query blocks, the running max m, sum l and the
@@ -196,7 +216,9 @@ def flash_attention_forward(q, k, v, causal=False, sm_scale=None, block_q=BLOCK_
     The keywords are those of :func:`flashref.reference.attention`: k and v may have fewer heads than q
     (grouped-query attention; the tile products broadcast them over each group, no copy); ``block_mask``
     hides blocks of keys from blocks of queries, and a tile that no (batch, head) sees is skipped; a row
-    that sees no key gets o = 0 and lse = -inf; ``dropout_mask`` with ``dropout_p`` drops entries of P.
+    that sees no key gets o = 0 and lse = -inf; ``dropout_mask`` with ``dropout_p`` drops entries of P;
+    ``window_size``, ``softcap`` and ``alibi_slopes`` modify the scores (:mod:`flashref.score_mods`), and a
+    tile wholly outside the window is skipped like a causal one.
     """
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
@@ -205,7 +227,7 @@ def flash_attention_forward(q, k, v, causal=False, sm_scale=None, block_q=BLOCK_
         raise TypeError(f"trace must be a list or None, got {type(trace).__name__}")
     if observe is not None and not callable(observe):
         raise TypeError(f"observe must be a callable or None, got {type(observe).__name__}")
-    ex = _Extras(q, k, dropout_mask, dropout_p, block_mask, block_size)
+    ex = _Extras(q, k, dropout_mask, dropout_p, block_mask, block_size, window_size, softcap, alibi_slopes)
     run = _forward_fa2 if order == "fa2" else _forward_fa1
     shape, half = q.shape, q.dtype == np.float16
     if half:  # fp32 accumulation, as on a GPU
@@ -244,7 +266,7 @@ def _forward_fa2(q, k, v, causal, scale, q_tiles, k_tiles, trace, ex, observe=No
                 continue  # the block mask hides this tile from every (batch, head): never loaded
             if trace is not None:
                 trace.append((i, j))
-            s = _scores(q_tile, k[..., k_range[0]:k_range[1], :], scale, q_range, k_range, causal, visible)
+            s = _scores(q_tile, k[..., k_range[0]:k_range[1], :], scale, q_range, k_range, causal, visible, ex)
             m_new = np.maximum(m, s.max(axis=-1))
             m_sub = _finite_or_zero(m_new)
             alpha = np.exp(m - m_sub)
@@ -286,7 +308,7 @@ def _forward_fa1(q, k, v, causal, scale, q_tiles, k_tiles, trace, ex, observe=No
                 trace.append((i, j))
             rows = slice(q_range[0], q_range[1])
             o_i, l_i, m_i = o[..., rows, :], l[..., rows], m[..., rows]   # read from HBM
-            s = _scores(q[..., rows, :], k_tile, scale, q_range, k_range, causal, visible)
+            s = _scores(q[..., rows, :], k_tile, scale, q_range, k_range, causal, visible, ex)
             m_tile = s.max(axis=-1)
             s -= _finite_or_zero(m_tile)[..., None]
             p = np.exp(s, out=s)
@@ -311,7 +333,7 @@ def _forward_fa1(q, k, v, causal, scale, q_tiles, k_tiles, trace, ex, observe=No
 
 def flash_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, block_q=BLOCK_Q,
                              block_k=BLOCK_K, trace=None, *, dropout_mask=None, dropout_p=0.0, block_mask=None,
-                             block_size=128):
+                             block_size=128, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
     """Gradients ``(dq, dk, dv)`` of tiled attention, recomputing each tile's P from Q, K and ``lse``.
 
     With D = rowsum(dO * O) (equal to rowsum(P * dP)), for every tile (i, j) not skipped by the causal
@@ -320,18 +342,20 @@ def flash_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, b
     locally), inner over query blocks (dQ_i accumulates in a full-size array), as FlashAttention-2.
     ``trace``, if a list, receives the ``(i, j)`` tiles visited. The keywords as in
     :func:`flash_attention_forward`; with dropout, V's gradient takes the dropped P~ and dP the same
-    keep-mask, and with grouped-query attention dK and dV sum over each group.
+    keep-mask, and with grouped-query attention dK and dV sum over each group; with a softcap, dS is
+    multiplied by the cap's derivative ``1 - tanh(scale q.k / c)^2`` before dQ and dK.
     """
     N_q, N_k, d, scale, block_q, block_k = _check_inputs(q, k, v, causal, sm_scale, block_q, block_k)
     _check_backward_arrays(q, o, lse, do)
     if trace is not None and not isinstance(trace, list):
         raise TypeError(f"trace must be a list or None, got {type(trace).__name__}")
-    features = dict(dropout_mask=dropout_mask, dropout_p=dropout_p, block_mask=block_mask, block_size=block_size)
+    features = dict(dropout_mask=dropout_mask, dropout_p=dropout_p, block_mask=block_mask, block_size=block_size,
+                    window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
     if q.dtype == np.float16:  # fp32 accumulation, gradients rounded back to float16
         grads = flash_attention_backward(*(x.astype(np.float32) for x in (q, k, v, o, lse, do)), causal=causal,
                                          sm_scale=scale, block_q=block_q, block_k=block_k, trace=trace, **features)
         return tuple(g.astype(np.float16) for g in grads)
-    ex = _Extras(q, k, dropout_mask, dropout_p, block_mask, block_size)
+    ex = _Extras(q, k, **features)
     shape_q, shape_k = q.shape, k.shape
     q, o, do = ex.grouped(q, True), ex.grouped(o, True), ex.grouped(do, True)
     k, v = ex.grouped(k, False), ex.grouped(v, False)
@@ -357,7 +381,7 @@ def flash_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, b
                 trace.append((i, j))
             rows = slice(q_range[0], q_range[1])
             q_tile, do_tile = q[..., rows, :], do[..., rows, :]
-            s = _scores(q_tile, k_tile, scale, q_range, k_range, causal, visible)
+            s = _scores(q_tile, k_tile, scale, q_range, k_range, causal, visible, ex)
             s -= lse[..., rows, None]
             p = np.exp(s, out=s)                                 # recomputed P tile (masked: 0)
             keep = ex.kept(q_range, k_range)
@@ -365,11 +389,54 @@ def flash_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, b
             dp = _drop(do_tile @ np.swapaxes(v_tile, -1, -2), keep, keep_scale)
             dp -= delta[..., rows, None]
             ds = np.multiply(p, dp, out=dp)                      # dS = P * (dP - D)
+            if ex.mods.softcap > 0:                              # through the cap: dS * (1 - tanh^2)
+                ds = ex.mods.softcap_grad(ds, scale * (q_tile @ np.swapaxes(k_tile, -1, -2)))
             ds *= scale
             dq[..., rows, :] += ds @ k_tile
             dk_tile += _sum_to(np.swapaxes(ds, -1, -2) @ q_tile, dk_tile.shape)
         dk[..., cols, :], dv[..., cols, :] = dk_tile, dv_tile
     return dq.reshape(shape_q), dk.reshape(shape_k), dv.reshape(shape_k)
+
+
+def flash_attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
+                                   causal=False, sm_scale=None, block_q=BLOCK_Q, block_k=BLOCK_K, *,
+                                   window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+    """Tiled forward over a packed batch (:func:`flashref.reference.attention_varlen`'s arguments): each
+    document through :func:`flash_attention_forward`, so no tile mixes two documents. Returns ``(o, lse)``,
+    ``o`` of q's shape ``(total_q, H, d)`` and ``lse`` of shape ``(H, total_q)``."""
+    docs = varlen.documents(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    o = np.empty_like(q)
+    lse = np.empty((q.shape[1], q.shape[0]), dtype=np.float32 if q.dtype == np.float16 else q.dtype)
+    for b, (rows, cols) in enumerate(docs):
+        o_b, lse_b = flash_attention_forward(
+            varlen.unpack(q, rows), varlen.unpack(k, cols), varlen.unpack(v, cols), causal, sm_scale, block_q,
+            block_k, window_size=window_size, softcap=softcap, alibi_slopes=varlen.document_slopes(alibi_slopes, b))
+        varlen.pack(o, o_b, rows)
+        varlen.pack(lse, lse_b, rows)
+    return o, lse
+
+
+def flash_attention_varlen_backward(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
+                                    max_seqlen_k=None, causal=False, sm_scale=None, block_q=BLOCK_Q, block_k=BLOCK_K,
+                                    *, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+    """Gradients ``(dq, dk, dv)`` of :func:`flash_attention_varlen_forward`, each document through
+    :func:`flash_attention_backward` (``lse`` of shape ``(H, total_q)``, as the forward returns it)."""
+    docs = varlen.documents(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    for name, x in (("o", o), ("do", do)):
+        check_numpy(name, x)
+        check_same_shape(name, x, "q", q)
+    check_numpy("lse", lse)
+    if lse.shape != (q.shape[1], q.shape[0]):
+        raise ValueError(f"lse must have shape (H, total_q) = {(q.shape[1], q.shape[0])}, got {lse.shape}")
+    dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
+    for b, (rows, cols) in enumerate(docs):
+        grads = flash_attention_backward(
+            varlen.unpack(q, rows), varlen.unpack(k, cols), varlen.unpack(v, cols), varlen.unpack(o, rows),
+            lse[None, :, rows[0]:rows[1]], varlen.unpack(do, rows), causal, sm_scale, block_q, block_k,
+            window_size=window_size, softcap=softcap, alibi_slopes=varlen.document_slopes(alibi_slopes, b))
+        for packed, g, r in zip((dq, dk, dv), grads, (rows, cols, cols)):
+            varlen.pack(packed, g, r)
+    return dq, dk, dv
 
 
 def _sum_to(x, shape):

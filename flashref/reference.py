@@ -12,7 +12,7 @@ builds them. Called with float64 inputs it is the reference; called with float32
 is "plain attention in the same low precision", the baseline of the tolerance rule
 (:mod:`flashref.tolerance`), because every step runs in the input's dtype.
 
-Conventions (DESIGN.md): shapes ``(N, d)`` or ``(B, H, N, d)``; ``N_q`` may differ from ``N_k``;
+Conventions (the whole package's): shapes ``(N, d)`` or ``(B, H, N, d)``; ``N_q`` may differ from ``N_k``;
 ``causal=True`` is top-left aligned as ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)``
 (query ``i`` attends keys ``j <= i``; every row sees key 0); ``sm_scale`` defaults to
 ``1/sqrt(d)``; ``lse`` is the natural-log log-sum-exp of the scaled, masked scores of each query row.
@@ -28,7 +28,8 @@ import numbers
 
 import numpy as np
 
-from flashref import validation
+from flashref import validation, varlen
+from flashref.score_mods import ScoreMods
 
 #: dtypes the NumPy reference computes in (NumPy has no bfloat16).
 FLOAT_DTYPES = ("float16", "float32", "float64")
@@ -51,12 +52,16 @@ def _check_inputs(q, k, v, causal, sm_scale):
     return q, k, v, scale
 
 
-def _masks(q, k, causal, dropout_mask, dropout_p, block_mask, block_size):
-    """The boolean ``visible`` mask (causal and block-sparse together, or None for all visible) and the
-    dropout ``keep`` mask (or None), both broadcastable to ``(..., N_q, N_k)``, and the dropout scale."""
+def _masks(q, k, causal, dropout_mask, dropout_p, block_mask, block_size, mods=None):
+    """The boolean ``visible`` mask (causal, the window of ``mods`` and block-sparse together, or None for
+    all visible) and the dropout ``keep`` mask (or None), both broadcastable to ``(..., N_q, N_k)``, and the
+    dropout scale."""
     N_q, N_k = q.shape[-2], k.shape[-2]
     lead = q.shape[:-2]
     visible = causal_mask(N_q, N_k) if causal else None
+    window = None if mods is None else mods.window(np.arange(N_q), np.arange(N_k))
+    if window is not None:
+        visible = window if visible is None else (visible & window)
     if block_mask is not None:
         validation.check_numpy("block_mask", block_mask)
         blocks = validation.check_block_mask(block_mask, lead, N_q, N_k, block_size)
@@ -125,10 +130,18 @@ def causal_mask(N_q: int, N_k: int) -> np.ndarray:
     return np.tril(np.ones((N_q, N_k), dtype=bool))
 
 
-def scores(q, k, causal: bool, sm_scale: float, visible=None) -> np.ndarray:
+def _scaled_qk(q, k, sm_scale: float) -> np.ndarray:
+    """sm_scale * Q K^T in the input dtype (K repeated over each group of query heads)."""
+    return np.matmul(q, np.swapaxes(_repeat_kv(k, q.shape[1] if q.ndim == 4 else 0), -1, -2)) * q.dtype.type(sm_scale)
+
+
+def scores(q, k, causal: bool, sm_scale: float, visible=None, mods: ScoreMods | None = None) -> np.ndarray:
     """S = sm_scale * Q K^T in the input dtype, with masked entries set to -inf. Shape ``(..., N_q, N_k)``.
-    ``visible`` (boolean, broadcastable) replaces the causal mask when given (it already includes it)."""
-    s = np.matmul(q, np.swapaxes(_repeat_kv(k, q.shape[1] if q.ndim == 4 else 0), -1, -2)) * q.dtype.type(sm_scale)
+    ``visible`` (boolean, broadcastable) replaces the causal mask when given (it already includes it).
+    ``mods`` (:class:`flashref.score_mods.ScoreMods`) caps and biases the scores before the mask."""
+    s = _scaled_qk(q, k, sm_scale)
+    if mods is not None and mods.changes_scores:
+        s = mods.modify(s, np.arange(q.shape[-2]), np.arange(k.shape[-2]))
     if visible is None and causal:
         visible = causal_mask(q.shape[-2], k.shape[-2])
     if visible is not None:
@@ -154,7 +167,7 @@ def softmax_rows(s: np.ndarray):
 
 
 def attention(q, k, v, causal=False, sm_scale=None, return_lse=False, *, dropout_mask=None, dropout_p=0.0,
-              block_mask=None, block_size=128):
+              block_mask=None, block_size=128, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
     """Standard attention ``O = dropout(softmax(sm_scale * Q K^T)) V``, materializing S and P.
 
     ``q``: ``(..., N_q, d)``, ``k`` and ``v``: ``(..., N_k, d)`` with ``...`` empty or ``(B, H)``; for 4-D
@@ -167,14 +180,17 @@ def attention(q, k, v, causal=False, sm_scale=None, return_lse=False, *, dropout
     combines with ``causal``. A query row that sees no key gets ``o = 0`` and ``lse = -inf``.
     ``dropout_mask`` (boolean keep-mask broadcastable to ``(..., N_q, N_k)``) with ``dropout_p``: P's
     dropped entries are zeroed and the kept ones scaled by ``1 / (1 - dropout_p)``; lse is that of P
-    before dropout. Raises ``ValueError``/``TypeError`` naming the argument on bad input (integer dtypes
-    included). Taught in notebook ``01_standard_attention``.
+    before dropout. ``window_size``, ``softcap`` and ``alibi_slopes`` modify the scores and the mask as
+    FlashAttention's keywords do (:mod:`flashref.score_mods`: a token window ``i - left <= j <= i + right``,
+    ``c * tanh(s / c)``, ``- a_h |i - j|``). Raises ``ValueError``/``TypeError`` naming the argument on bad
+    input (integer dtypes included). Taught in notebook ``01_standard_attention``.
     """
     q, k, v, scale = _check_inputs(q, k, v, causal, sm_scale)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}: {return_lse!r}")
-    visible, keep, keep_scale = _masks(q, k, causal, dropout_mask, dropout_p, block_mask, block_size)
-    s = scores(q, k, causal, scale, visible)
+    mods = ScoreMods(window_size, softcap, alibi_slopes, lead=q.shape[:-2])
+    visible, keep, keep_scale = _masks(q, k, causal, dropout_mask, dropout_p, block_mask, block_size, mods)
+    s = scores(q, k, causal, scale, visible, mods)
     p, lse = softmax_rows(s)
     if keep is not None:
         p = np.where(keep, p * p.dtype.type(keep_scale), p.dtype.type(0))
@@ -187,7 +203,7 @@ def attention(q, k, v, causal=False, sm_scale=None, return_lse=False, *, dropout
 # --------------------------------------------------------------------------------------------------
 
 def attention_backward(q, k, v, do, causal=False, sm_scale=None, *, dropout_mask=None, dropout_p=0.0,
-                       block_mask=None, block_size=128):
+                       block_mask=None, block_size=128, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
     """Gradients ``(dq, dk, dv)`` of standard attention, given ``do = dLoss/dO``; the keywords as in
     :func:`attention` (dk and dv have k's and v's shapes: with grouped-query attention each K/V head's
     gradient is the sum over the query heads that share it).
@@ -200,16 +216,20 @@ def attention_backward(q, k, v, do, causal=False, sm_scale=None, *, dropout_mask
         dS = P * (dP - rowsum(P * dP))      (the softmax Jacobian, row by row)
         dQ = scale dS K,   dK = scale dS^T Q
 
+    With a softcap c, dS is taken with respect to the capped score and multiplied by its derivative,
+    ``1 - tanh(scale q.k / c)^2``, before the last two products; the ALiBi bias has no gradient.
+
     Masked entries have P = 0, so their dS is 0 and they pass no gradient; a row that sees no key has
     zero gradients. This version stores P (the memory FlashAttention's backward saves by recomputing P
     from Q, K and lse).
     """
     q, k, v, scale = _check_inputs(q, k, v, causal, sm_scale)
     do = _check_do(do, q)
-    visible, keep, keep_scale = _masks(q, k, causal, dropout_mask, dropout_p, block_mask, block_size)
+    mods = ScoreMods(window_size, softcap, alibi_slopes, lead=q.shape[:-2])
+    visible, keep, keep_scale = _masks(q, k, causal, dropout_mask, dropout_p, block_mask, block_size, mods)
     H = q.shape[1] if q.ndim == 4 else 0
     k_full, v_full = _repeat_kv(k, H), _repeat_kv(v, H)
-    p, _ = softmax_rows(scores(q, k, causal, scale, visible))
+    p, _ = softmax_rows(scores(q, k, causal, scale, visible, mods))
     dp = np.matmul(do, np.swapaxes(v_full, -1, -2))
     if keep is not None:
         c = p.dtype.type(keep_scale)
@@ -219,11 +239,56 @@ def attention_backward(q, k, v, do, causal=False, sm_scale=None, *, dropout_mask
         p_dropped = p
     dv = np.matmul(np.swapaxes(p_dropped, -1, -2), do)
     ds = p * (dp - np.sum(p * dp, axis=-1, keepdims=True))
+    if mods.softcap > 0:
+        ds = mods.softcap_grad(ds, _scaled_qk(q, k, scale))
     s = q.dtype.type(scale)
     dq = np.matmul(ds, k_full) * s
     dk = np.matmul(np.swapaxes(ds, -1, -2), q) * s
     if q.ndim == 4:
         dk, dv = _sum_groups(dk, k.shape[1]), _sum_groups(dv, v.shape[1])
+    return dq, dk, dv
+
+
+# --------------------------------------------------------------------------------------------------
+# Packed variable-length batches
+# --------------------------------------------------------------------------------------------------
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, causal=False,
+                     sm_scale=None, return_lse=False, *, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+    """Standard attention over a packed batch of documents of different lengths, as FlashAttention's
+    ``flash_attn_varlen_func``: ``q`` is ``(total_q, H, d)``, ``k`` and ``v`` are ``(total_k, H_kv, d)``, and
+    document b holds rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of q and ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]``
+    of k and v. No query sees a key of another document; within one, everything is :func:`attention`'s
+    (causal top-left aligned in each document, grouped heads, ``window_size``, ``softcap``, ``alibi_slopes``
+    of shape ``(H,)`` or ``(B, H)``). Returns ``o`` of q's shape, and ``lse`` of shape ``(H, total_q)`` (as
+    FlashAttention) when ``return_lse``. ``max_seqlen_q`` / ``max_seqlen_k``, when given, are checked against
+    the longest document. A document of length 0 is a ``ValueError``.
+    """
+    o = np.empty_like(q)
+    lse = np.empty((q.shape[1], q.shape[0]), dtype=q.dtype)
+    for b, (rows, cols) in enumerate(varlen.documents(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)):
+        o_b, lse_b = attention(varlen.unpack(q, rows), varlen.unpack(k, cols), varlen.unpack(v, cols), causal,
+                               sm_scale, True, window_size=window_size, softcap=softcap,
+                               alibi_slopes=varlen.document_slopes(alibi_slopes, b))
+        varlen.pack(o, o_b, rows)
+        varlen.pack(lse, lse_b, rows)
+    return (o, lse) if return_lse else o
+
+
+def attention_varlen_backward(q, k, v, do, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
+                              causal=False, sm_scale=None, *, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+    """Gradients ``(dq, dk, dv)`` of :func:`attention_varlen` given ``do`` (q's shape): each document's
+    :func:`attention_backward`, packed back in place."""
+    docs = varlen.documents(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    validation.check_numpy("do", do)
+    validation.check_same_shape("do", do, "q", q)
+    dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
+    for b, (rows, cols) in enumerate(docs):
+        grads = attention_backward(varlen.unpack(q, rows), varlen.unpack(k, cols), varlen.unpack(v, cols),
+                                   varlen.unpack(do, rows), causal, sm_scale, window_size=window_size,
+                                   softcap=softcap, alibi_slopes=varlen.document_slopes(alibi_slopes, b))
+        for packed, g, r in zip((dq, dk, dv), grads, (rows, cols, cols)):
+            varlen.pack(packed, g, r)
     return dq, dk, dv
 
 
@@ -278,7 +343,8 @@ def materialized_bytes(N_q, N_k=None, heads=1, batch=1, dtype="float32") -> int:
 
 def forward_flops(N_q, N_k=None, d=64, heads=1, batch=1, causal=False) -> int:
     """FLOPs of the attention forward pass: ``4 N_q N_k d`` a head (two matmuls, a multiply and an add
-    each), half of it when causal (DESIGN.md's convention for benchmarks)."""
+    each), half of it when causal. Taught in notebook ``01_standard_attention`` ("FLOPs against bytes"); the
+    benchmarks count with it (:func:`flashref.bench.results.flops`)."""
     N_q = _count("N_q", N_q)
     N_k = N_q if N_k is None else _count("N_k", N_k)
     validation.check_causal(causal)

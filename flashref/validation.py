@@ -236,3 +236,80 @@ def check_block_mask(block_mask, lead: tuple, N_q: int, N_k: int, block_size):
         raise ValueError(f"block_mask must have shape {want} for N_q = {N_q}, N_k = {N_k} and block_size = {bs} "
                          f"(ceil(N / block_size) blocks a side), got {shape}")
     return block_mask
+
+
+def check_window_size(window_size) -> tuple[int, int]:
+    """``window_size = (left, right)``: query i sees keys ``i - left <= j <= i + right``; -1 leaves that side
+    unbounded (FlashAttention's convention). Two integers >= -1."""
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size must be a pair (left, right) of integers >= -1 (-1: unbounded), got "
+                        f"{type(window_size).__name__}: {window_size!r}")
+    sides = []
+    for side, n in zip(("left", "right"), window_size):
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+            raise TypeError(f"window_size's {side} side must be an integer >= -1, got {type(n).__name__}: {n!r}")
+        if n < -1:
+            raise ValueError(f"window_size's {side} side must be >= -1 (-1: unbounded), got {n}")
+        sides.append(int(n))
+    return sides[0], sides[1]
+
+
+def check_softcap(softcap) -> float:
+    """``softcap`` c: scores become ``c * tanh(s / c)``; 0 turns it off. A finite real number >= 0."""
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a real number >= 0 (0: off), got {type(softcap).__name__}: {softcap!r}")
+    c = float(softcap)
+    if not math.isfinite(c) or c < 0:
+        raise ValueError(f"softcap must be finite and >= 0 (0: off), got {c}")
+    return c
+
+
+def check_alibi_slopes(alibi_slopes, lead: tuple):
+    """ALiBi slopes, one per head: shape ``(H,)`` or ``(B, H)`` for inputs with leading dims ``lead = (B, H)``,
+    ``()`` or ``(1,)`` for 2-D inputs; finite. Returned as a float64 NumPy array shaped to broadcast against
+    the scores, ``(B or 1, H, 1, 1)`` (``(1, 1)`` for 2-D inputs)."""
+    if hasattr(alibi_slopes, "detach"):  # a torch tensor
+        alibi_slopes = alibi_slopes.detach().cpu().numpy()
+    slopes = np.asarray(alibi_slopes)
+    if slopes.dtype.kind not in "fiu":
+        raise TypeError(f"alibi_slopes must be an array of real numbers, got {type(alibi_slopes).__name__} "
+                        f"of dtype {slopes.dtype}")
+    slopes = slopes.astype(np.float64)
+    if len(lead) == 2:
+        B, H = lead
+        if slopes.shape not in ((H,), (B, H)):
+            raise ValueError(f"alibi_slopes must have shape (H,) = ({H},) or (B, H) = ({B}, {H}), got {slopes.shape}")
+        shaped = slopes.reshape((-1 if slopes.ndim == 2 else 1), H, 1, 1)
+    else:
+        if slopes.size != 1 or slopes.ndim > 1:
+            raise ValueError(f"alibi_slopes must be one number (shape () or (1,)) for 2-D inputs, got shape {slopes.shape}")
+        shaped = slopes.reshape(1, 1)
+    check_finite({"alibi_slopes": shaped})
+    return shaped
+
+
+def check_cu_seqlens(name: str, cu_seqlens, total: int, max_seqlen=None) -> np.ndarray:
+    """Cumulative sequence lengths of a packed batch (FlashAttention's ``cu_seqlens``): a 1-D integer array
+    ``[0, n_0, n_0 + n_1, ..., total]`` with every length ``n_b >= 1``. Returned as int64 NumPy.
+    ``max_seqlen``, when given, must be at least the longest length."""
+    if hasattr(cu_seqlens, "detach"):  # a torch tensor
+        cu_seqlens = cu_seqlens.detach().cpu().numpy()
+    cu = np.asarray(cu_seqlens)
+    if cu.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be a 1-D array of integers, got dtype {cu.dtype}")
+    if cu.ndim != 1 or cu.shape[0] < 2:
+        raise ValueError(f"{name} must be 1-D with at least two entries [0, ..., total], got shape {cu.shape}")
+    cu = cu.astype(np.int64)
+    if cu[0] != 0 or cu[-1] != total:
+        raise ValueError(f"{name} must start at 0 and end at the packed length {total}, got {cu[0]} ... {cu[-1]}")
+    lengths = np.diff(cu)
+    if (lengths < 1).any():
+        b = int(np.argmax(lengths < 1))
+        raise ValueError(f"{name} holds an empty (or negative) sequence: document {b} has length {int(lengths[b])}; "
+                         "every document needs at least one token")
+    if max_seqlen is not None:
+        longest = int(lengths.max())
+        if check_positive_int(name.replace("cu_seqlens", "max_seqlen"), max_seqlen) < longest:
+            raise ValueError(f"{name.replace('cu_seqlens', 'max_seqlen')} = {max_seqlen} is shorter than the longest "
+                             f"document of {name} ({longest})")
+    return cu

@@ -1,0 +1,52 @@
+"""Packed variable-length batches (FlashAttention's ``cu_seqlens``): documents of different lengths laid end to
+end in one ``(total, heads, d)`` array, with no padding.
+
+Document b holds rows ``cu_seqlens[b]:cu_seqlens[b + 1]``. The helpers here cut a packed batch into its
+documents and put results back, for the NumPy implementations' ``*_varlen`` functions
+(:func:`flashref.reference.attention_varlen`, :func:`flashref.numpy_flash.flash_attention_varlen_forward`),
+which run each document through their ordinary ``(1, H, n, d)`` path: no query ever meets a key of another
+document.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from flashref import validation
+
+
+def documents(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None):
+    """Check a packed batch (NumPy ``q`` of shape ``(total_q, H, d)``, ``k`` and ``v`` of ``(total_k, H_kv, d)``);
+    return each document's ``((q_start, q_stop), (k_start, k_stop))``."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        validation.check_numpy(name, x)
+        if x.ndim != 3:
+            raise ValueError(f"{name} must have shape (total, heads, d) for a packed batch, got {x.ndim}-d shape {x.shape}")
+    cu_q = validation.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
+    cu_k = validation.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
+    if len(cu_q) != len(cu_k):
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of documents, got "
+                         f"{len(cu_q) - 1} and {len(cu_k) - 1}")
+    return [((int(a), int(b)), (int(c), int(d))) for a, b, c, d in zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:])]
+
+
+def unpack(x, rows):
+    """Rows ``[start, stop)`` of a packed ``(total, heads, d)`` array as ``(1, heads, n, d)``."""
+    return np.swapaxes(x[rows[0]:rows[1]], 0, 1)[None]
+
+
+def pack(packed, x, rows) -> None:
+    """Write ``x`` of shape ``(1, heads, n, d)`` (or ``(1, heads, n)``: an lse, into ``(heads, total)``) back
+    into the packed array at rows ``[start, stop)``."""
+    if x.ndim == 3:
+        packed[:, rows[0]:rows[1]] = x[0]
+    else:
+        packed[rows[0]:rows[1]] = np.swapaxes(x[0], 0, 1)
+
+
+def document_slopes(alibi_slopes, b):
+    """Document b's ALiBi slopes: a ``(B, H)`` array holds one row per document, an ``(H,)`` array serves all."""
+    if alibi_slopes is None:
+        return None
+    slopes = np.asarray(alibi_slopes.detach().cpu() if hasattr(alibi_slopes, "detach") else alibi_slopes)
+    return slopes[b] if slopes.ndim == 2 else slopes
