@@ -11,6 +11,8 @@ Modules, one idea each (import the one you need; the GPU ones import torch, trit
 - ``flashref.tile_walk``      the animated walk over the tile grid, drawn from numpy_flash and iomodel
 - ``flashref.tile_plots``     pictures of the tile grid: which tiles a pass visits, in which order
 - ``flashref.block_masks``    block masks for block-sparse attention: sliding window, BigBird, causal
+- ``flashref.score_mods``     score and mask modifications: a token window, tanh soft-capping, ALiBi
+- ``flashref.varlen``         packed batches of documents of different lengths (``cu_seqlens``)
 - ``flashref.cupy``           CUDA C kernels launched with CuPy
 - ``flashref.triton``         Triton forward and backward as a ``torch.autograd.Function`` (and a custom op)
 - ``flashref.torch_attention`` attention in plain PyTorch: the baseline, SDPA, a sliding window, Performer
