@@ -1,6 +1,7 @@
-"""The features benchmark's FlexAttention masks are exactly ours: the blocks Flex visits (full or partial)
-are the visible blocks of our block mask, with and without causality, on an uneven length. (The timings
-themselves run on the GPU: python -m flashref.bench features.)"""
+"""The features benchmark's masks, on the CPU: FlexAttention's are exactly ours (the blocks Flex visits, full or
+partial, are the visible blocks of our block mask, with and without causality, on an uneven length), and the
+block-sparse cases measure the windows and count the FLOPs they always did. (The timings themselves run on the
+GPU: python -m flashref.bench features.)"""
 
 from __future__ import annotations
 
@@ -24,18 +25,41 @@ def test_flex_visits_exactly_our_blocks(pattern, causal):
     assert torch.equal(visited, want)
 
 
-def test_append_adds_to_a_run_of_the_same_machine_and_refuses_another(tmp_path):
-    import json
+def test_the_block_sparse_cases_are_the_causal_windows_they_always_were():
+    """The sparse part's masks, visible pairs, densities and FLOPs, against the benchmark's own copy of the
+    window and its closed-form pair count from before it used flashref.block_masks (N = 16K, 128-key blocks:
+    the committed run's points), bit for bit."""
+    from flashref.bench.features_bench import sparse_cases, windows
+    from flashref.bench.results import flops, pair_flops
 
-    from flashref.bench.features_bench import start_results
+    def old_window_mask(N, block, w):
+        n = -(-N // block)
+        i = torch.arange(n)
+        return ((i[:, None] - i[None, :] >= 0) & (i[:, None] - i[None, :] < w))[None, None]
 
-    fresh = start_results(None, "GPU A", {"torch": "1"}, "cmd --parts gqa")
-    assert fresh["results"] == [] and fresh["command"] == "cmd --parts gqa"
-    path = tmp_path / "features.json"
-    path.write_text(json.dumps({**fresh, "seconds": 12.0, "results": [{"case": "gqa fwd+bwd"}]}))
-    more = start_results(str(path), "GPU A", {"torch": "1"}, "cmd --parts flex")
-    assert more["results"] == [{"case": "gqa fwd+bwd"}] and more["seconds"] == 12.0
-    assert more["command"] == "cmd --parts gqa; cmd --parts flex"
-    with pytest.raises(ValueError, match="GPU B"):
-        start_results(str(path), "GPU B", {"torch": "1"}, "cmd --parts flex")
-    assert start_results(str(tmp_path / "absent.json"), "GPU A", {}, "c")["results"] == []
+    N, block, B, H, d = 16384, 128, 1, 16, 64
+    assert sparse_cases.__defaults__ == (N, d, B, H, block)
+    n = -(-N // block)
+    seen = []
+    for w, mask, pairs, density in windows(N, block):
+        seen.append(w)
+        assert torch.equal(mask, old_window_mask(N, block, w))
+        assert pairs == sum((min(i + 1, w) - 1) * block * block + block * (block + 1) // 2 for i in range(n))
+        assert density == old_window_mask(N, block, w).float().mean().item()
+        for mode in ("fwd", "fwd+bwd"):
+            assert pair_flops(B, H, pairs, d, mode) == (1.0 if mode == "fwd" else 3.5) * 4.0 * B * H * pairs * d
+    assert seen == [n, 32, 8, 2]
+    for mode in ("fwd", "fwd+bwd"):  # the dense rows: causal, and the all-True mask's
+        assert flops(B, H, N, N, d, True, mode) == (1.0 if mode == "fwd" else 3.5) * 2.0 * B * H * N * N * d
+        assert flops(B, H, N, N, d, False, mode) == (1.0 if mode == "fwd" else 3.5) * 4.0 * B * H * N * N * d
+
+
+def test_the_window_masks_hold_on_an_uneven_length():
+    from flashref.bench.features_bench import windows
+
+    N, block = 1000, 128  # 8 blocks, the last one 104 keys
+    for w, mask, pairs, density in windows(N, block):
+        i = torch.arange(N)
+        visible = (i[:, None] >= i[None, :]) & (i[:, None] // block - i[None, :] // block < w)
+        assert pairs == int(visible.sum())
+        assert torch.equal(mask[0, 0], block_masks.sliding_window(8, window=w, causal=True)[0, 0])

@@ -5,4 +5,9 @@ Suites:
 - ``gpu``    the GPU kernels against PyTorch's attention backends, in one run (CUDA)
 - ``hbm``    HBM and L2 bytes of every kernel, counted by Nsight Compute, and the block-size sweep (CUDA, ncu)
 - ``features`` grouped-query attention and dropout against SDPA, block-sparse time against density (CUDA)
+- ``model``  the GPT of :mod:`flashref.model` trained and timed with each attention (CUDA)
+- ``cupy``   the CuPy kernels next to SDPA's flash backend (CUDA, CuPy)
+
+What they share lives in :mod:`flashref.bench.results`: the loader of the committed results under
+``book/data/``, the saver, the versions recorded beside every measurement, and the FLOP count.
 """

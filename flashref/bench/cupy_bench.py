@@ -3,20 +3,21 @@
 Taught in notebook ``06_cupy_kernel`` ("How fast"). ``python -m flashref.bench cupy`` measures the grid
 of the course's benchmark (N in 1K..16K, B = 65536 / N, H = 2048 / d, fp16; the tiled kernel in fp32
 and fp16 too) and writes book/data/cupy_bench.json, its rows in the course benchmark's schema (impl,
-mode, B, H, N, d, causal, status, ms, tflops) and its FLOPs counted by :func:`gpu_bench.flops`.
+mode, B, H, N, d, causal, status, ms, tflops) and its FLOPs counted by :func:`flashref.bench.results.flops`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 
-from flashref.bench.gpu_bench import flops
+from flashref.bench import results
+from flashref.bench.results import flops
 
 OUT_PATH = os.path.join("book", "data", "cupy_bench.json")
+#: The course benchmark's results (python -m flashref.bench gpu), read here for its CuPy rows.
+GPU_BENCH_PATH = os.path.join("book", "data", "gpu_bench.json")
 
 
 def time_ms(fn, warmup: int = 1, reps: int = 5) -> float:
@@ -40,20 +41,16 @@ def _implementations(q, k, v, causal):
     """name -> callable on the same inputs: our kernels (fp16; the tiled one in fp32 too) and SDPA's
     flash backend. Names as in the course benchmark (flashref.bench gpu)."""
     import cupy as cp
-    import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from flashref.bench.gpu_bench import sdpa
     from flashref.cupy import flash_attention_forward
 
     cq, ck, cv = (cp.from_dlpack(x) for x in (q, k, v))
-
-    def sdpa():
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    flash = sdpa("sdpa-flash")
 
     impls = {"cupy-mma": lambda: flash_attention_forward(cq, ck, cv, causal, kernel="mma", check_finite=False),
              "cupy-tiled": lambda: flash_attention_forward(cq, ck, cv, causal, kernel="tiled", check_finite=False),
-             "sdpa-flash": sdpa}
+             "sdpa-flash": lambda: flash(q, k, v, causal)}
     q32, k32, v32 = (cp.from_dlpack(x.float()) for x in (q, k, v))
     impls["cupy-tiled-fp32"] = lambda: flash_attention_forward(q32, k32, v32, causal, kernel="tiled", check_finite=False)
     return impls
@@ -83,46 +80,10 @@ def run(Ns=(1024, 2048, 4096, 8192, 16384), ds=(64, 128), causals=(False, True),
     return rows
 
 
-def environment() -> tuple[str, dict]:
-    """(device name, versions) of this machine."""
-    import cupy as cp
-    import torch
-
-    return torch.cuda.get_device_name(), {"torch": torch.__version__, "cupy": cp.__version__,
-                                          "cuda": torch.version.cuda, "python": platform.python_version()}
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flashref.bench cupy", description=__doc__)
-    parser.add_argument("--N", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
-    parser.add_argument("--d", type=int, nargs="+", default=[64, 128])
-    parser.add_argument("--impls", nargs="+", default=None)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--out", default=OUT_PATH)
-    args = parser.parse_args(argv)
-    rows = run(Ns=args.N, ds=args.d, impls=args.impls, reps=args.reps)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    device, versions = environment()
-    command = "python -m flashref.bench cupy " + " ".join(argv if argv is not None else sys.argv[1:])
-    with open(args.out, "w") as f:
-        json.dump({"device": device, "versions": versions, "command": command.strip(), "results": rows}, f, indent=1)
-        f.write("\n")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
-
-
-GPU_BENCH_PATH = os.path.join("book", "data", "gpu_bench.json")
-
-
 def load_results(path: str = OUT_PATH):
     """(device name, forward rows) of a saved benchmark: this module's book/data/cupy_bench.json or the
     course benchmark's book/data/gpu_bench.json (flashref.bench gpu), read by :func:`flashref.bench.results.load`.
     Rows: impl, N, d, causal, tflops. A missing file gives ("", [])."""
-    from flashref.bench import results
-
     try:
         data = results.load(os.path.basename(path), os.path.join(results.REPO_ROOT, path))
     except FileNotFoundError:
@@ -148,3 +109,23 @@ def format_table(rows, d: int, causal: bool, baseline: str = "sdpa-flash") -> st
             cells.append("" if t is None else f"{t:6.1f}" + (f" ({t / b:4.2f})" if b else "       "))
         lines.append(f"{impl:16s}" + "".join(f"{c:>15s}" for c in cells))
     return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flashref.bench cupy", description=__doc__)
+    parser.add_argument("--N", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--d", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--impls", nargs="+", default=None)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--out", default=OUT_PATH)
+    args = parser.parse_args(argv)
+    import torch
+
+    rows = run(Ns=args.N, ds=args.d, impls=args.impls, reps=args.reps)
+    results.save({"device": torch.cuda.get_device_name(), "versions": results.versions(),
+                  "command": results.command("cupy", argv), "results": rows}, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

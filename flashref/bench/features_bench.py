@@ -15,9 +15,11 @@ block-sparse attention against its own dense time.
   users do; flashref takes the same boolean mask tensor at every call and builds its lists of visible
   blocks on the first (one small kernel launch), as a model would.
 
-FLOPs are counted on the visible (query, key) pairs only (DESIGN.md's 4 d per pair forward, 2.5x that
-backward: :func:`flashref.block_masks.visible_pairs`). fp16 unless a row says ``dtype``. Results go to
-``book/data/features_bench.json`` with the device and library versions; ``--parts`` runs some of them
+FLOPs are counted on the visible (query, key) pairs only (4 d per pair forward, 2.5x that backward:
+:func:`flashref.bench.results.pair_flops` of :func:`flashref.block_masks.visible_pairs`, notebook
+``10_dropout_masks_sparsity``). fp16 unless a row says ``dtype``. Results go to
+``book/data/features_bench.json`` with the device, library versions and command (:func:`load_results` reads
+them back); ``--parts`` runs some of them
 (gqa, dropout, sparse, flex), and ``--append`` adds them to the file's rows (one run split over several
 calls of the same machine). The whole run takes about 8 minutes on an H100, most of it compiling Flex.
 """
@@ -25,10 +27,11 @@ calls of the same machine). The whole run takes about 8 minutes on an H100, most
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-import time
+
+from flashref.bench import results
+from flashref.bench.gpu_bench import sdpa
+from flashref.bench.results import flops, pair_flops
 
 
 def _time(fn, needs_grad, tensors):
@@ -60,21 +63,9 @@ def _inputs(B, H, H_kv, N, d, dtype="float16"):
     return q, k, v, do
 
 
-def _sdpa(backend, **kw):
-    import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    b = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
-
-    def fn(q, k, v, causal):
-        with sdpa_kernel(b):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, **kw)
-    return fn
-
-
-def _row(name, impl, B, H, H_kv, N, d, causal, ms, peak, flops, **extra):
+def _row(name, impl, B, H, H_kv, N, d, causal, ms, peak, work, **extra):
     return {"case": name, "impl": impl, "B": B, "H": H, "H_kv": H_kv, "N": N, "d": d, "causal": causal,
-            "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12, "peak_extra_bytes": peak, **extra}
+            "ms": ms, "tflops": work / (ms * 1e-3) / 1e12, "peak_extra_bytes": peak, **extra}
 
 
 def _fwd_bwd(fn, q, k, v, do):
@@ -88,14 +79,14 @@ def gqa_cases(N=4096, d=128, B=2, H=32):
     for H_kv in (8, 1):
         for causal in (False, True):
             q, k, v, do = _inputs(B, H, H_kv, N, d)
-            flops = 3.5 * 4.0 * B * H * N * N * d * (0.5 if causal else 1.0)
+            work = flops(B, H, N, N, d, causal, "fwd+bwd")
             peers = {"flashref-triton": lambda q, k, v: flash_attention(q, k, v, causal=causal, check_finite=False),
-                     "sdpa-flash": lambda q, k, v: _sdpa("flash", enable_gqa=True)(q, k, v, causal),
-                     "sdpa-cudnn": lambda q, k, v: _sdpa("cudnn", enable_gqa=True)(q, k, v, causal)}
+                     "sdpa-flash": lambda q, k, v: sdpa("sdpa-flash", enable_gqa=True)(q, k, v, causal),
+                     "sdpa-cudnn": lambda q, k, v: sdpa("sdpa-cudnn", enable_gqa=True)(q, k, v, causal)}
             for impl, fn in peers.items():
                 try:
                     ms, peak = _time(_fwd_bwd(fn, q, k, v, do), True, [q, k, v])
-                    rows.append(_row("gqa fwd+bwd", impl, B, H, H_kv, N, d, causal, ms, peak, flops))
+                    rows.append(_row("gqa fwd+bwd", impl, B, H, H_kv, N, d, causal, ms, peak, work))
                 except Exception as exc:  # noqa: BLE001 (a backend that refuses is recorded)
                     rows.append({"case": "gqa fwd+bwd", "impl": impl, "H_kv": H_kv, "causal": causal,
                                  "status": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"})
@@ -108,15 +99,27 @@ def dropout_cases(N=4096, d=64, B=8, H=16, p=0.1):
     rows = []
     for causal in (False, True):
         q, k, v, do = _inputs(B, H, H, N, d)
-        flops = 3.5 * 4.0 * B * H * N * N * d * (0.5 if causal else 1.0)
+        work = flops(B, H, N, N, d, causal, "fwd+bwd")
         peers = {"flashref-triton": lambda q, k, v: flash_attention(q, k, v, causal=causal, dropout_p=p, seed=1,
                                                                     check_finite=False),
                  "flashref-triton no dropout": lambda q, k, v: flash_attention(q, k, v, causal=causal, check_finite=False),
-                 "sdpa-flash": lambda q, k, v: _sdpa("flash", dropout_p=p)(q, k, v, causal)}
+                 "sdpa-flash": lambda q, k, v: sdpa("sdpa-flash", dropout_p=p)(q, k, v, causal)}
         for impl, fn in peers.items():
             ms, peak = _time(_fwd_bwd(fn, q, k, v, do), True, [q, k, v])
-            rows.append(_row("dropout fwd+bwd", impl, B, H, H, N, d, causal, ms, peak, flops, dropout_p=p))
+            rows.append(_row("dropout fwd+bwd", impl, B, H, H, N, d, causal, ms, peak, work, dropout_p=p))
     return rows
+
+
+def windows(N, block, device=None):
+    """The masks of the block-sparse cases: ``(w, mask, visible pairs a head, density)`` of a causal sliding
+    window of ``w`` blocks (:func:`flashref.block_masks.sliding_window`), for w = every block, 32, 8, 2."""
+    from flashref import block_masks
+
+    n = block_masks.n_blocks(N, block)
+    for w in (n, 32, 8, 2):
+        mask = block_masks.sliding_window(n, window=w, causal=True, device=device)
+        visible_pairs = int(block_masks.visible_pairs(mask.cpu(), N, N, block, causal=True)[0, 0])
+        yield w, mask, visible_pairs, block_masks.density(mask)
 
 
 def sparse_cases(N=16384, d=64, B=1, H=16, block=128):
@@ -128,19 +131,16 @@ def sparse_cases(N=16384, d=64, B=1, H=16, block=128):
     rows = []
     q, k, v, do = _inputs(B, H, H, N, d)
     n = block_masks.n_blocks(N, block)
-    for w in (n, 32, 8, 2):
-        mask = block_masks.sliding_window(n, window=w, causal=True, device=q.device)
-        visible_pairs = int(block_masks.visible_pairs(mask.cpu(), N, N, block, causal=True)[0, 0])
-        density = block_masks.density(mask)
+    for w, mask, visible_pairs, density in windows(N, block, q.device):
         for mode in ("fwd", "fwd+bwd"):
-            flops = (1.0 if mode == "fwd" else 3.5) * 4.0 * B * H * visible_pairs * d
+            work = pair_flops(B, H, visible_pairs, d, mode)
 
             def fn(q=q, k=k, v=v, mask=mask, mode=mode):
                 o = flash_attention(q, k, v, causal=True, block_mask=mask, block_size=block, check_finite=False)
                 if mode != "fwd":
                     o.backward(do)
             ms, peak = _time(fn, mode != "fwd", [q, k, v])
-            rows.append(_row(f"block-sparse {mode}", "flashref-triton", B, H, H, N, d, True, ms, peak, flops,
+            rows.append(_row(f"block-sparse {mode}", "flashref-triton", B, H, H, N, d, True, ms, peak, work,
                              window_blocks=w, density=density))
         for mode in ("fwd", "fwd+bwd"):
             if w == n:  # the dense kernel, causal: the reference time for density 1
@@ -150,10 +150,10 @@ def sparse_cases(N=16384, d=64, B=1, H=16, block=128):
                         o.backward(do)
                 ms, peak = _time(dense, mode != "fwd", [q, k, v])
                 rows.append(_row(f"dense {mode}", "flashref-triton", B, H, H, N, d, True, ms, peak,
-                                 (1.0 if mode == "fwd" else 3.5) * 2.0 * B * H * N * N * d))
+                                 flops(B, H, N, N, d, True, mode)))
     for mode in ("fwd", "fwd+bwd"):  # density 1 without causality: an all-True mask against the dense kernel
         mask = torch.ones(1, 1, n, n, dtype=torch.bool, device=q.device)
-        flops = (1.0 if mode == "fwd" else 3.5) * 4.0 * B * H * N * N * d
+        work = flops(B, H, N, N, d, False, mode)
         for kw in (dict(block_mask=mask, block_size=block), {}):
             def fn(q=q, k=k, v=v, kw=kw, mode=mode):
                 o = flash_attention(q, k, v, check_finite=False, **kw)
@@ -161,7 +161,7 @@ def sparse_cases(N=16384, d=64, B=1, H=16, block=128):
                     o.backward(do)
             ms, peak = _time(fn, mode != "fwd", [q, k, v])
             rows.append(_row(f"{'block-sparse' if kw else 'dense'} {mode}", "flashref-triton", B, H, H, N, d, False,
-                             ms, peak, flops, window_blocks=n if kw else None, density=1.0))
+                             ms, peak, work, window_blocks=n if kw else None, density=1.0))
     return rows
 
 
@@ -234,7 +234,7 @@ def flex_cases(grid=None, block=128):
                      "flex": lambda q, k, v: _flex()(q, k, v, block_mask=fbm)}
             for impl, fn in impls.items():
                 for mode in ("fwd", "fwd+bwd"):
-                    flops = (1.0 if mode == "fwd" else 3.5) * 4.0 * B * H * pairs * d
+                    work = pair_flops(B, H, pairs, d, mode)
                     try:
                         if mode == "fwd":
                             def run(fn=fn):
@@ -243,7 +243,7 @@ def flex_cases(grid=None, block=128):
                         else:
                             run = _fwd_bwd(fn, q, k, v, do)
                         ms, peak = _time(run, mode != "fwd", [q, k, v])
-                        yield _row(f"sparse vs flex {mode}", impl, B, H, H, N, d, causal, ms, peak, flops, **extra)
+                        yield _row(f"sparse vs flex {mode}", impl, B, H, H, N, d, causal, ms, peak, work, **extra)
                     except Exception as exc:  # noqa: BLE001
                         yield {"case": f"sparse vs flex {mode}", "impl": impl, "N": N, "d": d, **extra,
                                "status": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
@@ -259,19 +259,10 @@ def _print(r):
              f"{extra}" if "ms" in r else f" {r.get('status')}"), flush=True)
 
 
-def start_results(append_to, device: str, versions: dict, command: str) -> dict:
-    """The results to fill: empty, or (``append_to``, a file path) that file's, with this command added to its
-    commands. Rows measured on another GPU or with other versions are not mixed in: that is an error."""
-    if append_to is None or not os.path.exists(append_to):
-        return {"device": device, "versions": versions, "dtype": "float16", "command": command, "seconds": None,
-                "results": []}
-    with open(append_to) as f:
-        data = json.load(f)
-    if data.get("device") != device or data.get("versions") != versions:
-        raise ValueError(f"--append: {append_to} was measured on {data.get('device')} with {data.get('versions')}, "
-                         f"this run is on {device} with {versions}; write a new file instead")
-    data["command"] = f"{data['command']}; {command}"
-    return data
+def load_results(path=None) -> dict:
+    """The committed run, book/data/features_bench.json (or ``path``), read by
+    :func:`flashref.bench.results.load` (on Colab: the copy in the course repository)."""
+    return results.load("features_bench.json", path)
 
 
 def main(argv=None) -> int:
@@ -287,27 +278,20 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import torch
 
-    from flashref.bench.gpu_bench import _versions
-
     if not torch.cuda.is_available():
         print("flashref.bench features needs a CUDA device", file=sys.stderr)
         return 2
-    start = time.time()
-    data = start_results(args.out if args.append else None, torch.cuda.get_device_name(), _versions(),
+    data = results.start(args.out if args.append else None, torch.cuda.get_device_name(), results.versions(),
                          "python -m flashref.bench features --parts " + " ".join(args.parts)
-                         + (f" --flex-n {' '.join(map(str, args.flex_n))}" if args.flex_n else ""))
-    seconds0 = data["seconds"] or 0.0
+                         + (f" --flex-n {' '.join(map(str, args.flex_n))}" if args.flex_n else ""), dtype="float16")
     grid = [g for g in FLEX_GRID if args.flex_n is None or g[0] in args.flex_n]
     if not grid and "flex" in args.parts:
         p.error(f"--flex-n {args.flex_n}: none of the comparison's lengths {sorted({g[0] for g in FLEX_GRID})}")
     parts = {"gqa": gqa_cases, "dropout": dropout_cases, "sparse": sparse_cases, "flex": lambda: flex_cases(grid)}
+    add = results.recorder(data, args.out, show=_print)  # saved after each row: a run cut short keeps what it measured
     for name in args.parts:
-        for r in parts[name]():  # saved after each row: a run cut short keeps what it measured
-            data["results"].append(r)
-            _print(r)
-            data["seconds"] = seconds0 + time.time() - start
-            with open(args.out, "w") as f:
-                json.dump(data, f, indent=1)
+        for r in parts[name]():
+            add(r)
         torch.cuda.empty_cache()
     return 0
 

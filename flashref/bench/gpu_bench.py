@@ -10,23 +10,22 @@ Implementations: ``flashref-triton`` (flashref.triton), ``sdpa-flash``, ``sdpa-c
 (matmul, softmax, matmul) and, when importable, ``cupy-tiled`` / ``cupy-mma`` (flashref.cupy, forward only).
 Grid (fp16): N in {1K..16K} with B = 65536 / N and H = 2048 / d, so every point holds the same number of
 tokens and model width; d in {64, 128}; causal and not; forward, backward and forward+backward.
-FLOPs (DESIGN.md): 4 B H N_q N_k d forward, half when causal; backward 2.5x forward. Times are medians of
+FLOPs (:func:`flashref.bench.results.flops`): 4 B H N_q N_k d forward, half when causal (notebook
+``01_standard_attention``); backward 2.5x forward (notebook ``05_backward_recomputation``). Times are medians of
 ``triton.testing.do_bench``; memory is ``torch.cuda.max_memory_allocated`` after a reset. Out-of-memory is
-caught and recorded as "OOM". Results go to JSON with the device and library versions; the book's
-figures are drawn from that file (notebook ``07_triton_forward``).
+caught and recorded as "OOM". Results go to JSON with the device, library versions and command; the book's
+figures are drawn from that file (notebooks ``07_triton_forward`` and ``08_triton_backward``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
-import platform
 import sys
 import time
 
-from flashref import REPOSITORY_URL
+from flashref.bench import results
+from flashref.bench.results import flops
 
 IMPLS = ["flashref-triton", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math", "plain", "cupy-tiled",
          "cupy-mma"]
@@ -37,38 +36,10 @@ TOKENS = 65536
 WIDTH = 2048
 
 
-def flops(B, H, N_q, N_k, d, causal, mode) -> float:
-    """DESIGN.md's count: 4 B H N_q N_k d forward (half when causal); backward 2.5x; fwd+bwd 3.5x."""
-    f = 4.0 * B * H * N_q * N_k * d * (0.5 if causal else 1.0)
-    return {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[mode] * f
-
-
-def _versions():
-    import torch
-    import triton
-
-    v = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
-         "cuda": torch.version.cuda}
-    try:
-        import cupy
-
-        v["cupy"] = cupy.__version__
-    except Exception:  # noqa: BLE001 (any import failure means: no CuPy here)
-        v["cupy"] = None
-    return v
-
-
-def _plain(q, k, v, causal):
-    import torch
-
-    s = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
-    if causal:
-        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-        s = s.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(s, dim=-1), v)
-
-
-def _sdpa(backend_name):
+def sdpa(backend_name, **kw):
+    """``fn(q, k, v, causal)``: ``scaled_dot_product_attention`` pinned to one backend (``sdpa-flash``,
+    ``sdpa-cudnn``, ``sdpa-efficient``, ``sdpa-math``), with SDPA's keywords ``kw`` (``enable_gqa``,
+    ``dropout_p``)."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -77,7 +48,7 @@ def _sdpa(backend_name):
 
     def fn(q, k, v, causal):
         with sdpa_kernel(backend):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, **kw)
 
     return fn
 
@@ -103,16 +74,14 @@ def implementation(name):
         # check_finite=False: time the kernels as the peers run, with no pass over the inputs to look for NaN
         return lambda q, k, v, causal: flash_attention(q, k, v, causal=causal, check_finite=False)
     if name.startswith("sdpa-"):
-        return _sdpa(name)
+        return sdpa(name)
     if name == "plain":
-        return _plain
+        from flashref.torch_attention import plain_attention
+
+        return plain_attention
     if name.startswith("cupy-"):
         return _cupy(name.split("-", 1)[1])
     raise ValueError(f"unknown implementation {name!r}; expected one of {IMPLS}")
-
-
-def _is_oom(exc) -> bool:
-    return "out of memory" in str(exc).lower() or type(exc).__name__ == "OutOfMemoryError"
 
 
 def _diff_vs_sdpa(out, q, k, v, causal) -> float:
@@ -121,7 +90,7 @@ def _diff_vs_sdpa(out, q, k, v, causal) -> float:
     if hasattr(out, "__cuda_array_interface__") and not isinstance(out, torch.Tensor):
         out = torch.from_dlpack(out)
     with torch.no_grad():
-        want = _sdpa("sdpa-flash")(q, k, v, causal)
+        want = sdpa("sdpa-flash")(q, k, v, causal)
     return float((out.float() - want.float()).abs().max())
 
 
@@ -166,7 +135,7 @@ def measure(fn, name, B, H, N, d, causal, mode, rep_ms=100, warmup_ms=25):
         row.update(status="ok", ms=ms, tflops=flops(B, H, N, N, d, causal, mode) / (ms * 1e-3) / 1e12,
                    peak_bytes=int(peak), extra_bytes=int(peak - base))
     except Exception as exc:  # noqa: BLE001 (every failure is recorded, the run goes on)
-        if _is_oom(exc):
+        if results.is_oom(exc):
             row.update(status="OOM")
         else:
             row.update(status=f"unsupported: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
@@ -224,24 +193,10 @@ def run_grid(impls, ns, ds, causals, modes, rep_ms, progress=True, checkpoint=No
     return rows
 
 
-RESULTS_URL = REPOSITORY_URL.replace("https://github.com/", "https://raw.githubusercontent.com/") + \
-    "/main/book/data/gpu_bench.json"
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
 def load_results(path=None) -> dict:
-    """The committed benchmark run: ``path``, else book/data/gpu_bench.json of the checkout this package
-    lives in, else (on Colab, where only the package is installed) the copy in the course repository."""
-    import urllib.request
-
-    candidate = path or os.path.join(_REPO_ROOT, "book", "data", "gpu_bench.json")
-    if os.path.exists(candidate):
-        with open(candidate) as f:
-            return json.load(f)
-    if path:
-        raise FileNotFoundError(path)
-    with urllib.request.urlopen(RESULTS_URL, timeout=30) as response:
-        return json.loads(response.read())
+    """The committed benchmark run, book/data/gpu_bench.json (or ``path``), read by
+    :func:`flashref.bench.results.load` (on Colab: the copy in the course repository)."""
+    return results.load("gpu_bench.json", path)
 
 
 def memory_table(rows, mode="fwd+bwd", impls=("flashref-triton", "sdpa-flash", "sdpa-cudnn", "plain")) -> str:
@@ -258,20 +213,26 @@ def memory_table(rows, mode="fwd+bwd", impls=("flashref-triton", "sdpa-flash", "
     return "\n".join(lines)
 
 
+def _short(impl: str) -> str:
+    """A column title of at most 10 characters: "flashref" for our Triton kernel, SDPA's backends by name."""
+    return "flashref" if impl == "flashref-triton" else impl.removeprefix("sdpa-")
+
+
 def table(rows, mode, peers=("sdpa-flash", "sdpa-cudnn")) -> str:
-    """A text table of TFLOP/s per implementation with the Triton kernel's ratio to each peer."""
+    """A text table of TFLOP/s per implementation (columns named by :func:`_short`, whole) with the Triton
+    kernel's ratio to each peer."""
     impls = [i for i in IMPLS if any(r["impl"] == i for r in rows)]
     pts = sorted({(r["d"], r["causal"], r["N"]) for r in rows if r["mode"] == mode})
     get = {(r["impl"], r["d"], r["causal"], r["N"]): r for r in rows if r["mode"] == mode}
-    head = f"{mode:8s} {'d':>4s} {'causal':>6s} {'N':>6s} " + " ".join(f"{i[:14]:>14s}" for i in impls)
-    head += " " + " ".join(f"{'/' + p[5:]:>8s}" for p in peers)
+    head = f"{mode:8s} {'d':>4s} {'causal':>6s} {'N':>6s} " + " ".join(f"{_short(i):>10s}" for i in impls)
+    head += " " + " ".join(f"{'/' + _short(p):>8s}" for p in peers)
     lines = [head]
     for d, c, n in pts:
         cells = []
         for i in impls:
             r = get.get((i, d, c, n))
-            cells.append(f"{r['tflops']:14.1f}" if r and r.get("status") == "ok" else
-                         f"{(r or {}).get('status', '-')[:14]:>14s}")
+            cells.append(f"{r['tflops']:10.1f}" if r and r.get("status") == "ok" else
+                         f"{(r or {}).get('status', '-')[:10]:>10s}")
         ratios = []
         mine = get.get(("flashref-triton", d, c, n))
         for p in peers:
@@ -335,8 +296,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     if args.plot:
-        with open(args.plot) as f:
-            data = json.load(f)
+        data = results.load(os.path.basename(args.plot), args.plot)
         plot(data, args.png or args.plot.rsplit(".", 1)[0] + ".png")
         return 0
 
@@ -350,14 +310,13 @@ def main(argv=None) -> int:
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     impls = args.impls or IMPLS
     start = time.time()
-    data = {"device": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
-            "versions": _versions(), "dtype": "float16", "tokens": TOKENS, "width": WIDTH,
-            "flops": "4 B H N^2 d forward (x0.5 causal); backward 2.5x; fwd+bwd 3.5x",
-            "seconds": None, "complete": False, "results": []}
+    data = results.start(None, torch.cuda.get_device_name(), results.versions(), results.command("gpu", argv),
+                         capability=list(torch.cuda.get_device_capability()), dtype="float16", tokens=TOKENS,
+                         width=WIDTH, flops="4 B H N^2 d forward (x0.5 causal); backward 2.5x; fwd+bwd 3.5x",
+                         complete=False)
 
     def checkpoint(rows):
-        with open(args.out, "w") as f:
-            json.dump({**data, "results": rows, "seconds": time.time() - start}, f, indent=1)
+        results.save({**data, "results": rows, "seconds": time.time() - start}, args.out)
 
     rows = run_grid(impls, ns, args.d, causals, modes, args.rep, progress=not args.no_progress, checkpoint=checkpoint)
     data["results"] = rows
@@ -366,10 +325,9 @@ def main(argv=None) -> int:
         try:
             data["memory_target"] = memory_target()
         except Exception as exc:  # noqa: BLE001
-            data["memory_target"] = {"status": "OOM" if _is_oom(exc) else f"error: {exc}"}
+            data["memory_target"] = {"status": "OOM" if results.is_oom(exc) else f"error: {exc}"}
     data["seconds"] = time.time() - start
-    with open(args.out, "w") as f:
-        json.dump(data, f, indent=1)
+    results.save(data, args.out)
     for mode in modes:
         print(table(rows, mode))
     if "memory_target" in data:

@@ -41,6 +41,9 @@ import sys
 import tempfile
 import time
 
+from flashref.bench import results
+from flashref.bench.results import flops
+
 METRICS = ["dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_sectors_srcunit_tex_op_read.sum",
            "lts__t_sectors_srcunit_tex_op_write.sum", "gpu__time_duration.sum"]
 SHORT = {"dram__bytes_read.sum": "dram_read", "dram__bytes_write.sum": "dram_write",
@@ -296,21 +299,20 @@ def _run_child(todo, profile, ncu=None, metrics=(), log=None):
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if log is not None:
             log.write(proc.stdout[-4000:] + proc.stderr[-4000:])
-        results = []
+        done = []
         if os.path.exists(result_file):
             with open(result_file) as f:
-                results = [json.loads(line) for line in f if line.strip()]
+                done = [json.loads(line) for line in f if line.strip()]
         kernels = []
         if profile and os.path.exists(ncu_log):
             with open(ncu_log) as f:
                 kernels = parse_ncu_csv(f.read())
-        return proc.returncode, results, kernels
+        return proc.returncode, done, kernels
 
 
 def _versions(ncu):
-    from flashref.bench.gpu_bench import _versions as library_versions
-
-    v = library_versions()
+    """:func:`flashref.bench.results.versions`, and ncu's and the driver's."""
+    v = results.versions()
     v["ncu"] = subprocess.run([ncu, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
     v["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                                  capture_output=True, text=True).stdout.strip()
@@ -326,15 +328,15 @@ def measure(todo, ncu, metrics, chunk=24, progress=True, log=None, checkpoint=No
     bar = tqdm(total=2 * len(todo), desc="hbm bench", disable=not progress)
     for lo in range(0, len(todo), chunk):
         part = todo[lo:lo + chunk]
-        code, results, kernels = _run_child(part, True, ncu, metrics, log)
+        code, done, kernels = _run_child(part, True, ncu, metrics, log)
         by_case = split_cases(kernels)
-        for r in results:
+        for r in done:
             row = rows[lo + r["index"]]
             row["profile_status"] = r["status"] if code == 0 or r["status"] != "ok" else f"ncu exit {code}"
             row["kernels"] = [summarize(k) for k in by_case.get(r["index"], [])]
         bar.update(len(part))
-        code, results, _ = _run_child(part, False, log=log)
-        for r in results:
+        code, done, _ = _run_child(part, False, log=log)
+        for r in done:
             row = rows[lo + r["index"]]
             row.update({k: v for k, v in r.items() if k != "index"})
         bar.update(len(part))
@@ -356,8 +358,7 @@ def _measured(path) -> dict:
     """The cases of a saved run that were measured (profiled and timed): ``{key: row}``."""
     if not os.path.exists(path):
         return {}
-    with open(path) as f:
-        rows = json.load(f)["results"]
+    rows = results.load(os.path.basename(path), path)["results"]
     return {_key(r): r for r in rows if r.get("status") == "ok" and r.get("kernels")}
 
 
@@ -365,7 +366,6 @@ def _measured(path) -> dict:
 # Reading a saved run (notebook 09_measured_io)
 # --------------------------------------------------------------------------------------------------
 
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Kernels that are not the attention itself: CuPy's entry point checks its inputs for NaN and inf first
 # (three small reductions per input); they are kept in the data and left out of the attention's counts.
 INPUT_CHECK_KERNELS = ("cupy_isfinite", "cupy_cub_all")
@@ -374,22 +374,9 @@ H100_PEAK_FLOPS, H100_HBM_BYTES_PER_S = 989e12, 3.35e12
 
 
 def load_results(path=None) -> dict:
-    """The committed run: ``path``, else book/data/hbm_bench.json of this checkout, else (on Colab, where
-    only the package is installed) the copy in the course repository."""
-    import urllib.request
-
-    from flashref import REPOSITORY_URL
-
-    candidate = path or os.path.join(_REPO_ROOT, "book", "data", "hbm_bench.json")
-    if os.path.exists(candidate):
-        with open(candidate) as f:
-            return json.load(f)
-    if path:
-        raise FileNotFoundError(path)
-    url = REPOSITORY_URL.replace("https://github.com/", "https://raw.githubusercontent.com/") + \
-        "/main/book/data/hbm_bench.json"
-    with urllib.request.urlopen(url, timeout=30) as response:
-        return json.loads(response.read())
+    """The committed run, book/data/hbm_bench.json (or ``path``), read by :func:`flashref.bench.results.load`
+    (on Colab: the copy in the course repository)."""
+    return results.load("hbm_bench.json", path)
 
 
 def find(data: dict, impl: str, mode: str, N: int, d: int, causal: bool = False, kind: str = "grid", **tiles) -> dict:
@@ -425,15 +412,14 @@ def kernel_flops(kernel: dict, B: int, H: int, N: int, d: int, causal: bool) -> 
     change nothing, these kernels sit far left on the roofline. Small kernels (the backward's
     D = rowsum(dO * O), copies, fills) count 0."""
     name = kernel["name"]
-    nn = float(B * H * N * N)
-    half = 0.5 if causal else 1.0
+    product = flops(B, H, N, N, d, causal) / 2  # the forward's count (results.flops) holds two products
     products = {"flash_fwd_kernel": 2, "flash_tiled_forward": 2, "flash_mma_forward": 2,
                 "flash_bwd_dkdv_kernel": 4, "flash_bwd_dq_kernel": 3, "flash_bwd_dq_dk_dv": 5}
     for key, count in products.items():
         if key in name:
-            return 2 * count * nn * d * half
+            return count * product
     if "nvjet" in name or "gemm" in name:
-        return 2 * nn * d
+        return flops(B, H, N, N, d, False) / 2
     if any(key in name for key in ("SoftMax", "masked_", "AUnaryFunctor", "BinaryFunctor")):
         return kernel.get("l2_write_bytes", 0) / 2
     return 0.0
@@ -444,8 +430,7 @@ def add_resources(path) -> int:
     and record registers, spills and shared memory (a property of the compiled code, so no re-measurement)."""
     import torch
 
-    with open(path) as f:
-        data = json.load(f)
+    data = results.load(os.path.basename(path), path)
     if torch.cuda.get_device_name() != data["device"]:
         print(f"{path} was measured on {data['device']}, this is {torch.cuda.get_device_name()}", file=sys.stderr)
         return 2
@@ -454,8 +439,7 @@ def add_resources(path) -> int:
         if row.get("tiles") and "resources" not in row:
             row["resources"] = _resources(row)
             added += 1
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1)
+    results.save(data, path)
     print(f"added the resource report to {added} cases of {path}")
     return 0
 
@@ -463,8 +447,7 @@ def add_resources(path) -> int:
 def _previous_runs(path) -> list:
     if not os.path.exists(path):
         return []
-    with open(path) as f:
-        old = json.load(f)
+    old = results.load(os.path.basename(path), path)
     return old.get("runs") or [{"command": old.get("command"), "cases": len(old["results"]), "started": None}]
 
 
@@ -494,13 +477,14 @@ def main(argv=None) -> int:
     metrics = available_metrics(ncu)
     start = time.time()
     todo = cases(args.quick)
-    data = {"device": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
-            "l2_bytes": int(torch.cuda.get_device_properties(0).L2_cache_size), "versions": _versions(ncu),
-            "python": platform.python_version(), "dtype": "float16", "metrics": metrics,
-            "ncu_options": "--cache-control all (default: caches flushed before each kernel), --clock-control none, "
-                           "--profile-from-start off",
-            "triton_tiles": TRITON_TILES, "command": "python -m flashref.bench hbm" + (" --quick" if args.quick else ""),
-            "seconds": None, "complete": False, "results": []}
+    data = results.start(None, torch.cuda.get_device_name(), _versions(ncu),
+                         "python -m flashref.bench hbm" + (" --quick" if args.quick else ""),
+                         capability=list(torch.cuda.get_device_capability()),
+                         l2_bytes=int(torch.cuda.get_device_properties(0).L2_cache_size),
+                         python=platform.python_version(), dtype="float16", metrics=metrics,
+                         ncu_options="--cache-control all (default: caches flushed before each kernel), "
+                                     "--clock-control none, --profile-from-start off",
+                         triton_tiles=TRITON_TILES, complete=False)
 
     done = _measured(args.out) if args.resume else {}
     rest = [case for case in todo if _key(case) not in done]
@@ -511,8 +495,7 @@ def main(argv=None) -> int:
     def checkpoint(rows):
         ordered = [done.get(_key(case)) or next(r for r in rows if _key(r) == _key(case)) for case in todo
                    if _key(case) in done or any(_key(r) == _key(case) for r in rows)]
-        with open(args.out, "w") as f:
-            json.dump({**data, "results": ordered, "seconds": time.time() - start}, f, indent=1)
+        results.save({**data, "results": ordered, "seconds": time.time() - start}, args.out)
 
     with open(os.path.splitext(args.out)[0] + ".log", "a" if args.resume else "w") as log:
         rows = measure(rest, ncu, metrics, progress=not args.no_progress, log=log, checkpoint=checkpoint)

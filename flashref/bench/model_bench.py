@@ -34,15 +34,13 @@ import os
 import sys
 import time
 
+from flashref.bench import results
+
 OUT = "book/data/model_bench.json"
 TOKENS = 16384  # tokens a step in the speed part, and in the attention-alone timings
 TRAIN = dict(n_layer=6, n_head=6, n_embd=384)
 SPEED_N = [512, 1024, 2048, 4096, 8192, 16384]
 APPROX_N = [256, 512, 1024, 2048, 4096, 8192, 16384]
-
-
-def _is_oom(exc) -> bool:
-    return "out of memory" in str(exc).lower() or type(exc).__name__ == "OutOfMemoryError"
 
 
 def _unless_oom(row: dict, measure) -> dict:
@@ -53,7 +51,7 @@ def _unless_oom(row: dict, measure) -> dict:
     try:
         row.update(status="ok", **measure())
     except Exception as exc:  # noqa: BLE001 (only out-of-memory is caught: it is re-raised otherwise)
-        if not _is_oom(exc):
+        if not results.is_oom(exc):
             raise
         row.update(status="OOM")
     torch.cuda.empty_cache()
@@ -416,19 +414,9 @@ def amdahl(share: float, kernel_speedup: float) -> float:
     return 1.0 / ((1.0 - share) + share / kernel_speedup)
 
 
-def start_results(append_to, device: str, versions: dict, command: str) -> dict:
-    from flashref.bench.features_bench import start_results as start
-
-    data = start(append_to, device, versions, command)
-    data.pop("dtype", None)
-    data["dtype"] = "bfloat16 autocast"
-    return data
-
-
 def load_results(path=None) -> dict:
-    """The committed run (``book/data/model_bench.json``)."""
-    from flashref.bench import results
-
+    """The committed run, book/data/model_bench.json (or ``path``), read by :func:`flashref.bench.results.load`
+    (on Colab: the copy in the course repository)."""
     return results.load("model_bench.json", path)
 
 
@@ -448,15 +436,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import torch
 
-    from flashref.bench import results
-
     if not torch.cuda.is_available():
         print("flashref.bench model needs a CUDA device", file=sys.stderr)
         return 2
     command = "python -m flashref.bench model --parts " + " ".join(args.parts) + (" --quick" if args.quick else "")
-    data = start_results(args.out if args.append else None, torch.cuda.get_device_name(), results.versions(), command)
+    data = results.start(args.out if args.append else None, torch.cuda.get_device_name(), results.versions(), command,
+                         dtype="bfloat16 autocast")
     data["quick"] = bool(args.quick) or data.get("quick", False)
-    start, seconds0 = time.time(), data["seconds"] or 0.0
     quick_n = [512, 4096, 16384]
     cases = {"train": lambda: train_runs(100 if args.quick else 1000, args.quick),
              "compile": compile_cases,
@@ -464,13 +450,14 @@ def main(argv=None) -> int:
                                           (1024, 4096, 16384)),
              "maxlen": lambda: maxlen_cases(cap=1 << 17 if args.quick else 1 << 20),
              "approx": lambda: approx_cases(quick_n if args.quick else APPROX_N)}
+
+    def show(r):
+        print(json.dumps({k: v for k, v in r.items() if k not in ("loss", "val")})[:400], flush=True)
+
+    add = results.recorder(data, args.out, show=show, indent=None)  # saved after each row: a run cut short keeps it
     for name in args.parts:
-        for r in cases[name]():  # saved after each row: a run cut short keeps what it measured
-            data["results"].append(r)
-            print(json.dumps({k: v for k, v in r.items() if k not in ("loss", "val")})[:400], flush=True)
-            data["seconds"] = seconds0 + time.time() - start
-            with open(args.out, "w") as f:
-                json.dump(data, f, indent=None)
+        for r in cases[name]():
+            add(r)
     return 0
 
 

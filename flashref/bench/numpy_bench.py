@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import sys
@@ -24,8 +23,8 @@ import tracemalloc
 import numpy as np
 
 from flashref import numpy_flash, reference
+from flashref.bench import results as saved
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_OUT = os.path.join("book", "data", "numpy_bench.json")
 DEFAULT_SIZES = (1024, 2048, 4096, 8192, 16384)
 METHODS = ("naive", "fa2", "fa1")
@@ -152,12 +151,13 @@ def format_table(results: dict) -> str:
 
 
 def load_results(path: str | None = None) -> dict | None:
-    """The committed results (book/data/numpy_bench.json in a checkout of the repository), or None."""
-    path = path or os.path.join(ROOT, DEFAULT_OUT)
+    """The committed results (book/data/numpy_bench.json in a checkout of the repository, or ``path``), read
+    by :func:`flashref.bench.results.load`; None where there is no such file (on Colab: notebook
+    ``03_tiled_forward`` then measures the machine it runs on)."""
+    path = path or os.path.join(saved.REPO_ROOT, DEFAULT_OUT)
     if not os.path.exists(path):
         return None
-    with open(path) as f:
-        return json.load(f)
+    return saved.load(os.path.basename(path), path)
 
 
 def plot_results(results: dict, path: str | None = None):
@@ -210,10 +210,7 @@ def main(argv=None) -> int:
           f"load average before/after: {m['loadavg_before']} / {m['loadavg_1_5_15min']}")
     print(format_table(results))
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
-            f.write("\n")
+        saved.save(results, args.out, indent=2)
         print(f"wrote {args.out}")
     if args.plot:
         plot_results(results, args.plot)
