@@ -43,7 +43,9 @@ def test_every_variant_compiled(table):
     built = {(r["kernel"], r["dtype"], r["head_dim"], r["cc"]) for r in table}
     expected = {(c.kernel, c.dtype, c.head_dim, c.cc) for cc in config.COMPILE_ARCHS
                 for c in config.package_configurations(cc)}
-    assert built == expected and len(expected) == 3 * 3 * 8
+    # 3 architectures x (tiled fp32, tiled fp16, wmma fp16, mma fp16) x 8 padded head dims
+    assert built == expected and len(expected) == 3 * 4 * 8
+    assert {r["kernel"] for r in table} == set(config.KERNELS)
 
 
 @needs_nvcc
@@ -61,7 +63,8 @@ def test_shared_memory_fits_a_t4_block(table):
 
 @needs_nvcc
 def test_static_shared_memory_matches_the_formula(table):
-    """The mma kernel's shared memory is static: ptxas' figure must equal what config computes."""
+    """The mma kernel's shared memory is static: ptxas' figure must equal what config computes. The tiled
+    and wmma kernels have none: theirs is dynamic, what config computes, passed at launch."""
     for r in table:
         if r["kernel"] == "mma":
             assert r["static_smem"] == config.mma_smem_bytes(r["head_dim"], r["block_m"], r["block_n"]), r

@@ -28,7 +28,7 @@ def test_import_does_not_import_cupy():
     assert out.strip() == "False"
 
 
-@pytest.mark.parametrize("kernel,dtype", [("tiled", "float32"), ("tiled", "float16"), ("mma", "float16")])
+@pytest.mark.parametrize("kernel,dtype", [(k, dt) for k in config.KERNELS for dt in config.DTYPES[k]])
 def test_launch_without_cupy_raises_runtime_error(no_cupy, kernel, dtype):
     from flashref.cupy import flash_attention_forward
     with pytest.raises(RuntimeError, match="CuPy is not installed"):
@@ -39,10 +39,11 @@ def test_launch_without_cupy_raises_runtime_error(no_cupy, kernel, dtype):
     ({}, _arrays((2, 8, 16), (2, 8, 16)), ValueError, "q must have shape \\(B, H, N, d\\)"),
     ({}, _arrays(dtype="float64"), TypeError, "float32 or float16, got float64"),
     ({"kernel": "mma"}, _arrays(), TypeError, "dtype float16, got float32"),
+    ({"kernel": "wmma"}, _arrays(), TypeError, "dtype float16, got float32"),
     ({}, _arrays((1, 1, 4, 160)), ValueError, "d = 160 is larger"),
     ({}, _arrays((1, 1, 4, 16), (1, 1, 5, 8)), ValueError, "head dimension"),
     ({}, _arrays((1, 1, 0, 16), (1, 1, 5, 16)), ValueError, "empty sequence"),
-    ({"kernel": "wmma"}, _arrays(), ValueError, "kernel must be one of"),
+    ({"kernel": "naive"}, _arrays(), ValueError, "kernel must be one of 'tiled', 'wmma', 'mma', got 'naive'"),
     ({"causal": 1}, _arrays(), TypeError, "causal must be a bool"),
     ({"sm_scale": float("nan")}, _arrays(), ValueError, "sm_scale must be a finite number"),
     ({"return_lse": "yes"}, _arrays(), TypeError, "return_lse must be a bool"),
@@ -62,13 +63,17 @@ def test_shared_memory_formulas():
     assert config.tiled_smem_bytes(64, 64, 64) == 4 * (128 * 65 + 64 * 65) == 49920
     # mma, d = 128, 128 query rows, 64 keys: max(Q_i, K_j + V_j) rows of 136 halves
     assert config.mma_smem_bytes(128, 128, 64) == 2 * 128 * 136 == 34816
+    # wmma, d = 64, 64 x 64 tiles: O_i (68 floats a row), S_ij (68 floats), P_ij (72 halves), K_j/V_j (72 halves)
+    assert config.wmma_smem_bytes(64, 64, 64) == 4 * 64 * 68 + 4 * 64 * 68 + 2 * 64 * 72 + 2 * 64 * 72 == 53248
+    # d = 96 is the largest that takes 64 query rows: exactly a T4 block
+    assert config.wmma_smem_bytes(96, 64, 64) == config.T4_BLOCK_SMEM
 
 
 @pytest.mark.parametrize("cc", [75, 80, 90])
 def test_every_variant_fits_a_t4_block(cc):
     for c in config.package_configurations(cc):
         assert c.smem_bytes <= config.T4_BLOCK_SMEM, c
-        assert c.dynamic_smem_bytes == 0 or c.kernel == "tiled"
+        assert c.dynamic_smem_bytes == 0 or c.kernel in ("tiled", "wmma")
         assert c.threads % 32 == 0 and c.threads <= 1024
 
 
@@ -82,6 +87,10 @@ def test_kernel_config_choices():
     assert "-DUSE_CP_ASYNC=0" in config.kernel_config("mma", "float16", 64, 75).defines
     assert "-DMMA_K8=0" in config.kernel_config("mma", "float16", 64, 80).defines
     assert "-DELEM_T=__half" in config.kernel_config("tiled", "float16", 64, 80).defines
+    w = config.kernel_config("wmma", "float16", 64, 75)
+    assert (w.head_dim, w.block_m, w.block_n, w.threads, w.dynamic_smem_bytes) == (64, 64, 64, 128, 53248)
+    assert [config.kernel_config("wmma", "float16", d, 90).block_m for d in (16, 96, 97, 128)] == [64, 64, 32, 32]
+    assert "-D__CUDA_NO_HALF_CONVERSIONS__" in w.defines
     with pytest.raises(ValueError, match="kernel must be one of"):
         config.kernel_config("naive", "float32", 64, 90)
 

@@ -1,4 +1,4 @@
-"""flashref.cupy on the GPU: both kernels against the float64 reference, with the tolerance rule.
+"""flashref.cupy on the GPU: every kernel against the float64 reference, with the tolerance rule.
 
 Marked `gpu`: skipped, visibly, without CUDA. Plain attention in the input's precision (NumPy) is the
 baseline of the rule; every case checks that this baseline is finite, so the rule cannot pass vacuously.
@@ -26,7 +26,7 @@ SHAPES = [
     (1, 1, 65, 190, 20),
     (1, 4, 256, 256, 64),
 ]
-CASES = [("tiled", "float32"), ("tiled", "float16"), ("mma", "float16")]
+CASES = [("tiled", "float32"), ("tiled", "float16"), ("wmma", "float16"), ("mma", "float16")]
 
 
 @pytest.fixture(scope="module")
@@ -89,11 +89,12 @@ def test_many_heads_split_over_launches(cp):
     _check(cp, "tiled", q, k, v, False)
 
 
-def test_non_contiguous_input(cp):
+@pytest.mark.parametrize("kernel", ["wmma", "mma"])
+def test_non_contiguous_input(cp, kernel):
     from flashref.cupy import flash_attention_forward
     q, k, v = _inputs((1, 3, 40, 50, 32), "float16", seed=5)
     qt = cp.asarray(q.transpose(0, 2, 1, 3).copy()).transpose(0, 2, 1, 3)   # (B, H, N, d) view, strided
-    o = flash_attention_forward(qt, cp.asarray(k), cp.asarray(v), kernel="mma")
+    o = flash_attention_forward(qt, cp.asarray(k), cp.asarray(v), kernel=kernel)
     ref = reference.attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64))
     assert check_tolerance(o, ref, reference.attention(q, k, v)).ok
 
@@ -128,3 +129,14 @@ def test_non_finite_inputs_are_refused(cp, which):
         flash_attention_forward(data["q"], data["k"], data["v"])
     o = flash_attention_forward(data["q"], data["k"], data["v"], check_finite=False)
     assert not bool(cp.isfinite(o).all())
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(1, 2, 129, 300, 96), (1, 2, 300, 129, 112)], ids=lambda s: "x".join(map(str, s)))
+def test_wmma_at_the_edge_of_a_t4_block(cp, causal, shape):
+    """d = 96 is the largest head dimension for which the wmma kernel takes 64 query rows: its shared
+    memory is then exactly a T4 block's 64 KB (dynamic, opted in); d = 112 is the first with 32 rows."""
+    from flashref.cupy import config
+    assert config.kernel_config("wmma", "float16", shape[-1], 75).smem_bytes <= config.T4_BLOCK_SMEM
+    q, k, v = _inputs(shape, "float16", seed=sum(shape) + 2)
+    _check(cp, "wmma", q, k, v, causal)

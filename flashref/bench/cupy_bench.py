@@ -49,6 +49,7 @@ def _implementations(q, k, v, causal):
     flash = sdpa("sdpa-flash")
 
     impls = {"cupy-mma": lambda: flash_attention_forward(cq, ck, cv, causal, kernel="mma", check_finite=False),
+             "cupy-wmma": lambda: flash_attention_forward(cq, ck, cv, causal, kernel="wmma", check_finite=False),
              "cupy-tiled": lambda: flash_attention_forward(cq, ck, cv, causal, kernel="tiled", check_finite=False),
              "sdpa-flash": lambda: flash(q, k, v, causal)}
     q32, k32, v32 = (cp.from_dlpack(x.float()) for x in (q, k, v))

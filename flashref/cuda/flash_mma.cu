@@ -17,6 +17,7 @@
 // d must be a multiple of 8 (the wrapper pads q, k, v otherwise); HEAD_DIM is d rounded up to 16.
 #include <cuda_fp16.h>
 
+// [excerpt: constants]
 #ifndef HEAD_DIM
 #define HEAD_DIM 64          // multiple of 16; columns >= d are zero-filled
 #endif
@@ -55,6 +56,7 @@
 #define NEG_INF (-__int_as_float(0x7f800000))
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
+// [/excerpt: constants]
 
 static_assert(BLOCK_M % 16 == 0 && BLOCK_N % 16 == 0 && HEAD_DIM % 16 == 0, "tile shape");
 
@@ -108,6 +110,7 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const __half* p) 
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
 }
 
+// [excerpt: mma]
 // C (16x8 fp32) += A (16x16 fp16, row-major fragments a[4]) * B (16x8 fp16, fragments b0, b1).
 __device__ __forceinline__ void mma_16x8x16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
 #if MMA_K8
@@ -121,6 +124,7 @@ __device__ __forceinline__ void mma_16x8x16(float (&c)[4], const u32 (&a)[4], u3
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 #endif
 }
+// [/excerpt: mma]
 
 __device__ __forceinline__ u32 pack_half2(float lo, float hi) {
     __half2 h = __floats2half2_rn(lo, hi);
@@ -173,6 +177,7 @@ flash_mma_forward(const __half* __restrict__ q, const __half* __restrict__ k, co
         load_tile<BLOCK_N>(V_j, v, j0, N_k, d); // in flight while S_ij is computed
         copy_commit();
 
+        // [excerpt: scores]
         // S_ij = Q_i K_j^T on tensor cores.
         float S[NT_S][4];
 #pragma unroll
@@ -187,6 +192,7 @@ flash_mma_forward(const __half* __restrict__ q, const __half* __restrict__ k, co
                 mma_16x8x16(S[nt + 1], Q_frag[ks], b[2], b[3]);
             }
         }
+        // [/excerpt: scores]
 
         // Online softmax on the fragments. Masking only where a tile crosses N_k or the diagonal.
         const bool need_mask = j0 + BLOCK_N > N_k || (causal && j0 + BLOCK_N - 1 > i0);
@@ -204,6 +210,7 @@ flash_mma_forward(const __half* __restrict__ q, const __half* __restrict__ k, co
                 row_max[e / 2] = fmaxf(row_max[e / 2], s);
             }
         }
+        // [excerpt: softmax-and-pv]
         float alpha[2], m_safe[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {           // the 4 lanes of a quad share a row
@@ -248,6 +255,7 @@ flash_mma_forward(const __half* __restrict__ q, const __half* __restrict__ k, co
             }
         }
     }
+    // [/excerpt: softmax-and-pv]
 
     // O_i / l_i and lse_i = (m_i + log2 l_i) ln 2, for the rows and columns that exist.
 #pragma unroll

@@ -13,6 +13,7 @@
 // (flashref/cupy/__init__.py); the defaults below let `nvcc` compile the file on its own.
 #include <cuda_fp16.h>
 
+// [excerpt: constants]
 #ifndef HEAD_DIM
 #define HEAD_DIM 64          // d rounded up to a multiple of 16; columns >= d are zero-filled
 #endif
@@ -34,6 +35,7 @@
 #define PAD_D (HEAD_DIM + 1)                   // +1 float: row r starts at bank r mod 32 (no conflicts)
 #define PAD_N (BLOCK_N + 1)
 #define NEG_INF (-__int_as_float(0x7f800000))   // -infinity (NVRTC has no math.h INFINITY)
+// [/excerpt: constants]
 
 static_assert(BLOCK_M % 4 == 0 && BLOCK_N == TX * COLS_S && HEAD_DIM % TX == 0, "tile shape");
 
@@ -42,6 +44,7 @@ __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ void store(float* p, float x) { *p = x; }
 __device__ __forceinline__ void store(__half* p, float x) { *p = __float2half_rn(x); }
 
+// [excerpt: load-tile]
 // Copy rows [row0, row0 + rows) of a (n, d) matrix into a shared tile of `rows` x HEAD_DIM floats
 // with row stride `stride`; rows >= n and columns >= d become 0. Consecutive threads read consecutive
 // addresses of global memory (coalesced) and write consecutive shared-memory banks.
@@ -54,10 +57,12 @@ __device__ __forceinline__ void load_tile(float* tile, const ELEM_T* __restrict_
         tile[r * stride + c] = value;
     }
 }
+// [/excerpt: load-tile]
 
 // Grid: (ceil(N_q / BLOCK_M), B * H). Dynamic shared memory: (BLOCK_M + BLOCK_N) * PAD_D
 // + BLOCK_M * PAD_N floats (the loader computes the same number). q, o: (B*H, N_q, d);
 // k, v: (B*H, N_k, d); lse: (B*H, N_q), natural log.
+// [excerpt: kernel-start]
 extern "C" __global__ void __launch_bounds__(NTHREADS)
 flash_tiled_forward(const ELEM_T* __restrict__ q, const ELEM_T* __restrict__ k, const ELEM_T* __restrict__ v,
                     ELEM_T* __restrict__ o, float* __restrict__ lse,
@@ -89,7 +94,9 @@ flash_tiled_forward(const ELEM_T* __restrict__ q, const ELEM_T* __restrict__ k, 
         __syncthreads();                        // everyone is done with V_j of the last step (and Q_i is loaded)
         load_tile(KV_j, k, j0, BLOCK_N, N_k, d, PAD_D);
         __syncthreads();                        // K_j is in shared memory
+        // [/excerpt: kernel-start]
 
+        // [excerpt: scores]
         // S_ij = sm_scale * Q_i K_j^T: a 4 x COLS_S register tile per thread.
         float S_ij[4][COLS_S] = {};
 #pragma unroll 8
@@ -100,7 +107,9 @@ flash_tiled_forward(const ELEM_T* __restrict__ q, const ELEM_T* __restrict__ k, 
             for (int r = 0; r < 4; ++r)
                 for (int c = 0; c < COLS_S; ++c) S_ij[r][c] += q_r[r] * k_c[c];
         }
+        // [/excerpt: scores]
 
+        // [excerpt: online-softmax]
         // Online softmax, row by row: the 16 threads of a row sit in one half-warp and combine their
         // maxima and sums with shuffles.
 #pragma unroll
@@ -131,6 +140,8 @@ flash_tiled_forward(const ELEM_T* __restrict__ q, const ELEM_T* __restrict__ k, 
             m_i[r] = m_new;
             for (int c = 0; c < COLS_O; ++c) O_i[r][c] *= alpha;
         }
+        // [/excerpt: online-softmax]
+        // [excerpt: output-update]
         __syncthreads();                        // everyone is done with K_j (and P_ij is written)
         load_tile(KV_j, v, j0, BLOCK_N, N_k, d, PAD_D);
         __syncthreads();                        // V_j is in shared memory
@@ -145,7 +156,9 @@ flash_tiled_forward(const ELEM_T* __restrict__ q, const ELEM_T* __restrict__ k, 
                 for (int c = 0; c < COLS_O; ++c) O_i[r][c] += p_r[r] * v_c[c];
         }
     }
+    // [/excerpt: output-update]
 
+    // [excerpt: epilogue]
     // O_i / l_i and lse_i = m_i + log(l_i), for the rows and columns that exist.
     for (int r = 0; r < 4; ++r) {
         const int i = i0 + 4 * ty + r;
@@ -158,3 +171,4 @@ flash_tiled_forward(const ELEM_T* __restrict__ q, const ELEM_T* __restrict__ k, 
         if (tx == 0) lse[i] = m_i[r] + logf(l_i[r]);
     }
 }
+// [/excerpt: epilogue]

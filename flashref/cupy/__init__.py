@@ -1,9 +1,12 @@
 """FlashAttention forward in CUDA C, launched from Python with CuPy.
 
-Taught in notebook ``06_cupy_kernel``. Two kernels, both in ``flashref/cuda/``:
+Taught in notebook ``06_cupy_kernel``. Three kernels, all in ``flashref/cuda/``:
 
 - ``kernel="tiled"`` (flash_tiled.cu): the readable one, fp32 or fp16 inputs, CUDA cores;
-- ``kernel="mma"`` (flash_mma.cu): tensor cores through ``mma.sync``, fp16 inputs.
+- ``kernel="wmma"`` (flash_wmma.cu): the middle step, tensor cores through the CUDA C++ ``nvcuda::wmma``
+  API (sm_70 and newer), fp16 inputs; the scores and O_i pass through shared memory;
+- ``kernel="mma"`` (flash_mma.cu): tensor cores through ``mma.sync``, fp16 inputs; everything but the
+  K_j and V_j tiles stays in registers.
 
 CuPy is imported only when a kernel is launched, so ``import flashref.cupy`` works everywhere; on a
 machine without CuPy or without a CUDA GPU, launching raises a ``RuntimeError`` that says which is
@@ -17,8 +20,8 @@ from __future__ import annotations
 import math
 
 from flashref import validation
-from flashref.cupy.config import (DTYPES, ENTRY_POINTS, KERNELS, MAX_HEAD_DIM, KernelConfig, kernel_config,
-                                  source)
+from flashref.cupy.config import (DTYPES, ENTRY_POINTS, KERNELS, MAX_HEAD_DIM, PADS_TO_8, KernelConfig,
+                                  kernel_config, source)
 
 __all__ = ["flash_attention_forward", "KERNELS", "require_cupy", "compiled_kernel"]
 
@@ -74,10 +77,11 @@ def flash_attention_forward(q, k, v, causal=False, sm_scale=None, kernel="tiled"
     """FlashAttention forward on CuPy arrays of shape (B, H, N, d); returns O (and lse when asked).
 
     ``q``: (B, H, N_q, d); ``k``, ``v``: (B, H, N_k, d); float32 or float16 for ``kernel="tiled"``,
-    float16 for ``kernel="mma"``; d <= 128. O has q's shape and dtype; lse (natural log, float32) has
-    shape (B, H, N_q). ``causal=True`` is top-left aligned (query i sees keys j <= i). ``check_finite``
-    (default True): NaN or inf in q, k or v is a ``ValueError`` (:mod:`flashref.validation`'s rule; one
-    read of the inputs and one synchronization); False skips the check.
+    float16 for ``kernel="wmma"`` and ``kernel="mma"``; d <= 128. O has q's shape and dtype; lse (natural
+    log, float32) has shape (B, H, N_q). ``causal=True`` is top-left aligned (query i sees keys j <= i).
+    ``check_finite`` (default True): NaN or inf in q, k or v is a ``ValueError``
+    (:mod:`flashref.validation`'s rule; one read of the inputs and one synchronization); False skips the
+    check.
     """
     scale = _check(q, k, v, causal, sm_scale, kernel, return_lse, check_finite)
     cupy = require_cupy()
@@ -90,9 +94,9 @@ def flash_attention_forward(q, k, v, causal=False, sm_scale=None, kernel="tiled"
     N_k = k.shape[2]
     with q.device:
         config = kernel_config(kernel, str(q.dtype), d, _compute_capability(cupy))
-        # The tensor-core kernel moves 16-byte rows: pad d to a multiple of 8 with zero columns, which
-        # change neither Q K^T nor the first d columns of P V.
-        d_run = 8 * math.ceil(d / 8) if kernel == "mma" else d
+        # The tensor-core kernels move 16-byte chunks of rows: pad d to a multiple of 8 with zero columns,
+        # which change neither Q K^T nor the first d columns of P V.
+        d_run = 8 * math.ceil(d / 8) if kernel in PADS_TO_8 else d
         q3, k3, v3 = (_rows(cupy, x, d_run) for x in (q, k, v))
         o = cupy.empty((B * H, N_q, d_run), dtype=q.dtype)
         lse = cupy.empty((B * H, N_q), dtype=cupy.float32)

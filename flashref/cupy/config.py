@@ -3,6 +3,7 @@
 Taught in notebook ``06_cupy_kernel`` ("How much shared memory a tile takes"). Everything here is
 plain Python, so the compile test (tests/test_cupy_compile.py), the exercises and the notebook can
 use it on a machine without CuPy or a GPU; :mod:`flashref.cupy` uses it to pick and build a kernel.
+The helpers that show the sources piece by piece live in :mod:`flashref.cupy.teaching`.
 """
 
 from __future__ import annotations
@@ -11,11 +12,14 @@ import math
 from dataclasses import dataclass
 from importlib import resources
 
-KERNELS = ("tiled", "mma")
-SOURCES = {"tiled": "flash_tiled.cu", "mma": "flash_mma.cu"}
-ENTRY_POINTS = {"tiled": "flash_tiled_forward", "mma": "flash_mma_forward"}
-#: input dtypes each kernel accepts (arithmetic is always fp32)
-DTYPES = {"tiled": ("float32", "float16"), "mma": ("float16",)}
+#: the kernels, in the order notebook 06 teaches them: CUDA cores, tensor cores through wmma, through mma.sync
+KERNELS = ("tiled", "wmma", "mma")
+SOURCES = {"tiled": "flash_tiled.cu", "wmma": "flash_wmma.cu", "mma": "flash_mma.cu"}
+ENTRY_POINTS = {"tiled": "flash_tiled_forward", "wmma": "flash_wmma_forward", "mma": "flash_mma_forward"}
+#: input dtypes each kernel accepts (arithmetic and accumulation are always fp32)
+DTYPES = {"tiled": ("float32", "float16"), "wmma": ("float16",), "mma": ("float16",)}
+#: kernels that move 16-byte chunks of fp16 rows: the wrapper pads d to a multiple of 8 for them
+PADS_TO_8 = ("wmma", "mma")
 MAX_HEAD_DIM = 128
 #: what one thread block may use on a T4 (sm_75): 48 KB static, 64 KB with the dynamic opt-in
 T4_STATIC_SMEM = 48 * 1024
@@ -38,6 +42,14 @@ def tiled_smem_bytes(head_dim: int, block_m: int, block_n: int) -> int:
     return 4 * ((block_m + block_n) * (head_dim + 1) + block_m * (block_n + 1))
 
 
+def wmma_smem_bytes(head_dim: int, block_m: int, block_n: int) -> int:
+    """Shared memory of the wmma kernel, in bytes: O_i in fp32 (rows of head_dim + 4 floats; Q_i passes
+    through the same space first), S_ij in fp32 (block_n + 4 floats a row), P_ij in fp16 (block_n + 8
+    halves a row) and one fp16 buffer for K_j, then V_j (head_dim + 8 halves a row)."""
+    return (4 * block_m * (head_dim + 4) + 4 * block_m * (block_n + 4) + 2 * block_m * (block_n + 8)
+            + 2 * block_n * (head_dim + 8))
+
+
 def mma_smem_bytes(head_dim: int, block_m: int, block_n: int) -> int:
     """Shared memory of the tensor-core kernel, in bytes: fp16 rows padded by 8 halves (16 bytes); Q_i
     passes through first, then the same space holds K_j and V_j."""
@@ -56,24 +68,31 @@ class KernelConfig:
 
     @property
     def threads(self) -> int:
+        # tiled: (BLOCK_M / 4) x 16 threads; wmma and mma: one warp per 16 query rows
         return (self.block_m // 4) * 16 if self.kernel == "tiled" else (self.block_m // 16) * 32
 
     @property
     def smem_bytes(self) -> int:
         if self.kernel == "tiled":
             return tiled_smem_bytes(self.head_dim, self.block_m, self.block_n)
+        if self.kernel == "wmma":
+            return wmma_smem_bytes(self.head_dim, self.block_m, self.block_n)
         return mma_smem_bytes(self.head_dim, self.block_m, self.block_n)
 
     @property
     def dynamic_smem_bytes(self) -> int:
-        """The tiled kernel takes its shared memory dynamically (it needs more than 48 KB)."""
-        return self.smem_bytes if self.kernel == "tiled" else 0
+        """The tiled and wmma kernels take their shared memory dynamically (they need more than 48 KB)."""
+        return self.smem_bytes if self.kernel in ("tiled", "wmma") else 0
 
     @property
     def defines(self) -> tuple[str, ...]:
         d = (f"-DHEAD_DIM={self.head_dim}", f"-DBLOCK_M={self.block_m}", f"-DBLOCK_N={self.block_n}")
         if self.kernel == "tiled":
             return d + (f"-DELEM_T={_C_TYPES[self.dtype]}",)
+        if self.kernel == "wmma":
+            # mma.h pulls in cuda_bf16.h, whose implicit half conversions can clash with the fp16 header
+            # NVRTC finds (an older one bundled with CuPy): the kernel converts explicitly, so turn them off.
+            return d + ("-D__CUDA_NO_HALF_CONVERSIONS__",)
         # cp.async exists from sm_80; mma.sync m16n8k16 too (sm_75 has m16n8k8).
         return d + (f"-DUSE_CP_ASYNC={int(self.cc >= 80)}", f"-DMMA_K8={int(self.cc < 80)}")
 
@@ -85,6 +104,10 @@ def kernel_config(kernel: str, dtype: str, d: int, cc: int) -> KernelConfig:
         # 64 query rows while the tiles fit a T4 block (64 KB), else 32: d <= 80 gets 64.
         block_m = 64 if tiled_smem_bytes(D, 64, 64) <= T4_BLOCK_SMEM else 32
         return KernelConfig("tiled", dtype, D, block_m, 64, cc)
+    if kernel == "wmma":
+        # Same rule: 64 query rows (4 warps) while O_i, S_ij, P_ij and K_j/V_j fit a T4 block, else 32.
+        block_m = 64 if wmma_smem_bytes(D, 64, 64) <= T4_BLOCK_SMEM else 32
+        return KernelConfig("wmma", dtype, D, block_m, 64, cc)
     if kernel == "mma":
         # 8 warps (128 rows) for d <= 64 on sm_80+; 4 warps (64 rows) for larger d, whose registers
         # then leave room for two blocks per SM (measured faster on an H100), and on Turing, which
@@ -112,34 +135,3 @@ def nvcc_command(config: KernelConfig, output: str, nvcc: str = "nvcc") -> list[
     """Compile one variant to a cubin with ptxas' resource report (what tests/test_cupy_compile.py runs)."""
     return [nvcc, f"-arch=sm_{config.cc}", "-cubin", "--resource-usage", *config.defines,
             "-o", output, source_path(config.kernel)]
-
-
-def excerpt(kernel: str, first: str, last: str) -> str:
-    """The lines of ``kernel``'s source from the first line containing ``first`` to the next line that
-    starts with ``last`` (both included; ``"}"`` ends at the closing brace of a function): how the
-    notebook reads the kernel piece by piece."""
-    lines = source(kernel).splitlines()
-    start = next(i for i, line in enumerate(lines) if first in line)
-    end = next(i for i in range(start, len(lines)) if lines[i].startswith(last))
-    return "\n".join(lines[start:end + 1])
-
-
-def show_cuda(kernel: str, first: str | None = None, last: str | None = None) -> None:
-    """Display the whole source of ``kernel``, or an :func:`excerpt`, as a CUDA code block."""
-    text = source(kernel).rstrip() if first is None else excerpt(kernel, first, last)
-    try:
-        from IPython.display import Markdown, display
-    except ImportError:
-        print(text)
-        return
-    display(Markdown(f"```cuda\n{text}\n```"))
-
-
-def bank_conflict_ways(word_addresses) -> int:
-    """How many shared-memory passes one warp-wide access takes: shared memory has 32 banks of 4 bytes,
-    word address a lives in bank a mod 32, and distinct words in one bank are served one after another
-    (threads reading the *same* word share one pass: a broadcast)."""
-    banks: dict[int, set] = {}
-    for a in word_addresses:
-        banks.setdefault(int(a) % 32, set()).add(int(a))
-    return max(len(words) for words in banks.values())

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import math
 
-from flashref.cupy.config import T4_BLOCK_SMEM, bank_conflict_ways, tiled_smem_bytes
+from flashref.cupy.config import T4_BLOCK_SMEM, tiled_smem_bytes
+from flashref.cupy.teaching import bank_conflict_ways
 from flashref.exercises import NOT_ANSWERED, UNWRITTEN, Verdict, check_number, right, wrong
 
 #: the exercise's configuration: fp32 tiled kernel, d = 128, 64 x 64 tiles
