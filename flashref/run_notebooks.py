@@ -23,7 +23,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What the kernel may read that is not an input of the outputs: tools, caches, the notebooks themselves.
-_NOT_INPUTS = (".git", ".venv", ".whl", "_build", "notebooks", ".pytest_cache")
+#: top-level folders whose files are never a notebook's inputs: tools, build outputs and caches (.tcache: a
+#: Triton or CuPy kernel cache kept in the checkout on the GPU machine, so that it survives between calls)
+_NOT_INPUTS = (".git", ".venv", ".whl", "_build", "notebooks", ".pytest_cache", ".tcache")
 
 # Installed in the notebook's kernel (as an IPython startup file) before its first cell runs: an audit hook
 # that appends to a log every file under the repository that is opened for reading. Imports open a module's

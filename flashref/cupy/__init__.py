@@ -18,6 +18,7 @@ compute capability), and cached.
 from __future__ import annotations
 
 import math
+import os
 
 from flashref import validation
 from flashref.cupy.config import (DTYPES, ENTRY_POINTS, KERNELS, MAX_HEAD_DIM, PADS_TO_8, KernelConfig,
@@ -46,13 +47,35 @@ def require_cupy():
     return cupy
 
 
+def _wmma_include(cupy, kernel: str) -> tuple[str, ...]:
+    """``-I`` for the header ``mma.h`` pulls in (``crt/mma.h``). NVRTC finds ``mma.h`` among the headers of the
+    pip package ``nvidia-cuda-nvrtc``, which lacks ``crt/mma.h`` (seen with CUDA 13); a CUDA toolkit
+    (``cupy.cuda.get_cuda_path()``, /usr/local/cuda on Colab) or Triton's copy of the headers has it."""
+    if kernel != "wmma":
+        return ()
+    candidates = [os.path.join(cupy.cuda.get_cuda_path() or "", "include")]
+    try:
+        import triton
+
+        candidates.append(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "include"))
+    except ImportError:
+        pass
+    for folder in candidates:
+        if os.path.exists(os.path.join(folder, "crt", "mma.h")):
+            return (f"-I{folder}",)
+    raise RuntimeError("kernel='wmma' needs the CUDA header crt/mma.h, found in no CUDA toolkit or Triton "
+                       f"install here (looked in {', '.join(candidates)}); install the CUDA toolkit or use "
+                       "kernel='tiled' or 'mma'")
+
+
 def compiled_kernel(config: KernelConfig):
     """The ``cupy.RawKernel`` of ``config``, compiled on first use and cached (CuPy also keeps the cubin
     on disk, in ~/.cupy/kernel_cache)."""
     key = (config.kernel, config.dtype, config.head_dim, config.block_m, config.block_n, config.cc)
     if key not in _CACHE:
         cupy = require_cupy()
-        module = cupy.RawModule(code=source(config.kernel), options=("-std=c++17", *config.defines))
+        options = ("-std=c++17", *config.defines, *_wmma_include(cupy, config.kernel))
+        module = cupy.RawModule(code=source(config.kernel), options=options)
         fn = module.get_function(ENTRY_POINTS[config.kernel])
         if config.dynamic_smem_bytes > 48 * 1024:   # beyond 48 KB a kernel must opt in
             fn.max_dynamic_shared_size_bytes = config.dynamic_smem_bytes
