@@ -102,3 +102,41 @@ def test_the_notebooks_compile_reports():
     assert "wgmma instructions" in wgmma and "waits until no product is in flight" in wgmma
     with pytest.raises(ValueError, match="name must be one of"):
         report_in_child("registers")
+
+
+MODS_SCRIPT = r"""
+import json
+from concurrent.futures import ProcessPoolExecutor
+from flashref.triton import configs, compile_check
+
+def one(job):
+    gpu, kernel, cfg = job
+    spec = configs.GPUS[gpu]
+    k = compile_check.compile_config(kernel, configs.TileConfig(*cfg), spec["capability"], 128, "float16",
+                                     causal=True, window=True, softcap=True, alibi=True, varlen=True)
+    return [gpu, kernel, list(cfg), int(k.metadata.shared), spec["shared_bytes"]]
+
+jobs = []
+for gpu, spec in configs.GPUS.items():
+    for kernel in ("forward", "dkdv", "dq"):
+        kept = configs.candidates(kernel, 128, 2, spec["shared_bytes"], t4=gpu == "T4", capability=spec["capability"])
+        c = kept[0]
+        jobs.append((gpu, kernel, (c.block_m, c.block_n, c.num_warps, c.num_stages)))
+with ProcessPoolExecutor(2) as pool:
+    print(json.dumps(list(pool.map(one, jobs))))
+"""
+
+
+def test_score_mods_and_packed_batches_compile_for_every_gpu():
+    """The kernels with every modification switched on (causal, a window, a softcap, ALiBi, a packed batch)
+    compile for a T4, an A100 and an H100 in a config each would keep (tanh from libdevice), and fit its
+    shared memory."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["FLASHREF_TRITON_COMPILE_ONLY"] = "1"
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    proc = subprocess.run([sys.executable, "-c", MODS_SCRIPT], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {(r[0], r[1]) for r in rows} == {(g, k) for g in ("T4", "A100", "H100") for k in ("forward", "dkdv", "dq")}
+    for gpu, kernel, cfg, shared, limit in rows:
+        assert 0 < shared <= limit, (gpu, kernel, cfg, shared, limit)

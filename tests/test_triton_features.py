@@ -279,7 +279,8 @@ def test_autotuner_consulted_once_per_key_then_its_choice_launched_directly(monk
     monkeypatch.setattr(ops, "_CHOSEN", {})
     monkeypatch.setenv("FLASHREF_TRITON_AUTOTUNE", "1")
     q = torch.zeros(1, 2, 1000, 16, dtype=torch.float16)
-    meta = dict(TUNE_N=1024, HEAD_DIM=16, CAUSAL=True, HAS_BM=False, BLOCK_SIZE=1, DROPOUT=False)
+    meta = dict(TUNE_N=1024, HEAD_DIM=16, CAUSAL=True, HAS_BM=False, BLOCK_SIZE=1, DROPOUT=False, WINDOW=False,
+                SOFTCAP=False, ALIBI=False, VARLEN=False)
     for _ in range(3):
         ops._launch(Kernel(), "forward", 1000, 2, q, q, **meta)
     assert calls == [("tuner", (16, 2)), ("kernel", (16, 2), 64, 32, 4, 2), ("kernel", (16, 2), 64, 32, 4, 2)]

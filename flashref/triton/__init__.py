@@ -53,11 +53,13 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "") == "1"
 
 from flashref.triton.ops import (  # noqa: E402  (the environment must be set first)
     FlashAttentionFunction,
+    FlashAttentionVarlenFunction,
     dropout_mask,
     flash_attention,
     flash_attention_backward,
     flash_attention_forward,
+    flash_attention_varlen,
 )
 
-__all__ = ["flash_attention", "flash_attention_forward", "flash_attention_backward", "FlashAttentionFunction",
-           "dropout_mask", "INTERPRETED"]
+__all__ = ["flash_attention", "flash_attention_forward", "flash_attention_backward", "flash_attention_varlen",
+           "FlashAttentionFunction", "FlashAttentionVarlenFunction", "dropout_mask", "INTERPRETED"]

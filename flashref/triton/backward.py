@@ -26,8 +26,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashref.triton.forward import (_block_elements, _block_visible, _dot, _keep, _listed_start,
-                                     _listed_tiles_before, _load_rows)
+from flashref.triton.forward import (_block_elements, _block_visible, _document, _dot, _in_window, _keep,
+                                     _listed_start, _listed_tiles_before, _load_rows, _modified, _tile_ranges)
 
 
 @triton.jit
@@ -69,13 +69,16 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_b
                stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
                start_m, start_n, N_q, N_k, sm_scale, qk_scale, offs_n, offs_d,
                bm_base, stride_bmi, stride_bmj, seed, bh, drop_below, keep_scale,
+               win_left, win_right, cap_in, cap_out, slope2,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT: tl.constexpr,
-               HAS_BM: tl.constexpr, BM_TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, DROPOUT: tl.constexpr):
+               HAS_BM: tl.constexpr, BM_TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, DROPOUT: tl.constexpr,
+               WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
     """Add the contribution of the query tile at ``start_m`` to this K/V tile's dK and dV (transposed form:
     rows are keys, columns are queries), and with ATOMIC_DQ this tile's share of the query tile's dQ. A
     block mask finer than the tile is applied element by element; with DROPOUT the forward's keep-mask is
-    regenerated for the transposed tile."""
+    regenerated for the transposed tile. SOFTCAP / ALIBI recompute the forward's modified score
+    (forward._modified), and dS is multiplied by the cap's derivative 1 - tanh^2."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q = _load_rows(q_base, offs_m, offs_d, stride_qm, stride_qd, N_q, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
                    MASKED=MASKED)
@@ -89,10 +92,17 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_b
         m2 = tl.load(m2_base + offs_m)
         l2 = tl.load(l2_base + offs_m)
         delta = tl.load(delta_base + offs_m)
-    x_t = _exponent(_dot(k, tl.trans(q), DOT), qk_scale, m2[None, :], l2[None, :])
+    qk_t = _dot(k, tl.trans(q), DOT)
+    scale = qk_scale
+    if SOFTCAP or ALIBI:
+        qk_t, t_t = _modified(qk_t, offs_m, offs_n, qk_scale, cap_in, cap_out, slope2, SOFTCAP, ALIBI, True)
+        scale = 1.0
+    x_t = _exponent(qk_t, scale, m2[None, :], l2[None, :])
     if MASKED:
         if CAUSAL:  # mask the exponent, not P: masked scores may be huge and exp2 would overflow
             x_t = tl.where(offs_n[:, None] <= offs_m[None, :], x_t, float("-inf"))
+        if WINDOW:
+            x_t = tl.where(_in_window(offs_m[None, :], offs_n[:, None], win_left, win_right), x_t, float("-inf"))
     if HAS_BM:
         if not BM_TILE:
             x_t = tl.where(tl.trans(_block_elements(bm_base, stride_bmi, stride_bmj, offs_m, offs_n, N_q, N_k,
@@ -105,7 +115,10 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_b
         dp_t = tl.where(keep_t, dp_t * keep_scale, 0.0)
     else:
         dv += _dot(p_t.to(do.dtype), do, DOT)
-    ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+    ds_t = p_t * (dp_t - delta[None, :])
+    if SOFTCAP:  # dS with respect to the raw score: times d(c tanh(s / c)) / ds
+        ds_t = ds_t * (1.0 - t_t * t_t)
+    ds_t = ds_t.to(q.dtype)
     dk += _dot(ds_t, q, DOT)
     if ATOMIC_DQ:  # every K/V tile's program adds into the same dQ rows, in whatever order they run
         dq = _dot(tl.trans(ds_t), k, DOT) * sm_scale
@@ -119,10 +132,11 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_
                 stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
                 start_n, lo, hi, N_q, N_k, sm_scale, qk_scale, offs_n, offs_d,
                 bm_base, stride_bmi, stride_bmj, list_row, seed, bh, drop_below, keep_scale,
+                win_left, win_right, cap_in, cap_out, slope2,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT: tl.constexpr,
                 HAS_BM: tl.constexpr, BM_TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, DROPOUT: tl.constexpr,
-                LISTED: tl.constexpr):
+                LISTED: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
     """Add the query tiles with first row in [lo, hi) to this K/V tile's dK and dV; when LISTED only the
     visible ones, read from this key block's list of visible query blocks (``list_row``), or the plain loop
     when all of them are visible (as _fwd_tiles). Otherwise a tile the block mask hides is skipped
@@ -135,18 +149,22 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_
                 dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base, stride_qm,
                                     stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd, start_m, start_n, N_q,
                                     N_k, sm_scale, qk_scale, offs_n, offs_d, bm_base, stride_bmi, stride_bmj, seed,
-                                    bh, drop_below, keep_scale, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M,
-                                    BLOCK_N=BLOCK_N, MASKED=MASKED, CAUSAL=CAUSAL, ATOMIC_DQ=ATOMIC_DQ, DOT=DOT,
-                                    HAS_BM=False, BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT)
+                                    bh, drop_below, keep_scale, win_left, win_right, cap_in, cap_out, slope2,
+                                    HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                                    MASKED=MASKED, CAUSAL=CAUSAL, ATOMIC_DQ=ATOMIC_DQ, DOT=DOT, HAS_BM=False,
+                                    BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, WINDOW=WINDOW,
+                                    SOFTCAP=SOFTCAP, ALIBI=ALIBI)
         else:
             for it in range(it_lo, it_hi):
                 start_m = _listed_start(list_row, it, BLOCK_SIZE, BLOCK_M)
                 dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base, stride_qm,
                                     stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd, start_m, start_n, N_q,
                                     N_k, sm_scale, qk_scale, offs_n, offs_d, bm_base, stride_bmi, stride_bmj, seed,
-                                    bh, drop_below, keep_scale, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M,
-                                    BLOCK_N=BLOCK_N, MASKED=MASKED, CAUSAL=CAUSAL, ATOMIC_DQ=ATOMIC_DQ, DOT=DOT,
-                                    HAS_BM=HAS_BM, BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT)
+                                    bh, drop_below, keep_scale, win_left, win_right, cap_in, cap_out, slope2,
+                                    HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                                    MASKED=MASKED, CAUSAL=CAUSAL, ATOMIC_DQ=ATOMIC_DQ, DOT=DOT, HAS_BM=HAS_BM,
+                                    BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, WINDOW=WINDOW,
+                                    SOFTCAP=SOFTCAP, ALIBI=ALIBI)
     else:
         for start_m in range(lo, hi, BLOCK_M):
             visible = True
@@ -157,13 +175,16 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_
                 dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base, stride_qm,
                                     stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd, start_m, start_n, N_q,
                                     N_k, sm_scale, qk_scale, offs_n, offs_d, bm_base, stride_bmi, stride_bmj, seed,
-                                    bh, drop_below, keep_scale, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M,
-                                    BLOCK_N=BLOCK_N, MASKED=MASKED, CAUSAL=CAUSAL, ATOMIC_DQ=ATOMIC_DQ, DOT=DOT,
-                                    HAS_BM=HAS_BM, BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT)
+                                    bh, drop_below, keep_scale, win_left, win_right, cap_in, cap_out, slope2,
+                                    HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                                    MASKED=MASKED, CAUSAL=CAUSAL, ATOMIC_DQ=ATOMIC_DQ, DOT=DOT, HAS_BM=HAS_BM,
+                                    BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, WINDOW=WINDOW,
+                                    SOFTCAP=SOFTCAP, ALIBI=ALIBI)
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["H", "N_q", "N_k", "TUNE_N", "GROUP", "SPLIT", "seed", "drop_below"])
+@triton.jit(do_not_specialize=["H", "N_q", "N_k", "TUNE_N", "GROUP", "SPLIT", "seed", "drop_below", "win_left",
+                               "win_right"])
 def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, M2, L2, Delta, BM, LISTS,
                           stride_qb, stride_qh, stride_qm, stride_qd,
                           stride_kb, stride_kh, stride_kn, stride_kd,
@@ -175,10 +196,12 @@ def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, M2, L2, Delta, BM, LISTS,
                           stride_bmb, stride_bmh, stride_bmi, stride_bmj,
                           stride_lb, stride_lh, stride_li,
                           H, N_q, N_k, sm_scale, qk_scale, TUNE_N, GROUP, SPLIT, seed, drop_below, keep_scale,
+                          ALIBI_SLOPES, CU_Q, CU_K, stride_ab, stride_ah, win_left, win_right, cap_in, cap_out,
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           CAUSAL: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT: tl.constexpr,
-                          HAS_BM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DROPOUT: tl.constexpr):
+                          HAS_BM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DROPOUT: tl.constexpr,
+                          WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, VARLEN: tl.constexpr):
     """Program (pid_n, pid_bhk) writes dK and dV of keys pid_n*BLOCK_N : +BLOCK_N of K/V head hk. Needs
     BLOCK_N % BLOCK_M == 0. With grouped-query attention (GROUP query heads per K/V head) it walks the
     query rows of every head of its group, so dK and dV are summed over the group in registers, and K and
@@ -187,7 +210,9 @@ def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, M2, L2, Delta, BM, LISTS,
     (fp32) to head hk * SPLIT + split of DK and DV, which the caller adds up: more programs than K/V tiles
     to keep the GPU busy. With ATOMIC_DQ it also adds into DQ (fp32, zeroed by the caller); otherwise DQ is
     not touched. LISTS: per key block of the mask, the count and increasing indices of the query blocks
-    that see it (the forward's lists, transposed)."""
+    that see it (the forward's lists, transposed). The score modifications and VARLEN as in the forward
+    kernel; key j is seen by queries ``j - win_right <= i <= j + win_left``, and only those query tiles are
+    visited."""
     pid_n = tl.program_id(0)
     pid_bhk = tl.program_id(1)
     H_kv = H // GROUP
@@ -196,6 +221,14 @@ def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, M2, L2, Delta, BM, LISTS,
     split = pid_bhk % SPLIT
     heads = GROUP // SPLIT
     start_n = pid_n * BLOCK_N
+    doc = b
+    N_rows = N_q  # the statistics' row stride
+    q_start = 0
+    if VARLEN:  # doc is the document; the tensors hold one batch row
+        q_start, N_q = _document(CU_Q, doc)
+        k_start, N_k = _document(CU_K, doc)
+        N_q = tl.where(start_n < N_k, N_q, 0)  # a block past the document's end visits no query
+        b = b * 0
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     b64 = b.to(tl.int64)
@@ -203,12 +236,25 @@ def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, M2, L2, Delta, BM, LISTS,
     BM_TILE: tl.constexpr = (BLOCK_SIZE % BLOCK_M == 0) and (BLOCK_SIZE % BLOCK_N == 0)
     LISTED: tl.constexpr = HAS_BM and BM_TILE
     kv_mask = (offs_n[:, None] < N_k) & (offs_d[None, :] < HEAD_DIM)
-    k = _load_rows(K + b64 * stride_kb + hk64 * stride_kh, offs_n, offs_d, stride_kn, stride_kd, N_k,
-                   HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, MASKED=True)
-    v = _load_rows(V + b64 * stride_vb + hk64 * stride_vh, offs_n, offs_d, stride_vn, stride_vd, N_k,
-                   HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, MASKED=True)
+    k_base = K + b64 * stride_kb + hk64 * stride_kh
+    v_base = V + b64 * stride_vb + hk64 * stride_vh
+    out_h = (hk * SPLIT + split).to(tl.int64)  # = hk without a split
+    dk_base = DK + b64 * stride_dkb + out_h * stride_dkh
+    dv_base = DV + b64 * stride_dvb + out_h * stride_dvh
+    if VARLEN:
+        k_base += k_start.to(tl.int64) * stride_kn
+        v_base += k_start.to(tl.int64) * stride_vn
+        dk_base += k_start.to(tl.int64) * stride_dkn
+        dv_base += k_start.to(tl.int64) * stride_dvn
+    k = _load_rows(k_base, offs_n, offs_d, stride_kn, stride_kd, N_k, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, MASKED=True)
+    v = _load_rows(v_base, offs_n, offs_d, stride_vn, stride_vd, N_k, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, MASKED=True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    # Queries in [full_lo, full_hi) see every key of this tile: no mask. Causal: those below the diagonal
+    # tiles. [lo, full_lo) (the diagonal, a window's edge) and [full_hi, hi) (a window's other edge, the
+    # ragged last tile) are masked; queries outside [lo, hi) never see this tile and are not visited.
+    lo, full_lo, full_hi, hi = _tile_ranges(start_n, N_q, win_right, win_left, BLOCK_N, BLOCK_M,
+                                            BOUNDED_BEFORE=CAUSAL or WINDOW, BOUNDED_AFTER=WINDOW)
 
     for g in range(0, heads):
         h = hk * GROUP + split * heads + g
@@ -216,69 +262,84 @@ def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, M2, L2, Delta, BM, LISTS,
         bh = b * H + h
         q_base = Q + b64 * stride_qb + h64 * stride_qh
         do_base = DO + b64 * stride_dob + h64 * stride_doh
-        m2_base = M2 + bh.to(tl.int64) * N_q
-        l2_base = L2 + bh.to(tl.int64) * N_q
-        delta_base = Delta + bh.to(tl.int64) * N_q
         dq_base = DQ + b64 * stride_dqb + h64 * stride_dqh
+        if VARLEN:
+            q_base += q_start.to(tl.int64) * stride_qm
+            do_base += q_start.to(tl.int64) * stride_dom
+            dq_base += q_start.to(tl.int64) * stride_dqm
+        row0 = bh.to(tl.int64) * N_rows + q_start
+        m2_base = M2 + row0
+        l2_base = L2 + row0
+        delta_base = Delta + row0
         bm_base = BM + b64 * stride_bmb + h64 * stride_bmh
         list_row = LISTS + b64 * stride_lb + h64 * stride_lh + (start_n // BLOCK_SIZE) * stride_li
+        slope2 = 0.0
+        if ALIBI:
+            slope2 = tl.load(ALIBI_SLOPES + doc * stride_ab + h * stride_ah)
 
-        # Causal: query i sees key j when i >= j, so queries before start_n never see this tile.
-        # Phase 1 (causal only): the diagonal query tiles, masked.
-        full_lo = 0
-        if CAUSAL:
-            diag_hi = tl.minimum(start_n + BLOCK_N, N_q)
+        if CAUSAL or WINDOW:
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base, stride_qm,
-                                 stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd, start_n, start_n, diag_hi,
+                                 stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd, start_n, lo, full_lo,
                                  N_q, N_k, sm_scale, qk_scale, offs_n, offs_d, bm_base, stride_bmi, stride_bmj,
-                                 list_row, seed, bh, drop_below, keep_scale, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
-                                 BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, MASKED=True, CAUSAL=CAUSAL, ATOMIC_DQ=ATOMIC_DQ,
-                                 DOT=DOT, HAS_BM=HAS_BM, BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT,
-                                 LISTED=False)
-            full_lo = start_n + BLOCK_N
-        # Phase 2: full query tiles below the diagonal, no mask. Phase 3: the ragged last query tile.
-        full_hi = tl.maximum(full_lo, (N_q // BLOCK_M) * BLOCK_M)
+                                 list_row, seed, bh, drop_below, keep_scale, win_left, win_right, cap_in, cap_out,
+                                 slope2, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                                 MASKED=True, CAUSAL=CAUSAL, ATOMIC_DQ=ATOMIC_DQ, DOT=DOT, HAS_BM=HAS_BM,
+                                 BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, LISTED=False,
+                                 WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base, stride_qm,
                              stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd, start_n, full_lo, full_hi,
                              N_q, N_k, sm_scale, qk_scale, offs_n, offs_d, bm_base, stride_bmi, stride_bmj, list_row,
-                             seed, bh, drop_below, keep_scale, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M,
-                             BLOCK_N=BLOCK_N, MASKED=False, CAUSAL=CAUSAL, ATOMIC_DQ=ATOMIC_DQ, DOT=DOT,
-                             HAS_BM=HAS_BM, BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, LISTED=LISTED)
+                             seed, bh, drop_below, keep_scale, win_left, win_right, cap_in, cap_out, slope2,
+                             HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, MASKED=False,
+                             CAUSAL=CAUSAL, ATOMIC_DQ=ATOMIC_DQ, DOT=DOT, HAS_BM=HAS_BM, BM_TILE=BM_TILE,
+                             BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, LISTED=LISTED, WINDOW=WINDOW, SOFTCAP=SOFTCAP,
+                             ALIBI=ALIBI)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base, stride_qm,
-                             stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd, start_n, full_hi, N_q, N_q,
+                             stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd, start_n, full_hi, hi, N_q,
                              N_k, sm_scale, qk_scale, offs_n, offs_d, bm_base, stride_bmi, stride_bmj, list_row, seed,
-                             bh, drop_below, keep_scale, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M,
-                             BLOCK_N=BLOCK_N, MASKED=True, CAUSAL=CAUSAL, ATOMIC_DQ=ATOMIC_DQ, DOT=DOT, HAS_BM=HAS_BM,
-                             BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, LISTED=False)
+                             bh, drop_below, keep_scale, win_left, win_right, cap_in, cap_out, slope2,
+                             HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, MASKED=True,
+                             CAUSAL=CAUSAL, ATOMIC_DQ=ATOMIC_DQ, DOT=DOT, HAS_BM=HAS_BM, BM_TILE=BM_TILE,
+                             BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, LISTED=False, WINDOW=WINDOW, SOFTCAP=SOFTCAP,
+                             ALIBI=ALIBI)
 
     dk = dk * sm_scale
     if DROPOUT:
         dv = dv * keep_scale
-    out_h = (hk * SPLIT + split).to(tl.int64)  # = hk without a split
-    tl.store(DK + b64 * stride_dkb + out_h * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
-             dk.to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + b64 * stride_dvb + out_h * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd,
-             dv.to(DV.dtype.element_ty), mask=kv_mask)
+    tl.store(dk_base + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty),
+             mask=kv_mask)
+    tl.store(dv_base + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd, dv.to(DV.dtype.element_ty),
+             mask=kv_mask)
 
 
 @triton.jit
 def _dq_tile(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
              start_n, N_q, N_k, qk_scale, offs_m, offs_d,
              bm_base, stride_bmi, stride_bmj, seed, bh, drop_below, keep_scale,
+             win_left, win_right, cap_in, cap_out, slope2,
              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
              MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr,
-             HAS_BM: tl.constexpr, BM_TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, DROPOUT: tl.constexpr):
-    """Add the contribution of the K/V tile at ``start_n`` to this Q tile's dQ."""
+             HAS_BM: tl.constexpr, BM_TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, DROPOUT: tl.constexpr,
+             WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+    """Add the contribution of the K/V tile at ``start_n`` to this Q tile's dQ (the modifications as in
+    _dkdv_tile)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k = _load_rows(k_base, offs_n, offs_d, stride_kn, stride_kd, N_k, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
                    MASKED=MASKED)
     v = _load_rows(v_base, offs_n, offs_d, stride_vn, stride_vd, N_k, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
                    MASKED=MASKED)
-    x = _exponent(_dot(q, tl.trans(k), DOT), qk_scale, m2[:, None], l2[:, None])
+    qk = _dot(q, tl.trans(k), DOT)
+    scale = qk_scale
+    if SOFTCAP or ALIBI:
+        qk, t = _modified(qk, offs_m, offs_n, qk_scale, cap_in, cap_out, slope2, SOFTCAP, ALIBI, False)
+        scale = 1.0
+    x = _exponent(qk, scale, m2[:, None], l2[:, None])
     if MASKED:
         keep = offs_n[None, :] < N_k
         if CAUSAL:
             keep = keep & (offs_n[None, :] <= offs_m[:, None])
+        if WINDOW:
+            keep = keep & _in_window(offs_m[:, None], offs_n[None, :], win_left, win_right)
         x = tl.where(keep, x, float("-inf"))
     if HAS_BM:
         if not BM_TILE:
@@ -289,6 +350,8 @@ def _dq_tile(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, str
     if DROPOUT:
         dp = tl.where(_keep(seed, bh, offs_m, start_n, BLOCK_N, drop_below), dp * keep_scale, 0.0)
     ds = p * (dp - delta[:, None])
+    if SOFTCAP:
+        ds = ds * (1.0 - t * t)
     dq += _dot(ds.to(k.dtype), k, DOT)
     return dq
 
@@ -297,10 +360,11 @@ def _dq_tile(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, str
 def _dq_tiles(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
               start_m, lo, hi, N_q, N_k, qk_scale, offs_m, offs_d,
               bm_base, stride_bmi, stride_bmj, list_row, seed, bh, drop_below, keep_scale,
+              win_left, win_right, cap_in, cap_out, slope2,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr,
               HAS_BM: tl.constexpr, BM_TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, DROPOUT: tl.constexpr,
-              LISTED: tl.constexpr):
+              LISTED: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
     """Add the K/V tiles with first key in [lo, hi) to this Q tile's dQ; when LISTED only the visible ones,
     from this query block's list of visible key blocks, or the plain loop when all are visible (as the
     forward's _fwd_tiles)."""
@@ -311,17 +375,19 @@ def _dq_tiles(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, st
             for start_n in range(lo, hi, BLOCK_N):
                 dq = _dq_tile(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                               start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj, seed, bh,
-                              drop_below, keep_scale, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
-                              MASKED=MASKED, CAUSAL=CAUSAL, DOT=DOT, HAS_BM=False, BM_TILE=BM_TILE,
-                              BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT)
+                              drop_below, keep_scale, win_left, win_right, cap_in, cap_out, slope2,
+                              HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, MASKED=MASKED, CAUSAL=CAUSAL,
+                              DOT=DOT, HAS_BM=False, BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT,
+                              WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
         else:
             for it in range(it_lo, it_hi):
                 start_n = _listed_start(list_row, it, BLOCK_SIZE, BLOCK_N)
                 dq = _dq_tile(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                               start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj, seed, bh,
-                              drop_below, keep_scale, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
-                              MASKED=MASKED, CAUSAL=CAUSAL, DOT=DOT, HAS_BM=HAS_BM, BM_TILE=BM_TILE,
-                              BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT)
+                              drop_below, keep_scale, win_left, win_right, cap_in, cap_out, slope2,
+                              HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, MASKED=MASKED, CAUSAL=CAUSAL,
+                              DOT=DOT, HAS_BM=HAS_BM, BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT,
+                              WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
     else:
         for start_n in range(lo, hi, BLOCK_N):
             visible = True
@@ -331,13 +397,14 @@ def _dq_tiles(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, st
             if visible:
                 dq = _dq_tile(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                               start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj, seed, bh,
-                              drop_below, keep_scale, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
-                              MASKED=MASKED, CAUSAL=CAUSAL, DOT=DOT, HAS_BM=HAS_BM, BM_TILE=BM_TILE,
-                              BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT)
+                              drop_below, keep_scale, win_left, win_right, cap_in, cap_out, slope2,
+                              HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, MASKED=MASKED, CAUSAL=CAUSAL,
+                              DOT=DOT, HAS_BM=HAS_BM, BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT,
+                              WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
     return dq
 
 
-@triton.jit(do_not_specialize=["H", "N_q", "N_k", "TUNE_N", "GROUP", "seed", "drop_below"])
+@triton.jit(do_not_specialize=["H", "N_q", "N_k", "TUNE_N", "GROUP", "seed", "drop_below", "win_left", "win_right"])
 def flash_bwd_dq_kernel(Q, K, V, DO, DQ, M2, L2, Delta, BM, LISTS,
                         stride_qb, stride_qh, stride_qm, stride_qd,
                         stride_kb, stride_kh, stride_kn, stride_kd,
@@ -347,18 +414,31 @@ def flash_bwd_dq_kernel(Q, K, V, DO, DQ, M2, L2, Delta, BM, LISTS,
                         stride_bmb, stride_bmh, stride_bmi, stride_bmj,
                         stride_lb, stride_lh, stride_li,
                         H, N_q, N_k, sm_scale, qk_scale, TUNE_N, GROUP, seed, drop_below, keep_scale,
+                        ALIBI_SLOPES, CU_Q, CU_K, stride_ab, stride_ah, win_left, win_right, cap_in, cap_out,
                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         CAUSAL: tl.constexpr, DOT: tl.constexpr,
-                        HAS_BM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DROPOUT: tl.constexpr):
+                        HAS_BM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DROPOUT: tl.constexpr,
+                        WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, VARLEN: tl.constexpr):
     """Program (pid_m, pid_bh) writes dQ of queries pid_m*BLOCK_M : +BLOCK_M. Needs BLOCK_M % BLOCK_N == 0.
-    LISTS as the forward kernel's (visible key blocks per query block)."""
+    LISTS as the forward kernel's (visible key blocks per query block); the score modifications and VARLEN
+    as in the forward kernel, and the same key tiles visited."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
     hk = h // GROUP
     start_m = pid_m * BLOCK_M
+    slope2 = 0.0
+    if ALIBI:
+        slope2 = tl.load(ALIBI_SLOPES + b * stride_ab + h * stride_ah)
+    N_rows = N_q
+    q_start = 0
+    if VARLEN:
+        q_start, N_q = _document(CU_Q, b)
+        k_start, N_k = _document(CU_K, b)
+        N_k = tl.where(start_m < N_q, N_k, 0)
+        b = b * 0
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     b64 = b.to(tl.int64)
@@ -367,34 +447,48 @@ def flash_bwd_dq_kernel(Q, K, V, DO, DQ, M2, L2, Delta, BM, LISTS,
     LISTED: tl.constexpr = HAS_BM and BM_TILE
     list_row = LISTS + b64 * stride_lb + h64 * stride_lh + (start_m // BLOCK_SIZE) * stride_li
     q_mask = (offs_m[:, None] < N_q) & (offs_d[None, :] < HEAD_DIM)
-    q = _load_rows(Q + b64 * stride_qb + h64 * stride_qh, offs_m, offs_d, stride_qm, stride_qd, N_q,
-                   HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, MASKED=True)
-    do = _load_rows(DO + b64 * stride_dob + h64 * stride_doh, offs_m, offs_d, stride_dom, stride_dod, N_q,
-                    HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, MASKED=True)
-    m2 = tl.load(M2 + pid_bh.to(tl.int64) * N_q + offs_m, mask=offs_m < N_q, other=0.0)
-    l2 = tl.load(L2 + pid_bh.to(tl.int64) * N_q + offs_m, mask=offs_m < N_q, other=0.0)
-    delta = tl.load(Delta + pid_bh.to(tl.int64) * N_q + offs_m, mask=offs_m < N_q, other=0.0)
+    q_base = Q + b64 * stride_qb + h64 * stride_qh
+    do_base = DO + b64 * stride_dob + h64 * stride_doh
+    dq_base = DQ + b64 * stride_dqb + h64 * stride_dqh
     k_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
     v_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
+    if VARLEN:
+        q_base += q_start.to(tl.int64) * stride_qm
+        do_base += q_start.to(tl.int64) * stride_dom
+        dq_base += q_start.to(tl.int64) * stride_dqm
+        k_base += k_start.to(tl.int64) * stride_kn
+        v_base += k_start.to(tl.int64) * stride_vn
+    q = _load_rows(q_base, offs_m, offs_d, stride_qm, stride_qd, N_q, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, MASKED=True)
+    do = _load_rows(do_base, offs_m, offs_d, stride_dom, stride_dod, N_q, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+                    MASKED=True)
+    row = (b * H + h).to(tl.int64) * N_rows + q_start + offs_m
+    m2 = tl.load(M2 + row, mask=offs_m < N_q, other=0.0)
+    l2 = tl.load(L2 + row, mask=offs_m < N_q, other=0.0)
+    delta = tl.load(Delta + row, mask=offs_m < N_q, other=0.0)
     bm_base = BM + b64 * stride_bmb + h64 * stride_bmh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    full_end = (N_k // BLOCK_N) * BLOCK_N
-    if CAUSAL:
-        full_end = tl.minimum(full_end, start_m)
-    dq = _dq_tiles(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, start_m, 0,
-                   full_end, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj, list_row, seed,
-                   pid_bh, drop_below, keep_scale, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, MASKED=False,
-                   CAUSAL=CAUSAL, DOT=DOT, HAS_BM=HAS_BM, BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT,
-                   LISTED=LISTED)
-    hi = N_k
-    if CAUSAL:
-        hi = tl.minimum(N_k, start_m + BLOCK_M)
+    lo, full_lo, full_hi, hi = _tile_ranges(start_m, N_k, win_left, win_right, BLOCK_M, BLOCK_N,
+                                            BOUNDED_BEFORE=WINDOW, BOUNDED_AFTER=CAUSAL or WINDOW)
+    if WINDOW:
+        dq = _dq_tiles(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, start_m,
+                       lo, full_lo, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj, list_row, seed,
+                       pid_bh, drop_below, keep_scale, win_left, win_right, cap_in, cap_out, slope2,
+                       HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, MASKED=True, CAUSAL=CAUSAL, DOT=DOT,
+                       HAS_BM=HAS_BM, BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, LISTED=False,
+                       WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
     dq = _dq_tiles(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, start_m,
-                   full_end, hi, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj, list_row, seed,
-                   pid_bh, drop_below, keep_scale, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, MASKED=True,
-                   CAUSAL=CAUSAL, DOT=DOT, HAS_BM=HAS_BM, BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT,
-                   LISTED=False)
+                   full_lo, full_hi, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj, list_row,
+                   seed, pid_bh, drop_below, keep_scale, win_left, win_right, cap_in, cap_out, slope2,
+                   HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, MASKED=False, CAUSAL=CAUSAL, DOT=DOT,
+                   HAS_BM=HAS_BM, BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, LISTED=LISTED,
+                   WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
+    dq = _dq_tiles(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, start_m,
+                   full_hi, hi, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj, list_row, seed,
+                   pid_bh, drop_below, keep_scale, win_left, win_right, cap_in, cap_out, slope2,
+                   HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, MASKED=True, CAUSAL=CAUSAL, DOT=DOT,
+                   HAS_BM=HAS_BM, BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, LISTED=False,
+                   WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
     dq = dq * sm_scale
-    tl.store(DQ + b64 * stride_dqb + h64 * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
-             dq.to(DQ.dtype.element_ty), mask=q_mask)
+    tl.store(dq_base + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty),
+             mask=q_mask)

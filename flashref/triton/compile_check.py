@@ -30,13 +30,15 @@ def _signature(kernel: str, dtype: str):
     bm = ["*i8", "*i32"]  # the block mask and its lists of visible blocks
     lists = ["i32"] * 3  # the lists' strides
     features = ["i32", "i32", "i64", "i32", "fp32"]  # TUNE_N, GROUP, seed, drop_below, keep_scale
+    # ALIBI_SLOPES, CU_Q, CU_K, stride_ab, stride_ah, win_left, win_right, cap_in, cap_out
+    mods = ["*fp32", "*i32", "*i32"] + ["i32"] * 4 + ["fp32"] * 2
     if kernel == "forward":
-        return [ptr] * 4 + [f32p] * 3 + bm + strides(5) + lists + ["i32"] * 3 + ["fp32"] + features
+        return [ptr] * 4 + [f32p] * 3 + bm + strides(5) + lists + ["i32"] * 3 + ["fp32"] + features + mods
     if kernel == "dkdv":  # SPLIT after GROUP
         return [ptr] * 6 + [f32p] * 4 + bm + strides(8) + lists + ["i32"] * 3 + ["fp32", "fp32"] + features[:2] \
-            + ["i32"] + features[2:]
+            + ["i32"] + features[2:] + mods
     if kernel == "dq":
-        return [ptr] * 5 + [f32p] * 3 + bm + strides(6) + lists + ["i32"] * 3 + ["fp32", "fp32"] + features
+        return [ptr] * 5 + [f32p] * 3 + bm + strides(6) + lists + ["i32"] * 3 + ["fp32", "fp32"] + features + mods
     raise ValueError(f"kernel must be 'forward', 'dkdv' or 'dq', got {kernel!r}")
 
 
@@ -60,16 +62,20 @@ def _launch_specialization(fn, constexprs: dict, signature: dict) -> dict:
         if name.startswith("stride_") and name.endswith("d"):
             constexprs[name] = 1
             signature[name] = "constexpr"
+        elif name in ("stride_ab", "stride_ah"):  # the slopes' strides: 0 or 1 or H, no alignment to claim
+            continue
         elif signature[name].startswith("*") or name.startswith("stride_"):
             attrs[(i,)] = [["tt.divisibility", 16]]
     return attrs
 
 
 def compile_config(kernel: str, cfg: configs.TileConfig, capability: int, head_dim: int, dtype: str = "float16",
-                   causal: bool = False, block_size: int | None = None, dropout: bool = False):
+                   causal: bool = False, block_size: int | None = None, dropout: bool = False,
+                   window: bool = False, softcap: bool = False, alibi: bool = False, varlen: bool = False):
     """Compile one config of ``kernel`` for a GPU of compute ``capability`` as a launch on contiguous tensors
     would; return the compiled kernel (``.metadata.shared`` is its shared memory in bytes). ``block_size``
-    compiles the block-sparse variant, ``dropout`` the one with fused dropout."""
+    compiles the block-sparse variant, ``dropout`` the one with fused dropout, ``window``, ``softcap``,
+    ``alibi`` and ``varlen`` those with the score modifications and packed batches."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -83,7 +89,8 @@ def compile_config(kernel: str, cfg: configs.TileConfig, capability: int, head_d
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
                   "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "CAUSAL": causal,
                   "DOT": (DOT_IEEE if dtype == "float32" else DOT_NATIVE).value, "HAS_BM": block_size is not None,
-                  "BLOCK_SIZE": block_size or 1, "DROPOUT": dropout}
+                  "BLOCK_SIZE": block_size or 1, "DROPOUT": dropout, "WINDOW": window, "SOFTCAP": softcap,
+                  "ALIBI": alibi, "VARLEN": varlen}
     if kernel == "dkdv":
         constexprs["ATOMIC_DQ"] = False  # the default, deterministic path
     types = _signature(kernel, dtype)

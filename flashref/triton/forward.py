@@ -12,8 +12,11 @@ and maps to one hardware instruction, so ``log2(e)`` is folded into the softmax 
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from flashref.kernel_tiles import tile_counts  # noqa: F401  (plain Python, importable without triton)
 
@@ -85,6 +88,86 @@ def _keep(seed, bh, offs_m, start_n, BLOCK_N: tl.constexpr, drop_below):
     words = tl.join(tl.join(r0, r2), tl.join(r1, r3))  # (rows, G, 2, 2): flat index = word number
     keep = tl.join((words << 16) >= t, words >= t)
     return tl.reshape(keep, (offs_m.shape[0], BLOCK_N))
+
+
+# libdevice's tanh on a GPU; the CPU interpreter cannot call libdevice (see _tanh).
+TANH_LIBDEVICE = tl.constexpr(os.environ.get("TRITON_INTERPRET", "") != "1")
+
+
+@triton.jit
+def _tanh(x):
+    """tanh in fp32: libdevice's on a GPU (within 2 ulp). The CPU interpreter cannot call libdevice, so there
+    it is built from exp2: ``(1 - t) / (1 + t)`` with ``t = exp(-2|x|)``, and for |x| < 1/4, where 1 - t
+    would cancel, the odd Taylor series to x^11 (its next term is below 1e-10 relative)."""
+    if TANH_LIBDEVICE:
+        return libdevice.tanh(x)
+    else:
+        a = tl.abs(x)
+        t = tl.exp2(a * -2.8853900817779268)  # -2 log2(e)
+        y2 = x * x
+        series = a * (1.0 + y2 * (-1.0 / 3 + y2 * (2.0 / 15 + y2 * (-17.0 / 315 + y2 * (62.0 / 2835
+                                                                                       + y2 * (-1382.0 / 155925))))))
+        r = tl.where(a < 0.25, series, (1.0 - t) / (1.0 + t))
+        return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def _modified(qk, offs_m, offs_n, qk_scale, cap_in, cap_out, slope2, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+              TRANSPOSED: tl.constexpr):
+    """The base-2 score of a raw q.k tile with the score modifications (:mod:`flashref.score_mods`), and
+    ``tanh(sm_scale q.k / c)`` for the softcap's derivative (``qk`` itself without a softcap):
+
+        s = c log2(e) tanh(sm_scale q.k / c) - a log2(e) |i - j|     (cap_in = sm_scale / c, cap_out = c log2 e)
+
+    TRANSPOSED: rows are keys (the dK/dV kernel). Every kernel computes s with these very operations, the
+    last one an explicit FMA, so the backward's recomputed score is the forward's bit for bit."""
+    t = qk
+    if SOFTCAP:
+        t = _tanh(qk * cap_in)
+    if ALIBI:
+        if TRANSPOSED:
+            dist = tl.abs(offs_n[:, None] - offs_m[None, :])
+        else:
+            dist = tl.abs(offs_n[None, :] - offs_m[:, None])
+        bias = slope2 * dist.to(tl.float32)
+        if SOFTCAP:
+            s = tl.fma(t, cap_out, -bias)
+        else:
+            s = tl.fma(qk, qk_scale, -bias)
+    else:
+        s = t * cap_out
+    return s, t
+
+
+@triton.jit
+def _in_window(rows, cols, win_left, win_right):
+    """Whether query ``rows`` sees key ``cols`` (broadcast): ``i - left <= j <= i + right``."""
+    return (cols >= rows - win_left) & (cols <= rows + win_right)
+
+
+@triton.jit
+def _tile_ranges(start, N_inner, before, after, BLOCK_OUTER: tl.constexpr, BLOCK_INNER: tl.constexpr,
+                 BOUNDED_BEFORE: tl.constexpr, BOUNDED_AFTER: tl.constexpr):
+    """Which inner tiles (keys of a query block, or queries of a key block) the outer block
+    ``[start, start + BLOCK_OUTER)`` visits, when outer row y sees inner row x for ``y - before <= x <= y +
+    after`` (a causal mask or a window; an unbounded side is not BOUNDED). Returns ``lo <= full_lo <= full_hi
+    <= hi``: tiles in ``[full_lo, full_hi)`` are full (every pair visible, every row in bounds) and need no
+    mask; those in ``[lo, full_lo)`` and ``[full_hi, hi)`` need the element mask; the rest are never loaded.
+    lo, full_lo and full_hi are multiples of BLOCK_INNER."""
+    last = start + BLOCK_OUTER - 1
+    lo = 0
+    full_lo = 0
+    hi = N_inner
+    full_hi = (N_inner // BLOCK_INNER) * BLOCK_INNER
+    if BOUNDED_AFTER:
+        hi = tl.minimum(hi, last + after + 1)
+        full_hi = tl.minimum(full_hi, ((start + after + 1) // BLOCK_INNER) * BLOCK_INNER)
+    if BOUNDED_BEFORE:
+        lo = (tl.maximum(start - before, 0) // BLOCK_INNER) * BLOCK_INNER
+        full_lo = ((tl.maximum(last - before, 0) + BLOCK_INNER - 1) // BLOCK_INNER) * BLOCK_INNER
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.maximum(tl.minimum(full_hi, hi), full_lo)
+    return lo, full_lo, full_hi, hi
 
 
 @triton.jit
@@ -161,40 +244,48 @@ def _listed_start(row, it, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr):
 @triton.jit
 def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
               start_n, N_q, N_k, qk_scale, offs_m, offs_d,
-              bm_base, stride_bmi, stride_bmj, seed, bh, drop_below,
+              bm_base, stride_bmi, stride_bmj, seed, bh, drop_below, win_left, win_right, cap_in, cap_out, slope2,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr,
-              HAS_BM: tl.constexpr, BM_TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, DROPOUT: tl.constexpr):
+              HAS_BM: tl.constexpr, BM_TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, DROPOUT: tl.constexpr,
+              WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
     """Fold the K/V tile at ``start_n`` into (acc, l_i, m_i). A MASKED tile checks key bounds and, when
-    CAUSAL, the diagonal; the others are full tiles that every query row of the block may see. With a
-    block mask applied element by element (HAS_BM, not BM_TILE), rows may have seen no key yet, so the max
-    is kept finite."""
+    CAUSAL or WINDOW, which keys each row sees; the others are full tiles that every query row of the block
+    may see. With a block mask applied element by element (HAS_BM, not BM_TILE), or in a masked tile of a
+    window, rows may have seen no key yet, so the max is kept finite. SOFTCAP / ALIBI modify the scores
+    (_modified) before any mask: a masked score is -inf whatever the cap would make of it."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k = _load_rows(k_base, offs_n, offs_d, stride_kn, stride_kd, N_k, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
                    MASKED=MASKED)
     v = _load_rows(v_base, offs_n, offs_d, stride_vn, stride_vd, N_k, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
                    MASKED=MASKED)
     qk = _dot(q, tl.trans(k), DOT)  # raw q.k; the base-2 score is qk * qk_scale (sm_scale * log2(e))
+    scale = qk_scale
+    if SOFTCAP or ALIBI:  # qk becomes the modified base-2 score itself
+        qk, _ = _modified(qk, offs_m, offs_n, qk_scale, cap_in, cap_out, slope2, SOFTCAP, ALIBI, False)
+        scale = 1.0
     if MASKED:
         keep = offs_n[None, :] < N_k
         if CAUSAL:
             keep = keep & (offs_n[None, :] <= offs_m[:, None])
+        if WINDOW:
+            keep = keep & _in_window(offs_m[:, None], offs_n[None, :], win_left, win_right)
         qk = tl.where(keep, qk, float("-inf"))
     if HAS_BM:
         if not BM_TILE:
             qk = tl.where(_block_elements(bm_base, stride_bmi, stride_bmj, offs_m, offs_n, N_q, N_k, BLOCK_SIZE),
                           qk, float("-inf"))
-    # qk_scale > 0 and rounding is monotone, so max(qk) * qk_scale is exactly the largest rounded score: the
+    # scale > 0 and rounding is monotone, so max(qk) * scale is exactly the largest rounded score: the
     # max needs no scaled copy of the tile, and only one score tile stays live.
-    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-    if HAS_BM:  # a row that has seen no key yet keeps m = -inf; exponents are taken against 0 then
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * scale)
+    if HAS_BM or (WINDOW and MASKED):  # a row that has seen no key yet keeps m = -inf; exponents are taken against 0 then
         m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_new)  # rescales what was summed under the old max
     # One explicit fused multiply-add, here and in both backward kernels: left to itself the compiler
     # contracts qk * qk_scale - m into an FMA in some kernels and tiles and not in others, and then the
     # backward's recomputed exponent differs from the forward's by a rounding of the score (3e-4 in P for
     # logits of 1e3 in fp32; see _exponent in backward.py).
-    p = tl.exp2(tl.fma(qk, qk_scale, -m_new[:, None]))
+    p = tl.exp2(tl.fma(qk, scale, -m_new[:, None]))
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     if DROPOUT:  # l sums P before dropout; O sums the kept entries, and is scaled by 1 / (1 - p) at the end
@@ -207,10 +298,11 @@ def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn,
 def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                start_m, lo, hi, N_q, N_k, qk_scale, offs_m, offs_d,
                bm_base, stride_bmi, stride_bmj, list_row, seed, bh, drop_below,
+               win_left, win_right, cap_in, cap_out, slope2,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr,
                HAS_BM: tl.constexpr, BM_TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, DROPOUT: tl.constexpr,
-               LISTED: tl.constexpr):
+               LISTED: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
     """Fold the K/V tiles with first key in [lo, hi) into (acc, l_i, m_i). When LISTED, only the visible
     ones, read from this query block's list of visible key blocks (``list_row``), so the loop meets no
     hidden tile and its loads stay pipelined; when every tile of [lo, hi) is visible, the plain loop (no
@@ -223,17 +315,21 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
             for start_n in range(lo, hi, BLOCK_N):
                 acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn,
                                           stride_vd, start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi,
-                                          stride_bmj, seed, bh, drop_below, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
-                                          BLOCK_N=BLOCK_N, MASKED=MASKED, CAUSAL=CAUSAL, DOT=DOT, HAS_BM=False,
-                                          BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT)
+                                          stride_bmj, seed, bh, drop_below, win_left, win_right, cap_in, cap_out,
+                                          slope2, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, MASKED=MASKED,
+                                          CAUSAL=CAUSAL, DOT=DOT, HAS_BM=False, BM_TILE=BM_TILE,
+                                          BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, WINDOW=WINDOW, SOFTCAP=SOFTCAP,
+                                          ALIBI=ALIBI)
         else:
             for it in range(it_lo, it_hi):
                 start_n = _listed_start(list_row, it, BLOCK_SIZE, BLOCK_N)
                 acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn,
                                           stride_vd, start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi,
-                                          stride_bmj, seed, bh, drop_below, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
-                                          BLOCK_N=BLOCK_N, MASKED=MASKED, CAUSAL=CAUSAL, DOT=DOT, HAS_BM=HAS_BM,
-                                          BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT)
+                                          stride_bmj, seed, bh, drop_below, win_left, win_right, cap_in, cap_out,
+                                          slope2, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, MASKED=MASKED,
+                                          CAUSAL=CAUSAL, DOT=DOT, HAS_BM=HAS_BM, BM_TILE=BM_TILE,
+                                          BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, WINDOW=WINDOW, SOFTCAP=SOFTCAP,
+                                          ALIBI=ALIBI)
     else:
         for start_n in range(lo, hi, BLOCK_N):
             visible = True
@@ -243,13 +339,22 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
             if visible:
                 acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn,
                                           stride_vd, start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi,
-                                          stride_bmj, seed, bh, drop_below, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
-                                          BLOCK_N=BLOCK_N, MASKED=MASKED, CAUSAL=CAUSAL, DOT=DOT, HAS_BM=HAS_BM,
-                                          BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT)
+                                          stride_bmj, seed, bh, drop_below, win_left, win_right, cap_in, cap_out,
+                                          slope2, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, MASKED=MASKED,
+                                          CAUSAL=CAUSAL, DOT=DOT, HAS_BM=HAS_BM, BM_TILE=BM_TILE,
+                                          BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, WINDOW=WINDOW, SOFTCAP=SOFTCAP,
+                                          ALIBI=ALIBI)
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["H", "N_q", "N_k", "TUNE_N", "GROUP", "seed", "drop_below"])  # one compile serves every length
+@triton.jit
+def _document(CU, b):
+    """Where document b of a packed batch starts, and its length: rows CU[b] : CU[b + 1]."""
+    start = tl.load(CU + b)
+    return start, tl.load(CU + b + 1) - start
+
+
+@triton.jit(do_not_specialize=["H", "N_q", "N_k", "TUNE_N", "GROUP", "seed", "drop_below", "win_left", "win_right"])
 def flash_fwd_kernel(Q, K, V, O, LSE, M2, L2, BM, LISTS,
                      stride_qb, stride_qh, stride_qm, stride_qd,
                      stride_kb, stride_kh, stride_kn, stride_kd,
@@ -258,10 +363,12 @@ def flash_fwd_kernel(Q, K, V, O, LSE, M2, L2, BM, LISTS,
                      stride_bmb, stride_bmh, stride_bmi, stride_bmj,
                      stride_lb, stride_lh, stride_li,
                      H, N_q, N_k, qk_scale, TUNE_N, GROUP, seed, drop_below, keep_scale,
+                     ALIBI_SLOPES, CU_Q, CU_K, stride_ab, stride_ah, win_left, win_right, cap_in, cap_out,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      CAUSAL: tl.constexpr, DOT: tl.constexpr,
-                     HAS_BM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DROPOUT: tl.constexpr):
+                     HAS_BM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DROPOUT: tl.constexpr,
+                     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, VARLEN: tl.constexpr):
     """Program (pid_m, pid_bh) writes O[b, h, pid_m*BLOCK_M : +BLOCK_M, :], its lse (natural log), and the
     base-2 row max M2 and log2 of the row sum L2 that the backward pass uses.
 
@@ -273,6 +380,13 @@ def flash_fwd_kernel(Q, K, V, O, LSE, M2, L2, BM, LISTS,
     (tile mode: BLOCK_SIZE a multiple of both tile sides). With DROPOUT, P is dropped with probability
     drop_below / 2**16 from the Philox stream of ``seed``. A row that sees no key stores O = 0, lse = -inf, and
     M2 = 0, L2 = +inf, which make the backward's recomputed P exactly 0.
+
+    The score modifications (:mod:`flashref.score_mods`): WINDOW, query i sees keys
+    ``i - win_left <= j <= i + win_right`` (an unbounded side comes as N_q + N_k; with CAUSAL, win_right is
+    0), and only the key tiles inside the window are visited; SOFTCAP and ALIBI as in _modified, with
+    base-2 slopes ``ALIBI_SLOPES[b, h]``. VARLEN: a packed batch, read as one sequence of N_q (N_k) rows
+    that program row b cuts into document b, rows ``CU_Q[b] : CU_Q[b + 1]`` of the queries and
+    ``CU_K[b] : CU_K[b + 1]`` of the keys; its statistics go to row ``h * N_q + CU_Q[b] + i``.
     """
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -280,12 +394,27 @@ def flash_fwd_kernel(Q, K, V, O, LSE, M2, L2, BM, LISTS,
     h = pid_bh % H
     hk = h // GROUP
     start_m = pid_m * BLOCK_M
+    slope2 = 0.0
+    if ALIBI:
+        slope2 = tl.load(ALIBI_SLOPES + b * stride_ab + h * stride_ah)
+    N_rows = N_q  # the statistics' row stride
+    q_start = 0
+    if VARLEN:  # b is the document; the tensors hold one batch row
+        q_start, N_q = _document(CU_Q, b)
+        k_start, N_k = _document(CU_K, b)
+        N_k = tl.where(start_m < N_q, N_k, 0)  # a block past the document's end visits no key
+        b = b * 0
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
     k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
     o_base = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+    if VARLEN:
+        q_base += q_start.to(tl.int64) * stride_qm
+        o_base += q_start.to(tl.int64) * stride_om
+        k_base += k_start.to(tl.int64) * stride_kn
+        v_base += k_start.to(tl.int64) * stride_vn
     bm_base = BM + b.to(tl.int64) * stride_bmb + h.to(tl.int64) * stride_bmh
     BM_TILE: tl.constexpr = (BLOCK_SIZE % BLOCK_M == 0) and (BLOCK_SIZE % BLOCK_N == 0)
     LISTED: tl.constexpr = HAS_BM and BM_TILE
@@ -297,34 +426,40 @@ def flash_fwd_kernel(Q, K, V, O, LSE, M2, L2, BM, LISTS,
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # Phase 1: full tiles, no mask. Causal: keys left of the block's first query row.
-    full_end = (N_k // BLOCK_N) * BLOCK_N
-    if CAUSAL:
-        full_end = tl.minimum(full_end, start_m)
+    # Keys in [full_lo, full_hi) are seen by every row of the block: no mask. Causal: the keys left of the
+    # block's first query row. [lo, full_lo) (a window's left edge) and [full_hi, hi) (the diagonal, a
+    # window's right edge, the ragged last tile) are masked; keys outside [lo, hi) are never loaded.
+    lo, full_lo, full_hi, hi = _tile_ranges(start_m, N_k, win_left, win_right, BLOCK_M, BLOCK_N,
+                                            BOUNDED_BEFORE=WINDOW, BOUNDED_AFTER=CAUSAL or WINDOW)
+    if WINDOW:
+        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                                   start_m, lo, full_lo, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi,
+                                   stride_bmj, list_row, seed, pid_bh, drop_below, win_left, win_right, cap_in, cap_out,
+                                   slope2, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, MASKED=True,
+                                   CAUSAL=CAUSAL, DOT=DOT, HAS_BM=HAS_BM, BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE,
+                                   DROPOUT=DROPOUT, LISTED=False, WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, start_m,
-                               0, full_end, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj,
-                               list_row, seed, pid_bh, drop_below, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
-                               BLOCK_N=BLOCK_N, MASKED=False, CAUSAL=CAUSAL, DOT=DOT, HAS_BM=HAS_BM, BM_TILE=BM_TILE,
-                               BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, LISTED=LISTED)
-    # Phase 2: the diagonal tiles (causal) and the ragged last tile; tiles above the diagonal never run.
-    hi = N_k
-    if CAUSAL:
-        hi = tl.minimum(N_k, start_m + BLOCK_M)
+                               full_lo, full_hi, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj,
+                               list_row, seed, pid_bh, drop_below, win_left, win_right, cap_in, cap_out, slope2,
+                               HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, MASKED=False, CAUSAL=CAUSAL,
+                               DOT=DOT, HAS_BM=HAS_BM, BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT,
+                               LISTED=LISTED, WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, start_m,
-                               full_end, hi, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj,
-                               list_row, seed, pid_bh, drop_below, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
-                               BLOCK_N=BLOCK_N, MASKED=True, CAUSAL=CAUSAL, DOT=DOT, HAS_BM=HAS_BM, BM_TILE=BM_TILE,
-                               BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, LISTED=False)
+                               full_hi, hi, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj,
+                               list_row, seed, pid_bh, drop_below, win_left, win_right, cap_in, cap_out, slope2,
+                               HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, MASKED=True, CAUSAL=CAUSAL,
+                               DOT=DOT, HAS_BM=HAS_BM, BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT,
+                               LISTED=False, WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
 
-    # Without a block mask every row sees key 0 (top-left causal), so l_i > 0 for real rows; padded rows
-    # are never stored. With one, a row may see nothing: l_i = 0, m_i = -inf (or 0).
+    # Without a block mask or a window every row sees key 0 (top-left causal), so l_i > 0 for real rows;
+    # padded rows are never stored. With one, a row may see nothing: l_i = 0, m_i = -inf (or 0).
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     acc = acc / l_safe[:, None]
     if DROPOUT:  # P~ = P * keep / (1 - p): one scaling of O instead of one per entry of P
         acc = acc * keep_scale
     lse = tl.where(seen, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))  # back to natural log
-    row = pid_bh.to(tl.int64) * N_q + offs_m
+    row = (b * H + h).to(tl.int64) * N_rows + q_start + offs_m  # = pid_bh * N_q + offs_m without VARLEN
     tl.store(LSE + row, lse, mask=offs_m < N_q)
     # For the backward pass: the base-2 max and log2(l) kept apart. Recomputing P as
     # exp2((s - m) - log2(l)) repeats the forward's own rounding of s - m; going through lse would add the

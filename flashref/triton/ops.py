@@ -41,10 +41,14 @@ def _bucket(n: int) -> int:
     return _pow2(max(int(n), 16))
 
 
+# The launch arguments that select a compiled kernel (or say how long its loops are): autotuning keys on them.
+_KEY_META = ("TUNE_N", "HEAD_DIM", "CAUSAL", "HAS_BM", "BLOCK_SIZE", "DROPOUT", "WINDOW", "SOFTCAP", "ALIBI", "VARLEN")
+
+
 def _autotuned(kernel, name: str):
     # dkdv may add into DQ atomically: the autotuner zeroes it before each trial and after the last one.
     extra = {"reset_to_zero": ["DQ"]} if name == "dkdv" else {}
-    key = ["TUNE_N", "HEAD_DIM", "CAUSAL", "HAS_BM", "BLOCK_SIZE", "DROPOUT"] + (["ATOMIC_DQ"] if name == "dkdv" else [])
+    key = list(_KEY_META) + (["ATOMIC_DQ"] if name == "dkdv" else [])
     return triton.autotune(configs=configs.autotune_configs(name), key=key,
                            prune_configs_by={"early_config_prune": configs.make_pruner(name)}, **extra)(kernel)
 
@@ -83,10 +87,14 @@ def _check(q, k, v, causal, sm_scale, check_finite=True):
 
 
 class Features:
-    """The optional parts of one call, checked: dropout (probability, seed) and the block mask (an int8
-    tensor expanded to (B, H, ...) with stride 0 along broadcast dims, and its block size)."""
+    """The optional parts of one call, checked: dropout (probability, seed), the block mask (an int8 tensor
+    expanded to (B, H, ...) with stride 0 along broadcast dims, and its block size), the score
+    modifications (window, softcap, ALiBi slopes) and, for a packed batch, its documents (``varlen``:
+    ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)``, int32 tensors on q's device). ``q`` and
+    ``k`` are the kernels' 4-D views (``(1, H, total, d)`` for a packed batch)."""
 
-    def __init__(self, q, k, dropout_p=0.0, seed=None, block_mask=None, block_size=128):
+    def __init__(self, q, k, dropout_p=0.0, seed=None, block_mask=None, block_size=128, *, causal=False, scale=1.0,
+                 window_size=(-1, -1), softcap=0.0, alibi_slopes=None, varlen=None, check_finite=True):
         self.dropout_p = validation.check_dropout_p(dropout_p)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
             raise TypeError(f"seed must be None or an int in [0, 2**63), got {type(seed).__name__}: {seed!r}")
@@ -95,6 +103,12 @@ class Features:
         self.seed = 0 if seed is None else seed
         self.block_size = validation.check_block_size(block_size)
         B, H, N_q, _ = q.shape
+        N_k = k.shape[2]
+        self.device = q.device
+        self.varlen = varlen
+        self.batch = B if varlen is None else len(varlen[0]) - 1  # documents, for a packed batch
+        self.rows_q = N_q if varlen is None else varlen[2]  # the longest sequence: the grid's rows
+        self.rows_k = N_k if varlen is None else varlen[3]
         self._lists = {}
         if block_mask is None:
             self.block_mask = None
@@ -106,17 +120,50 @@ class Features:
                 raise ValueError(f"block_mask must be on q's device ({q.device}), got {block_mask.device}")
             self.block_mask = block_mask.view(torch.int8).expand(B, H, *block_mask.shape[2:])  # a view, no copy
             self._given_mask = block_mask
+        self._modifications(q, causal, scale, window_size, softcap, alibi_slopes, N_q + N_k, check_finite)
+
+    def _modifications(self, q, causal, scale, window_size, softcap, alibi_slopes, unbounded, check_finite):
+        """The window as the kernels take it (key j visible from query i for ``i - win_left <= j <= i +
+        win_right``; an unbounded side as ``unbounded`` = N_q + N_k, beyond any offset; causal makes the
+        right side 0), the softcap as ``cap_in = sm_scale / c`` and ``cap_out = c log2(e)``, and the ALiBi
+        slopes times log2(e) in fp32 with strides (0 along the batch for one slope per head)."""
+        left, right = validation.check_window_size(window_size)
+        self.window = left >= 0 or right >= 0
+        self.win_left = left if left >= 0 else unbounded
+        self.win_right = 0 if causal else (right if right >= 0 else unbounded)
+        c = validation.check_softcap(softcap)
+        self.softcap = c > 0
+        self.cap_in, self.cap_out = (scale / c, c * LOG2E) if c > 0 else (0.0, 0.0)
+        self.slopes2 = None
+        if alibi_slopes is not None:
+            H = q.shape[1]
+            if not isinstance(alibi_slopes, torch.Tensor):
+                raise TypeError(f"alibi_slopes must be a torch.Tensor of shape (H,) or (B, H), got "
+                                f"{type(alibi_slopes).__name__}")
+            if not alibi_slopes.is_floating_point():
+                raise TypeError(f"alibi_slopes must have a floating dtype, got {alibi_slopes.dtype}")
+            if tuple(alibi_slopes.shape) not in ((H,), (self.batch, H)):
+                what = "number of documents" if self.varlen is not None else "B"
+                raise ValueError(f"alibi_slopes must have shape (H,) = ({H},) or ({what}, H) = ({self.batch}, {H}), "
+                                 f"got {tuple(alibi_slopes.shape)}")
+            if alibi_slopes.device != q.device:
+                raise ValueError(f"alibi_slopes must be on q's device ({q.device}), got {alibi_slopes.device}")
+            if check_finite:
+                validation.check_finite({"alibi_slopes": alibi_slopes})
+            slopes2 = (alibi_slopes.detach().float() * LOG2E).reshape(-1, H)
+            self.slopes2 = slopes2.expand(self.batch, H) if alibi_slopes.ndim == 1 else slopes2
 
     @property
     def meta(self) -> dict:
         return dict(HAS_BM=self.block_mask is not None, BLOCK_SIZE=self.block_size if self.block_mask is not None else 1,
-                    DROPOUT=self.dropout_p > 0.0)
+                    DROPOUT=self.dropout_p > 0.0, WINDOW=self.window, SOFTCAP=self.softcap,
+                    ALIBI=self.slopes2 is not None, VARLEN=self.varlen is not None)
 
     def args(self, q, transposed=False):
         """(BM, LISTS, 4 + 3 strides) for the kernels; one-element stand-ins when there is no mask. LISTS are
         the visible-block lists of each query block (of each key block when ``transposed``, for dK/dV)."""
         if self.block_mask is None:
-            bm, lists = _stand_ins(q.device)
+            bm, lists = _stand_ins(q.device)[:2]
         else:
             bm = self.block_mask
             if transposed not in self._lists:  # kept by autograd for the backward
@@ -125,18 +172,28 @@ class Features:
         return bm, lists, (*bm.stride(), *lists.stride()[:3])
 
     def scalars(self) -> dict:
-        """seed, the 16-bit drop threshold and keep_scale = 1 / (1 - dropout_p) as the kernels take them."""
-        return dict(seed=self.seed, drop_below=drop_threshold(self.dropout_p), keep_scale=1.0 / (1.0 - self.dropout_p))
+        """seed, the 16-bit drop threshold and keep_scale = 1 / (1 - dropout_p) as the kernels take them,
+        and the score modifications' and the packed batch's arguments (stand-ins where unused)."""
+        _, _, slopes, cu = _stand_ins(self.device)
+        if self.slopes2 is not None:
+            slopes = self.slopes2
+        cu_q, cu_k = (cu, cu) if self.varlen is None else self.varlen[:2]
+        return dict(seed=self.seed, drop_below=drop_threshold(self.dropout_p), keep_scale=1.0 / (1.0 - self.dropout_p),
+                    ALIBI_SLOPES=slopes, CU_Q=cu_q, CU_K=cu_k, stride_ab=slopes.stride(0), stride_ah=slopes.stride(1),
+                    win_left=self.win_left, win_right=self.win_right, cap_in=self.cap_in, cap_out=self.cap_out)
 
 
 _STAND_INS: dict = {}
 
 
 def _stand_ins(device):
-    """One-element BM and LISTS for calls without a block mask (never read: HAS_BM is False), made once."""
+    """One-element BM, LISTS, ALiBi slopes and cu_seqlens for calls without them (never read: HAS_BM, ALIBI
+    and VARLEN are False), made once."""
     if device not in _STAND_INS:
         _STAND_INS[device] = (torch.ones((1, 1, 1, 1), dtype=torch.int8, device=device),
-                              torch.zeros((1, 1, 1), dtype=torch.int32, device=device))
+                              torch.zeros((1, 1, 1), dtype=torch.int32, device=device),
+                              torch.zeros((1, 1), dtype=torch.float32, device=device),
+                              torch.zeros((2,), dtype=torch.int32, device=device))
     return _STAND_INS[device]
 
 
@@ -268,8 +325,7 @@ _CHOSEN: dict = {}
 
 def _tune_key(name, args, meta) -> tuple:
     """What the autotuner keys on: its key arguments and the dtypes of the tensor arguments."""
-    return (name, meta["TUNE_N"], meta["HEAD_DIM"], meta["CAUSAL"], meta["HAS_BM"], meta["BLOCK_SIZE"],
-            meta["DROPOUT"], meta.get("ATOMIC_DQ"), args[0].device, configs.t4_mode(),
+    return (name, *(meta[m] for m in _KEY_META), meta.get("ATOMIC_DQ"), args[0].device, configs.t4_mode(),
             tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
 
 
@@ -290,8 +346,8 @@ def _launch_first_fit(kernel, name, grid_rows, bh, args, meta):
     versions (seen: Triton 3.6 on an H100 keeping num_stages copies of K and V at d = 256, one more than
     the estimate), so a config that runs out of shared memory falls through to the next one."""
     q = args[0]
-    key = (name, meta["BLOCK_D"], q.dtype, str(q.device), meta.get("CAUSAL"), meta.get("ATOMIC_DQ"),
-           meta.get("HAS_BM"), meta.get("BLOCK_SIZE"), meta.get("DROPOUT"), configs.t4_mode())
+    key = (name, meta["BLOCK_D"], q.dtype, str(q.device), meta.get("ATOMIC_DQ"), configs.t4_mode(),
+           *(meta.get(m) for m in _KEY_META if m != "TUNE_N"))
     cands = [_FIRST_FIT[key]] if key in _FIRST_FIT else \
         configs.device_candidates(name, meta["BLOCK_D"], q.element_size(), q.device)
     for i, cfg in enumerate(cands):
@@ -308,13 +364,14 @@ def _launch_first_fit(kernel, name, grid_rows, bh, args, meta):
 def _forward(q, k, v, causal: bool, scale: float, feat: Features):
     B, H, N_q, d = q.shape
     N_k = k.shape[2]
-    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    # A packed batch's o takes q's layout, (total_q, H, d), through the same view the kernel gets.
+    o = torch.empty_like(q) if feat.varlen is not None else torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse, m2, l2 = torch.empty((3, B, H, N_q), dtype=torch.float32, device=q.device).unbind(0)  # one allocation
     bm, lists, bm_strides = feat.args(q)
-    _launch(flash_fwd_kernel, "forward", N_q, B * H, q, k, v, o, lse, m2, l2, bm, lists,
+    _launch(flash_fwd_kernel, "forward", feat.rows_q, feat.batch * H, q, k, v, o, lse, m2, l2, bm, lists,
             *_strides(q), *_strides(k), *_strides(v), *_strides(o), *bm_strides,
-            H, N_q, N_k, scale * LOG2E, TUNE_N=_bucket(max(N_q, N_k)), GROUP=H // k.shape[1], **feat.scalars(),
-            HEAD_DIM=d, BLOCK_D=max(16, _pow2(d)), CAUSAL=causal,
+            H, N_q, N_k, scale * LOG2E, TUNE_N=_bucket(max(feat.rows_q, feat.rows_k)), GROUP=H // k.shape[1],
+            **feat.scalars(), HEAD_DIM=d, BLOCK_D=max(16, _pow2(d)), CAUSAL=causal,
             DOT=_dot_mode(q.dtype), **feat.meta)
     return o, lse, (m2, l2)
 
@@ -348,7 +405,7 @@ def _backward(q, k, v, o, stats, do, causal: bool, scale: float, deterministic: 
     flash_bwd_preprocess_kernel[(_cdiv(N_q, PRE_M), B * H)](
         o, do, delta, *_strides(o), *_strides(do), H, N_q, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=PRE_M)
     # Multi-query attention leaves few K/V tiles: SPLIT programs then share each one (partial sums in fp32).
-    split = _group_split(H // H_kv, B * H_kv * _cdiv(N_k, 128), q.device)
+    split = _group_split(H // H_kv, feat.batch * H_kv * _cdiv(feat.rows_k, 128), q.device)
     if split == 1:
         dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
         dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
@@ -356,12 +413,12 @@ def _backward(q, k, v, o, stats, do, causal: bool, scale: float, deterministic: 
         dk, dv = (torch.empty((B, H_kv * split, N_k, d), dtype=torch.float32, device=k.device) for _ in range(2))
     # Atomic dQ accumulates in fp32 (O(N d) more memory); the deterministic path passes a 1-element stand-in.
     dq_acc = torch.zeros(q.shape if not deterministic else (1, 1, 1, 1), dtype=torch.float32, device=q.device)
-    meta = dict(HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=causal, DOT=_dot_mode(q.dtype), TUNE_N=_bucket(max(N_q, N_k)),
-                GROUP=H // H_kv, **feat.scalars(), **feat.meta)
+    meta = dict(HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=causal, DOT=_dot_mode(q.dtype),
+                TUNE_N=_bucket(max(feat.rows_q, feat.rows_k)), GROUP=H // H_kv, **feat.scalars(), **feat.meta)
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
     tail = (H, N_q, N_k, scale, scale * LOG2E)
     bm, lists_t, bm_strides_t = feat.args(q, transposed=True)
-    _launch(flash_bwd_dkdv_kernel, "dkdv", N_k, B * H_kv * split,
+    _launch(flash_bwd_dkdv_kernel, "dkdv", feat.rows_k, feat.batch * H_kv * split,
             q, k, v, do, dk, dv, dq_acc, m2, l2, delta, bm, lists_t, *common, *_strides(dk), *_strides(dv),
             *_strides(dq_acc), *bm_strides_t, *tail, ATOMIC_DQ=not deterministic, SPLIT=split, **meta)
     if split > 1:  # the partial sums, added in a fixed order: still bitwise reproducible
@@ -371,7 +428,7 @@ def _backward(q, k, v, o, stats, do, causal: bool, scale: float, deterministic: 
         return dq_acc.to(q.dtype), dk, dv
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     bm, lists, bm_strides = feat.args(q)
-    _launch(flash_bwd_dq_kernel, "dq", N_q, B * H,
+    _launch(flash_bwd_dq_kernel, "dq", feat.rows_q, feat.batch * H,
             q, k, v, do, dq, m2, l2, delta, bm, lists, *common, *_strides(dq), *bm_strides, *tail, **meta)
     return dq, dk, dv
 
@@ -385,27 +442,39 @@ _FEATURES_DOC = """
       convention). K and V are never repeated in memory; dK and dV are summed over each group.
     - ``dropout_p``: each entry of P is dropped with this probability inside the kernel and the kept ones
       are scaled by ``1 / (1 - dropout_p)``; the backward regenerates the same mask from ``seed`` (Philox
-      counters: nothing of size N^2 is stored; the drop probability is ``dropout_p`` rounded to 16 bits). ``seed=None`` draws one from torch's generator.
-      :func:`dropout_mask` returns the mask a seed gives.
+      counters: nothing of size N^2 is stored; the drop probability is ``dropout_p`` rounded to 16 bits).
+      ``seed=None`` draws one from torch's generator. :func:`dropout_mask` returns the mask a seed gives.
     - ``block_mask``: a bool tensor ``(B or 1, H or 1, ceil(N_q / block_size), ceil(N_k / block_size))``;
       block (i, j) False means the queries of block i never see the keys of block j. Combines with
       ``causal``. When ``block_size`` is a multiple of both sides of a kernel tile (128 is, for every
       config), the kernels walk lists of the visible blocks, built from the mask by one small kernel on the
       first call with that mask tensor (kept while it lives and is not changed in place, so pass the same
-      tensor at every step), and a hidden tile is never loaded; otherwise the mask is applied element by element. A query row
-      that sees no key gets ``o = 0`` and ``lse = -inf``, and zero gradients: never NaN.
+      tensor at every step), and a hidden tile is never loaded; otherwise the mask is applied element by
+      element. A query row that sees no key gets ``o = 0`` and ``lse = -inf``, and zero gradients: never NaN.
+
+    Score and mask modifications, FlashAttention's keywords (:mod:`flashref.score_mods` has the rule;
+    notebook ``12_packing_and_score_mods``); each composes with all of the above:
+
+    - ``window_size = (left, right)``: query i sees keys ``i - left <= j <= i + right`` (top-left aligned, as
+      ``causal``; -1 leaves a side unbounded; ``(w - 1, 0)`` with ``causal`` is a sliding window of w keys).
+      Key tiles wholly outside the window are never loaded, so time falls with the window.
+    - ``softcap = c > 0``: the scaled score s becomes ``c * tanh(s / c)``; the backward multiplies dS by
+      ``1 - tanh(s / c)^2``.
+    - ``alibi_slopes``: a float tensor ``(H,)`` or ``(B, H)`` on q's device; ``-a_h * |i - j|`` is added to the
+      (capped) score. It gets no gradient.
 """
 
 
 def flash_attention_forward(q, k, v, causal=False, sm_scale=None, *, dropout_p=0.0, seed=None, block_mask=None,
-                            block_size=128, check_finite=True):
+                            block_size=128, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, check_finite=True):
     """FlashAttention forward without autograd: ``(o, lse)``; ``o`` like ``q``, ``lse`` of shape
     ``(B, H, N_q)`` in fp32 (natural log; -inf for a row that sees no key). fp32 inputs are computed in full
     fp32 (``input_precision="ieee"``: no TF32). Pass ``seed`` with ``dropout_p`` to replay the same mask in
     :func:`flash_attention_backward`. ``check_finite`` as in :func:`flash_attention`. Notebook
     ``07_triton_forward``."""
     _, scale = _check(q, k, v, causal, sm_scale, check_finite)
-    feat = Features(q, k, dropout_p, seed, block_mask, block_size)
+    feat = Features(q, k, dropout_p, seed, block_mask, block_size, causal=causal, scale=scale,
+                    window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, check_finite=check_finite)
     with torch.no_grad():
         o, lse, _ = _forward(q, k, v, causal, scale, feat)
     return o, lse
@@ -414,8 +483,19 @@ def flash_attention_forward(q, k, v, causal=False, sm_scale=None, *, dropout_p=0
 flash_attention_forward.__doc__ += _FEATURES_DOC
 
 
+def _stats_from_lse(lse):
+    """(m2, l2) for the backward from lse alone: P = exp2(s * log2(e) - lse * log2(e)), one rounding more
+    than the autograd path, which keeps the forward's max and sum apart (visible only for huge logits). A
+    row with lse = -inf saw no key: m = 0 and log2 l = +inf make its P exactly 0."""
+    empty = torch.isneginf(lse)
+    m2 = torch.where(empty, 0.0, lse.float() * LOG2E).contiguous()
+    l2 = torch.where(empty, float("inf"), 0.0).to(torch.float32).contiguous()
+    return m2, l2
+
+
 def flash_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, deterministic=True, *,
-                             dropout_p=0.0, seed=None, block_mask=None, block_size=128, check_finite=True):
+                             dropout_p=0.0, seed=None, block_mask=None, block_size=128, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, check_finite=True):
     """Gradients ``(dq, dk, dv)`` from the forward's ``o`` and ``lse``, recomputing P tile by tile.
     ``deterministic=False`` adds dQ atomically and skips the dQ kernel (measured slower on the H100; the last
     bits vary run to run). With ``dropout_p`` the ``seed`` the forward used is required. ``check_finite`` as
@@ -426,7 +506,8 @@ def flash_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, d
     if validation.check_dropout_p(dropout_p) > 0.0 and seed is None:
         raise ValueError("flash_attention_backward with dropout_p > 0 needs the seed the forward used "
                          "(a new one would draw a different mask)")
-    feat = Features(q, k, dropout_p, seed, block_mask, block_size)
+    feat = Features(q, k, dropout_p, seed, block_mask, block_size, causal=causal, scale=scale,
+                    window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, check_finite=check_finite)
     validation.check_same_shape("o", o, "q", q)
     validation.check_same_shape("do", do, "o", o)
     if do.dtype != q.dtype or o.dtype != q.dtype:
@@ -436,14 +517,8 @@ def flash_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, d
     if check_finite:
         validation.check_finite({"o": o, "do": do})
         validation.check_finite({"lse": lse}, allow_neg_inf=True)
-    # From lse alone, P = exp2(s * log2(e) - lse * log2(e)): one rounding more than the autograd path,
-    # which keeps the forward's max and sum apart (visible only for huge logits). A row with lse = -inf
-    # saw no key: m = 0 and log2 l = +inf make its P exactly 0.
     with torch.no_grad():
-        empty = torch.isneginf(lse)
-        m2 = torch.where(empty, 0.0, lse.float() * LOG2E).contiguous()
-        l2 = torch.where(empty, float("inf"), 0.0).to(torch.float32).contiguous()
-        return _backward(q, k, v, o, (m2, l2), do, causal, scale, deterministic, feat)
+        return _backward(q, k, v, o, _stats_from_lse(lse), do, causal, scale, deterministic, feat)
 
 
 flash_attention_backward.__doc__ += _FEATURES_DOC
@@ -457,14 +532,15 @@ class FlashAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal=False, sm_scale=None, deterministic=True, check_finite=True, dropout_p=0.0,
-                seed=None, block_mask=None, block_size=128):
+                seed=None, block_mask=None, block_size=128, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
         _, scale = _check(q, k, v, causal, sm_scale, check_finite)
         validation.check_bool("deterministic", deterministic)
-        feat = Features(q, k, dropout_p, seed, block_mask, block_size)
+        feat = Features(q, k, dropout_p, seed, block_mask, block_size, causal=causal, scale=scale,
+                        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, check_finite=check_finite)
         o, _, (m2, l2) = _forward(q, k, v, causal, scale, feat)
         ctx.save_for_backward(q, k, v, o, m2, l2)
         ctx.causal, ctx.sm_scale, ctx.deterministic, ctx.check_finite = causal, scale, deterministic, check_finite
-        ctx.feat = feat  # the seed and the block mask: autograd keeps them for the backward
+        ctx.feat = feat  # the seed, the block mask and the slopes: autograd keeps them for the backward
         return o
 
     @staticmethod
@@ -473,11 +549,12 @@ class FlashAttentionFunction(torch.autograd.Function):
         if ctx.check_finite:
             validation.check_finite({"do (the gradient of o)": do})
         dq, dk, dv = _backward(q, k, v, o, (m2, l2), do, ctx.causal, ctx.sm_scale, ctx.deterministic, ctx.feat)
-        return dq, dk, dv, *(None,) * 9
+        return dq, dk, dv, *(None,) * 12
 
 
 def flash_attention(q, k, v, causal=False, sm_scale=None, deterministic=True, *, dropout_p=0.0, seed=None,
-                    block_mask=None, block_size=128, check_finite=True):
+                    block_mask=None, block_size=128, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                    check_finite=True):
     """FlashAttention as a differentiable PyTorch op: ``o = flash_attention(q, k, v, causal, sm_scale)``.
 
     ``q``: ``(B, H, N_q, d)``, ``k`` and ``v``: ``(B, H_kv, N_k, d)``, float16, bfloat16 (compute capability
@@ -494,7 +571,96 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, deterministic=True, *,
     Notebooks ``07_triton_forward`` and ``08_triton_backward``.
     """
     return FlashAttentionFunction.apply(q, k, v, causal, sm_scale, deterministic, check_finite, dropout_p, seed,
-                                        block_mask, block_size)
+                                        block_mask, block_size, window_size, softcap, alibi_slopes)
 
 
 flash_attention.__doc__ += _FEATURES_DOC
+
+
+# --------------------------------------------------------------------------------------------------
+# Packed variable-length batches (FlashAttention's flash_attn_varlen_func)
+# --------------------------------------------------------------------------------------------------
+
+def _packed_views(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check_finite):
+    """Check a packed batch and return the kernels' views ``(1, heads, total, d)`` of q, k and v, and the
+    ``varlen`` tuple of :class:`Features` (cu_seqlens as int32 on q's device)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.ndim != 3:
+            raise ValueError(f"{name} must have shape (total, heads, d) for a packed batch, got {x.ndim}-d shape "
+                             f"{tuple(x.shape)}")
+    validation.check_same_shape("v", v, "k", k)
+    cus = []
+    for name, cu, x in (("cu_seqlens_q", cu_seqlens_q, q), ("cu_seqlens_k", cu_seqlens_k, k)):
+        if not isinstance(cu, torch.Tensor) or cu.dtype not in (torch.int32, torch.int64) or cu.ndim != 1:
+            raise TypeError(f"{name} must be a 1-D torch.Tensor of int32 (or int64), got "
+                            f"{type(cu).__name__}{'' if not isinstance(cu, torch.Tensor) else f' {cu.dtype} of shape {tuple(cu.shape)}'}")
+        if cu.device != q.device:
+            raise ValueError(f"{name} must be on q's device ({q.device}), got {cu.device}")
+        cus.append(cu.to(torch.int32).contiguous())
+    if cus[0].shape[0] != cus[1].shape[0]:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of documents, got "
+                         f"{cus[0].shape[0] - 1} and {cus[1].shape[0] - 1}")
+    for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        validation.check_positive_int(name, n)
+    if check_finite:  # reads the offsets (one copy to the host): lengths >= 1, ends, and the longest document
+        validation.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
+        validation.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
+    views = [x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)]
+    return views, (cus[0], cus[1], int(max_seqlen_q), int(max_seqlen_k))
+
+
+class FlashAttentionVarlenFunction(torch.autograd.Function):
+    """:func:`flash_attention_varlen` as an autograd Function: the same kernels, cutting a packed batch into
+    its documents."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, sm_scale=None,
+                deterministic=True, check_finite=True, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+        (q4, k4, v4), varlen = _packed_views(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                             check_finite)
+        _, scale = _check(q4, k4, v4, causal, sm_scale, check_finite)
+        validation.check_bool("deterministic", deterministic)
+        feat = Features(q4, k4, causal=causal, scale=scale, window_size=window_size, softcap=softcap,
+                        alibi_slopes=alibi_slopes, varlen=varlen, check_finite=check_finite)
+        o4, lse, (m2, l2) = _forward(q4, k4, v4, causal, scale, feat)
+        ctx.save_for_backward(q, k, v, o4, m2, l2)
+        ctx.causal, ctx.sm_scale, ctx.deterministic, ctx.check_finite = causal, scale, deterministic, check_finite
+        ctx.feat = feat
+        lse = lse[0]  # (H, total_q), as FlashAttention returns it
+        ctx.mark_non_differentiable(lse)
+        return o4[0].transpose(0, 1), lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, o4, m2, l2 = ctx.saved_tensors
+        if ctx.check_finite:
+            validation.check_finite({"do (the gradient of o)": do})
+        q4, k4, v4, do4 = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v, do))
+        dq, dk, dv = _backward(q4, k4, v4, o4, (m2, l2), do4, ctx.causal, ctx.sm_scale, ctx.deterministic, ctx.feat)
+        return (*(x[0].transpose(0, 1) for x in (dq, dk, dv)), *(None,) * 11)
+
+
+def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
+                           sm_scale=None, deterministic=True, *, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           return_lse=False, check_finite=True):
+    """FlashAttention over a packed batch of documents of different lengths, without padding, as
+    FlashAttention's ``flash_attn_varlen_func``; differentiable.
+
+    ``q``: ``(total_q, H, d)``; ``k`` and ``v``: ``(total_k, H_kv, d)`` (``H % H_kv == 0``); document b holds
+    rows ``cu_seqlens_q[b] : cu_seqlens_q[b + 1]`` of q and ``cu_seqlens_k[b] : cu_seqlens_k[b + 1]`` of k and
+    v (``cu_seqlens_*``: int32 tensors ``[0, n_0, n_0 + n_1, ..., total]`` on q's device). No query sees a key
+    of another document; within one, everything is :func:`flash_attention`'s: ``causal`` top-left aligned in
+    each document, ``window_size``, ``softcap``, and ``alibi_slopes`` of shape ``(H,)`` or ``(documents, H)``.
+    ``max_seqlen_q`` / ``max_seqlen_k``: the longest document, which sizes the launch grid (one program per
+    BLOCK_M rows of the longest; programs past a shorter document's end return at once). Returns ``o`` like
+    q (and ``lse`` of shape ``(H, total_q)``, fp32, natural log, when ``return_lse``). ``check_finite``
+    (default True) also reads ``cu_seqlens`` on the host to check them (every document at least one row, the
+    right total, the longest within ``max_seqlen``); False trusts them, as the benchmarks do. Dropout and
+    block masks are not taken here. Notebook ``12_packing_and_score_mods``.
+    """
+    o, lse = FlashAttentionVarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                causal, sm_scale, deterministic, check_finite, window_size, softcap,
+                                                alibi_slopes)
+    return (o, lse) if return_lse else o
