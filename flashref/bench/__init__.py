@@ -5,6 +5,7 @@ Suites:
 - ``gpu``    the GPU kernels against PyTorch's attention backends, in one run (CUDA)
 - ``hbm``    HBM and L2 bytes of every kernel, counted by Nsight Compute, and the block-size sweep (CUDA, ncu)
 - ``features`` grouped-query attention and dropout against SDPA, block-sparse time against density (CUDA)
+- ``mods``   sliding window, softcap and ALiBi against FlexAttention and SDPA; packed batches against padding (CUDA)
 - ``model``  the GPT of :mod:`flashref.model` trained and timed with each attention (CUDA)
 - ``cupy``   the CuPy kernels next to SDPA's flash backend (CUDA, CuPy)
 

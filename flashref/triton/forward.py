@@ -165,8 +165,10 @@ def _tile_ranges(start, N_inner, before, after, BLOCK_OUTER: tl.constexpr, BLOCK
     if BOUNDED_BEFORE:
         lo = (tl.maximum(start - before, 0) // BLOCK_INNER) * BLOCK_INNER
         full_lo = ((tl.maximum(last - before, 0) + BLOCK_INNER - 1) // BLOCK_INNER) * BLOCK_INNER
-    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
-    full_hi = tl.maximum(tl.minimum(full_hi, hi), full_lo)
+        full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+        full_hi = tl.maximum(tl.minimum(full_hi, hi), full_lo)
+    # Otherwise lo = full_lo = 0 stay constants (the unmasked loop then starts at a known 0, as it did before
+    # windows existed), and 0 <= full_hi <= hi holds already.
     return lo, full_lo, full_hi, hi
 
 

@@ -452,8 +452,8 @@ _FEATURES_DOC = """
       tensor at every step), and a hidden tile is never loaded; otherwise the mask is applied element by
       element. A query row that sees no key gets ``o = 0`` and ``lse = -inf``, and zero gradients: never NaN.
 
-    Score and mask modifications, FlashAttention's keywords (:mod:`flashref.score_mods` has the rule;
-    notebook ``12_packing_and_score_mods``); each composes with all of the above:
+    Score and mask modifications, FlashAttention's keywords (:mod:`flashref.score_mods` has the rule, and
+    :mod:`flashref.reference` the float64 oracle); each composes with all of the above:
 
     - ``window_size = (left, right)``: query i sees keys ``i - left <= j <= i + right`` (top-left aligned, as
       ``causal``; -1 leaves a side unbounded; ``(w - 1, 0)`` with ``causal`` is a sliding window of w keys).
@@ -658,7 +658,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     q (and ``lse`` of shape ``(H, total_q)``, fp32, natural log, when ``return_lse``). ``check_finite``
     (default True) also reads ``cu_seqlens`` on the host to check them (every document at least one row, the
     right total, the longest within ``max_seqlen``); False trusts them, as the benchmarks do. Dropout and
-    block masks are not taken here. Notebook ``12_packing_and_score_mods``.
+    block masks are not taken here. :mod:`flashref.varlen` and :func:`flashref.reference.attention_varlen` hold
+    the NumPy side.
     """
     o, lse = FlashAttentionVarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                 causal, sm_scale, deterministic, check_finite, window_size, softcap,
