@@ -11,7 +11,7 @@ import flashref.triton  # noqa: F401  (switches the interpreter on before triton
 import triton
 import triton.language as tl
 from flashref.exercises import score_mods as ex
-from flashref.kernel_tiles import tile_ranges, window_tile_kinds
+from flashref.window_tiles import tile_ranges, window_tile_kinds
 from flashref.triton.forward import _tile_ranges
 
 
