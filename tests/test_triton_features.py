@@ -5,8 +5,6 @@ the inputs' precision with the same masks). In Triton's CPU interpreter on CI; c
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
@@ -14,45 +12,12 @@ import torch
 from flashref import reference
 from flashref.tolerance import assert_within_tolerance
 from flashref.triton import dropout_mask, flash_attention, flash_attention_backward, flash_attention_forward
+from tests._triton_helpers import DEVICE, no_autotune  # noqa: F401  (an autouse fixture: applies here)
+from tests._triton_helpers import feature_inputs as _inputs
+from tests._triton_helpers import np64 as _np64
+from tests._triton_helpers import plain_with_features
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16]
-
-
-@pytest.fixture(autouse=True)
-def _no_autotune(monkeypatch):
-    monkeypatch.setenv("FLASHREF_TRITON_AUTOTUNE", "0")
-
-
-def _np64(x):
-    return x.detach().cpu().double().numpy()
-
-
-def _inputs(B, H, H_kv, N_q, N_k, d, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, N_q, d, generator=g)
-    k, v = (torch.randn(B, H_kv, N_k, d, generator=g) for _ in range(2))
-    do = torch.randn(B, H, N_q, d, generator=g)
-    return [x.to(DEVICE, dtype) for x in (q, k, v, do)]
-
-
-def _plain(q, k, v, do, causal, visible, keep, p):
-    """Plain attention in q's dtype with the same masks and dropout: output and gradients (the baseline)."""
-    qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
-    G = q.shape[1] // k.shape[1]
-    s = qq @ kk.repeat_interleave(G, 1).transpose(-1, -2) / math.sqrt(q.shape[-1])
-    mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=q.device)
-    if causal:
-        mask = mask.tril()
-    if visible is not None:
-        mask = mask & torch.as_tensor(visible, device=q.device)
-    s = s.masked_fill(~mask, float("-inf"))
-    P = torch.nan_to_num(torch.softmax(s, -1))  # rows with no key: 0, as the kernels give
-    if keep is not None:
-        P = torch.where(keep, P / (1 - p), torch.zeros_like(P))
-    o = P @ vv.repeat_interleave(G, 1)
-    o.backward(do)
-    return [o.detach(), qq.grad, kk.grad, vv.grad]
 
 
 def _check(B, H, H_kv, N_q, N_k, d, dtype, causal, block_shape=None, block_size=128, p=0.0, seed=0, density=0.6):
@@ -77,7 +42,7 @@ def _check(B, H, H_kv, N_q, N_k, d, dtype, causal, block_shape=None, block_size=
     q64, k64, v64, do64 = (_np64(x) for x in (q, k, v, do))
     ref_o, ref_lse = reference.attention(q64, k64, v64, return_lse=True, **ref_kw)
     refs = [ref_o, *reference.attention_backward(q64, k64, v64, do64, **ref_kw)]
-    base = _plain(q, k, v, do, causal, visible, keep, p)
+    base = plain_with_features(q, k, v, do, causal, visible, keep, p)
     for name, x, r, b in zip(("o", "dq", "dk", "dv"), got, refs, base):
         assert x.shape == b.shape and torch.isfinite(x).all(), f"{name}: shape or non-finite values"
         atol = 1e-5 * max(1.0, float(np.abs(r).max())) if dtype == torch.float32 else None

@@ -6,8 +6,6 @@ CPU interpreter on CI; compiled on the GPU machine.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
@@ -15,61 +13,16 @@ import torch
 from flashref import reference
 from flashref.tolerance import assert_within_tolerance
 from flashref.triton import dropout_mask, flash_attention, flash_attention_forward, flash_attention_varlen
+from tests._triton_helpers import DEVICE, no_autotune  # noqa: F401  (an autouse fixture: applies here)
+from tests._triton_helpers import feature_inputs as _inputs
+from tests._triton_helpers import np64 as _np64
+from tests._triton_helpers import plain_with_features
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16]
 
 
-@pytest.fixture(autouse=True)
-def _no_autotune(monkeypatch):
-    monkeypatch.setenv("FLASHREF_TRITON_AUTOTUNE", "0")
-
-
-def _np64(x):
-    return x.detach().cpu().double().numpy()
-
-
-def _inputs(B, H, H_kv, N_q, N_k, d, dtype, seed=0, scale=1.0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, N_q, d, generator=g) * scale
-    k, v = (torch.randn(B, H_kv, N_k, d, generator=g) for _ in range(2))
-    do = torch.randn(B, H, N_q, d, generator=g)
-    return [x.to(DEVICE, dtype) for x in (q, k, v, do)]
-
-
-def _visible(N_q, N_k, causal, window):
-    """The token mask of causal and a window, as a bool (N_q, N_k) tensor."""
-    i = torch.arange(N_q)[:, None]
-    j = torch.arange(N_k)[None, :]
-    mask = torch.ones(N_q, N_k, dtype=torch.bool)
-    if causal:
-        mask &= j <= i
-    left, right = window
-    if left >= 0:
-        mask &= j >= i - left
-    if right >= 0:
-        mask &= j <= i + right
-    return mask
-
-
 def _plain(q, k, v, do, causal, window=(-1, -1), softcap=0.0, slopes=None, keep=None, p=0.0):
-    """Plain attention in q's dtype with the same modifications, masks and dropout: output and gradients."""
-    qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
-    G = q.shape[1] // k.shape[1]
-    N_q, N_k = q.shape[2], k.shape[2]
-    s = qq @ kk.repeat_interleave(G, 1).transpose(-1, -2) / math.sqrt(q.shape[-1])
-    if softcap:
-        s = softcap * torch.tanh(s / softcap)
-    if slopes is not None:
-        distance = (torch.arange(N_q)[:, None] - torch.arange(N_k)[None, :]).abs().to(q.device, q.dtype)
-        s = s - slopes.reshape(-1, q.shape[1], 1, 1).to(q.dtype) * distance
-    s = s.masked_fill(~_visible(N_q, N_k, causal, window).to(q.device), float("-inf"))
-    P = torch.nan_to_num(torch.softmax(s, -1))  # rows that see no key: 0, as the kernels give
-    if keep is not None:
-        P = torch.where(keep, P / (1 - p), torch.zeros_like(P))
-    o = P @ vv.repeat_interleave(G, 1)
-    o.backward(do)
-    return [o.detach(), qq.grad, kk.grad, vv.grad]
+    return plain_with_features(q, k, v, do, causal, keep=keep, p=p, window=window, softcap=softcap, slopes=slopes)
 
 
 def _assert_close(got, refs, base, dtype, names=("o", "dq", "dk", "dv")):
