@@ -22,8 +22,8 @@ import numpy as np
 
 from flashref import varlen
 from flashref.score_mods import ScoreMods
-from flashref.validation import (check_attention_inputs, check_block_mask, check_causal, check_dropout_p,
-                                 check_finite, check_numpy, check_positive_int, check_same_shape, check_sm_scale)
+from flashref.validation import (check_attention_inputs, check_block_mask, check_causal, check_causal_align,
+                                 check_dropout_p, check_finite, check_numpy, check_positive_int, check_same_shape, check_sm_scale)
 
 #: Default tile sizes, tuned for speed on a CPU (``python -m flashref.bench numpy``): a 128 x 1024
 #: float32 score tile is 512 KiB, big enough that NumPy's per-call overhead is amortized, small enough
@@ -45,6 +45,15 @@ def _check_inputs(q, k, v, causal, sm_scale, block_q, block_k):
     check_causal(causal)
     scale = check_sm_scale(sm_scale, d)
     return N_q, N_k, d, scale, check_positive_int("block_q", block_q), check_positive_int("block_k", block_k)
+
+
+def _alignment(causal, causal_align, N_q, N_k):
+    """``(causal, causal_right)``: a bottom-right causal mask is applied as a window's right side
+    (``j - i <= N_k - N_q``, :class:`flashref.score_mods.ScoreMods`), so tiles beyond it are skipped the
+    window's way and ``causal`` (the top-left rule of :func:`tile_is_skipped`) is then False."""
+    if check_causal_align(causal_align) == "bottom_right" and causal:
+        return False, N_k - N_q
+    return causal, None
 
 
 def tile_ranges(n: int, block: int) -> list[tuple[int, int]]:
@@ -104,10 +113,10 @@ class _Extras:
     sliced to the tile, and the scores' cap and bias."""
 
     def __init__(self, q, k, dropout_mask, dropout_p, block_mask, block_size, window_size=(-1, -1), softcap=0.0,
-                 alibi_slopes=None):
+                 alibi_slopes=None, causal_right=None):
         N_q, N_k = q.shape[-2], k.shape[-2]
         self.groups = q.shape[1] // k.shape[1] if q.ndim == 4 else 1
-        self.mods = ScoreMods(window_size, softcap, alibi_slopes, lead=q.shape[:-2])
+        self.mods = ScoreMods(window_size, softcap, alibi_slopes, lead=q.shape[:-2], causal_right=causal_right)
         self.slopes = None if self.mods.slopes is None else self._group_shape(self.mods.slopes)
         self.block_size = block_size
         self.blocks = None
@@ -198,7 +207,8 @@ def _finite_or_zero(m):
 
 def flash_attention_forward(q, k, v, causal=False, sm_scale=None, block_q=BLOCK_Q, block_k=BLOCK_K,
                             order="fa2", trace=None, *, dropout_mask=None, dropout_p=0.0, block_mask=None,
-                            block_size=128, observe=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+                            block_size=128, observe=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                            causal_align="top_left"):
     """Tiled attention forward: returns ``(o, lse)``, ``o`` shaped like q and ``lse`` shaped ``q.shape[:-1]``.
 
     ``order="fa2"`` (FlashAttention-2): outer loop over query blocks, the running max m, sum l and the
@@ -218,7 +228,8 @@ def flash_attention_forward(q, k, v, causal=False, sm_scale=None, block_q=BLOCK_
     hides blocks of keys from blocks of queries, and a tile that no (batch, head) sees is skipped; a row
     that sees no key gets o = 0 and lse = -inf; ``dropout_mask`` with ``dropout_p`` drops entries of P;
     ``window_size``, ``softcap`` and ``alibi_slopes`` modify the scores (:mod:`flashref.score_mods`), and a
-    tile wholly outside the window is skipped like a causal one.
+    tile wholly outside the window is skipped like a causal one. ``causal_align="bottom_right"`` aligns the
+    causal mask to the bottom-right corner (:func:`flashref.reference.causal_mask`).
     """
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
@@ -227,7 +238,9 @@ def flash_attention_forward(q, k, v, causal=False, sm_scale=None, block_q=BLOCK_
         raise TypeError(f"trace must be a list or None, got {type(trace).__name__}")
     if observe is not None and not callable(observe):
         raise TypeError(f"observe must be a callable or None, got {type(observe).__name__}")
-    ex = _Extras(q, k, dropout_mask, dropout_p, block_mask, block_size, window_size, softcap, alibi_slopes)
+    causal, causal_right = _alignment(causal, causal_align, N_q, N_k)
+    ex = _Extras(q, k, dropout_mask, dropout_p, block_mask, block_size, window_size, softcap, alibi_slopes,
+                 causal_right)
     run = _forward_fa2 if order == "fa2" else _forward_fa1
     shape, half = q.shape, q.dtype == np.float16
     if half:  # fp32 accumulation, as on a GPU
@@ -333,7 +346,8 @@ def _forward_fa1(q, k, v, causal, scale, q_tiles, k_tiles, trace, ex, observe=No
 
 def flash_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, block_q=BLOCK_Q,
                              block_k=BLOCK_K, trace=None, *, dropout_mask=None, dropout_p=0.0, block_mask=None,
-                             block_size=128, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+                             block_size=128, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                             causal_align="top_left"):
     """Gradients ``(dq, dk, dv)`` of tiled attention, recomputing each tile's P from Q, K and ``lse``.
 
     With D = rowsum(dO * O) (equal to rowsum(P * dP)), for every tile (i, j) not skipped by the causal
@@ -353,9 +367,11 @@ def flash_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, b
                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
     if q.dtype == np.float16:  # fp32 accumulation, gradients rounded back to float16
         grads = flash_attention_backward(*(x.astype(np.float32) for x in (q, k, v, o, lse, do)), causal=causal,
-                                         sm_scale=scale, block_q=block_q, block_k=block_k, trace=trace, **features)
+                                         sm_scale=scale, block_q=block_q, block_k=block_k, trace=trace,
+                                         causal_align=causal_align, **features)
         return tuple(g.astype(np.float16) for g in grads)
-    ex = _Extras(q, k, **features)
+    causal, causal_right = _alignment(causal, causal_align, N_q, N_k)
+    ex = _Extras(q, k, **features, causal_right=causal_right)
     shape_q, shape_k = q.shape, k.shape
     q, o, do = ex.grouped(q, True), ex.grouped(o, True), ex.grouped(do, True)
     k, v = ex.grouped(k, False), ex.grouped(v, False)

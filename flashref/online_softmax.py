@@ -134,6 +134,37 @@ def merge(a: SoftmaxState, b: SoftmaxState) -> SoftmaxState:
     return SoftmaxState(m, l, a.o * wa[..., None] + b.o * wb[..., None])
 
 
+def merge_outputs(o_a, lse_a, o_b, lse_b):
+    """Merge two finished partial attentions over disjoint key sets, each given as its normalized output
+    ``o`` (shape ``(..., d)``) and its log-sum-exp ``lse`` (shape ``(...)``): the same merge as
+    :func:`merge`, in the form kernels return. With ``lse = logaddexp(lse_a, lse_b)``,
+
+        o = exp(lse_a - lse) o_a + exp(lse_b - lse) o_b.
+
+    A part that saw no key (``lse = -inf``) weighs 0; two such parts give ``o = 0``, ``lse = -inf``.
+    Works on NumPy arrays and on torch tensors alike (no copy to the host): the merge that tiles, GPUs of a
+    ring (:mod:`flashref.ring_attention`) and key splits in decoding share."""
+    if type(o_a) is not type(o_b) or type(lse_a) is not type(lse_b) or type(o_a) is not type(lse_a):
+        raise TypeError("merge_outputs needs o_a, lse_a, o_b and lse_b of one array type (all NumPy or all "
+                        f"torch), got {type(o_a).__name__}, {type(lse_a).__name__}, {type(o_b).__name__}, "
+                        f"{type(lse_b).__name__}")
+    if tuple(lse_a.shape) != tuple(lse_b.shape) or tuple(o_a.shape) != tuple(o_b.shape) \
+            or tuple(o_a.shape[:-1]) != tuple(lse_a.shape):
+        raise ValueError(f"merge_outputs needs o of shape lse.shape + (d,) on both sides, got o_a "
+                         f"{tuple(o_a.shape)}, lse_a {tuple(lse_a.shape)}, o_b {tuple(o_b.shape)}, "
+                         f"lse_b {tuple(lse_b.shape)}")
+    if isinstance(o_a, np.ndarray):
+        xp, lse = np, np.logaddexp(lse_a, lse_b)
+    else:
+        import torch as xp
+
+        lse = xp.logaddexp(lse_a, lse_b)
+    safe = xp.where(xp.isneginf(lse), xp.zeros_like(lse), lse)  # both empty: weights exp(-inf) = 0, not NaN
+    w_a = xp.exp(lse_a - safe)[..., None]
+    w_b = xp.exp(lse_b - safe)[..., None]
+    return w_a * o_a + w_b * o_b, lse
+
+
 def lse_of(state: SoftmaxState) -> np.ndarray:
     """log-sum-exp of everything the state has seen: ``m + log(l)`` (``-inf`` for an all-masked row)."""
     l = np.asarray(state.l)

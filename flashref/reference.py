@@ -124,10 +124,21 @@ def _check_do(do, q):
 # Forward
 # --------------------------------------------------------------------------------------------------
 
-def causal_mask(N_q: int, N_k: int) -> np.ndarray:
+def causal_mask(N_q: int, N_k: int, align: str = "top_left") -> np.ndarray:
     """Boolean ``(N_q, N_k)`` array, True where query ``i`` may attend key ``j``: ``j <= i`` (top-left
-    aligned). Rows ``i >= N_k`` (when ``N_q > N_k``) see every key."""
-    return np.tril(np.ones((N_q, N_k), dtype=bool))
+    aligned; rows ``i >= N_k``, when ``N_q > N_k``, see every key), or with ``align="bottom_right"``
+    ``j <= i + N_k - N_q`` (the last query sees every key; when ``N_q > N_k`` the first rows see none)."""
+    offset = validation.causal_right(True, align, N_q, N_k)
+    return np.tril(np.ones((N_q, N_k), dtype=bool), k=offset)
+
+
+def _mods(q, k, causal, causal_align, window_size, softcap, alibi_slopes):
+    """``(causal, mods)``: a bottom-right causal mask travels in ``mods`` as a bound on ``j - i`` (it is a
+    window's right side, ``N_k - N_q``), and ``causal`` is then False; top-left stays ``causal``."""
+    bottom_right = validation.check_causal_align(causal_align) == "bottom_right" and causal
+    mods = ScoreMods(window_size, softcap, alibi_slopes, lead=q.shape[:-2],
+                     causal_right=k.shape[-2] - q.shape[-2] if bottom_right else None)
+    return causal and not bottom_right, mods
 
 
 def _scaled_qk(q, k, sm_scale: float) -> np.ndarray:
@@ -167,7 +178,8 @@ def softmax_rows(s: np.ndarray):
 
 
 def attention(q, k, v, causal=False, sm_scale=None, return_lse=False, *, dropout_mask=None, dropout_p=0.0,
-              block_mask=None, block_size=128, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+              block_mask=None, block_size=128, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+              causal_align="top_left"):
     """Standard attention ``O = dropout(softmax(sm_scale * Q K^T)) V``, materializing S and P.
 
     ``q``: ``(..., N_q, d)``, ``k`` and ``v``: ``(..., N_k, d)`` with ``...`` empty or ``(B, H)``; for 4-D
@@ -182,13 +194,15 @@ def attention(q, k, v, causal=False, sm_scale=None, return_lse=False, *, dropout
     dropped entries are zeroed and the kept ones scaled by ``1 / (1 - dropout_p)``; lse is that of P
     before dropout. ``window_size``, ``softcap`` and ``alibi_slopes`` modify the scores and the mask as
     FlashAttention's keywords do (:mod:`flashref.score_mods`: a token window ``i - left <= j <= i + right``,
-    ``c * tanh(s / c)``, ``- a_h |i - j|``). Raises ``ValueError``/``TypeError`` naming the argument on bad
-    input (integer dtypes included). Taught in notebook ``01_standard_attention``.
+    ``c * tanh(s / c)``, ``- a_h |i - j|``). ``causal_align="bottom_right"`` moves the causal diagonal to
+    the bottom-right corner when ``N_q != N_k`` (query i sees ``j <= i + N_k - N_q``, FlashAttention's
+    convention, what decoding needs; :func:`causal_mask`). Raises ``ValueError``/``TypeError`` naming the
+    argument on bad input (integer dtypes included). Taught in notebook ``01_standard_attention``.
     """
     q, k, v, scale = _check_inputs(q, k, v, causal, sm_scale)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}: {return_lse!r}")
-    mods = ScoreMods(window_size, softcap, alibi_slopes, lead=q.shape[:-2])
+    causal, mods = _mods(q, k, causal, causal_align, window_size, softcap, alibi_slopes)
     visible, keep, keep_scale = _masks(q, k, causal, dropout_mask, dropout_p, block_mask, block_size, mods)
     s = scores(q, k, causal, scale, visible, mods)
     p, lse = softmax_rows(s)
@@ -203,7 +217,8 @@ def attention(q, k, v, causal=False, sm_scale=None, return_lse=False, *, dropout
 # --------------------------------------------------------------------------------------------------
 
 def attention_backward(q, k, v, do, causal=False, sm_scale=None, *, dropout_mask=None, dropout_p=0.0,
-                       block_mask=None, block_size=128, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+                       block_mask=None, block_size=128, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                       causal_align="top_left"):
     """Gradients ``(dq, dk, dv)`` of standard attention, given ``do = dLoss/dO``; the keywords as in
     :func:`attention` (dk and dv have k's and v's shapes: with grouped-query attention each K/V head's
     gradient is the sum over the query heads that share it).
@@ -225,7 +240,7 @@ def attention_backward(q, k, v, do, causal=False, sm_scale=None, *, dropout_mask
     """
     q, k, v, scale = _check_inputs(q, k, v, causal, sm_scale)
     do = _check_do(do, q)
-    mods = ScoreMods(window_size, softcap, alibi_slopes, lead=q.shape[:-2])
+    causal, mods = _mods(q, k, causal, causal_align, window_size, softcap, alibi_slopes)
     visible, keep, keep_scale = _masks(q, k, causal, dropout_mask, dropout_p, block_mask, block_size, mods)
     H = q.shape[1] if q.ndim == 4 else 0
     k_full, v_full = _repeat_kv(k, H), _repeat_kv(v, H)

@@ -26,15 +26,21 @@ from flashref.validation import check_alibi_slopes, check_softcap, check_window_
 class ScoreMods:
     """The checked modifications of one call; ``lead`` is the inputs' leading dims, ``()`` or ``(B, H)``."""
 
-    def __init__(self, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, *, lead: tuple = ()):
+    def __init__(self, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, *, lead: tuple = (),
+                 causal_right: int | None = None):
         self.left, self.right = check_window_size(window_size)
+        #: the largest visible ``j - i`` (None: unbounded): the window's right side, tightened by a causal
+        #: mask given as ``causal_right`` (a bottom-right causal mask is ``N_k - N_q``, possibly negative)
+        self.max_offset = None if self.right < 0 else self.right
+        if causal_right is not None:
+            self.max_offset = causal_right if self.max_offset is None else min(self.max_offset, causal_right)
         self.softcap = check_softcap(softcap)
         #: float64, broadcastable against the scores: (B or 1, H, 1, 1), or (1, 1) for 2-D inputs
         self.slopes = None if alibi_slopes is None else check_alibi_slopes(alibi_slopes, tuple(lead))
 
     @property
     def windowed(self) -> bool:
-        return self.left >= 0 or self.right >= 0
+        return self.left >= 0 or self.max_offset is not None
 
     def window(self, rows: np.ndarray, cols: np.ndarray):
         """Boolean ``(len(rows), len(cols))``, True where query ``rows[a]`` may see key ``cols[b]``; None
@@ -45,14 +51,15 @@ class ScoreMods:
         visible = np.ones(offset.shape, dtype=bool)
         if self.left >= 0:
             visible &= offset >= -self.left
-        if self.right >= 0:
-            visible &= offset <= self.right
+        if self.max_offset is not None:
+            visible &= offset <= self.max_offset
         return visible
 
     def tile_outside_window(self, q_range, k_range) -> bool:
         """Whether no query of rows ``[q_range)`` sees any key of ``[k_range)``: a tile a kernel skips."""
         (i0, i1), (j0, j1) = q_range, k_range
-        return (self.left >= 0 and j1 - 1 < i0 - self.left) or (self.right >= 0 and j0 > i1 - 1 + self.right)
+        return (self.left >= 0 and j1 - 1 < i0 - self.left) or \
+            (self.max_offset is not None and j0 > i1 - 1 + self.max_offset)
 
     def modify(self, s: np.ndarray, rows: np.ndarray, cols: np.ndarray, slopes=None) -> np.ndarray:
         """The scaled scores ``s`` (``(..., len(rows), len(cols))``) capped and biased, in s's dtype.

@@ -45,6 +45,28 @@ def check_causal(causal) -> bool:
     return check_bool("causal", causal)
 
 
+CAUSAL_ALIGNS = ("top_left", "bottom_right")
+
+
+def check_causal_align(causal_align) -> str:
+    """``causal_align``: where the causal diagonal sits when ``N_q != N_k``. ``"top_left"`` (the course's
+    default, as ``scaled_dot_product_attention(is_causal=True)``): query i sees keys ``j <= i``.
+    ``"bottom_right"`` (FlashAttention's since 2.1, what decoding and chunked prefill need): query i sees
+    keys ``j <= i + N_k - N_q``, so the last query sees every key; when ``N_q > N_k`` the first ``N_q - N_k``
+    rows see no key (o = 0, lse = -inf)."""
+    if causal_align not in CAUSAL_ALIGNS:
+        raise ValueError(f"causal_align must be one of {CAUSAL_ALIGNS}, got {causal_align!r}")
+    return causal_align
+
+
+def causal_right(causal: bool, causal_align: str, N_q: int, N_k: int):
+    """The causal mask as a bound on ``j - i``: 0 for top-left, ``N_k - N_q`` for bottom-right, None when
+    not causal. (Bottom-right equals top-left when ``N_q == N_k``.)"""
+    if not causal:
+        return None
+    return 0 if check_causal_align(causal_align) == "top_left" else N_k - N_q
+
+
 def check_sm_scale(sm_scale, head_dim: int) -> float:
     """Return the softmax scale: ``1/sqrt(d)`` when ``sm_scale`` is None, else a finite real number > 0
     (0 would make every row uniform and a negative scale would turn the softmax into a softmin: both are

@@ -94,7 +94,8 @@ class Features:
     ``k`` are the kernels' 4-D views (``(1, H, total, d)`` for a packed batch)."""
 
     def __init__(self, q, k, dropout_p=0.0, seed=None, block_mask=None, block_size=128, *, causal=False, scale=1.0,
-                 window_size=(-1, -1), softcap=0.0, alibi_slopes=None, varlen=None, check_finite=True):
+                 window_size=(-1, -1), softcap=0.0, alibi_slopes=None, varlen=None, check_finite=True,
+                 causal_align="top_left"):
         self.dropout_p = validation.check_dropout_p(dropout_p)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
             raise TypeError(f"seed must be None or an int in [0, 2**63), got {type(seed).__name__}: {seed!r}")
@@ -120,17 +121,29 @@ class Features:
                 raise ValueError(f"block_mask must be on q's device ({q.device}), got {block_mask.device}")
             self.block_mask = block_mask.view(torch.int8).expand(B, H, *block_mask.shape[2:])  # a view, no copy
             self._given_mask = block_mask
-        self._modifications(q, causal, scale, window_size, softcap, alibi_slopes, N_q + N_k, check_finite)
+        self._modifications(q, causal, causal_align, scale, window_size, softcap, alibi_slopes, N_q, N_k,
+                            check_finite)
 
-    def _modifications(self, q, causal, scale, window_size, softcap, alibi_slopes, unbounded, check_finite):
+    def _modifications(self, q, causal, causal_align, scale, window_size, softcap, alibi_slopes, N_q, N_k,
+                       check_finite):
         """The window as the kernels take it (key j visible from query i for ``i - win_left <= j <= i +
-        win_right``; an unbounded side as ``unbounded`` = N_q + N_k, beyond any offset; causal makes the
-        right side 0), the softcap as ``cap_in = sm_scale / c`` and ``cap_out = c log2(e)``, and the ALiBi
-        slopes times log2(e) in fp32 with strides (0 along the batch for one slope per head)."""
+        win_right``; an unbounded side as N_q + N_k, beyond any offset; causal makes the right side 0), the
+        softcap as ``cap_in = sm_scale / c`` and ``cap_out = c log2(e)``, and the ALiBi slopes times log2(e)
+        in fp32 with strides (0 along the batch for one slope per head). A bottom-right causal mask with
+        N_q != N_k is the window's right side ``N_k - N_q`` (negative when N_q > N_k: the first rows then see
+        no key), and the kernels' CAUSAL (top-left) is off: ``self.causal`` is what they get."""
         left, right = validation.check_window_size(window_size)
-        self.window = left >= 0 or right >= 0
+        shifted = validation.check_causal_align(causal_align) == "bottom_right" and causal and N_q != N_k
+        if shifted and self.varlen is not None:
+            raise ValueError("causal_align='bottom_right' is not supported for packed batches (each document "
+                             "would need its own offset): align causal top-left there")
+        unbounded = N_q + N_k
+        self.causal = causal and not shifted
+        self.window = left >= 0 or right >= 0 or shifted
         self.win_left = left if left >= 0 else unbounded
-        self.win_right = 0 if causal else (right if right >= 0 else unbounded)
+        self.win_right = 0 if self.causal else (right if right >= 0 else unbounded)
+        if shifted:
+            self.win_right = min(self.win_right, N_k - N_q)
         c = validation.check_softcap(softcap)
         self.softcap = c > 0
         self.cap_in, self.cap_out = (scale / c, c * LOG2E) if c > 0 else (0.0, 0.0)
@@ -361,7 +374,7 @@ def _launch_first_fit(kernel, name, grid_rows, bh, args, meta):
         return
 
 
-def _forward(q, k, v, causal: bool, scale: float, feat: Features):
+def _forward(q, k, v, scale: float, feat: Features):
     B, H, N_q, d = q.shape
     N_k = k.shape[2]
     # A packed batch's o takes q's layout, (total_q, H, d), through the same view the kernel gets.
@@ -371,7 +384,7 @@ def _forward(q, k, v, causal: bool, scale: float, feat: Features):
     _launch(flash_fwd_kernel, "forward", feat.rows_q, feat.batch * H, q, k, v, o, lse, m2, l2, bm, lists,
             *_strides(q), *_strides(k), *_strides(v), *_strides(o), *bm_strides,
             H, N_q, N_k, scale * LOG2E, TUNE_N=_bucket(max(feat.rows_q, feat.rows_k)), GROUP=H // k.shape[1],
-            **feat.scalars(), HEAD_DIM=d, BLOCK_D=max(16, _pow2(d)), CAUSAL=causal,
+            **feat.scalars(), HEAD_DIM=d, BLOCK_D=max(16, _pow2(d)), CAUSAL=feat.causal,
             DOT=_dot_mode(q.dtype), **feat.meta)
     return o, lse, (m2, l2)
 
@@ -394,7 +407,7 @@ def _group_split(group: int, programs: int, device) -> int:
 PRE_M = 16 if INTERPRETED else 64  # rows of D per program of the preprocess kernel
 
 
-def _backward(q, k, v, o, stats, do, causal: bool, scale: float, deterministic: bool, feat: Features):
+def _backward(q, k, v, o, stats, do, scale: float, deterministic: bool, feat: Features):
     """``stats`` = (m2, l2) from :func:`_forward` (base-2 row max and log2 of the row sum). ``deterministic``:
     dQ from its own kernel (bitwise reproducible); otherwise added atomically by the dK/dV kernel."""
     m2, l2 = stats
@@ -413,7 +426,7 @@ def _backward(q, k, v, o, stats, do, causal: bool, scale: float, deterministic: 
         dk, dv = (torch.empty((B, H_kv * split, N_k, d), dtype=torch.float32, device=k.device) for _ in range(2))
     # Atomic dQ accumulates in fp32 (O(N d) more memory); the deterministic path passes a 1-element stand-in.
     dq_acc = torch.zeros(q.shape if not deterministic else (1, 1, 1, 1), dtype=torch.float32, device=q.device)
-    meta = dict(HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=causal, DOT=_dot_mode(q.dtype),
+    meta = dict(HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=feat.causal, DOT=_dot_mode(q.dtype),
                 TUNE_N=_bucket(max(feat.rows_q, feat.rows_k)), GROUP=H // H_kv, **feat.scalars(), **feat.meta)
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
     tail = (H, N_q, N_k, scale, scale * LOG2E)
@@ -466,7 +479,8 @@ _FEATURES_DOC = """
 
 
 def flash_attention_forward(q, k, v, causal=False, sm_scale=None, *, dropout_p=0.0, seed=None, block_mask=None,
-                            block_size=128, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, check_finite=True):
+                            block_size=128, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, check_finite=True,
+                            causal_align="top_left"):
     """FlashAttention forward without autograd: ``(o, lse)``; ``o`` like ``q``, ``lse`` of shape
     ``(B, H, N_q)`` in fp32 (natural log; -inf for a row that sees no key). fp32 inputs are computed in full
     fp32 (``input_precision="ieee"``: no TF32). Pass ``seed`` with ``dropout_p`` to replay the same mask in
@@ -474,9 +488,10 @@ def flash_attention_forward(q, k, v, causal=False, sm_scale=None, *, dropout_p=0
     ``07_triton_forward``."""
     _, scale = _check(q, k, v, causal, sm_scale, check_finite)
     feat = Features(q, k, dropout_p, seed, block_mask, block_size, causal=causal, scale=scale,
-                    window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, check_finite=check_finite)
+                    window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, check_finite=check_finite,
+                    causal_align=causal_align)
     with torch.no_grad():
-        o, lse, _ = _forward(q, k, v, causal, scale, feat)
+        o, lse, _ = _forward(q, k, v, scale, feat)
     return o, lse
 
 
@@ -495,7 +510,7 @@ def _stats_from_lse(lse):
 
 def flash_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, deterministic=True, *,
                              dropout_p=0.0, seed=None, block_mask=None, block_size=128, window_size=(-1, -1),
-                             softcap=0.0, alibi_slopes=None, check_finite=True):
+                             softcap=0.0, alibi_slopes=None, check_finite=True, causal_align="top_left"):
     """Gradients ``(dq, dk, dv)`` from the forward's ``o`` and ``lse``, recomputing P tile by tile.
     ``deterministic=False`` adds dQ atomically and skips the dQ kernel (measured slower on the H100; the last
     bits vary run to run). With ``dropout_p`` the ``seed`` the forward used is required. ``check_finite`` as
@@ -507,7 +522,8 @@ def flash_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, d
         raise ValueError("flash_attention_backward with dropout_p > 0 needs the seed the forward used "
                          "(a new one would draw a different mask)")
     feat = Features(q, k, dropout_p, seed, block_mask, block_size, causal=causal, scale=scale,
-                    window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, check_finite=check_finite)
+                    window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, check_finite=check_finite,
+                    causal_align=causal_align)
     validation.check_same_shape("o", o, "q", q)
     validation.check_same_shape("do", do, "o", o)
     if do.dtype != q.dtype or o.dtype != q.dtype:
@@ -518,7 +534,7 @@ def flash_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, d
         validation.check_finite({"o": o, "do": do})
         validation.check_finite({"lse": lse}, allow_neg_inf=True)
     with torch.no_grad():
-        return _backward(q, k, v, o, _stats_from_lse(lse), do, causal, scale, deterministic, feat)
+        return _backward(q, k, v, o, _stats_from_lse(lse), do, scale, deterministic, feat)
 
 
 flash_attention_backward.__doc__ += _FEATURES_DOC
@@ -532,14 +548,16 @@ class FlashAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal=False, sm_scale=None, deterministic=True, check_finite=True, dropout_p=0.0,
-                seed=None, block_mask=None, block_size=128, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+                seed=None, block_mask=None, block_size=128, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                causal_align="top_left"):
         _, scale = _check(q, k, v, causal, sm_scale, check_finite)
         validation.check_bool("deterministic", deterministic)
         feat = Features(q, k, dropout_p, seed, block_mask, block_size, causal=causal, scale=scale,
-                        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, check_finite=check_finite)
-        o, _, (m2, l2) = _forward(q, k, v, causal, scale, feat)
+                        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, check_finite=check_finite,
+                        causal_align=causal_align)
+        o, _, (m2, l2) = _forward(q, k, v, scale, feat)
         ctx.save_for_backward(q, k, v, o, m2, l2)
-        ctx.causal, ctx.sm_scale, ctx.deterministic, ctx.check_finite = causal, scale, deterministic, check_finite
+        ctx.sm_scale, ctx.deterministic, ctx.check_finite = scale, deterministic, check_finite
         ctx.feat = feat  # the seed, the block mask and the slopes: autograd keeps them for the backward
         return o
 
@@ -548,18 +566,21 @@ class FlashAttentionFunction(torch.autograd.Function):
         q, k, v, o, m2, l2 = ctx.saved_tensors
         if ctx.check_finite:
             validation.check_finite({"do (the gradient of o)": do})
-        dq, dk, dv = _backward(q, k, v, o, (m2, l2), do, ctx.causal, ctx.sm_scale, ctx.deterministic, ctx.feat)
+        dq, dk, dv = _backward(q, k, v, o, (m2, l2), do, ctx.sm_scale, ctx.deterministic, ctx.feat)
         return dq, dk, dv, *(None,) * 12
 
 
 def flash_attention(q, k, v, causal=False, sm_scale=None, deterministic=True, *, dropout_p=0.0, seed=None,
                     block_mask=None, block_size=128, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                    check_finite=True):
+                    check_finite=True, causal_align="top_left"):
     """FlashAttention as a differentiable PyTorch op: ``o = flash_attention(q, k, v, causal, sm_scale)``.
 
     ``q``: ``(B, H, N_q, d)``, ``k`` and ``v``: ``(B, H_kv, N_k, d)``, float16, bfloat16 (compute capability
     8.0+) or float32, any strides, ``d <= 256``. ``causal`` is top-left aligned (query i sees keys j <= i),
-    as ``scaled_dot_product_attention(is_causal=True)``; ``sm_scale`` defaults to ``1/sqrt(d)``.
+    as ``scaled_dot_product_attention(is_causal=True)``, or with ``causal_align="bottom_right"`` at the
+    bottom-right corner (query i sees keys ``j <= i + N_k - N_q``, FlashAttention's convention: what decoding
+    and chunked prefill need; notebook ``13_beyond_one_gpu_and_decoding``); ``sm_scale`` defaults to
+    ``1/sqrt(d)``.
     ``deterministic`` (default True): the backward pass writes each gradient element from one program, so
     repeated runs agree bit for bit; False adds dQ with atomic additions instead, as FlashAttention-2 does,
     which saves two of the seven tile products but lets the last bits of dQ vary between runs (and on the
@@ -571,7 +592,7 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, deterministic=True, *,
     Notebooks ``07_triton_forward`` and ``08_triton_backward``.
     """
     return FlashAttentionFunction.apply(q, k, v, causal, sm_scale, deterministic, check_finite, dropout_p, seed,
-                                        block_mask, block_size, window_size, softcap, alibi_slopes)
+                                        block_mask, block_size, window_size, softcap, alibi_slopes, causal_align)
 
 
 flash_attention.__doc__ += _FEATURES_DOC
@@ -624,9 +645,9 @@ class FlashAttentionVarlenFunction(torch.autograd.Function):
         validation.check_bool("deterministic", deterministic)
         feat = Features(q4, k4, causal=causal, scale=scale, window_size=window_size, softcap=softcap,
                         alibi_slopes=alibi_slopes, varlen=varlen, check_finite=check_finite)
-        o4, lse, (m2, l2) = _forward(q4, k4, v4, causal, scale, feat)
+        o4, lse, (m2, l2) = _forward(q4, k4, v4, scale, feat)
         ctx.save_for_backward(q, k, v, o4, m2, l2)
-        ctx.causal, ctx.sm_scale, ctx.deterministic, ctx.check_finite = causal, scale, deterministic, check_finite
+        ctx.sm_scale, ctx.deterministic, ctx.check_finite = scale, deterministic, check_finite
         ctx.feat = feat
         lse = lse[0]  # (H, total_q), as FlashAttention returns it
         ctx.mark_non_differentiable(lse)
@@ -638,7 +659,7 @@ class FlashAttentionVarlenFunction(torch.autograd.Function):
         if ctx.check_finite:
             validation.check_finite({"do (the gradient of o)": do})
         q4, k4, v4, do4 = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v, do))
-        dq, dk, dv = _backward(q4, k4, v4, o4, (m2, l2), do4, ctx.causal, ctx.sm_scale, ctx.deterministic, ctx.feat)
+        dq, dk, dv = _backward(q4, k4, v4, o4, (m2, l2), do4, ctx.sm_scale, ctx.deterministic, ctx.feat)
         return (*(x[0].transpose(0, 1) for x in (dq, dk, dv)), *(None,) * 11)
 
 
