@@ -204,3 +204,40 @@ def test_update_and_merge_misuse():
         osm.update(osm.init(d=1), np.ones(2))
     with pytest.raises(ValueError, match="both"):
         osm.merge(osm.init(), osm.init(d=1))
+
+
+@pytest.mark.parametrize("split", [1, 6, 10])
+@pytest.mark.parametrize("as_torch", [False, True])
+def test_merge_outputs_of_two_key_sets_is_attention_over_both(split, as_torch):
+    """(O, lse) of keys [0, split) and of [split, N_k), merged, are attention over all keys; a part with no key
+    (split = N_k: the second is empty, lse = -inf) weighs nothing."""
+    import torch
+
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((2, 3, 5, 8)) * 4
+    k, v = rng.standard_normal((2, 3, 10, 8)), rng.standard_normal((2, 3, 10, 8))
+    want_o, want_lse = reference.attention(q, k, v, return_lse=True)
+    a = reference.attention(q, k[..., :split, :], v[..., :split, :], return_lse=True)
+    if split < 10:
+        b = reference.attention(q, k[..., split:, :], v[..., split:, :], return_lse=True)
+    else:
+        b = (np.zeros_like(a[0]), np.full_like(a[1], -np.inf))
+    args = [torch.from_numpy(x) if as_torch else x for x in (*a, *b)]
+    o, lse = osm.merge_outputs(*args)
+    np.testing.assert_allclose(np.asarray(o), want_o, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=0, atol=1e-12)
+
+
+def test_merge_outputs_of_two_empty_parts_is_zero_not_nan():
+    empty = np.full((2, 3), -np.inf)
+    o, lse = osm.merge_outputs(np.zeros((2, 3, 4)), empty, np.zeros((2, 3, 4)), empty)
+    assert np.all(o == 0) and np.all(np.isneginf(lse))
+
+
+def test_merge_outputs_misuse():
+    import torch
+
+    with pytest.raises(TypeError, match="one array type"):
+        osm.merge_outputs(np.zeros((2, 4)), np.zeros(2), torch.zeros(2, 4), torch.zeros(2))
+    with pytest.raises(ValueError, match="lse.shape"):
+        osm.merge_outputs(np.zeros((2, 4)), np.zeros(3), np.zeros((2, 4)), np.zeros(3))
