@@ -17,6 +17,7 @@ Modules, one idea each (import the one you need; the GPU ones import torch, trit
 - ``flashref.triton``         Triton forward and backward as a ``torch.autograd.Function`` (and a custom op)
 - ``flashref.torch_attention`` attention in plain PyTorch: the baseline, SDPA, a sliding window, Performer
 - ``flashref.model``          a small GPT trained on tiny Shakespeare with any of those attentions
+- ``flashref.ring_attention`` exact attention over a sequence sharded across GPUs (a ring over torch.distributed)
 - ``flashref.bench``          the benchmark harness (``python -m flashref.bench``)
 - ``flashref.exercises``      checkers for the notebooks' exercises
 - ``flashref.tolerance``      the one low-precision tolerance rule every test and notebook uses

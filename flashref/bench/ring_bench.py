@@ -1,0 +1,628 @@
+"""Ring attention over the GPUs of one machine against FlashAttention on one GPU, in one run.
+
+    python -m flashref.bench ring                # the points below, on every visible GPU
+
+It spawns its own processes: first one on GPU 0 for the baseline (:func:`flashref.triton.flash_attention` on
+the whole sequence), then one per visible GPU joined by NCCL for :func:`flashref.ring_attention.ring_attention`
+(each holding 1/R of the sequence; zigzag layout when causal). The parent process never touches a GPU, so
+each worker has its GPU's whole memory.
+
+- ``scaling``: fp16, B = 1, H = H_kv = 16, d = 128, N = 32K, 64K, 128K, 256K tokens, causal and not:
+  forward + backward time (CUDA events, after a warm-up; repeated up to 10 times within ~1.5 s, the slowest
+  rank's time), tokens/s, TFLOP/s (the whole sequence's FLOPs, :func:`flashref.bench.results.flops`, so the
+  ring's figure is all GPUs together) and the peak memory of the busiest GPU; the ring's rows carry
+  ``speedup`` = 1-GPU time / ring time (the ratio of tokens/s).
+- ``longest``: N doubled from 256K until out of memory, for 1 GPU and for the ring, with the peak memory per
+  GPU. The probe runs one forward + backward with a causal window of 128 keys (``window_size=(127, 0)``):
+  the kernels allocate exactly what the dense ones do (the window only skips tiles), so what fits is the
+  same, and a probe takes seconds rather than the minutes of dense attention at millions of tokens.
+- ``trace``: a ``torch.profiler`` trace of one ring forward + backward at N = 128K, causal, on rank 0, reduced
+  to its GPU kernels ``[stream, name, start_us, dur_us]``: the attention kernels on the compute stream and
+  NCCL's send/receive kernels on its own, to see whether communication hides behind compute
+  (:func:`plot_timeline`, :func:`overlap_fraction`).
+
+The Triton kernels' tile configs are autotuned once at N = 16K and then pinned (``fixed_configs``) for
+every point of both sides: autotuning at 256K would time each config for seconds, and pinned configs make the
+comparison the ring's, not the autotuner's. Results go to ``book/data/ring_bench.json`` with the device,
+library versions, command and pinned configs (:func:`load_results` reads them back; :func:`scaling_table`,
+:func:`longest_table` and :func:`plot_timeline` show them). Sized to take under 5 minutes on two H200s. Notebook
+``13_beyond_one_gpu_and_decoding``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import queue as queue_module
+import socket
+import sys
+import tempfile
+import time
+import traceback
+
+from flashref.bench import results
+from flashref.bench.results import flops
+
+PARTS = ("scaling", "longest", "trace")
+B, H, D = 1, 16, 128
+LENGTHS = [32768, 65536, 131072, 262144]
+TUNE_N = 16384
+TRACE_N = 131072
+LONGEST_FROM = 262144
+LONGEST_MAX = 1 << 24
+PROBE_WINDOW = (127, 0)
+BUDGET_S = 1.5
+MAX_REPS = 10
+PHASE_TIMEOUT_S = 600
+
+
+# ---- reading a saved run: pure Python, tested on the CPU ------------------------------------------------------
+
+def load_results(path=None) -> dict:
+    """The committed run, book/data/ring_bench.json (or ``path``), read by :func:`flashref.bench.results.load`."""
+    return results.load("ring_bench.json", path)
+
+
+def is_communication(name: str) -> bool:
+    """Whether a GPU kernel is NCCL's (communication) rather than compute."""
+    return "nccl" in name.lower()
+
+
+def _gib(nbytes) -> str:
+    return "-" if nbytes is None else f"{nbytes / 2**30:.1f}"
+
+
+def scaling_table(rows) -> str:
+    """A text table of the ``scaling`` rows: per (causal, N), the 1-GPU and the ring's forward + backward time,
+    tokens/s, the speedup and each one's peak memory per GPU."""
+    sel = [r for r in rows if r.get("part") == "scaling"]
+    one = {(r["causal"], r["N"]): r for r in sel if r["gpus"] == 1}
+    rings = sorted({r["gpus"] for r in sel if r["gpus"] > 1})
+    head = f"{'causal':>6s} {'N':>7s} {'1 GPU ms':>9s} {'Mtok/s':>7s} {'GiB':>5s}"
+    for g in rings:
+        head += f" | {f'{g} GPUs ms':>10s} {'Mtok/s':>7s} {'GiB/GPU':>7s} {'speedup':>7s}"
+    lines = [head]
+    for causal, N in sorted({(r["causal"], r["N"]) for r in sel}):
+        base = one.get((causal, N), {})
+        line = f"{str(causal):>6s} {N // 1024:>6d}K " + _cells(base, 9, 5)
+        for g in rings:
+            r = next((x for x in sel if x["gpus"] == g and x["causal"] == causal and x["N"] == N), {})
+            line += " | " + _cells(r, 10, 7)
+            line += f" {r['speedup']:7.2f}" if r.get("speedup") else f" {'-':>7s}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def _cells(r, w_ms, w_gib) -> str:
+    if r.get("status", "ok") != "ok" or "ms" not in r:
+        return f"{r.get('status', '-')[:w_ms]:>{w_ms}s} {'-':>7s} {'-':>{w_gib}s}"
+    return f"{r['ms']:{w_ms}.1f} {r['tokens_per_s'] / 1e6:7.3f} {_gib(r.get('peak_bytes')):>{w_gib}s}"
+
+
+def longest_fit(rows) -> dict:
+    """``{gpus: (N, peak_bytes)}``: the longest N whose ``longest`` probe fit, per number of GPUs."""
+    best = {}
+    for r in rows:
+        if r.get("part") == "longest" and r.get("status") == "ok" and r["N"] > best.get(r["gpus"], (0, 0))[0]:
+            best[r["gpus"]] = (r["N"], r.get("peak_bytes"))
+    return best
+
+
+def longest_table(rows) -> str:
+    """Each probed N and what happened, per number of GPUs, then the longest that fit."""
+    sel = sorted((r for r in rows if r.get("part") == "longest"), key=lambda r: (r["gpus"], r["N"]))
+    lines = [f"{'GPUs':>4s} {'N':>9s} {'status':>10s} {'peak GiB/GPU':>12s}"]
+    lines += [f"{r['gpus']:>4d} {r['N']:>9d} {r['status'][:10]:>10s} {_gib(r.get('peak_bytes')):>12s}" for r in sel]
+    for g, (N, peak) in sorted(longest_fit(rows).items()):
+        lines.append(f"longest on {g} GPU{'s' if g > 1 else ''}: N = {N} ({N // 1024}K tokens), {_gib(peak)} GiB per GPU")
+    return "\n".join(lines)
+
+
+def _intervals(events, communication: bool):
+    spans = sorted((e[2], e[2] + e[3]) for e in events if is_communication(e[1]) == communication)
+    merged = []
+    for a, b in spans:
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return merged
+
+
+def overlap_fraction(trace) -> float:
+    """The fraction of the time NCCL kernels run during which a compute kernel runs too (1: communication
+    wholly hidden behind compute; 0: none of it). ``trace``: the saved dict (``data["trace"]``) or the
+    whole results dict."""
+    trace = trace.get("trace", trace)
+    comm, comp = _intervals(trace["events"], True), _intervals(trace["events"], False)
+    total = sum(b - a for a, b in comm)
+    if total == 0:
+        return 0.0
+    both = 0.0
+    for a, b in comm:
+        for c, d in comp:
+            both += max(0.0, min(b, d) - max(a, c))
+    return both / total
+
+
+def plot_timeline(data, ax=None, title=None):
+    """The GPU kernels of the saved trace on a time axis (ms), one row per CUDA stream, compute kernels and
+    NCCL kernels in two colours. ``data``: the results dict (or its ``trace``). Returns the figure."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    trace = data.get("trace", data)
+    events = trace["events"]
+    streams = sorted({e[0] for e in events}, key=lambda s: (any(is_communication(e[1]) for e in events if e[0] == s), s))
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(10, 0.6 + 0.55 * max(1, len(streams))))
+    else:
+        fig = ax.figure
+    colors = {False: "tab:blue", True: "tab:orange"}
+    for y, s in enumerate(streams):
+        for comm in (False, True):
+            bars = [(e[2] / 1e3, max(e[3], 0.5) / 1e3) for e in events if e[0] == s and is_communication(e[1]) == comm]
+            if bars:
+                ax.broken_barh(bars, (y - 0.35, 0.7), facecolors=colors[comm], edgecolor="white", linewidth=0.3)
+    labels = []
+    for s in streams:
+        kind = "NCCL" if any(is_communication(e[1]) for e in events if e[0] == s) else "compute"
+        labels.append(f"stream {s} ({kind})")
+    ax.set_yticks(range(len(streams)), labels)
+    ax.set_ylim(-0.6, len(streams) - 0.4)
+    ax.invert_yaxis()
+    ax.set_xlabel("time (ms)")
+    ax.legend(handles=[Patch(color=colors[False], label="compute kernels"),
+                       Patch(color=colors[True], label="NCCL kernels (send/receive)")], loc="upper left",
+              bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    if title is None:
+        title = (f"ring attention forward + backward, rank {trace.get('rank', 0)} of {trace.get('gpus', '?')}, "
+                 f"N = {trace.get('N', '?')}, causal = {trace.get('causal', '?')}: "
+                 f"{overlap_fraction(trace):.0%} of NCCL time overlaps compute")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def reduce_chrome_trace(trace_json: dict, device: int | None = None, max_name: int = 80) -> list:
+    """The GPU kernels of a Chrome trace (``torch.profiler``'s ``export_chrome_trace``) as ``[stream, name,
+    start_us, dur_us]`` sorted by start, times from the first kernel's start (on ``device`` only, when given)."""
+    kernels = [e for e in trace_json.get("traceEvents", []) if e.get("cat") == "kernel" and "dur" in e
+               and (device is None or e.get("args", {}).get("device") in (None, device))]
+    if not kernels:
+        return []
+    t0 = min(float(e["ts"]) for e in kernels)
+    out = [[int(e.get("args", {}).get("stream", e.get("tid", 0))), str(e["name"])[:max_name],
+            round(float(e["ts"]) - t0, 1), round(float(e["dur"]), 1)] for e in kernels]
+    return sorted(out, key=lambda e: e[2])
+
+
+# ---- measuring (GPU workers) -----------------------------------------------------------------------------------
+
+def _inputs(n, H_kv, seed):
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, H, n, D, device="cuda", dtype=torch.float16, generator=g)
+    k, v = (torch.randn(B, H_kv, n, D, device="cuda", dtype=torch.float16, generator=g) for _ in range(2))
+    do = torch.randn(B, H, n, D, device="cuda", dtype=torch.float16, generator=g)
+    for x in (q, k, v):
+        x.requires_grad_(True)
+    return q, k, v, do
+
+
+def _fwd_bwd(fn, q, k, v, do):
+    def step():
+        for x in (q, k, v):
+            x.grad = None
+        fn(q, k, v).backward(do)
+
+    return step
+
+
+def _status(exc) -> str:
+    return "OOM" if results.is_oom(exc) else f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+
+
+class _Ranks:
+    """Agreement between the ranks over a gloo group (CPU: waiting costs no GPU); one rank: a no-op."""
+
+    def __init__(self, group=None, world=1):
+        self.group, self.world = group, world
+
+    def reduce(self, value: float, op: str) -> float:
+        if self.world == 1:
+            return value
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([float(value)], dtype=torch.float64)
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, op), group=self.group)
+        return float(t.item())
+
+    def barrier(self):
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.group)
+
+
+def _time_ms(step, ranks: _Ranks):
+    """(ms per call, peak bytes of the busiest GPU): a warm-up, one timed call, then up to MAX_REPS within
+    BUDGET_S; every rank runs as many, and the slowest rank's time counts."""
+    import torch
+
+    step()
+    torch.cuda.synchronize()
+
+    def timed(reps):
+        ranks.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            step()
+        end.record()
+        torch.cuda.synchronize()
+        return ranks.reduce(start.elapsed_time(end) / reps, "MAX")
+
+    torch.cuda.reset_peak_memory_stats()
+    ms = timed(1)
+    reps = int(ranks.reduce(max(1, min(MAX_REPS, int(BUDGET_S * 1e3 / max(ms, 1e-3)))), "MIN"))
+    if reps > 1:
+        ms = timed(reps)
+    return ms, int(ranks.reduce(torch.cuda.max_memory_allocated(), "MAX"))
+
+
+def _scaling_row(impl, gpus, N, causal, ms, peak):
+    return {"part": "scaling", "impl": impl, "gpus": gpus, "B": B, "H": H, "H_kv": H, "N": N, "d": D,
+            "causal": causal, "status": "ok", "ms": ms, "tokens_per_s": B * N / (ms * 1e-3),
+            "tflops": flops(B, H, N, N, D, causal, "fwd+bwd") / (ms * 1e-3) / 1e12,
+            "tflops_per_gpu": flops(B, H, N, N, D, causal, "fwd+bwd") / (ms * 1e-3) / 1e12 / gpus,
+            "peak_bytes": peak}
+
+
+def _tune():
+    """Autotune the three kernels once at TUNE_N (non-causal) and return the configs they chose, to pin."""
+    import torch
+
+    from flashref.triton import flash_attention, ops
+
+    q, k, v, do = _inputs(TUNE_N, H, 0)
+    flash_attention(q, k, v, check_finite=False).backward(do)
+    torch.cuda.synchronize()
+    chosen = {}
+    for key, cfg in ops._CHOSEN.items():
+        chosen[key[0]] = cfg
+    return chosen
+
+
+def _one_gpu_worker(args: dict, out):
+    """GPU 0: the device name, the pinned configs, then flash_attention on the whole sequence."""
+    try:
+        import torch
+
+        torch.cuda.set_device(0)
+        from flashref.triton import flash_attention
+        from flashref.triton.ops import fixed_configs
+
+        out.put(("device", torch.cuda.get_device_name(0)))
+        pinned = _tune()
+        out.put(("pinned", pinned))
+        ranks = _Ranks()
+        with fixed_configs(**pinned):
+            if "scaling" in args["parts"]:
+                for causal in (False, True):
+                    for N in args["lengths"]:
+                        out.put(("row", _one_gpu_point(flash_attention, N, causal, ranks)))
+            if "longest" in args["parts"]:
+                for row in _longest_one_gpu(flash_attention, args["longest_max"]):
+                    out.put(("row", row))
+        out.put(("done", 0))
+    except BaseException:  # noqa: BLE001 (the parent shows it)
+        out.put(("error", 0, traceback.format_exc()))
+
+
+def _one_gpu_point(flash_attention, N, causal, ranks):
+    import torch
+
+    try:
+        q, k, v, do = _inputs(N, H, 1)
+        ms, peak = _time_ms(_fwd_bwd(lambda q, k, v: flash_attention(q, k, v, causal=causal, check_finite=False),
+                                     q, k, v, do), ranks)
+        row = _scaling_row("flashref-triton 1 GPU", 1, N, causal, ms, peak)
+    except Exception as exc:  # noqa: BLE001 (recorded)
+        row = {"part": "scaling", "impl": "flashref-triton 1 GPU", "gpus": 1, "N": N, "causal": causal,
+               "status": _status(exc)}
+    q = k = v = do = None
+    torch.cuda.empty_cache()
+    return row
+
+
+def _probe_row(impl, gpus, N, status, peak=None):
+    return {"part": "longest", "impl": impl, "gpus": gpus, "B": B, "H": H, "H_kv": H, "N": N, "d": D,
+            "probe": f"fwd+bwd, window_size={list(PROBE_WINDOW)}", "status": status, "peak_bytes": peak}
+
+
+def _longest_one_gpu(flash_attention, longest_max):
+    import torch
+
+    N = LONGEST_FROM
+    while N <= longest_max:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            q, k, v, do = _inputs(N, H, 2)
+            flash_attention(q, k, v, causal=True, window_size=PROBE_WINDOW, check_finite=False).backward(do)
+            torch.cuda.synchronize()
+            status, peak = "ok", int(torch.cuda.max_memory_allocated())
+        except Exception as exc:  # noqa: BLE001 (out of memory is the result)
+            status, peak = _status(exc), None
+        q = k = v = do = None
+        yield _probe_row("flashref-triton 1 GPU", 1, N, status, peak)
+        if status != "ok":
+            return
+        N *= 2
+
+
+def _ring_worker(rank, world, port, args: dict, pinned, out):
+    """One GPU of the ring: NCCL for the attention, a gloo group beside it for agreeing on counts and times."""
+    exit_hard = False
+    try:
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        torch.cuda.set_device(rank)
+        import flashref.triton  # noqa: F401
+        from flashref.triton.ops import fixed_configs
+
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=180))
+        ranks = _Ranks(dist.new_group(backend="gloo"), world)
+        with fixed_configs(**pinned):
+            if "scaling" in args["parts"]:
+                for causal in (False, True):
+                    for N in args["lengths"]:
+                        row = _ring_point(N, causal, rank, world, ranks)
+                        if rank == 0:
+                            out.put(("row", row))
+            if "trace" in args["parts"]:
+                trace = _ring_trace(args["trace_n"], True, rank, world, ranks)
+                if rank == 0:
+                    out.put(("trace", trace))
+            if "longest" in args["parts"]:
+                for row in _longest_ring(rank, world, ranks, args["longest_max"]):
+                    if rank == 0:
+                        out.put(("row", row))
+                    if row["status"] != "ok":
+                        # After out of memory the ring's transfers may be half done: no synchronization now
+                        # (it could wait forever), and no orderly shutdown of NCCL either.
+                        exit_hard = True
+        if not exit_hard:
+            ranks.barrier()
+            dist.destroy_process_group()
+        out.put(("done", rank))
+    except BaseException:  # noqa: BLE001 (the parent shows it)
+        out.put(("error", rank, traceback.format_exc()))
+        exit_hard = True
+    if exit_hard:
+        out.close()
+        out.join_thread()  # what was put is delivered before the process ends
+        os._exit(0)
+
+
+def _ring_fn(causal):
+    from flashref.ring_attention import ring_attention
+
+    return lambda q, k, v: ring_attention(q, k, v, causal=causal, check_finite=False)
+
+
+def _ring_point(N, causal, rank, world, ranks):
+    import torch
+
+    impl = f"ring {world} GPUs"
+    try:
+        q, k, v, do = _inputs(N // world, H, 100 + rank)  # this rank's shard (values: random; layout: any)
+        ms, peak = _time_ms(_fwd_bwd(_ring_fn(causal), q, k, v, do), ranks)
+        row = _scaling_row(impl, world, N, causal, ms, peak)
+    except Exception as exc:  # noqa: BLE001 (recorded; a failure in one rank only would hang: it is not expected)
+        row = {"part": "scaling", "impl": impl, "gpus": world, "N": N, "causal": causal, "status": _status(exc)}
+    q = k = v = do = None
+    torch.cuda.empty_cache()
+    return row
+
+
+def _ring_trace(N, causal, rank, world, ranks):
+    """One ring forward + backward after a warm-up, profiled on rank 0: its GPU kernels."""
+    import torch
+
+    q, k, v, do = _inputs(N // world, H, 200 + rank)
+    step = _fwd_bwd(_ring_fn(causal), q, k, v, do)
+    step()
+    torch.cuda.synchronize()
+    ranks.barrier()
+    if rank != 0:
+        step()
+        torch.cuda.synchronize()
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = reduce_chrome_trace(json.load(f), device=torch.cuda.current_device())
+    span = max((e[2] + e[3] for e in events), default=0.0)
+    return {"N": N, "causal": causal, "gpus": world, "rank": 0, "B": B, "H": H, "d": D, "span_us": span,
+            "events": events}
+
+
+def _longest_ring(rank, world, ranks, longest_max):
+    """N doubled from LONGEST_FROM; every rank learns whether all ranks fit before anything synchronizes."""
+    import torch
+
+    import flashref.ring_attention as ring_module
+    from functools import partial
+
+    saved = ring_module.flash_attention_forward, ring_module.flash_attention_backward
+    # The probe's window: the same allocations as the dense kernels, a fraction of their work.
+    ring_module.flash_attention_forward = partial(saved[0], window_size=PROBE_WINDOW)
+    ring_module.flash_attention_backward = partial(saved[1], window_size=PROBE_WINDOW)
+    impl = f"ring {world} GPUs"
+    try:
+        N = LONGEST_FROM
+        while N <= longest_max:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            try:
+                q, k, v, do = _inputs(N // world, H, 300 + rank)
+                _fwd_bwd(_ring_fn(True), q, k, v, do)()
+                status = "ok"
+            except Exception as exc:  # noqa: BLE001 (out of memory is the result)
+                status = _status(exc)
+            q = k = v = do = None
+            failed = ranks.reduce(0.0 if status == "ok" else 1.0, "SUM")
+            if failed == 0:
+                torch.cuda.synchronize()
+                yield _probe_row(impl, world, N, "ok", int(ranks.reduce(torch.cuda.max_memory_allocated(), "MAX")))
+                N *= 2
+                continue
+            yield _probe_row(impl, world, N, status if status != "ok" else f"OOM on {int(failed)} of {world} ranks")
+            return
+    finally:
+        ring_module.flash_attention_forward, ring_module.flash_attention_backward = saved
+
+
+# ---- the parent: spawns the workers, records what they send --------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(targets, on_message, timeout=PHASE_TIMEOUT_S) -> list:
+    """Start one spawned process per ``(target, args)``, hand each message to ``on_message`` until every one
+    said done, failed or the time ran out; returns the failures (text, with the workers' tracebacks)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=t, args=(*a, out), daemon=True) for t, a in targets]
+    for p in procs:
+        p.start()
+    done, failures = set(), []
+    deadline = time.monotonic() + timeout
+    try:
+        while len(done) < len(procs) and not failures:
+            try:
+                msg = out.get(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
+            except queue_module.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    failures.append(f"workers exited with {dead}" if dead else f"no answer within {timeout} s")
+                continue
+            if msg[0] == "done":
+                done.add(msg[1])
+            elif msg[0] == "error":
+                failures.append(f"rank {msg[1]} failed:\n{msg[2]}")
+            else:
+                on_message(msg)
+    finally:
+        for p in procs:
+            p.join(timeout=30 if not failures else 5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    return failures
+
+
+def _print(r):
+    head = f"{r['part']:8s} {r['impl']:22s} N={r['N']:>8d} causal={str(r.get('causal', '-')):5s}"
+    if r.get("status") != "ok":
+        print(f"{head} {r.get('status')}", flush=True)
+    elif r["part"] == "scaling":
+        extra = f" x{r['speedup']:.2f}" if r.get("speedup") else ""
+        print(f"{head} {r['ms']:9.1f} ms {r['tokens_per_s'] / 1e6:7.3f} Mtok/s {r['tflops']:6.1f} TFLOP/s "
+              f"{_gib(r['peak_bytes'])} GiB/GPU{extra}", flush=True)
+    else:
+        print(f"{head} fits, {_gib(r['peak_bytes'])} GiB/GPU", flush=True)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m flashref.bench ring", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="book/data/ring_bench.json")
+    p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
+    p.add_argument("--n", nargs="+", type=int, default=None, metavar="N",
+                   help=f"sequence lengths of the scaling part (default {' '.join(map(str, LENGTHS))})")
+    p.add_argument("--gpus", type=int, default=None, help="GPUs in the ring (default: every visible one)")
+    p.add_argument("--trace-n", type=int, default=TRACE_N)
+    p.add_argument("--longest-max", type=int, default=LONGEST_MAX, help="stop doubling N past this")
+    p.add_argument("--append", action="store_true",
+                   help="add to the rows already in --out (a run split over several calls; same GPU and versions)")
+    args = p.parse_args(argv)
+    for N in (args.n or []) + [args.trace_n]:
+        if N <= 0 or N % 64:
+            p.error(f"sequence lengths must be positive multiples of 64 (the zigzag layout's 2R chunks), got {N}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():  # no CUDA context here: the workers have the GPUs to themselves
+        print("flashref.bench ring needs CUDA devices", file=sys.stderr)
+        return 2
+    gpus = args.gpus or torch.cuda.device_count()
+    lengths = args.n or LENGTHS
+    work = {"parts": args.parts, "lengths": lengths, "trace_n": args.trace_n, "longest_max": args.longest_max}
+    command = results.command("ring", argv)
+    state = {"data": None, "add": None, "pinned": None, "base": {}}
+
+    def on_message(msg):
+        kind = msg[0]
+        if kind == "device":
+            state["data"] = results.start(args.out if args.append else None, msg[1], results.versions(), command,
+                                          dtype="float16", gpus=gpus)
+            state["add"] = results.recorder(state["data"], args.out, show=_print)
+        elif kind == "pinned":
+            state["pinned"] = msg[1]
+            state["data"]["pinned_configs"] = {k: dataclasses.asdict(v) for k, v in msg[1].items()}
+            state["data"]["tuned_at_N"] = TUNE_N
+        elif kind == "row":
+            row = msg[1]
+            if row["part"] == "scaling" and row.get("status") == "ok":
+                if row["gpus"] == 1:
+                    state["base"][(row["causal"], row["N"])] = row
+                elif (row["causal"], row["N"]) in state["base"]:
+                    row["speedup"] = state["base"][(row["causal"], row["N"])]["ms"] / row["ms"]
+            state["add"](row)
+        elif kind == "trace":
+            state["data"]["trace"] = msg[1]
+            results.save(state["data"], args.out)
+            print(f"trace    {len(msg[1]['events'])} kernels over {msg[1]['span_us'] / 1e3:.1f} ms, "
+                  f"{overlap_fraction(msg[1]):.0%} of NCCL time overlapping compute", flush=True)
+
+    failures = _run([(_one_gpu_worker, (work,))], on_message)
+    if not failures and gpus > 1 and state["pinned"] is not None:
+        port = _free_port()
+        failures = _run([(_ring_worker, (r, gpus, port, work, state["pinned"])) for r in range(gpus)], on_message)
+    elif gpus < 2:
+        print("one GPU visible: the ring's parts are skipped", file=sys.stderr)
+    if state["data"] is not None:
+        results.save(state["data"], args.out)
+    for f in failures:
+        print(f, file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

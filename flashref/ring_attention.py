@@ -1,0 +1,430 @@
+"""Exact ring attention (context parallelism): one long sequence cut across the GPUs of a process group.
+
+Taught in notebook ``13_beyond_one_gpu_and_decoding``.
+
+    from flashref.ring_attention import ring_attention, shard_sequence, gather_sequence
+    q_r, k_r, v_r = (shard_sequence(x, rank, world_size, zigzag=True) for x in (q, k, v))
+    o_r = ring_attention(q_r, k_r, v_r, causal=True)      # this rank's rows of O; differentiable
+
+**The ring.** Each of the R ranks holds a shard of Q, K and V along the sequence (dim 2 of ``(B, H, N_local,
+d)``). Its queries need every key, so the K/V shards travel around a ring: at step t rank r holds the block of
+rank ``r - t`` (mod R), computes its Q against it with the FlashAttention kernel (:mod:`flashref.triton`),
+hands the block on to rank ``r + 1`` and receives the next one from ``r - 1``. The transfer of the next block
+is posted (``torch.distributed.batch_isend_irecv``) before the compute on the current one starts, so the
+network works while the kernel does: after R steps every query has met every key, and no GPU ever held more
+than its own K/V shard and two visiting blocks. With NCCL on GPUs the sends run on NCCL's own stream, beside the kernels; with gloo on
+CPUs (the tests) the same code runs, the kernels in Triton's interpreter.
+
+**The merge.** Each step gives a partial attention over one key block: its normalized output O_b and its
+log-sum-exp lse_b = m_b + log l_b (the running max m and sum l of notebook ``02_online_softmax``). Two partial
+attentions over disjoint key sets combine exactly (:func:`flashref.online_softmax.merge_outputs`):
+``lse = logaddexp(lse_a, lse_b)``, ``O = exp(lse_a - lse) O_a + exp(lse_b - lse) O_b``, the merge tiles use
+inside one kernel, here between GPUs. O is accumulated in fp32 and rounded once at the end.
+
+**Causal, balanced ("zigzag").** Cut a causal sequence into R contiguous shards and rank 0 sees almost
+nothing while rank R-1 sees everything: the ring would wait on its slowest rank. Instead the sequence is cut
+into 2R chunks of c = N / (2R) tokens and rank r holds chunks r and 2R-1-r, one early and one late
+(:func:`shard_sequence` with ``zigzag=True``). Then (:func:`block_visibility`) the rank's own block is plain
+top-left causal on its 2c x 2c block; a block from rank s < r is seen by all local queries, but only its first
+chunk (s; its chunk 2R-1-s lies in every local query's future), without a mask; a block from s > r is seen
+only by the local second chunk (2R-1-r), whole, without a mask. Every step computes c x 2c (query, key) pairs,
+the own block's triangle as many: each rank does the same work at each step.
+
+**The backward reuses the forward's global lse.** The FlashAttention backward (notebook
+``05_backward_recomputation``) recomputes P = exp(S - lse) tile by tile; with the lse of the *whole* row
+(saved by the forward after the last merge), the P it recomputes for one key block is exactly that block's
+slice of the global softmax, not a softmax of the block alone, and D = rowsum(dO * O) uses the global O.
+So the per-block backward :func:`flashref.triton.flash_attention_backward` with the global O and lse gives
+each block's exact share of dQ (summed on the rank that owns Q) and of dK, dV. Those partial sums travel
+around the ring with their K/V block, each rank adding its share, and one more hop brings them home to the
+block's owner. They travel in fp32 and are rounded once at the end.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import flashref.triton  # noqa: F401  (first: switches Triton's interpreter on where there is no CUDA device)
+from flashref import validation
+from flashref.online_softmax import merge_outputs
+from flashref.triton import flash_attention_backward, flash_attention_forward
+from flashref.triton.ops import _check
+
+__all__ = ["ring_attention", "ring_attention_forward", "ring_attention_backward", "RingAttentionFunction",
+           "shard_sequence", "gather_sequence", "sequence_positions", "block_visibility"]
+
+# Message tags: K/V blocks and the dK/dV partial sums are separate streams of messages between two ranks
+# (gloo matches messages by tag; NCCL by order, which is the same on every rank anyway).
+_TAG_KV, _TAG_DKV = 0, 1
+_DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
+_FACT_NAMES = ("B", "H", "H_kv", "N_local", "d", "dtype", "causal", "sm_scale")  # what every rank must agree on
+_N_FACTS = len(_FACT_NAMES)
+
+
+# --------------------------------------------------------------------------------------------------
+# Layout: which tokens a rank holds (pure functions, no process group needed)
+# --------------------------------------------------------------------------------------------------
+
+def _check_layout(rank, world_size, zigzag):
+    validation.check_positive_int("world_size", world_size)
+    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be an int in [0, world_size) = [0, {world_size}), got {rank!r}")
+    validation.check_bool("zigzag", zigzag)
+    return int(rank), int(world_size)
+
+
+def _chunks_of(N: int, world_size: int, zigzag: bool, name: str) -> int:
+    """The chunk length: N / (2R) with zigzag, N / R without; ValueError naming ``name`` if N does not divide."""
+    parts = 2 * world_size if zigzag else world_size
+    if N % parts:
+        layout = f"zigzag=True cuts into 2 * world_size = {parts}" if zigzag else f"cuts into world_size = {parts}"
+        raise ValueError(f"{name} has N = {N} tokens along dim 2, which {layout} equal chunks: N must be a "
+                         f"multiple of {parts}")
+    return N // parts
+
+
+def sequence_positions(rank: int, world_size: int, N: int, zigzag: bool) -> np.ndarray:
+    """The global positions (int64, in local order) of the N / world_size tokens rank ``rank`` holds: the
+    contiguous slice ``[r n, (r + 1) n)``, or with ``zigzag`` chunk r then chunk 2R-1-r of 2R chunks of
+    N / (2R) tokens. Notebook ``13_beyond_one_gpu_and_decoding``."""
+    rank, world_size = _check_layout(rank, world_size, zigzag)
+    validation.check_positive_int("N", N)
+    c = _chunks_of(int(N), world_size, zigzag, "the sequence")
+    if not zigzag:
+        return np.arange(rank * c, (rank + 1) * c, dtype=np.int64)
+    late = 2 * world_size - 1 - rank
+    return np.concatenate([np.arange(rank * c, (rank + 1) * c), np.arange(late * c, (late + 1) * c)]).astype(np.int64)
+
+
+def _seq_tensor(name, x):
+    if not isinstance(x, (np.ndarray, torch.Tensor)):
+        raise TypeError(f"{name} must be a NumPy array or a torch.Tensor, got {type(x).__name__}")
+    if x.ndim < 3:
+        raise ValueError(f"{name} must have the sequence along dim 2, as (B, H, N, d) or (B, H, N), got shape "
+                         f"{tuple(x.shape)}")
+
+
+def _cat(parts):
+    return torch.cat(parts, dim=2) if isinstance(parts[0], torch.Tensor) else np.concatenate(parts, axis=2)
+
+
+def shard_sequence(x, rank: int, world_size: int, zigzag: bool):
+    """Rank ``rank``'s shard of ``x`` along dim 2 (``(B, H, N, d)``, or ``(B, H, N)`` for an lse; NumPy or
+    torch): the contiguous ``N / world_size`` tokens, or with ``zigzag`` (the causal layout) chunks r and
+    2R-1-r of 2R, concatenated in that order. N must be a multiple of 2R (zigzag) or R. A copy when zigzag
+    (two slices joined), a view otherwise. Notebook ``13_beyond_one_gpu_and_decoding``."""
+    _seq_tensor("x", x)
+    rank, world_size = _check_layout(rank, world_size, zigzag)
+    c = _chunks_of(x.shape[2], world_size, zigzag, "x")
+    if not zigzag:
+        return x[:, :, rank * c:(rank + 1) * c]
+    late = 2 * world_size - 1 - rank
+    return _cat([x[:, :, rank * c:(rank + 1) * c], x[:, :, late * c:(late + 1) * c]])
+
+
+def gather_sequence(shards, zigzag: bool):
+    """The whole sequence from the list of every rank's shard, in rank order: the inverse of
+    :func:`shard_sequence` (``gather_sequence([shard_sequence(x, r, R, z) for r in range(R)], z)`` is x).
+    Notebook ``13_beyond_one_gpu_and_decoding``."""
+    validation.check_bool("zigzag", zigzag)
+    if not isinstance(shards, (list, tuple)) or not shards:
+        raise TypeError(f"shards must be a non-empty list of every rank's shard, got {type(shards).__name__}"
+                        f"{' (empty)' if isinstance(shards, (list, tuple)) else ''}")
+    for r, s in enumerate(shards):
+        _seq_tensor(f"shards[{r}]", s)
+        if tuple(s.shape) != tuple(shards[0].shape):
+            raise ValueError(f"shards must all have one shape, got shards[0] {tuple(shards[0].shape)} and "
+                             f"shards[{r}] {tuple(s.shape)}")
+        if type(s) is not type(shards[0]):
+            raise TypeError("shards must be all NumPy arrays or all torch tensors")
+    if not zigzag:
+        return _cat(list(shards))
+    R, n = len(shards), shards[0].shape[2]
+    if n % 2:
+        raise ValueError(f"shards of the zigzag layout hold two chunks each: their N_local must be even, got {n}")
+    c = n // 2
+    chunks = [None] * (2 * R)
+    for r, s in enumerate(shards):
+        chunks[r], chunks[2 * R - 1 - r] = s[:, :, :c], s[:, :, c:]
+    return _cat(chunks)
+
+
+def block_visibility(rank: int, source: int, n_local: int, causal: bool):
+    """What rank ``rank``'s queries compute against the K/V block that rank ``source`` holds: ``(q_rows,
+    kv_rows, causal)``, two slices of the local rows and whether the pair is top-left causal. Non-causal:
+    everything, no mask. Causal (zigzag layout, ``n_local = 2c``): the own block is causal on all of it;
+    from ``source < rank`` all queries see the block's first chunk; from ``source > rank`` the second chunk
+    of queries sees the whole block. Each case is c x 2c (query, key) pairs, or the 2c x 2c triangle.
+    Notebook ``13_beyond_one_gpu_and_decoding``."""
+    everything = slice(0, n_local)
+    if not causal:
+        return everything, everything, False
+    if n_local % 2:
+        raise ValueError(f"causal ring attention needs the zigzag layout, two equal chunks per rank: n_local "
+                         f"must be even, got {n_local}")
+    c = n_local // 2
+    if source == rank:
+        return everything, everything, True
+    if source < rank:   # its chunk `source` lies before both local chunks; its chunk 2R-1-source after both
+        return everything, slice(0, c), False
+    return slice(c, n_local), everything, False  # both of its chunks lie after chunk `rank`, before 2R-1-rank
+
+
+# --------------------------------------------------------------------------------------------------
+# The process group: peers, one exchange around the ring, and agreement on the inputs
+# --------------------------------------------------------------------------------------------------
+
+def _group_of(group):
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("ring_attention needs an initialized torch.distributed process group: call "
+                           "torch.distributed.init_process_group('nccl') on GPUs (one process per GPU, after "
+                           "torch.cuda.set_device) or ('gloo') on CPUs first")
+    return dist.group.WORLD if group is None else group
+
+
+class _Ring:
+    """Rank, size and neighbours (global ranks, as point-to-point ops take them) of one group."""
+
+    def __init__(self, group):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
+
+    def exchange(self, tensors, tag):
+        """Post: send ``tensors`` to the next rank, receive as many like them from the previous one. Returns
+        the pending transfer; its ``wait()`` gives the received tensors. Nothing waits here, so the caller
+        computes while the transfer runs."""
+        return _Exchange(self, tensors, tag)
+
+
+class _Exchange:
+    def __init__(self, ring, tensors, tag):
+        if ring.size == 1:  # the ring is one rank: what it sends is what it receives
+            self.received, self.requests = list(tensors), []
+            return
+        self.received = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, ring.next, ring.group, tag) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, t, ring.prev, ring.group, tag) for t in self.received]
+        self.requests = dist.batch_isend_irecv(ops)
+
+    def wait(self):
+        # On NCCL this makes the current stream wait for the transfer (the CPU goes on); on gloo it blocks.
+        for request in self.requests:
+            request.wait()
+        return self.received
+
+
+def _local_facts(q, k, v, causal, sm_scale, ring, check_finite, extra=None):
+    """This rank's checks (and ``extra(check_finite)``, the backward's own). Returns ``(error or None, facts)``:
+    facts are what must agree between ranks (shapes, dtype, causal, scale), as floats; -1 where the checks
+    failed before they were known."""
+    facts = [-1.0] * _N_FACTS
+    try:
+        d, scale = _check(q, k, v, causal, sm_scale, check_finite=False)
+        B, H, n, _ = q.shape
+        facts = [float(B), float(H), float(k.shape[1]), float(n), float(d), float(_DTYPE_CODES[q.dtype]),
+                 float(causal), scale]
+        if causal and n % 2:
+            raise ValueError(f"causal ring attention takes the zigzag layout (shard_sequence(..., zigzag=True)): "
+                             f"each rank's N_local must be even (two chunks), got q with N_local = {n}")
+        if k.shape[2] != n:
+            raise ValueError(f"ring attention needs q, k and v sharded alike: N_local of k ({k.shape[2]}) must "
+                             f"equal N_local of q ({n})")
+        backend = dist.get_backend(ring.group)
+        if backend == "gloo" and q.device.type != "cpu":
+            raise ValueError(f"the gloo backend sends CPU tensors: q, k and v are on {q.device}; use the nccl "
+                             f"backend for GPU tensors")
+        if backend == "nccl" and q.device.type != "cuda":
+            raise ValueError(f"the nccl backend sends CUDA tensors: q, k and v are on {q.device}; use gloo on CPUs")
+        if extra is not None:
+            extra(check_finite)
+        if check_finite:
+            validation.check_finite({"q": q, "k": k, "v": v})
+        return None, facts
+    except (TypeError, ValueError) as exc:
+        return exc, facts
+
+
+def _agree(error, facts, ring, device):
+    """Every rank raises, or none: one all_gather of each rank's check status and facts (a rank that raised
+    alone would leave the others waiting in the ring forever). Raises this rank's own error first, then
+    another rank's failure, then a disagreement between ranks."""
+    row = torch.tensor([0.0 if error is None else 1.0, *facts], dtype=torch.float64, device=device)
+    rows = [torch.empty_like(row) for _ in range(ring.size)]
+    dist.all_gather(rows, row, group=ring.group)
+    rows = [r.tolist() for r in rows]
+    if error is not None:
+        raise error
+    failed = [r for r, x in enumerate(rows) if x[0]]
+    if failed:
+        raise ValueError(f"ring_attention: rank(s) {failed} of the group refused their inputs (see their error); "
+                         f"every rank stops")
+    for i, name in enumerate(_FACT_NAMES, start=1):
+        values = [x[i] for x in rows]
+        if any(val != values[0] for val in values):
+            shown = values
+            if name == "dtype":
+                codes = {c: str(t).replace("torch.", "") for t, c in _DTYPE_CODES.items()}
+                shown = [codes.get(int(val), "?") for val in values]
+            elif name == "causal":
+                shown = [bool(val) for val in values]
+            elif name != "sm_scale":
+                shown = [int(val) for val in values]
+            raise ValueError(f"ring_attention needs the same {name} on every rank of the group, got {shown} "
+                             f"(rank 0, 1, ...)")
+
+
+def _agreement_device(ring):
+    """Where the agreement's small tensor lives: the current GPU under NCCL, else the CPU (gloo)."""
+    if dist.get_backend(ring.group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _prepare(q, k, v, causal, sm_scale, group, check_finite, extra=None):
+    """The ring of ``group`` and the softmax scale, once every rank's inputs passed their checks."""
+    ring = _Ring(_group_of(group))
+    validation.check_bool("check_finite", check_finite)
+    error, facts = _local_facts(q, k, v, causal, sm_scale, ring, check_finite, extra)
+    if check_finite:
+        _agree(error, facts, ring, _agreement_device(ring))
+    elif error is not None:
+        raise error
+    return ring, facts[_FACT_NAMES.index("sm_scale")]
+
+
+# --------------------------------------------------------------------------------------------------
+# Forward and backward around the ring
+# --------------------------------------------------------------------------------------------------
+
+def _forward(q, k, v, causal: bool, scale: float, ring: _Ring):
+    """(O in q's dtype, lse fp32) of this rank's queries against every rank's keys."""
+    n = q.shape[2]
+    k_cur, v_cur = k.contiguous(), v.contiguous()  # what is sent must be contiguous
+    O = lse = None
+    for step in range(ring.size):
+        source = (ring.rank - step) % ring.size
+        # The next block's transfer first, so it runs while this block is computed.
+        incoming = ring.exchange([k_cur, v_cur], _TAG_KV) if step < ring.size - 1 else None
+        rows, cols, blk_causal = block_visibility(ring.rank, source, n, causal)
+        O_b, lse_b = flash_attention_forward(q[:, :, rows], k_cur[:, :, cols], v_cur[:, :, cols], causal=blk_causal,
+                                             sm_scale=scale, check_finite=False)
+        if O is None:  # step 0 is the own block, which every local query sees
+            O, lse = O_b.float(), lse_b
+        else:  # exact: notebook 02's merge of two partial softmaxes over disjoint key sets, in fp32
+            O[:, :, rows], lse[:, :, rows] = merge_outputs(O[:, :, rows], lse[:, :, rows], O_b, lse_b)
+        if incoming is not None:
+            k_cur, v_cur = incoming.wait()
+    return O.to(q.dtype), lse
+
+
+def _backward(q, k, v, O, lse, dO, causal: bool, scale: float, ring: _Ring):
+    """(dQ, dK, dV) of this rank's shards. dQ sums the blocks' shares locally; each block's dK, dV partial sums
+    travel with it and come home to its owner after the last step."""
+    n = q.shape[2]
+    k_cur, v_cur = k.contiguous(), v.contiguous()
+    dQ = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    partial = None  # the pending transfer of the dK/dV sums of the block this rank holds next
+    for step in range(ring.size):
+        source = (ring.rank - step) % ring.size
+        incoming = ring.exchange([k_cur, v_cur], _TAG_KV) if step < ring.size - 1 else None
+        rows, cols, blk_causal = block_visibility(ring.rank, source, n, causal)
+        # The global O and lse: the recomputed P is this block's slice of the whole row's softmax.
+        dQ_b, dK_b, dV_b = flash_attention_backward(q[:, :, rows], k_cur[:, :, cols], v_cur[:, :, cols],
+                                                    O[:, :, rows], lse[:, :, rows], dO[:, :, rows],
+                                                    causal=blk_causal, sm_scale=scale, check_finite=False)
+        dQ[:, :, rows] += dQ_b
+        if partial is None:  # the own block, first visit: its sums start here
+            dK, dV = dK_b.float(), dV_b.float()
+        else:  # the sums of the ranks before this one arrived while this step computed
+            dK, dV = partial.wait()
+            dK[:, :, cols] += dK_b
+            dV[:, :, cols] += dV_b
+        # On with the block's sums: the next rank holds this block at the next step (after the last step,
+        # the next rank is the block's owner: the extra hop).
+        partial = ring.exchange([dK, dV], _TAG_DKV)
+        if incoming is not None:
+            k_cur, v_cur = incoming.wait()
+    dK, dV = partial.wait()
+    return dQ.to(q.dtype), dK.to(k.dtype), dV.to(v.dtype)
+
+
+def ring_attention_forward(q, k, v, causal=False, sm_scale=None, group=None, *, check_finite=True):
+    """Ring attention forward without autograd: ``(o, lse)`` of this rank's queries, ``o`` like ``q``, ``lse``
+    ``(B, H, N_local)`` fp32 (natural log), the whole row's. Arguments as :func:`ring_attention`. Notebook
+    ``13_beyond_one_gpu_and_decoding``."""
+    ring, scale = _prepare(q, k, v, causal, sm_scale, group, check_finite)
+    with torch.no_grad():
+        return _forward(q, k, v, causal, scale, ring)
+
+
+def ring_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, group=None, *, check_finite=True):
+    """Gradients ``(dq, dk, dv)`` of this rank's shards from the forward's ``o`` and global ``lse`` (those of
+    :func:`ring_attention_forward`) and ``do``. Notebook ``13_beyond_one_gpu_and_decoding``."""
+    def extra(check_finite):
+        for name, x in (("o", o), ("lse", lse), ("do", do)):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        validation.check_same_shape("o", o, "q", q)
+        validation.check_same_shape("do", do, "q", q)
+        if tuple(lse.shape) != tuple(q.shape[:3]):
+            raise ValueError(f"lse must have shape (B, H, N_local) = {tuple(q.shape[:3])}, got {tuple(lse.shape)}")
+        if check_finite:
+            validation.check_finite({"o": o, "do": do})
+            validation.check_finite({"lse": lse}, allow_neg_inf=True)
+
+    ring, scale = _prepare(q, k, v, causal, sm_scale, group, check_finite, extra)
+    with torch.no_grad():
+        return _backward(q, k, v, o.to(q.dtype), lse.float(), do.to(q.dtype), causal, scale, ring)
+
+
+class RingAttentionFunction(torch.autograd.Function):
+    """:func:`ring_attention` as an autograd Function: saves this rank's Q, K, V, its O and the global lse;
+    the backward runs the ring again (K/V around once more, dK/dV partial sums with them)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal=False, sm_scale=None, group=None, check_finite=True):
+        ring, scale = _prepare(q, k, v, causal, sm_scale, group, check_finite)
+        O, lse = _forward(q, k, v, causal, scale, ring)
+        ctx.save_for_backward(q, k, v, O, lse)
+        ctx.causal, ctx.scale, ctx.ring, ctx.check_finite = causal, scale, ring, check_finite
+        return O
+
+    @staticmethod
+    def backward(ctx, dO):
+        q, k, v, O, lse = ctx.saved_tensors
+        ring = ctx.ring
+        if ctx.check_finite:  # all ranks agree first: one rank raising alone would hang the others
+            error = None
+            try:
+                validation.check_finite({"do (the gradient of o)": dO})
+            except ValueError as exc:
+                error = exc
+            _agree(error, [0.0] * _N_FACTS, ring, _agreement_device(ring))
+        dQ, dK, dV = _backward(q, k, v, O, lse, dO.to(q.dtype), ctx.causal, ctx.scale, ring)
+        return dQ, dK, dV, None, None, None, None
+
+
+def ring_attention(q, k, v, causal=False, sm_scale=None, group=None, *, check_finite=True):
+    """Exact attention over a sequence sharded across the ranks of ``group`` (default: the world group),
+    differentiable: ``o = ring_attention(q, k, v, causal)`` gives this rank's rows of
+    ``softmax(sm_scale Q K^T) V`` over the *whole* sequence.
+
+    ``q``: ``(B, H, N_local, d)``, ``k`` and ``v``: ``(B, H_kv, N_local, d)`` (grouped-query attention when
+    ``H_kv < H``), this rank's shards along dim 2 (:func:`shard_sequence`): contiguous for ``causal=False``
+    (any layout works there, everything being visible), the zigzag layout for ``causal=True`` (chunks r and
+    2R-1-r of 2R; causal is top-left over the global positions). dtypes and devices as
+    :func:`flashref.triton.flash_attention`: CUDA tensors with the ``nccl`` backend (one process per GPU,
+    ``torch.cuda.set_device`` first), CPU tensors with ``gloo`` (Triton's interpreter). Every rank must call
+    it, with the same shapes. ``check_finite`` (default True): refuse NaN or inf (also in dO) and compare the
+    shapes, dtype, ``causal`` and ``sm_scale`` of all ranks, with one small all_gather per pass, so that every
+    rank raises together rather than one raising and the others waiting in the ring; False skips both, as the
+    benchmarks do. Notebook ``13_beyond_one_gpu_and_decoding``; the module docstring explains the ring.
+    """
+    return RingAttentionFunction.apply(q, k, v, causal, sm_scale, group, check_finite)

@@ -1,0 +1,328 @@
+"""Ring attention (flashref.ring_attention) against the float64 reference: spawned processes joined by a gloo
+process group on the CPU (the kernels in Triton's interpreter), world sizes 2 and 3, causal (zigzag) and not,
+grouped-query heads, forward and backward; the layout functions and the zigzag rule against a dense causal
+mask; and the errors, including the ones every rank must raise together. On the GPU machine the same code
+runs with NCCL (python -m flashref.bench ring)."""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import queue as queue_module
+import tempfile
+import time
+import traceback
+
+import flashref.triton  # noqa: F401  (first: Triton's interpreter is switched on before triton is imported)
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from flashref import reference
+from flashref.ring_attention import (block_visibility, gather_sequence, ring_attention, ring_attention_backward,
+                                     ring_attention_forward, sequence_positions, shard_sequence)
+from flashref.tolerance import assert_within_tolerance
+from tests._triton_helpers import feature_inputs, np64, plain_with_features
+
+JOIN_TIMEOUT = 120.0  # seconds for one spawned run; a hang fails the test instead of stalling the suite
+
+# (B, H, H_kv, N, d, causal, dtype): N a multiple of 2R, its shards not multiples of the interpreter's tiles
+# (32 x 16 forward, 16 x 32 dK/dV), the local sequence crossing a tile for R = 2.
+CASES = {
+    2: [(1, 2, 2, 76, 16, False, "float32"), (2, 2, 1, 76, 16, True, "float32"), (1, 2, 1, 76, 16, False, "float32"),
+        (2, 2, 2, 76, 16, True, "float32"), (1, 2, 1, 44, 16, True, "float16")],
+    3: [(2, 2, 2, 66, 16, False, "float32"), (1, 2, 1, 66, 16, True, "float32"), (1, 2, 1, 42, 16, False, "float32"),
+        (2, 2, 2, 42, 16, True, "float32")],
+}
+
+
+# ---- the spawned side ---------------------------------------------------------------------------------------
+
+def _inputs(case):
+    B, H, H_kv, N, d, causal, dtype = case
+    return feature_inputs(B, H, H_kv, N, N, d, getattr(torch, dtype), seed=N + H_kv + B)
+
+
+def _error_message(fn):
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 (the message is the result)
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def _error_cases(rank, world_size):
+    """Inputs that are wrong on one rank only: every rank must raise (none may wait in the ring)."""
+    q, k, v, _ = feature_inputs(1, 2, 2, 4 * world_size, 4 * world_size, 16, torch.float32)
+    q, k, v = (shard_sequence(x, rank, world_size, True) for x in (q, k, v))
+    last = rank == world_size - 1
+    nan_q = q.clone()
+    if last:
+        nan_q[0, 1, 2, 3] = float("nan")
+    short = (lambda x: x[:, :, :2]) if last else (lambda x: x)
+    return {
+        "nan on the last rank": _error_message(lambda: ring_attention(nan_q, k, v, causal=True)),
+        "N_local differs": _error_message(lambda: ring_attention(short(q), short(k), short(v))),
+        "sm_scale differs": _error_message(lambda: ring_attention(q, k, v, sm_scale=0.5 if last else 0.25)),
+        "odd N_local, causal": _error_message(lambda: ring_attention(q[:, :, :3], k[:, :, :3], v[:, :, :3], True)),
+        # after all that, the ring still works (nobody was left behind in a pending transfer)
+        "ok afterwards": _error_message(lambda: ring_attention(q, k, v, causal=True)),
+    }
+
+
+def _worker(rank, world_size, init_file, cases, results):
+    try:
+        torch.set_num_threads(1)
+        os.environ["FLASHREF_TRITON_AUTOTUNE"] = "0"
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=JOIN_TIMEOUT))
+        for i, case in enumerate(cases):
+            causal = case[5]
+            q, k, v, do = (shard_sequence(x, rank, world_size, causal).contiguous() for x in _inputs(case))
+            qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+            o = ring_attention(qq, kk, vv, causal=causal)
+            o.backward(do)
+            o2, lse = ring_attention_forward(q, k, v, causal=causal)
+            grads = ring_attention_backward(q, k, v, o2, lse, do, causal=causal)
+            same = bool(torch.equal(o2, o.detach())) and all(torch.equal(a, b.grad) for a, b in zip(grads, (qq, kk, vv)))
+            results.put(("result", rank, i, [np64(x) for x in (o, qq.grad, kk.grad, vv.grad, lse)], same))
+        results.put(("errors", rank, _error_cases(rank, world_size)))
+        dist.destroy_process_group()
+        results.put(("done", rank))
+    except BaseException:  # noqa: BLE001 (the parent shows the worker's traceback)
+        results.put(("error", rank, traceback.format_exc()))
+
+
+def spawn_ring(world_size, cases, timeout=JOIN_TIMEOUT):
+    """Run :func:`_worker` on ``world_size`` spawned processes; returns ``{(case, rank): arrays}``, ``{rank:
+    errors}``. A worker's exception fails with its traceback; a hang fails after ``timeout`` seconds."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    folder = tempfile.mkdtemp(prefix="flashref_ring_")
+    procs = [ctx.Process(target=_worker, args=(r, world_size, os.path.join(folder, "store"), cases, results),
+                         daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out, errors, done, failures = {}, {}, set(), []
+    deadline = time.monotonic() + timeout
+    try:
+        while len(done) < world_size and not failures:
+            try:
+                msg = results.get(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
+            except queue_module.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    failures.append(f"workers exited with {dead}" if dead else f"no answer within {timeout} s")
+                continue
+            if msg[0] == "result":
+                out[(msg[2], msg[1])] = (msg[3], msg[4])
+            elif msg[0] == "errors":
+                errors[msg[1]] = msg[2]
+            elif msg[0] == "done":
+                done.add(msg[1])
+            else:
+                failures.append(f"rank {msg[1]} failed:\n{msg[2]}")
+    finally:
+        for p in procs:
+            p.join(timeout=10 if not failures else 1)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    if failures:
+        pytest.fail("\n".join(failures), pytrace=False)
+    return out, errors
+
+
+@pytest.fixture(scope="module")
+def ring_runs():
+    runs = {}
+
+    def get(world_size):
+        if world_size not in runs:
+            runs[world_size] = spawn_ring(world_size, CASES[world_size])
+        return runs[world_size]
+
+    return get
+
+
+# ---- against the float64 reference ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("world_size, index", [(R, i) for R in CASES for i in range(len(CASES[R]))],
+                         ids=lambda x: str(x))
+def test_ring_attention_matches_the_reference(ring_runs, world_size, index):
+    out, _ = ring_runs(world_size)
+    case = CASES[world_size][index]
+    B, H, H_kv, N, d, causal, dtype = case
+    q, k, v, do = _inputs(case)
+    shards = [out[(index, r)][0] for r in range(world_size)]
+    assert all(out[(index, r)][1] for r in range(world_size)), \
+        "ring_attention_forward/backward give ring_attention's output and gradients bit for bit"
+    got = [gather_sequence([s[j] for s in shards], causal) for j in range(5)]
+    q64, k64, v64, do64 = (np64(x) for x in (q, k, v, do))
+    ref_o, ref_lse = reference.attention(q64, k64, v64, causal=causal, return_lse=True)
+    refs = [ref_o, *reference.attention_backward(q64, k64, v64, do64, causal=causal)]
+    base = plain_with_features(q, k, v, do, causal)
+    for name, x, r, b in zip(("o", "dq", "dk", "dv"), got, refs, base):
+        assert x.shape == r.shape and np.isfinite(x).all(), name
+        x = torch.from_numpy(x).to(getattr(torch, dtype))  # the tolerance rule reads the dtype of what is checked
+        atol = 1e-5 * max(1.0, float(np.abs(r).max())) if dtype == "float32" else None
+        assert_within_tolerance(x, r, b, factor=2.0 if name == "o" else 3.0, atol=atol, name=f"{name} (R={world_size})")
+    np.testing.assert_allclose(got[4], ref_lse, rtol=0, atol=1e-4 * max(1.0, np.abs(ref_lse).max()))
+
+
+@pytest.mark.parametrize("world_size", sorted(CASES))
+def test_every_rank_raises_together(ring_runs, world_size):
+    _, errors = ring_runs(world_size)
+    last = world_size - 1
+    for rank in range(world_size):
+        e = errors[rank]
+        if rank == last:
+            assert e["nan on the last rank"].startswith("ValueError: q must be finite"), e
+        else:
+            assert "rank(s) [" + str(last) + "]" in e["nan on the last rank"], e
+        assert "same N_local on every rank" in e["N_local differs"], e
+        assert "same sm_scale on every rank" in e["sm_scale differs"], e
+        assert "N_local must be even" in e["odd N_local, causal"] and "zigzag" in e["odd N_local, causal"], e
+        assert e["ok afterwards"] == "no error", e
+
+
+# ---- the layout and the zigzag rule, in-process ---------------------------------------------------------------
+
+@pytest.mark.parametrize("zigzag", [False, True])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_shard_and_gather_round_trip(world_size, zigzag):
+    N = 2 * world_size * 3
+    x = np.arange(2 * 3 * N * 5, dtype=np.float64).reshape(2, 3, N, 5)
+    shards = [shard_sequence(x, r, world_size, zigzag) for r in range(world_size)]
+    np.testing.assert_array_equal(gather_sequence(shards, zigzag), x)
+    t = torch.from_numpy(x)
+    assert torch.equal(gather_sequence([shard_sequence(t, r, world_size, zigzag) for r in range(world_size)], zigzag), t)
+    lse = x[..., 0]  # (B, H, N): sharded the same way
+    np.testing.assert_array_equal(gather_sequence([shard_sequence(lse, r, world_size, zigzag)
+                                                   for r in range(world_size)], zigzag), lse)
+    for r, s in enumerate(shards):
+        np.testing.assert_array_equal(s[0, 0, :, 0] / 5, sequence_positions(r, world_size, N, zigzag))
+
+
+def test_zigzag_holds_an_early_and_a_late_chunk():
+    assert sequence_positions(0, 2, 8, True).tolist() == [0, 1, 6, 7]
+    assert sequence_positions(1, 2, 8, True).tolist() == [2, 3, 4, 5]
+    assert sequence_positions(1, 3, 12, True).tolist() == [2, 3, 8, 9]
+    assert sequence_positions(1, 3, 12, False).tolist() == [4, 5, 6, 7]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("c", [1, 2, 3])
+def test_zigzag_visibility_is_the_dense_causal_mask(world_size, c):
+    """What each rank computes against each visiting block is exactly the global causal mask's part, and each
+    step's work is the same: c x 2c pairs (the own block: its causal triangle, c more)."""
+    N, n = 2 * world_size * c, 2 * c
+    dense = np.tril(np.ones((N, N), dtype=bool))
+    tri = np.tril(np.ones((n, n), dtype=bool))
+    for r in range(world_size):
+        rows_r = sequence_positions(r, world_size, N, True)
+        for s in range(world_size):
+            rows, cols, causal = block_visibility(r, s, n, True)
+            computed = np.zeros((n, n), dtype=bool)
+            computed[rows, cols] = tri[rows, cols] if causal else True
+            want = dense[np.ix_(rows_r, sequence_positions(s, world_size, N, True))]
+            np.testing.assert_array_equal(computed, want, err_msg=f"rank {r}, block of rank {s}")
+            assert computed.sum() == (2 * c * c + c if s == r else 2 * c * c)
+            assert (s == r) == causal, "only the own block needs a mask"
+        assert block_visibility(r, (r + 1) % world_size, n, False) == (slice(0, n), slice(0, n), False)
+
+
+def test_layout_errors():
+    x = np.zeros((1, 2, 10, 4))
+    with pytest.raises(ValueError, match=r"x has N = 10 .* multiple of 6"):
+        shard_sequence(x, 0, 3, True)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        shard_sequence(x, 0, 4, False)
+    with pytest.raises(ValueError, match="rank must be an int in"):
+        shard_sequence(x, 2, 2, False)
+    with pytest.raises(TypeError, match="zigzag must be a bool"):
+        shard_sequence(x, 0, 2, 1)
+    with pytest.raises(ValueError, match="world_size"):
+        shard_sequence(x, 0, 0, False)
+    with pytest.raises(ValueError, match="sequence along dim 2"):
+        shard_sequence(np.zeros((10, 4)), 0, 2, False)
+    with pytest.raises(TypeError, match="NumPy array or a torch.Tensor"):
+        shard_sequence([[1.0]], 0, 1, False)
+    with pytest.raises(ValueError, match="one shape"):
+        gather_sequence([np.zeros((1, 1, 4, 2)), np.zeros((1, 1, 6, 2))], False)
+    with pytest.raises(TypeError, match="non-empty list"):
+        gather_sequence([], True)
+    with pytest.raises(ValueError, match="must be even"):
+        gather_sequence([np.zeros((1, 1, 3, 2))] * 2, True)
+    with pytest.raises(ValueError, match="n_local must be even"):
+        block_visibility(0, 1, 5, True)
+
+
+# ---- one rank, in-process: the errors, and the ring of one is flash attention ------------------------------------
+
+def test_needs_an_initialized_process_group():
+    if dist.is_initialized():
+        pytest.skip("a process group is initialized in this process")
+    q = torch.zeros(1, 1, 4, 16)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ring_attention(q, q, q)
+
+
+@pytest.fixture
+def one_rank_group():
+    store = os.path.join(tempfile.mkdtemp(prefix="flashref_ring_"), "store")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_ring_of_one_is_flash_attention(one_rank_group):
+    from flashref.triton import flash_attention
+
+    q, k, v, do = feature_inputs(2, 4, 2, 33, 33, 16, torch.float32)
+    for causal in (False, True):
+        if causal:
+            q, k, v, do = (x[:, :, :32] for x in (q, k, v, do))
+        got = [x.clone().requires_grad_() for x in (q, k, v)]
+        want = [x.clone().requires_grad_() for x in (q, k, v)]
+        o = ring_attention(*got, causal=causal, sm_scale=0.3)
+        o.backward(do)
+        o_ref = flash_attention(*want, causal=causal, sm_scale=0.3)
+        o_ref.backward(do)
+        torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-6)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_inputs_name_the_argument(one_rank_group):
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        ring_attention(q, q, q, causal="yes")
+    with pytest.raises(ValueError, match="sm_scale must be a finite number > 0"):
+        ring_attention(q, q, q, sm_scale=-1.0)
+    with pytest.raises(TypeError, match="q must be a torch.Tensor"):
+        ring_attention(q.numpy(), q, q)
+    with pytest.raises(ValueError, match="zigzag"):
+        ring_attention(q[:, :, :7], q[:, :, :7], q[:, :, :7], causal=True)
+    with pytest.raises(ValueError, match="N_local of k"):
+        ring_attention(q, q[:, :, :4], q[:, :, :4])
+    bad = q.clone()
+    bad[0, 0, 0, 0] = float("inf")
+    with pytest.raises(ValueError, match="k must be finite"):
+        ring_attention(q, bad, q)
+    with pytest.raises(TypeError, match="check_finite must be a bool"):
+        ring_attention(q, q, q, check_finite=None)
+    o, lse = ring_attention_forward(q, q, q)
+    with pytest.raises(ValueError, match="lse must have shape"):
+        ring_attention_backward(q, q, q, o, lse[:, :, :4], o)
+    with pytest.raises(ValueError, match="do must be finite"):
+        ring_attention_backward(q, q, q, o, lse, torch.full_like(o, math.nan))
+    qq = q.clone().requires_grad_()
+    out = ring_attention(qq, q, q)
+    with pytest.raises(ValueError, match="gradient of o"):
+        out.backward(torch.full_like(out, math.inf))

@@ -1,0 +1,116 @@
+"""The ring benchmark's pure-Python parts, on the CPU, from a synthetic result: its tables, the longest fit,
+the trace's reduction, overlap and timeline plot, and its command line. (The measurements themselves need
+several GPUs: python -m flashref.bench ring.)"""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pytest  # noqa: E402
+
+from flashref.bench import ring_bench  # noqa: E402
+from flashref.bench.ring_bench import (longest_fit, longest_table, overlap_fraction, plot_timeline,  # noqa: E402
+                                       reduce_chrome_trace, scaling_table)
+
+
+def _data():
+    rows = []
+    for causal in (False, True):
+        for N in (32768, 65536):
+            one = ring_bench._scaling_row("flashref-triton 1 GPU", 1, N, causal, 100.0 * N / 32768, 2**30)
+            ring = ring_bench._scaling_row("ring 2 GPUs", 2, N, causal, 55.0 * N / 32768, 2**29)
+            ring["speedup"] = one["ms"] / ring["ms"]
+            rows += [one, ring]
+    rows.append({"part": "scaling", "impl": "ring 2 GPUs", "gpus": 2, "N": 131072, "causal": True, "status": "OOM"})
+    for gpus, fits in ((1, 3), (2, 4)):
+        for i in range(fits + 1):
+            N = 262144 << i
+            rows.append(ring_bench._probe_row("x", gpus, N, "ok" if i < fits else "OOM",
+                                              (i + 1) * 2**33 if i < fits else None))
+    trace = {"N": 131072, "causal": True, "gpus": 2, "rank": 0, "span_us": 1000.0,
+             "events": [[7, "flash_fwd_kernel", 0.0, 400.0], [7, "elementwise_kernel", 400.0, 10.0],
+                        [7, "flash_bwd_dkdv_kernel", 410.0, 500.0],
+                        [23, "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 100.0, 200.0],
+                        [23, "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 900.0, 100.0]]}
+    return {"device": "NVIDIA H200", "results": rows, "trace": trace}
+
+
+def test_scaling_rows_count_tokens_and_the_whole_sequences_flops():
+    row = ring_bench._scaling_row("ring 2 GPUs", 2, 65536, True, 250.0, 123)
+    assert row["tokens_per_s"] == pytest.approx(65536 / 0.25)
+    work = 3.5 * 4 * 16 * 65536 * 65536 * 128 / 2  # forward + backward, causal: half the pairs
+    assert row["tflops"] == pytest.approx(work / 0.25 / 1e12, rel=1e-3)
+    assert row["tflops_per_gpu"] == pytest.approx(row["tflops"] / 2)
+
+
+def test_scaling_table():
+    text = scaling_table(_data()["results"])
+    lines = text.splitlines()
+    assert "1 GPU ms" in lines[0] and "2 GPUs ms" in lines[0] and "speedup" in lines[0]
+    assert len(lines) == 1 + 5  # (causal, N) points: 2 x 2, and the OOM one
+    assert "1.82" in lines[1]  # 100 / 55
+    assert "OOM" in lines[-1]
+
+
+def test_longest_fit_and_table():
+    rows = _data()["results"]
+    assert longest_fit(rows) == {1: (262144 << 2, 3 * 2**33), 2: (262144 << 3, 4 * 2**33)}
+    text = longest_table(rows)
+    assert "longest on 1 GPU: N = 1048576 (1024K tokens), 24.0 GiB per GPU" in text
+    assert "longest on 2 GPUs: N = 2097152" in text
+    assert text.count("OOM") == 2
+
+
+def test_overlap_fraction():
+    trace = _data()["trace"]
+    # NCCL runs 100-300 (all of it beside flash_fwd) and 900-1000 (beside flash_bwd_dkdv up to 910): 210 of 300
+    assert overlap_fraction(trace) == pytest.approx(210 / 300)
+    assert overlap_fraction(_data()) == overlap_fraction(trace)
+    assert overlap_fraction({"events": [[7, "k", 0.0, 5.0]]}) == 0.0
+    assert ring_bench.is_communication("ncclKernel_SendRecv_RING") and not ring_bench.is_communication("flash_fwd_kernel")
+
+
+def test_plot_timeline_draws_one_row_per_stream():
+    import matplotlib.pyplot as plt
+
+    fig = plot_timeline(_data())
+    ax = fig.axes[0]
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert labels == ["stream 7 (compute)", "stream 23 (NCCL)"]
+    assert "70% of NCCL time overlaps compute" in ax.get_title()
+    colors = {tuple(c.get_facecolor()[0][:3]) for c in ax.collections}
+    assert len(colors) == 2, "compute and communication in two colours"
+    plt.close(fig)
+
+
+def test_reduce_chrome_trace():
+    raw = {"traceEvents": [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 5, "dur": 3},
+        {"ph": "X", "cat": "kernel", "name": "flash_fwd_kernel", "ts": 1010.5, "dur": 40, "args": {"stream": 7, "device": 0}},
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_SendRecv" + "x" * 200, "ts": 1000, "dur": 90,
+         "args": {"stream": 23, "device": 0}},
+        {"ph": "X", "cat": "kernel", "name": "other_gpu", "ts": 900, "dur": 1, "args": {"stream": 7, "device": 1}},
+    ]}
+    events = reduce_chrome_trace(raw, device=0)
+    assert events == [[23, "ncclDevKernel_SendRecv" + "x" * 58, 0.0, 90.0], [7, "flash_fwd_kernel", 10.5, 40.0]]
+    assert len(reduce_chrome_trace(raw)) == 3
+    assert reduce_chrome_trace({"traceEvents": []}) == []
+
+
+def test_command_line():
+    args = ring_bench.parse_args([])
+    assert args.out == "book/data/ring_bench.json" and args.parts == list(ring_bench.PARTS)
+    assert ring_bench.parse_args(["--n", "65536", "--parts", "trace"]).n == [65536]
+    with pytest.raises(SystemExit):
+        ring_bench.parse_args(["--n", "1000"])
+
+
+def test_needs_cuda(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    assert ring_bench.main([]) == 2
+    assert "needs CUDA" in capsys.readouterr().err
