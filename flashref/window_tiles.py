@@ -16,9 +16,9 @@ def tile_ranges(start: int, n_inner: int, before: int | None, after: int | None,
     last = start + block_outer - 1
     lo, full_lo = 0, 0
     hi, full_hi = n_inner, (n_inner // block_inner) * block_inner
-    if after is not None:  # after < 0 (a bottom-right causal mask with N_q > N_k) may leave nothing to visit
-        hi = max(min(hi, last + after + 1), 0)
-        full_hi = min(full_hi, (max(start + after + 1, 0) // block_inner) * block_inner)
+    if after is not None:
+        hi = min(hi, last + after + 1)
+        full_hi = min(full_hi, ((start + after + 1) // block_inner) * block_inner)
     if before is not None:
         lo = (max(start - before, 0) // block_inner) * block_inner
         full_lo = -(-max(last - before, 0) // block_inner) * block_inner

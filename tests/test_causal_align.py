@@ -12,7 +12,6 @@ import torch
 from flashref import numpy_flash, reference
 from flashref.tolerance import assert_within_tolerance
 from flashref.triton import flash_attention, flash_attention_backward, flash_attention_forward
-from flashref.window_tiles import tile_ranges
 from tests._finite_differences import assert_reference_gradients_match
 from tests._triton_helpers import DEVICE, no_autotune  # noqa: F401  (an autouse fixture: applies here)
 from tests._triton_helpers import feature_inputs, np64, plain_with_features
@@ -129,22 +128,26 @@ def test_triton_with_a_window_and_extreme_logits():
     _triton_check(90, 21, torch.float32, window=(-1, 4))
 
 
-def test_triton_skips_key_tiles_past_the_shifted_diagonal():
+def test_triton_visits_only_key_tiles_before_the_shifted_diagonal():
     """The kernels' tile rule (``_tile_ranges``, run in the interpreter) under a bottom-right mask with
-    N_q > N_k, where the bound on j - i is negative: a query tile visits key tiles only up to the last key its
-    last query sees, none when it sees nothing, and the plain-Python twin (window_tiles) agrees."""
+    N_q > N_k, where the bound on j - i is negative: a query tile visits exactly the key tiles that hold a key
+    one of its rows sees, and none when it sees nothing. The kernels take the shifted diagonal as a window, so
+    the left side is always bounded (an unbounded side comes as N_q + N_k), which keeps every range >= 0."""
     from tests.test_score_mods_exercises import _ranges_kernel  # the kernels' own function in the interpreter
 
-    N_q, N_k = 96, 40
+    N_q, N_k, bm, bn = 96, 40, 32, 16
+    after = N_k - N_q
     out = torch.empty(4, dtype=torch.int32)
-    for start in range(0, N_q, 32):
-        for before in (None, 5):
-            _ranges_kernel[(1,)](out, start, N_k, before or 0, N_k - N_q, BLOCK_OUTER=32, BLOCK_INNER=16,
-                                 BOUNDED_BEFORE=before is not None, BOUNDED_AFTER=True)
+    for before in (5, N_q + N_k):
+        for start in range(0, N_q, bm):
+            _ranges_kernel[(1,)](out, start, N_k, before, after, BLOCK_OUTER=bm, BLOCK_INNER=bn, BOUNDED_BEFORE=True,
+                                 BOUNDED_AFTER=True)
             lo, full_lo, full_hi, hi = out.tolist()
-            assert hi == max(0, min(N_k, start + 31 + N_k - N_q + 1)), (start, out.tolist())
-            assert 0 <= lo <= full_lo <= full_hi <= hi or hi <= lo  # hi <= lo: nothing to visit
-            assert tuple(out.tolist()) == tile_ranges(start, N_k, before, N_k - N_q, 32, 16)
+            visited = {*range(lo, full_lo, bn), *range(full_lo, full_hi, bn), *range(full_hi, hi, bn)}
+            first, last = max(0, start - before), min(N_k - 1, start + bm - 1 + after)  # the keys the rows see
+            want = {j for j in range(0, N_k, bn) if j <= last and j + bn - 1 >= first}
+            assert visited == want, (before, start, out.tolist())
+            assert all(0 <= x for x in (lo, full_lo, full_hi)) or not want
 
 
 @pytest.mark.parametrize("fn", [

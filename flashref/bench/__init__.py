@@ -8,6 +8,8 @@ Suites:
 - ``mods``   sliding window, softcap and ALiBi against FlexAttention and SDPA; packed batches against padding (CUDA)
 - ``model``  the GPT of :mod:`flashref.model` trained and timed with each attention (CUDA)
 - ``cupy``   the CuPy kernels next to SDPA's flash backend (CUDA, CuPy)
+- ``ring``   ring attention on every visible GPU against one GPU: throughput, longest sequence, timeline (CUDA, NCCL)
+- ``decode`` flash-decoding (split keys) against the unsplit kernel and SDPA, one query against a long KV cache (CUDA)
 
 What they share lives in :mod:`flashref.bench.results`: the loader of the committed results under
 ``book/data/``, the saver, the versions recorded beside every measurement, and the FLOP count.

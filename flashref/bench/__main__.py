@@ -1,4 +1,4 @@
-"""Command line: ``python -m flashref.bench {numpy,gpu,hbm,features,mods,model,cupy} --help``."""
+"""Command line: ``python -m flashref.bench {numpy,gpu,hbm,features,mods,model,cupy,ring,decode} --help``."""
 
 import sys
 
@@ -7,7 +7,8 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     suites = {"numpy": "flashref.bench.numpy_bench", "gpu": "flashref.bench.gpu_bench", "hbm": "flashref.bench.hbm_bench",
               "features": "flashref.bench.features_bench", "mods": "flashref.bench.mods_bench",
-              "model": "flashref.bench.model_bench", "cupy": "flashref.bench.cupy_bench"}
+              "model": "flashref.bench.model_bench", "cupy": "flashref.bench.cupy_bench",
+              "ring": "flashref.bench.ring_bench", "decode": "flashref.bench.decode_bench"}
     if not argv or argv[0] not in suites:
         print(f"usage: python -m flashref.bench {{{','.join(suites)}}} [options]", file=sys.stderr)
         return 2

@@ -1,10 +1,12 @@
 """FlashAttention in Triton: a fused forward and a recomputing backward as one PyTorch op.
 
-Taught in notebooks ``07_triton_forward`` and ``08_triton_backward``.
+Taught in notebooks ``07_triton_forward`` and ``08_triton_backward``; flash-decoding (:mod:`flashref.triton.decode`)
+in ``13_beyond_one_gpu_and_decoding``.
 
     from flashref.triton import flash_attention
     o = flash_attention(q, k, v, causal=True)        # (B, H, N, d) torch tensors; differentiable
     o, lse = flash_attention_forward(q, k, v)         # no autograd; lse is (B, H, N_q) fp32, natural log
+    o = flash_decode(q, k_cache, v_cache, cache_seqlens)  # few queries against a KV cache, keys split
 
 On a machine with a CUDA device the kernels are compiled and autotuned over configs pruned to the GPU's
 shared memory (:mod:`flashref.triton.configs`). Without one, the very same kernels run in Triton's CPU
@@ -60,6 +62,9 @@ from flashref.triton.ops import (  # noqa: E402  (the environment must be set fi
     flash_attention_forward,
     flash_attention_varlen,
 )
+from flashref.triton.decode import KVCache, flash_decode  # noqa: E402
+
 
 __all__ = ["flash_attention", "flash_attention_forward", "flash_attention_backward", "flash_attention_varlen",
-           "FlashAttentionFunction", "FlashAttentionVarlenFunction", "dropout_mask", "INTERPRETED"]
+           "FlashAttentionFunction", "FlashAttentionVarlenFunction", "dropout_mask", "flash_decode", "KVCache",
+           "INTERPRETED"]

@@ -159,9 +159,9 @@ def _tile_ranges(start, N_inner, before, after, BLOCK_OUTER: tl.constexpr, BLOCK
     full_lo = 0
     hi = N_inner
     full_hi = (N_inner // BLOCK_INNER) * BLOCK_INNER
-    if BOUNDED_AFTER:  # after < 0 (a bottom-right causal mask with N_q > N_k) may leave nothing to visit
-        hi = tl.maximum(tl.minimum(hi, last + after + 1), 0)
-        full_hi = tl.minimum(full_hi, (tl.maximum(start + after + 1, 0) // BLOCK_INNER) * BLOCK_INNER)
+    if BOUNDED_AFTER:
+        hi = tl.minimum(hi, last + after + 1)
+        full_hi = tl.minimum(full_hi, ((start + after + 1) // BLOCK_INNER) * BLOCK_INNER)
     if BOUNDED_BEFORE:
         lo = (tl.maximum(start - before, 0) // BLOCK_INNER) * BLOCK_INNER
         full_lo = ((tl.maximum(last - before, 0) + BLOCK_INNER - 1) // BLOCK_INNER) * BLOCK_INNER

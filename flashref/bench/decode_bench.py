@@ -1,0 +1,344 @@
+"""Decoding benchmark: flash-decoding (keys split across programs) against the unsplit kernel, flashref's
+forward kernel and PyTorch's attention backends, in one run (notebook ``13_beyond_one_gpu_and_decoding``).
+
+    python -m flashref.bench decode               # the grid below (an H100: about 3 minutes)
+    python -m flashref.bench decode --quick       # a smaller grid
+
+Decoding reads the whole KV cache once per generated token and does 2 FLOPs per byte of it: it is bound by
+memory bandwidth, so the measure is the bandwidth achieved, bytes of K and V read (plus q and o) over the
+time, and its fraction of the GPU's peak (:func:`peak_bandwidth`: 3.35 TB/s for an H100 SXM).
+
+Implementations, on the same inputs in the same run:
+
+- ``flashref-decode``: :func:`flashref.triton.decode.flash_decode`, the number of splits chosen from the SM
+  count (recorded as ``num_splits``);
+- ``flashref-decode num_splits=1``: the same kernel unsplit, the ablation: one program per (batch row, K/V
+  head), as few as B * H_kv programs on 132 SMs;
+- ``flashref-triton``: :func:`flashref.triton.flash_attention_forward`, the training kernel, which gives one
+  program to each tile of 128 queries: with 1 to 16 queries, B * H programs, each reading its whole cache;
+- ``sdpa-flash``, ``sdpa-cudnn``, ``sdpa-efficient``, ``sdpa-math``: ``scaled_dot_product_attention`` pinned
+  to one backend with ``enable_gqa=True``; a backend that refuses the inputs is recorded with its message;
+- ``sdpa causal_lower_right`` (N_q > 1 only): SDPA with ``torch.nn.attention.bias.causal_lower_right``, which
+  dispatches to a kernel that knows bottom-right causality (the pinned backends get an explicit boolean mask,
+  which the flash backend refuses).
+
+Shapes: fp16, d = 128, H = 32 query heads on H_kv = 8 K/V heads (Llama-style grouped-query attention), and one
+multi-head point (H_kv = 32); N_q = 1 (decoding one token) and N_q = 16 (speculative decoding or chunked
+prefill; causal, aligned bottom-right: query i sees keys j <= N_k - 16 + i), N_k in {4K, 16K, 64K, 128K}, B in
+{1, 4, 16}. Times are medians of ``triton.testing.do_bench``, which clears the L2 cache before each call, so
+even a 16 MB cache is read from HBM; peak memory is ``torch.cuda.max_memory_allocated`` above the inputs'.
+Every row also holds the largest difference of its output from ``flashref-decode``'s. Out-of-memory is
+recorded as "OOM". Results go to ``book/data/decode_bench.json`` with the device, library versions and
+command; :func:`speedup_table` and :func:`plot` draw from that file (:func:`load_results`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from flashref.bench import results
+
+IMPLS = ["flashref-decode", "flashref-decode num_splits=1", "flashref-triton", "sdpa-flash", "sdpa-cudnn",
+         "sdpa-efficient", "sdpa-math", "sdpa causal_lower_right"]
+D, H, H_KV = 128, 32, 8
+N_QS = (1, 16)
+N_KS = (4096, 16384, 65536, 131072)
+BATCHES = (1, 4, 16)
+QUICK_N_KS = (4096, 65536)
+QUICK_BATCHES = (1, 16)
+#: the multi-head point: (H_kv, N_q, N_k, B)
+MHA_POINT = (32, 1, 16384, 4)
+
+#: Peak HBM bandwidth in bytes/s by device name (the first key the name contains), from the vendors' data
+#: sheets; :data:`DEFAULT_PEAK` (an H100 SXM) for a name not listed.
+PEAKS = {"H100 PCIe": 2.0e12, "H100 NVL": 3.9e12, "H100": 3.35e12, "H200": 4.8e12, "GH200": 4.0e12,
+         "A100-SXM4-80GB": 2.039e12, "A100 80GB PCIe": 1.935e12, "A100": 1.555e12, "L4": 0.3e12, "T4": 0.32e12}
+DEFAULT_PEAK = 3.35e12
+DEVICE = "cuda"
+
+
+# ---- counting and drawing: pure Python, tested on the CPU -------------------------------------------------
+
+def peak_bandwidth(device_name: str) -> float:
+    """The peak HBM bandwidth (bytes/s) of ``device_name`` from :data:`PEAKS`, else :data:`DEFAULT_PEAK`."""
+    for key, peak in PEAKS.items():
+        if key in (device_name or ""):
+            return peak
+    return DEFAULT_PEAK
+
+
+def bytes_moved(B: int, H: int, H_kv: int, N_q: int, N_k: int, d: int, elem_bytes: int = 2) -> int:
+    """The bytes one call must move at least: K and V read once (``2 B H_kv N_k d``), q read and o written
+    (``2 B H N_q d``), in ``elem_bytes`` each. With grouped-query attention K and V are shared by H / H_kv
+    query heads: read once, not once per query head."""
+    return elem_bytes * (2 * B * H_kv * N_k * d + 2 * B * H * N_q * d)
+
+
+def points(quick: bool = False, n_ks=None, batches=None) -> list[tuple]:
+    """The grid, as (H_kv, N_q, N_k, B) tuples: every N_q, N_k and B at H_kv = 8, then the multi-head point."""
+    n_ks = n_ks or (QUICK_N_KS if quick else N_KS)
+    batches = batches or (QUICK_BATCHES if quick else BATCHES)
+    grid = [(H_KV, n_q, n_k, b) for n_q in N_QS for b in batches for n_k in n_ks]
+    return grid + [MHA_POINT]
+
+
+def _ok(rows):
+    return [r for r in rows if r.get("status", "ok") == "ok" and "ms" in r]
+
+
+def _short(impl: str) -> str:
+    """A column title of at most 10 characters."""
+    return {"flashref-decode": "decode", "flashref-decode num_splits=1": "unsplit", "flashref-triton": "triton",
+            "sdpa causal_lower_right": "lower-rt"}.get(impl, impl.removeprefix("sdpa-"))
+
+
+def speedup_table(rows, base: str = "flashref-decode") -> str:
+    """A text table, one line per point (N_q, H_kv, B, N_k): ``base``'s time, bandwidth and fraction of the
+    peak, then its speedup over each other implementation (their time over its time; a status such as "OOM"
+    or "refused" where one did not run)."""
+    impls = [i for i in IMPLS if i != base and any(r["impl"] == i for r in rows)]
+    get = {(r["impl"], r["N_q"], r["H_kv"], r["B"], r["N_k"]): r for r in rows}
+    pts = sorted({(r["N_q"], r["H_kv"], r["B"], r["N_k"]) for r in rows})
+    head = (f"{'N_q':>3s} {'H_kv':>4s} {'B':>3s} {'N_k':>7s} {'ms':>8s} {'GB/s':>7s} {'peak':>5s}  x faster than: "
+            + " ".join(f"{_short(i):>9s}" for i in impls))
+    lines = [head]
+    for n_q, h_kv, b, n_k in pts:
+        mine = get.get((base, n_q, h_kv, b, n_k), {})
+        if "ms" in mine:
+            lead = f"{mine['ms']:8.3f} {mine['gb_per_s']:7.0f} {mine['bw_fraction']:5.0%}"
+        else:
+            lead = f"{mine.get('status', '-')[:22]:>22s}"
+        cells = []
+        for i in impls:
+            other = get.get((i, n_q, h_kv, b, n_k), {})
+            if "ms" in other and "ms" in mine:
+                cells.append(f"{other['ms'] / mine['ms']:9.2f}")
+            else:
+                cells.append(f"{_status_word(other.get('status', '-')):>9s}")
+        lines.append(f"{n_q:3d} {h_kv:4d} {b:3d} {n_k:7d} {lead}                " + " ".join(cells))
+    return "\n".join(lines)
+
+
+def _status_word(status: str) -> str:
+    if status == "OOM" or status == "-":
+        return status
+    return "refused" if status.startswith("refused") or "No available kernel" in status else status[:8]
+
+
+def plot(data, path=None, n_q: int = 1, h_kv: int = H_KV, impls=None):
+    """The fraction of peak bandwidth achieved against N_k, one panel per batch size B, one line per
+    implementation, for the points with ``n_q`` queries and ``h_kv`` K/V heads; returns the figure (saved to
+    ``path`` if given)."""
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in _ok(data["results"]) if r["N_q"] == n_q and r["H_kv"] == h_kv]
+    impls = impls or [i for i in IMPLS if any(r["impl"] == i for r in rows)]
+    batches = sorted({r["B"] for r in rows}) or [None]
+    fig, axes = plt.subplots(1, len(batches), figsize=(max(6.5, 3.3 * len(batches)), 3.0), squeeze=False,
+                             sharey=True)
+    for ax, b in zip(axes[0], batches):
+        for impl in impls:
+            pts = sorted((r["N_k"], r["bw_fraction"]) for r in rows if r["impl"] == impl and r["B"] == b)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=impl,
+                        lw=2.2 if impl == "flashref-decode" else 1.2)
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(0, 1.05)
+        ax.set_title(f"B = {b}", fontsize=9)
+        ax.set_xlabel("N_k (keys in the cache)", fontsize=8)
+        ax.tick_params(labelsize=7)
+    axes[0][0].set_ylabel("fraction of peak bandwidth", fontsize=8)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4) or 1, fontsize=7, frameon=False)
+    what = "decoding one query" if n_q == 1 else f"{n_q} queries, causal bottom-right"
+    heads, d = (rows[0]["H"], rows[0]["d"]) if rows else (H, D)
+    fig.suptitle(f"fp16, {what}, H = {heads}, H_kv = {h_kv}, d = {d}, on {data.get('device', '?')}", fontsize=9)
+    fig.tight_layout(rect=(0, 0.14, 1, 0.93))
+    if path:
+        fig.savefig(path, dpi=110)
+    return fig
+
+
+def load_results(path=None) -> dict:
+    """The committed run, book/data/decode_bench.json (or ``path``), read by :func:`flashref.bench.results.load`."""
+    return results.load("decode_bench.json", path)
+
+
+# ---- measuring --------------------------------------------------------------------------------------------
+
+def _time(fn):
+    """(median ms, peak extra bytes) of ``fn()``: one call for the peak memory above what is allocated, then
+    ``triton.testing.do_bench`` (which clears the L2 cache before each call)."""
+    import torch
+    import triton
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    ms = triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+    return ms, int(peak)
+
+
+def _inputs(B, H, H_kv, N_q, N_k, d):
+    import torch
+
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    q = torch.randn(B, H, N_q, d, device=DEVICE, dtype=torch.float16, generator=g)
+    k, v = (torch.randn(B, H_kv, N_k, d, device=DEVICE, dtype=torch.float16, generator=g) for _ in range(2))
+    return q, k, v
+
+
+def bottom_right_mask(N_q: int, N_k: int, device=None):
+    """The boolean ``attn_mask`` (True: attend) of bottom-right causality: query i sees keys j <= N_k - N_q + i."""
+    import torch
+
+    i = torch.arange(N_q, device=device)[:, None]
+    j = torch.arange(N_k, device=device)[None, :]
+    return j <= N_k - N_q + i
+
+
+def implementations(N_q: int, N_k: int, causal: bool, seqlens, impls=IMPLS) -> dict:
+    """``{name: fn(q, k, v) -> o}`` for the names in ``impls`` that apply (``sdpa causal_lower_right`` only
+    when causal). SDPA's pinned backends get the bottom-right mask as a boolean ``attn_mask`` when causal."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from flashref.triton import flash_attention_forward
+    from flashref.triton.decode import flash_decode
+
+    window = (-1, N_k - N_q) if causal else (-1, -1)  # bottom-right causal as flashref's top-left window
+    mask = bottom_right_mask(N_q, N_k, DEVICE) if causal else None
+    backends = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
+                "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION, "sdpa-math": SDPBackend.MATH}
+
+    def pinned(backend):
+        def fn(q, k, v):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return fn
+
+    def lower_right(q, k, v):
+        from torch.nn.attention.bias import causal_lower_right
+
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(N_q, N_k), enable_gqa=True)
+
+    fns = {"flashref-decode": lambda q, k, v: flash_decode(q, k, v, seqlens, causal=causal, check_finite=False),
+           "flashref-decode num_splits=1": lambda q, k, v: flash_decode(q, k, v, seqlens, causal=causal, num_splits=1,
+                                                                        check_finite=False),
+           "flashref-triton": lambda q, k, v: flash_attention_forward(q, k, v, window_size=window,
+                                                                      check_finite=False)[0],
+           **{name: pinned(backend) for name, backend in backends.items()}}
+    if causal:
+        fns["sdpa causal_lower_right"] = lower_right
+    return {name: fns[name] for name in impls if name in fns}
+
+
+def _status(exc) -> str:
+    if results.is_oom(exc):
+        return "OOM"
+    text = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
+    return f"refused: {type(exc).__name__}: {text}"
+
+
+def measure_point(H_kv: int, N_q: int, N_k: int, B: int, impls=IMPLS, heads: int = H, d: int = D, peak_bw=DEFAULT_PEAK):
+    """The rows of one point, one per implementation (a failure, out of memory included, is a row too)."""
+    import torch
+
+    from flashref.triton.decode import decode_plan
+
+    causal = N_q > 1
+    fields = dict(case="decode" if N_q == 1 else "chunk causal", B=B, H=heads, H_kv=H_kv, N_q=N_q, N_k=N_k, d=d,
+                  causal=causal, bytes=bytes_moved(B, heads, H_kv, N_q, N_k, d))
+    torch.cuda.empty_cache()
+    try:
+        q, k, v = _inputs(B, heads, H_kv, N_q, N_k, d)
+        seqlens = torch.full((B,), N_k, dtype=torch.int32, device=DEVICE)
+        status = None
+    except Exception as exc:  # noqa: BLE001 (recorded, the run goes on)
+        status = _status(exc)
+    if status is not None:
+        torch.cuda.empty_cache()
+        for impl in impls:
+            yield {**fields, "impl": impl, "status": status}
+        return
+    reference = None
+    for impl, fn in implementations(N_q, N_k, causal, seqlens, impls).items():
+        row = {**fields, "impl": impl}
+        if impl == "flashref-decode":
+            row["num_splits"] = decode_plan(q, k)["num_splits"]
+        if impl == "flashref-decode num_splits=1":
+            row["num_splits"] = 1
+        try:
+            with torch.no_grad():
+                out = fn(q, k, v)  # compiles (and autotunes flashref-triton) outside the timing
+                if reference is None and impl == "flashref-decode":
+                    reference = out
+                elif reference is not None:
+                    row["max_abs_diff_vs_decode"] = float((out.float() - reference.float()).abs().max())
+                del out
+                ms, peak = _time(lambda: fn(q, k, v))
+            row.update(status="ok", ms=ms, gb_per_s=fields["bytes"] / (ms * 1e-3) / 1e9,
+                       bw_fraction=fields["bytes"] / (ms * 1e-3) / peak_bw, peak_extra_bytes=peak)
+        except Exception as exc:  # noqa: BLE001 (a backend that refuses, or OOM, is recorded)
+            row["status"] = _status(exc)
+        torch.cuda.empty_cache()
+        yield row
+    del q, k, v, reference
+    torch.cuda.empty_cache()
+
+
+def describe(r) -> str:
+    """One row as a line of text (the progress output)."""
+    head = f"{r['impl']:28s} N_q={r['N_q']:<2d} H_kv={r['H_kv']:<2d} B={r['B']:<2d} N_k={r['N_k']:<6d}"
+    if r.get("status") != "ok":
+        return f"{head} {r.get('status')}"
+    splits = f" splits={r['num_splits']}" if "num_splits" in r else ""
+    return (f"{head} {r['ms']:8.4f} ms {r['gb_per_s']:7.0f} GB/s ({r['bw_fraction']:4.0%}) "
+            f"peak+ {r['peak_extra_bytes'] / 2**20:7.1f} MiB{splits}")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m flashref.bench decode", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="book/data/decode_bench.json")
+    p.add_argument("--quick", action="store_true", help=f"N_k in {QUICK_N_KS}, B in {QUICK_BATCHES}")
+    p.add_argument("--n-k", nargs="+", type=int, default=None, metavar="N_K", help=f"cache lengths (default {N_KS})")
+    p.add_argument("--b", nargs="+", type=int, default=None, metavar="B", help=f"batch sizes (default {BATCHES})")
+    p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS, metavar="IMPL",
+                   help="some of the implementations (default: all; flashref-decode always runs, first)")
+    p.add_argument("--append", action="store_true",
+                   help="add to the rows already in --out (a run split over several calls; same GPU and versions)")
+    args = p.parse_args(argv)
+    args.impls = ["flashref-decode"] + [i for i in IMPLS if i in args.impls and i != "flashref-decode"]
+    return args
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("flashref.bench decode needs a CUDA device", file=sys.stderr)
+        return 2
+    from tqdm.auto import tqdm
+
+    device = torch.cuda.get_device_name()
+    peak = peak_bandwidth(device)
+    data = results.start(args.out if args.append else None, device, results.versions(),
+                         results.command("decode", argv), dtype="float16", peak_bytes_per_s=peak)
+    add = results.recorder(data, args.out, show=lambda r: tqdm.write(describe(r)))
+    grid = points(args.quick, args.n_k, args.b)
+    for h_kv, n_q, n_k, b in tqdm(grid, desc="decode bench"):
+        for row in measure_point(h_kv, n_q, n_k, b, args.impls, peak_bw=peak):
+            add(row)
+    print(speedup_table(data["results"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,639 @@
+"""Flash-decoding: attention of a few new queries against a long KV cache, with the keys split across
+programs (notebook ``13_beyond_one_gpu_and_decoding``).
+
+Why a second kernel. The forward kernel (notebook ``07_triton_forward``) gives one program to each tile of
+BLOCK_M query rows of one (batch, head). When a model generates text it attends with ONE new query per
+sequence (a few with speculative decoding or chunked prefill) to a cache of thousands of keys: the forward
+launches B * H programs, each walking the whole cache alone. At B = 1 and H = 32 that is 32 programs on a
+GPU of 132 SMs: three quarters of the chip, and of its memory bandwidth, sit idle, and decoding is nothing
+but reading K and V from HBM.
+
+The fix (Dao, Haziza, Massa, Sizov, "Flash-Decoding for long-context inference", 2023): split the keys too.
+Program (s, b, kv head) takes slice s of the keys of one batch row and computes, for every query of that
+row, a partial output O_s and its log-sum-exp lse_s over those keys only, with the usual online softmax
+(running max m, running sum l). A second small kernel merges the slices exactly, as notebook
+``02_online_softmax`` merges two partial softmax states (:func:`flashref.online_softmax.merge_outputs`):
+
+    lse = log sum_s exp(lse_s)          O = sum_s exp(lse_s - lse) O_s
+
+No approximation: the same answer as one pass over all keys, up to rounding.
+
+Two more things decoding needs, both in the same kernel:
+
+- grouped-query attention (``H % H_kv == 0``): the GROUP = H / H_kv query heads that share one K/V head, and
+  all their N_q queries, are packed into the rows of ONE Q tile, so each K/V tile is read from HBM once per
+  group, not once per query head (for Llama-style H = 32, H_kv = 8, four times less traffic);
+- a KV cache with a valid length per batch row (``cache_seqlens``), and causal masking aligned
+  BOTTOM-RIGHT: query i of N_q sees keys ``j <= L_b - N_q + i``, so the last query sees the whole cache
+  (FlashAttention's convention since 2.1; the top-left ``causal`` of :func:`flashref.triton.flash_attention`
+  would let query 0 see key 0 only).
+
+:class:`KVCache` holds a preallocated cache and appends to it, as a generation loop does.
+
+Tiles: under Triton's CPU interpreter fixed small tiles (16 keys a tile, at most 32 packed rows). On a GPU
+fixed configurations, not autotuned (:func:`gpu_config`): decoding reads K and V once, so what matters is
+keeping enough loads in flight (64 keys of d = 128 a tile, 3 pipeline stages from sm_80 on) while two
+programs still fit an SM, and the tiles must fit the GPU's shared memory, which :func:`compile_kernels`
+checks for a T4, an A100 and an H100 on a CPU machine (``tests/test_triton_decode.py``).
+"""
+
+from __future__ import annotations
+
+import numbers
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.errors import OutOfResources
+
+from flashref import validation
+from flashref.triton import ops
+from flashref.triton.forward import LN2, LOG2E, _dot, _load_rows
+
+INTERPRETED = ops.INTERPRETED
+MAX_HEAD_DIM = ops.MAX_HEAD_DIM
+DTYPES = ops.DTYPES
+
+# Under the interpreter: 16-key tiles and at most 32 packed query rows a program, so the tests' short caches
+# still cross several tiles and splits, and a big GQA group needs several row blocks.
+INTERPRETER_BLOCK_N = 16
+INTERPRETER_MAX_ROWS = 32
+GPU_MAX_ROWS = 64  # more packed rows than this are cut into row blocks (each rereads the K/V slice)
+MERGE_SPLITS = 16  # splits merged per step of the merge kernel's loop
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernel 1: one slice of the keys, all the queries of one GQA group
+# --------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _decode_tile(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, start_n, L, last,
+                 qk_scale, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr):
+    """Fold the K/V tile at ``start_n`` into the online-softmax state (acc, l, m) of every packed row. A
+    MASKED tile hides the keys past the cache length L and, when CAUSAL, the keys after each row's ``last``
+    visible one (bottom-right: ``last = L - N_q + i``); the other tiles are seen whole by every row."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k = _load_rows(k_base, offs_n, offs_d, stride_kn, stride_kd, L, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, MASKED=MASKED)
+    v = _load_rows(v_base, offs_n, offs_d, stride_vn, stride_vd, L, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, MASKED=MASKED)
+    s = _dot(q, tl.trans(k), DOT)  # S = Q K^T, raw; the base-2 score is s * qk_scale (sm_scale * log2(e))
+    if MASKED:
+        if CAUSAL:
+            keep = offs_n[None, :] <= last[:, None]  # last <= L - 1, so this also hides keys past the cache
+        else:
+            keep = (offs_n < L)[None, :]
+        s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # qk_scale > 0: the max of the scaled scores
+    if MASKED and CAUSAL:
+        # A row may see none of this slice's keys yet (a slice at the cache's end holds keys only the later
+        # queries see): its m stays -inf, and the exponents are taken against 0 instead of giving NaN.
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_new)  # rescales what was summed under the old max
+    p = tl.exp2(tl.fma(s, qk_scale, -m_new[:, None]))  # P, one explicit FMA as in forward.py
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT)
+    return acc, l_i, m_new
+
+
+@triton.jit(do_not_specialize=["H_kv", "N_q", "GROUP", "num_splits"])
+def flash_decode_split_kernel(Q, K, V, O_PART, LSE_PART, SEQLENS,
+                              stride_qb, stride_qh, stride_qm, stride_qd,
+                              stride_kb, stride_kh, stride_kn, stride_kd,
+                              stride_vb, stride_vh, stride_vn, stride_vd,
+                              stride_pb, stride_ph, stride_ps, stride_pm, stride_pd,
+                              stride_lb, stride_lh, stride_ls, stride_lm,
+                              H_kv, N_q, GROUP, num_splits, qk_scale,
+                              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr):
+    """Program (split, b * H_kv + kv head, row block) writes the partial O (normalized, fp32) and lse
+    (natural log, fp32) of its key slice for BLOCK_M packed rows of the group: row r is query ``r % N_q`` of
+    query head ``kv_head * GROUP + r // N_q``. The cache of batch row b holds ``L = SEQLENS[b]`` keys, cut
+    into ``num_splits`` slices of whole BLOCK_N tiles (the last slices may be empty when L is short). A
+    row that sees no key of its slice stores O = 0 and lse = -inf, which weigh nothing in the merge."""
+    split = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H_kv
+    hk = pid_bh % H_kv
+    L = tl.load(SEQLENS + b)
+
+    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    g = rows // N_q
+    i = rows - g * N_q  # the query of each packed row ...
+    h = hk * GROUP + g  # ... and its query head
+    real = rows < GROUP * N_q  # padding rows (the Q tile has at least 16 for tl.dot) are never stored
+    offs_d = tl.arange(0, BLOCK_D)
+    q_ptrs = (Q + b.to(tl.int64) * stride_qb + h[:, None].to(tl.int64) * stride_qh + i[:, None] * stride_qm
+              + offs_d[None, :] * stride_qd)
+    q = tl.load(q_ptrs, mask=real[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # This program's slice of the keys: whole tiles, the same number for every split of this batch row.
+    per_split = tl.cdiv(tl.cdiv(L, BLOCK_N), num_splits) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, L)  # hi <= lo: an empty slice, no tile visited
+    last = L - 1 + i * 0  # the last key each row sees
+    seen_by_all = L  # keys below this are seen by every row
+    if CAUSAL:  # bottom-right: query i sees keys j <= L - N_q + i
+        last = L - N_q + i
+        seen_by_all = L - N_q + 1
+    # [lo, full_hi): tiles every row sees whole, no mask; [full_hi, hi): the causal edge and the ragged end.
+    full_hi = lo + (tl.maximum(tl.minimum(hi, seen_by_all) - lo, 0) // BLOCK_N) * BLOCK_N
+    for start_n in range(lo, full_hi, BLOCK_N):
+        acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                                     start_n, L, last, qk_scale, offs_d, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+                                     BLOCK_N=BLOCK_N, MASKED=False, CAUSAL=CAUSAL, DOT=DOT)
+    for start_n in range(full_hi, hi, BLOCK_N):
+        acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                                     start_n, L, last, qk_scale, offs_d, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+                                     BLOCK_N=BLOCK_N, MASKED=True, CAUSAL=CAUSAL, DOT=DOT)
+
+    # O_s = acc / l and lse_s = m + log l of this slice; l = 0 (no key seen) gives O = 0, lse = -inf.
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
+    part = b.to(tl.int64) * stride_pb + h.to(tl.int64) * stride_ph + split * stride_ps + i * stride_pm
+    tl.store(O_PART + part[:, None] + offs_d[None, :] * stride_pd, o,
+             mask=real[:, None] & (offs_d[None, :] < HEAD_DIM))
+    row = b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + split * stride_ls + i * stride_lm
+    tl.store(LSE_PART + row, lse, mask=real)
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernel 2: merge the slices (notebook 02's merge of partial softmax states)
+# --------------------------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["H", "N_q", "num_splits"])
+def flash_decode_merge_kernel(O_PART, LSE_PART, O, LSE,
+                              stride_pb, stride_ph, stride_ps, stride_pm, stride_pd,
+                              stride_lb, stride_lh, stride_ls, stride_lm,
+                              stride_ob, stride_oh, stride_om, stride_od,
+                              H, N_q, num_splits,
+                              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Program (b * H + h) * N_q + i merges the ``num_splits`` partial (O_s, lse_s) of query i of head h:
+    ``lse = log sum_s exp(lse_s)``, ``O = sum_s exp(lse_s - lse) O_s`` (:func:`flashref.online_softmax.
+    merge_outputs`, applied to all slices at once). It reads BLOCK_S slices at a time with a running max, so
+    any number of splits works; with one split the weights are exp(0) = 1 and O is copied exactly."""
+    pid = tl.program_id(0)
+    i = pid % N_q
+    bh = pid // N_q
+    b = bh // H
+    h = bh % H
+    offs_d = tl.arange(0, BLOCK_D)
+    o_base = O_PART + b.to(tl.int64) * stride_pb + h.to(tl.int64) * stride_ph + i * stride_pm
+    l_base = LSE_PART + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + i * stride_lm
+
+    m = float("-inf")  # the largest lse_s so far
+    total = 0.0  # sum of exp(lse_s - m)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)  # sum of exp(lse_s - m) O_s
+    for s0 in range(0, num_splits, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        lse_s = tl.load(l_base + s * stride_ls, mask=s < num_splits, other=float("-inf"))
+        o_s = tl.load(o_base + s[:, None] * stride_ps + offs_d[None, :] * stride_pd,
+                      mask=(s[:, None] < num_splits) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        m_new = tl.maximum(m, tl.max(lse_s, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # every slice so far empty: weights 0, not NaN
+        alpha = tl.exp(m - m_safe)
+        w = tl.exp(lse_s - m_safe)
+        total = total * alpha + tl.sum(w, 0)
+        acc = acc * alpha + tl.sum(w[:, None] * o_s, 0)
+        m = m_new
+    seen = total > 0.0
+    t_safe = tl.where(seen, total, 1.0)
+    o = acc / t_safe
+    lse = tl.where(seen, tl.where(m == float("-inf"), 0.0, m) + tl.log(t_safe), float("-inf"))
+    tl.store(O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + i * stride_om + offs_d * stride_od,
+             o.to(O.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    tl.store(LSE + pid, lse)
+
+
+# --------------------------------------------------------------------------------------------------
+# Launch plan: tiles, warps, and how many splits
+# --------------------------------------------------------------------------------------------------
+
+# The split kernel's candidate configs (block_n, num_warps, num_stages), best first, for head dims up to 64,
+# 128 and 256: about 16 KB a K tile, so K and V in 3 stages leave room for two programs an SM on an H100.
+# T4 (no asynchronous copies, 64 KB): smaller tiles, 2 stages.
+GPU_CONFIGS = {
+    "large": {64: [(128, 4, 3), (64, 4, 3), (64, 4, 2), (32, 4, 1)],
+              128: [(64, 4, 3), (64, 4, 2), (32, 4, 2), (16, 4, 1)],
+              256: [(32, 4, 3), (32, 4, 2), (16, 4, 2), (16, 4, 1)]},
+    "t4": {64: [(64, 4, 2), (32, 4, 2), (16, 4, 1)], 128: [(32, 4, 2), (16, 4, 2), (16, 4, 1)],
+           256: [(16, 4, 2), (16, 4, 1)]},
+}
+
+
+def gpu_config(head_dim: int, capability: int, elem_bytes: int = 2, block_m: int = 16,
+               shared_limit: int | None = None) -> dict:
+    """The fixed launch configuration of the split kernel on a GPU of compute ``capability`` (75, 80, 90):
+    ``block_n`` keys a tile, ``num_warps``, ``num_stages`` (loads kept in flight) and ``block_m`` packed query
+    rows (the one asked for, halved while nothing fits): the first of :data:`GPU_CONFIGS` whose shared memory
+    (:func:`flashref.triton.configs.shared_bytes_estimate` of a forward with ``block_m`` resident query rows,
+    which matches this kernel's compiled figure) fits ``shared_limit`` (default: that GPU's,
+    :data:`flashref.triton.configs.GPUS`). Not autotuned: the kernel streams K and V once, so the choice is
+    about bytes in flight, and :func:`compile_kernels` checks the choices fit a T4, an A100 and an H100."""
+    from flashref.triton import configs
+
+    block_d = max(16, ops._pow2(head_dim))
+    if shared_limit is None:
+        shared_limit = max([g["shared_bytes"] for g in configs.GPUS.values() if g["capability"] <= capability]
+                           or [configs.GPUS["T4"]["shared_bytes"]])
+    pool = GPU_CONFIGS["t4" if capability < 80 else "large"][64 if block_d <= 64 else 128 if block_d <= 128 else 256]
+    while True:
+        for block_n, warps, stages in pool:
+            cfg = configs.TileConfig(block_m, block_n, warps, stages)
+            if configs.shared_bytes_estimate("forward", cfg, block_d, elem_bytes, capability) <= shared_limit:
+                return dict(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)
+        if block_m <= 16:  # the smallest: the compiler has the last word (and _launch_split drops stages)
+            return dict(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)
+        block_m //= 2
+
+
+_SMS: dict = {}
+
+
+def _sm_count(device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
+
+
+def decode_plan(q, k_cache, num_splits=None) -> dict:
+    """How :func:`flash_decode` launches for these shapes: the packed rows a program takes (``block_m``, at
+    least 16 for tl.dot), the ``row_blocks`` a GQA group is cut into, ``block_n``, ``num_splits`` (given, or
+    chosen), and on a GPU ``num_warps`` and ``num_stages``.
+
+    ``num_splits=None`` chooses enough splits that ``num_splits * B * H_kv * row_blocks`` programs fill the
+    GPU's SMs about twice over, never more splits than the longest cache has key tiles (a split of the
+    shortest rows may still be empty: it stores lse = -inf and costs one early exit). Under the interpreter:
+    ``min(4, key tiles)``, enough to exercise the merge."""
+    B, H, N_q, d = q.shape
+    H_kv, N_max = k_cache.shape[1], k_cache.shape[2]
+    rows = (H // H_kv) * N_q
+    max_rows = INTERPRETER_MAX_ROWS if INTERPRETED else GPU_MAX_ROWS
+    plan = dict(block_m=min(max(16, ops._pow2(rows)), max_rows), block_d=max(16, ops._pow2(d)))
+    if INTERPRETED:
+        plan.update(block_n=INTERPRETER_BLOCK_N)
+    else:
+        from flashref.triton import configs
+
+        capability, limit = configs.device_capability(q.device), configs.device_shared_limit(q.device)
+        if configs.t4_mode():  # FLASHREF_T4_CONFIGS=1: what a T4 would launch, on any GPU
+            capability, limit = min(capability, 75), min(limit, configs.GPUS["T4"]["shared_bytes"])
+        plan.update(gpu_config(d, capability, q.element_size(), plan["block_m"], limit))
+    plan["row_blocks"] = ops._cdiv(rows, plan["block_m"])
+    tiles = ops._cdiv(N_max, plan["block_n"])
+    if num_splits is None:
+        if INTERPRETED:
+            num_splits = min(4, tiles)
+        else:
+            programs = B * H_kv * plan["row_blocks"]
+            num_splits = max(1, min(ops._cdiv(2 * _sm_count(q.device), programs), tiles))
+    plan["num_splits"] = int(num_splits)
+    return plan
+
+
+# --------------------------------------------------------------------------------------------------
+# Checks
+# --------------------------------------------------------------------------------------------------
+
+def _check_decode(q, k_cache, v_cache, cache_seqlens, causal, sm_scale, num_splits, return_lse, check_finite):
+    """Shapes, dtypes and devices named as the caller named them (q, k_cache, v_cache, cache_seqlens), then
+    ops._check's device rules. Returns (scale, seqlens as int32 on q's device)."""
+    named = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache))
+    for name, x in named:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.ndim != 4:
+            raise ValueError(f"{name} must have shape {'(B, H, N_q, d)' if name == 'q' else '(B, H_kv, N_max, d)'}, "
+                             f"got {x.ndim}-d shape {tuple(x.shape)}")
+        if x.numel() == 0:
+            raise ValueError(f"{name} must not be empty, got shape {tuple(x.shape)}")
+    if tuple(v_cache.shape) != tuple(k_cache.shape):
+        raise ValueError(f"v_cache must have the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    B, H, N_q, d = q.shape
+    _, H_kv, N_max, d_k = k_cache.shape
+    if k_cache.shape[0] != B:
+        raise ValueError(f"k_cache must have q's batch size B = {B}, got shape {tuple(k_cache.shape)}")
+    if d_k != d:
+        raise ValueError(f"k_cache must have q's head dimension d = {d}, got shape {tuple(k_cache.shape)}")
+    if H % H_kv:
+        raise ValueError(f"k_cache must have a number of heads H_kv that divides q's H = {H} (grouped-query "
+                         f"attention), got H_kv = {H_kv}")
+    if d > MAX_HEAD_DIM:
+        raise ValueError(f"head dimension d = {d} is larger than this implementation supports ({MAX_HEAD_DIM})")
+    for name, x in named:
+        if str(x.dtype).replace("torch.", "") not in DTYPES:
+            raise TypeError(f"{name} must have dtype {' or '.join(DTYPES)}, got {x.dtype}")
+    for name, x in named[1:]:
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
+        if x.device != q.device:
+            raise ValueError(f"{name} must be on q's device ({q.device}), got {x.device}")
+    validation.check_bool("return_lse", return_lse)
+    validation.check_bool("check_finite", check_finite)
+    _, scale = ops._check(q, k_cache, v_cache, causal, sm_scale, check_finite=False)  # devices, bf16, sm_scale
+    if num_splits is not None:
+        validation.check_positive_int("num_splits", num_splits)
+    for name, x in named[1:]:  # the kernel offsets keys within one (batch, head) in 32 bits
+        if (N_max - 1) * abs(x.stride(2)) + (d - 1) * abs(x.stride(3)) >= 2**31:
+            raise ValueError(f"{name} is too long for 32-bit offsets within one head: N_max = {N_max} rows of "
+                             f"stride {x.stride(2)}")
+
+    if cache_seqlens is None:
+        if causal and N_q > N_max:
+            raise ValueError(f"causal decoding needs at least N_q = {N_q} keys in the cache (query i sees keys "
+                             f"j <= L - N_q + i), but k_cache holds N_max = {N_max}")
+        seqlens = torch.full((B,), N_max, dtype=torch.int32, device=q.device)
+    else:
+        if not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dtype not in (torch.int32, torch.int64):
+            got = type(cache_seqlens).__name__ if not isinstance(cache_seqlens, torch.Tensor) else \
+                f"a tensor of dtype {cache_seqlens.dtype}"
+            raise TypeError(f"cache_seqlens must be None or an int32 (or int64) torch.Tensor of shape (B,), got {got}")
+        if tuple(cache_seqlens.shape) != (B,):
+            raise ValueError(f"cache_seqlens must have shape (B,) = ({B},), got {tuple(cache_seqlens.shape)}")
+        if cache_seqlens.device != q.device:
+            raise ValueError(f"cache_seqlens must be on q's device ({q.device}), got {cache_seqlens.device}")
+        seqlens = cache_seqlens.to(torch.int32).contiguous()
+        if check_finite:  # reads the lengths on the host (one synchronization); False trusts them
+            lowest = N_q if causal else 1
+            for b, L in enumerate(cache_seqlens.tolist()):
+                if not lowest <= L <= N_max:
+                    why = f" (causal: at least N_q = {N_q})" if causal and L < N_q and L >= 1 else ""
+                    raise ValueError(f"cache_seqlens[{b}] = {L} is out of range: each length must be in "
+                                     f"[{lowest}, N_max = {N_max}]{why}")
+    if check_finite:  # last: the check that reads the data; only the valid part of each cache row
+        arrays = {"q": q}
+        if cache_seqlens is None:
+            arrays.update(k_cache=k_cache, v_cache=v_cache)
+        else:
+            for b, L in enumerate(cache_seqlens.tolist()):
+                arrays[f"k_cache[{b}, :, :{L}]"] = k_cache[b, :, :L]
+                arrays[f"v_cache[{b}, :, :{L}]"] = v_cache[b, :, :L]
+        validation.check_finite(arrays)
+    return scale, seqlens
+
+
+# --------------------------------------------------------------------------------------------------
+# Launch
+# --------------------------------------------------------------------------------------------------
+
+_STAGES_CHOSEN: dict = {}
+
+
+def _launch_split(grid, args, meta, plan, device):
+    """Launch the split kernel; on a GPU with the plan's warps and stages, one stage fewer each time the
+    compiler says the shared memory does not suffice (remembered per shape)."""
+    if INTERPRETED:
+        flash_decode_split_kernel[grid](*args, **meta)
+        return
+    key = (device, meta["BLOCK_D"], meta["BLOCK_M"], meta["BLOCK_N"], args[0].dtype)
+    stages = [_STAGES_CHOSEN[key]] if key in _STAGES_CHOSEN else list(range(plan["num_stages"], 0, -1))
+    for n, s in enumerate(stages):
+        try:
+            flash_decode_split_kernel[grid](*args, **meta, num_warps=plan["num_warps"], num_stages=s)
+        except OutOfResources:
+            if n == len(stages) - 1:
+                raise
+            continue
+        _STAGES_CHOSEN[key] = s
+        return
+
+
+def _split_forward(q, k_cache, v_cache, seqlens, causal, scale, plan):
+    """Kernel 1 alone: the partial outputs ``(B, H, num_splits, N_q, d)`` and their lse ``(B, H, num_splits,
+    N_q)``, both fp32 (what the merge reads; the tests merge them with notebook 02's function too)."""
+    B, H, N_q, d = q.shape
+    H_kv = k_cache.shape[1]
+    S = plan["num_splits"]
+    o_part = torch.empty((B, H, S, N_q, d), dtype=torch.float32, device=q.device)
+    lse_part = torch.empty((B, H, S, N_q), dtype=torch.float32, device=q.device)
+    grid = (S, B * H_kv, plan["row_blocks"])
+    args = (q, k_cache, v_cache, o_part, lse_part, seqlens, *q.stride(), *k_cache.stride(), *v_cache.stride(),
+            *o_part.stride(), *lse_part.stride(), H_kv, N_q, H // H_kv, S, scale * LOG2E)
+    meta = dict(HEAD_DIM=d, BLOCK_D=plan["block_d"], BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"],
+                CAUSAL=causal, DOT=ops._dot_mode(q.dtype))
+    _launch_split(grid, args, meta, plan, q.device)
+    return o_part, lse_part
+
+
+def _merge(o_part, lse_part, dtype, block_d):
+    B, H, S, N_q, d = o_part.shape
+    o = torch.empty((B, H, N_q, d), dtype=dtype, device=o_part.device)
+    lse = torch.empty((B, H, N_q), dtype=torch.float32, device=o_part.device)
+    extra = {} if INTERPRETED else {"num_warps": 4 if block_d >= 128 else 2}
+    flash_decode_merge_kernel[(B * H * N_q,)](o_part, lse_part, o, lse, *o_part.stride(), *lse_part.stride(),
+                                              *o.stride(), H, N_q, S, HEAD_DIM=d, BLOCK_D=block_d,
+                                              BLOCK_S=min(MERGE_SPLITS, max(2, ops._pow2(S))), **extra)
+    return o, lse
+
+
+def flash_decode(q, k_cache, v_cache, cache_seqlens=None, *, sm_scale=None, causal=False, num_splits=None,
+                 return_lse=False, check_finite=True):
+    """Attention of a few queries against a KV cache, split over the keys (flash-decoding); no autograd.
+
+    ``q``: ``(B, H, N_q, d)`` (N_q = 1 for plain decoding, a few for speculative decoding or chunked
+    prefill; any N_q >= 1 works). ``k_cache``, ``v_cache``: ``(B, H_kv, N_max, d)`` with ``H % H_kv == 0``:
+    query head h reads K/V head ``h // (H // H_kv)`` (``enable_gqa=True``'s convention), float16, bfloat16
+    (compute capability 8.0+) or float32 (computed in full fp32, no TF32), any strides, ``d <= 256``.
+    ``cache_seqlens``: int32 (or int64) tensor ``(B,)`` on q's device, the valid length L_b of each batch
+    row's cache (keys ``0 .. L_b - 1``; what lies after is never read); None: all N_max.
+
+    ``causal=True`` is aligned BOTTOM-RIGHT: query i sees keys ``j <= L_b - N_q + i`` (the new queries are
+    the last N_q positions of the sequence; FlashAttention's convention since 2.1), which needs
+    ``L_b >= N_q``. ``causal=False``: every query sees all L_b keys. ``sm_scale`` defaults to ``1/sqrt(d)``.
+
+    ``num_splits``: how many slices the keys of each batch row are cut into (one program per slice, K/V
+    head and row block, then a merge); None chooses from the GPU's SM count (:func:`decode_plan`); 1 is the
+    unsplit kernel. Returns ``o`` like q, and with ``return_lse`` also ``lse`` ``(B, H, N_q)``, fp32, natural
+    log. ``check_finite`` (default True): refuse NaN or inf in q and in the valid part of the caches, and read
+    ``cache_seqlens`` on the host to check each is in ``[1, N_max]`` (``[N_q, N_max]`` when causal); False
+    skips both (no synchronization: what a generation loop, and the benchmark, pass).
+    Notebook ``13_beyond_one_gpu_and_decoding``.
+    """
+    scale, seqlens = _check_decode(q, k_cache, v_cache, cache_seqlens, causal, sm_scale, num_splits, return_lse,
+                                   check_finite)
+    plan = decode_plan(q, k_cache, num_splits)
+    with torch.no_grad():
+        o_part, lse_part = _split_forward(q, k_cache, v_cache, seqlens, causal, scale, plan)
+        o, lse = _merge(o_part, lse_part, q.dtype, plan["block_d"])
+    return (o, lse) if return_lse else o
+
+
+# --------------------------------------------------------------------------------------------------
+# A KV cache for generation loops
+# --------------------------------------------------------------------------------------------------
+
+class KVCache:
+    """A preallocated KV cache: ``k_cache`` and ``v_cache`` ``(B, H_kv, max_len, d)`` (zeros), and the valid
+    length of each batch row, ``seqlens`` (int32 ``(B,)`` on the device; ``lengths``, the same on the host).
+    A generation loop appends the new tokens' keys and values and attends with their queries:
+
+        cache = KVCache(B, H_kv, max_len, d, dtype=torch.float16, device="cuda")
+        cache.append(k_prompt, v_prompt)           # prefill: (B, H_kv, n, d)
+        o = cache.attend(q_prompt)                 # causal, bottom-right: the prompt's own attention
+        cache.append(k_new, v_new)                 # then one token at a time
+        o = cache.attend(q_new)                    # (B, H, 1, d) against everything so far
+
+    The buffers are never reallocated: appending writes after each row's current length, and attending
+    passes the valid lengths to :func:`flash_decode`, which never reads past them. Notebook ``13_beyond_one_gpu_and_decoding``.
+    """
+
+    def __init__(self, batch, heads_kv, max_len, head_dim, dtype=torch.float16, device=None):
+        for name, n in (("batch", batch), ("heads_kv", heads_kv), ("max_len", max_len), ("head_dim", head_dim)):
+            validation.check_positive_int(name, n)
+        if not isinstance(dtype, torch.dtype) or str(dtype).replace("torch.", "") not in DTYPES:
+            raise TypeError(f"dtype must be torch.float16, torch.bfloat16 or torch.float32, got {dtype!r}")
+        if device is None:
+            device = "cpu" if INTERPRETED else "cuda"
+        shape = (int(batch), int(heads_kv), int(max_len), int(head_dim))
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = [0] * int(batch)  # on the host: the checks never read a length back from the GPU
+        self.seqlens = torch.zeros(int(batch), dtype=torch.int32, device=device)
+
+    @property
+    def max_len(self) -> int:
+        return self.k_cache.shape[2]
+
+    @property
+    def k(self):
+        """The filled part of the keys, ``(B, H_kv, max(lengths), d)`` (a view; shorter rows end earlier)."""
+        return self.k_cache[:, :, :max(self.lengths)]
+
+    @property
+    def v(self):
+        """The filled part of the values, as :attr:`k`."""
+        return self.v_cache[:, :, :max(self.lengths)]
+
+    def reset(self) -> None:
+        """Forget every token (the buffers are kept and overwritten by later appends)."""
+        self.lengths = [0] * len(self.lengths)
+        self.seqlens.zero_()
+
+    def append(self, k, v, lengths=None) -> None:
+        """Write ``k``, ``v`` ``(B, H_kv, n, d)`` after each row's current length. ``lengths`` (a list of B
+        ints, each in [0, n]; default all n): how many of the n new tokens of each row are real, for a batch
+        of prompts of different lengths padded to n. Too many tokens for ``max_len`` is a ValueError."""
+        B, H_kv, _, d = self.k_cache.shape
+        for name, x in (("k", k), ("v", v)):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+            if x.ndim != 4 or x.shape[0] != B or x.shape[1] != H_kv or x.shape[3] != d:
+                raise ValueError(f"{name} must have shape (B, H_kv, n, d) = ({B}, {H_kv}, n, {d}), "
+                                 f"got {tuple(x.shape)}")
+            if x.dtype != self.k_cache.dtype or x.device != self.k_cache.device:
+                raise TypeError(f"{name} must have the cache's dtype {self.k_cache.dtype} and device "
+                                f"{self.k_cache.device}, got {x.dtype} on {x.device}")
+        if tuple(v.shape) != tuple(k.shape):
+            raise ValueError(f"v must have the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
+        n = k.shape[2]
+        if lengths is None:
+            lengths = [n] * B
+        elif (not isinstance(lengths, (list, tuple)) or len(lengths) != B
+              or any(isinstance(x, bool) or not isinstance(x, numbers.Integral) or not 0 <= x <= n for x in lengths)):
+            raise ValueError(f"lengths must be None or a list of B = {B} integers in [0, n = {n}], got {lengths!r}")
+        for b, (L, m) in enumerate(zip(self.lengths, lengths)):
+            if L + m > self.max_len:
+                raise ValueError(f"k: appending {m} tokens to row {b}, which holds {L}, would overflow max_len = "
+                                 f"{self.max_len}")
+        validation.check_finite({"k": k, "v": v})
+        if len(set(self.lengths)) == 1 and len(set(lengths)) == 1:  # all rows alike: one copy each
+            L, m = self.lengths[0], lengths[0]
+            self.k_cache[:, :, L:L + m] = k[:, :, :m]
+            self.v_cache[:, :, L:L + m] = v[:, :, :m]
+        else:
+            for b, (L, m) in enumerate(zip(self.lengths, lengths)):
+                self.k_cache[b, :, L:L + m] = k[b, :, :m]
+                self.v_cache[b, :, L:L + m] = v[b, :, :m]
+        self.lengths = [L + int(m) for L, m in zip(self.lengths, lengths)]
+        self.seqlens.copy_(torch.tensor(self.lengths, dtype=torch.int32), non_blocking=True)
+
+    def attend(self, q, causal=True, sm_scale=None, *, num_splits=None, return_lse=False):
+        """:func:`flash_decode` of ``q`` ``(B, H, N_q, d)`` against the cache; ``causal`` (default True) is
+        bottom-right: the N_q queries are the last N_q tokens appended, query i sees the keys up to its own
+        position. The lengths are checked on the host (no synchronization), and q for NaN or inf; the cached
+        values were checked when appended."""
+        lowest = q.shape[2] if causal and isinstance(q, torch.Tensor) and q.ndim == 4 else 1
+        for b, L in enumerate(self.lengths):
+            if L < lowest:
+                raise ValueError(f"q: row {b} of the cache holds {L} tokens, fewer than the {lowest} "
+                                 f"{'queries (causal)' if causal else 'needed'}: append first")
+        if isinstance(q, torch.Tensor):
+            validation.check_finite({"q": q})
+        return flash_decode(q, self.k, self.v, self.seqlens, sm_scale=sm_scale, causal=causal, num_splits=num_splits,
+                            return_lse=return_lse, check_finite=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# Compiling for GPUs we do not have (the compile test)
+# --------------------------------------------------------------------------------------------------
+
+_TY = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+
+
+def compile_kernels(capability: int, head_dim: int = 128, dtype: str = "float16", causal: bool = True,
+                    group: int = 4, n_q: int = 1) -> dict:
+    """Compile both kernels for a GPU of compute ``capability`` (75, 80, 90) on any machine, as a launch on
+    contiguous tensors with :func:`gpu_config` would; returns ``{"split": compiled, "merge": compiled}``
+    (``.metadata.shared``: shared memory in bytes). Needs the kernels defined without the interpreter: run
+    with ``FLASHREF_TRITON_COMPILE_ONLY=1`` and ``TRITON_INTERPRET`` unset (see
+    :mod:`flashref.triton.compile_check`)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from flashref.triton.forward import DOT_IEEE, DOT_NATIVE
+
+    if os.environ.get("TRITON_INTERPRET", "") == "1":
+        raise RuntimeError("kernels defined under TRITON_INTERPRET=1 cannot be compiled: run with "
+                           "FLASHREF_TRITON_COMPILE_ONLY=1 and TRITON_INTERPRET unset")
+    block_d = max(16, ops._pow2(head_dim))
+    cfg = gpu_config(head_dim, capability, 4 if dtype == "float32" else 2,
+                     min(max(16, ops._pow2(group * n_q)), GPU_MAX_ROWS))
+    block_m = cfg["block_m"]
+    ptr = f"*{_TY[dtype]}"
+    # Contiguous tensors of a typical call (meta tensors: shapes and strides only), for the strides' values.
+    B, H_kv, N_max, S = 2, 8, 4096, 8
+    q = torch.empty((B, H_kv * group, n_q, head_dim), device="meta")
+    kv = torch.empty((B, H_kv, N_max, head_dim), device="meta")
+    o_part = torch.empty((B, H_kv * group, S, n_q, head_dim), device="meta")
+    lse_part = torch.empty((B, H_kv * group, S, n_q), device="meta")
+    split_strides = [*q.stride(), *kv.stride(), *kv.stride(), *o_part.stride(), *lse_part.stride()]
+    merge_strides = [*o_part.stride(), *lse_part.stride(), *q.stride()]
+    target = GPUTarget("cuda", capability, 32)
+    out = {}
+    for name, fn, types, strides, constexprs, options in (
+        ("split", flash_decode_split_kernel, [ptr] * 3 + ["*fp32", "*fp32", "*i32"] + ["i32"] * 25 + ["fp32"],
+         split_strides,
+         dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=cfg["block_n"], CAUSAL=causal,
+              DOT=(DOT_IEEE if dtype == "float32" else DOT_NATIVE).value),
+         dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])),
+        ("merge", flash_decode_merge_kernel, ["*fp32", "*fp32", ptr, "*fp32"] + ["i32"] * 16, merge_strides,
+         dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=MERGE_SPLITS),
+         dict(num_warps=4 if block_d >= 128 else 2)),
+    ):
+        runtime = [n for n in fn.arg_names if n not in constexprs]
+        if len(runtime) != len(types):
+            raise AssertionError(f"{name}: {len(runtime)} runtime arguments, signature has {len(types)}")
+        signature = dict(zip(runtime, types))
+        values = dict(zip([n for n in runtime if n.startswith("stride_")], strides))
+        # Specialize as a launch does: an integer equal to 1 becomes a constant, pointers and integers
+        # divisible by 16 are marked so (compile_check._launch_specialization says why it matters); the
+        # do_not_specialize sizes get neither.
+        attrs = {}
+        for n in runtime:
+            if signature[n].startswith("*") or (n in values and values[n] % 16 == 0):
+                attrs[(fn.arg_names.index(n),)] = [["tt.divisibility", 16]]
+            elif values.get(n) == 1:
+                constexprs[n] = 1
+        signature.update({n: "constexpr" for n in constexprs})
+        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+        out[name] = triton.compile(src, target=target, options=options)
+    return out

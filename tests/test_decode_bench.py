@@ -1,0 +1,92 @@
+"""The decode benchmark's pure-Python parts, on the CPU: the bytes a call moves, the grid, the peak bandwidth
+by device name, and the table and figure drawn from a saved run (a synthetic one here). (The timings
+themselves run on the GPU: python -m flashref.bench decode.)"""
+
+from __future__ import annotations
+
+import matplotlib
+import pytest
+
+from flashref.bench import decode_bench
+from flashref.bench.decode_bench import (IMPLS, bytes_moved, parse_args, peak_bandwidth, plot, points,
+                                         speedup_table)
+
+matplotlib.use("Agg")
+
+
+def _synthetic():
+    """A run's dict: every implementation at two batch sizes and two lengths, flashref-decode at full speed,
+    the others slower by a known factor; one backend refused, one out of memory."""
+    rows = []
+    slower = {impl: 1.0 + i for i, impl in enumerate(IMPLS)}
+    for B in (1, 16):
+        for N_k in (4096, 65536):
+            nbytes = bytes_moved(B, 32, 8, 1, N_k, 128)
+            for impl in IMPLS[:-1]:
+                row = dict(case="decode", impl=impl, B=B, H=32, H_kv=8, N_q=1, N_k=N_k, d=128, causal=False,
+                           bytes=nbytes)
+                if impl == "sdpa-efficient":
+                    row["status"] = "refused: RuntimeError: No available kernel. Aborting execution."
+                elif impl == "sdpa-math" and B == 16:
+                    row["status"] = "OOM"
+                else:
+                    ms = 0.01 * N_k / 4096 * B * slower[impl]
+                    row.update(status="ok", ms=ms, gb_per_s=nbytes / ms / 1e6, bw_fraction=nbytes / ms * 1e3 / 3.35e12,
+                               peak_extra_bytes=1024)
+                rows.append(row)
+    return {"device": "NVIDIA H100 80GB HBM3", "versions": {}, "command": "python -m flashref.bench decode",
+            "peak_bytes_per_s": 3.35e12, "results": rows}
+
+
+def test_bytes_moved_counts_kv_once_per_group():
+    # K and V: 2 B H_kv N_k d fp16 numbers; q and o: 2 B H N_q d
+    assert bytes_moved(1, 32, 8, 1, 4096, 128) == 2 * (2 * 8 * 4096 * 128 + 2 * 32 * 128)
+    assert bytes_moved(4, 32, 32, 16, 1024, 64, elem_bytes=4) == 4 * 4 * (2 * 32 * 1024 * 64 + 2 * 32 * 16 * 64)
+    # grouped-query attention reads a quarter of the K/V bytes of multi-head attention at H = 32, H_kv = 8
+    mha, gqa = bytes_moved(1, 32, 32, 1, 65536, 128), bytes_moved(1, 32, 8, 1, 65536, 128)
+    assert 3.99 < mha / gqa <= 4
+
+
+def test_the_grid():
+    full, quick = points(), points(quick=True)
+    assert len(full) == 2 * 3 * 4 + 1 and len(quick) == 2 * 2 * 2 + 1
+    assert {p[1] for p in full} == {1, 16} and {p[2] for p in full} == {4096, 16384, 65536, 131072}
+    assert full[-1] == decode_bench.MHA_POINT and all(p[0] == 8 for p in full[:-1])
+    assert points(n_ks=[1024], batches=[2])[:2] == [(8, 1, 1024, 2), (8, 16, 1024, 2)]
+    args = parse_args(["--quick", "--impls", "sdpa-math", "flashref-triton"])
+    assert args.quick and args.out == "book/data/decode_bench.json"
+    assert args.impls == ["flashref-decode", "flashref-triton", "sdpa-math"]  # ours first, in IMPLS order
+    with pytest.raises(SystemExit):
+        parse_args(["--impls", "xformers"])
+
+
+def test_peak_bandwidth_by_name():
+    assert peak_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12
+    assert peak_bandwidth("NVIDIA H100 PCIe") == 2.0e12
+    assert peak_bandwidth("NVIDIA H200") == 4.8e12
+    assert peak_bandwidth("Tesla T4") == 0.32e12
+    assert peak_bandwidth("some future GPU") == decode_bench.DEFAULT_PEAK
+
+
+def test_speedup_table_from_a_saved_run():
+    data = _synthetic()
+    table = speedup_table(data["results"])
+    lines = table.splitlines()
+    assert "unsplit" in lines[0] and "triton" in lines[0] and "efficient" in lines[0] and "decode" not in lines[0]
+    assert len(lines) == 1 + 4
+    first = lines[1].split()
+    # flashref-decode at slowdown 1, num_splits=1 at 2, flashref-triton at 3, sdpa-flash 4, cudnn 5: speedups
+    assert first[:4] == ["1", "8", "1", "4096"] and first[7:10] == ["2.00", "3.00", "4.00"]
+    assert "refused" in lines[1] and "OOM" in lines[-1] and "OOM" not in lines[1]
+
+
+def test_plot_from_a_saved_run(tmp_path):
+    data = _synthetic()
+    fig = plot(data, path=tmp_path / "decode.png")
+    assert len(fig.axes) == 2 and (tmp_path / "decode.png").exists()
+    labels = [line.get_label() for line in fig.axes[0].get_lines()]
+    assert labels[0] == "flashref-decode" and "sdpa-efficient" not in labels  # refused: no line
+    assert "sdpa-math" in labels and "sdpa-math" not in [line.get_label() for line in fig.axes[1].get_lines()]
+    x, y = fig.axes[0].get_lines()[0].get_data()
+    assert list(x) == [4096, 65536] and all(0 < f <= 1 for f in y)
+    matplotlib.pyplot.close(fig)
