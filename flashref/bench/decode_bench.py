@@ -38,6 +38,7 @@ import argparse
 import sys
 
 from flashref.bench import results
+from flashref.bench.features_bench import _time  # one timer for the suites: peak memory, then do_bench
 
 IMPLS = ["flashref-decode", "flashref-decode num_splits=1", "flashref-triton", "sdpa-flash", "sdpa-cudnn",
          "sdpa-efficient", "sdpa-math", "sdpa causal_lower_right"]
@@ -167,22 +168,6 @@ def load_results(path=None) -> dict:
 
 # ---- measuring --------------------------------------------------------------------------------------------
 
-def _time(fn):
-    """(median ms, peak extra bytes) of ``fn()``: one call for the peak memory above what is allocated, then
-    ``triton.testing.do_bench`` (which clears the L2 cache before each call)."""
-    import torch
-    import triton
-
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    ms = triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
-    return ms, int(peak)
-
-
 def _inputs(B, H, H_kv, N_q, N_k, d):
     import torch
 
@@ -280,7 +265,7 @@ def measure_point(H_kv: int, N_q: int, N_k: int, B: int, impls=IMPLS, heads: int
                 elif reference is not None:
                     row["max_abs_diff_vs_decode"] = float((out.float() - reference.float()).abs().max())
                 del out
-                ms, peak = _time(lambda: fn(q, k, v))
+                ms, peak = _time(lambda: fn(q, k, v), False, None)  # features_bench's: peak, then do_bench
             row.update(status="ok", ms=ms, gb_per_s=fields["bytes"] / (ms * 1e-3) / 1e9,
                        bw_fraction=fields["bytes"] / (ms * 1e-3) / peak_bw, peak_extra_bytes=peak)
         except Exception as exc:  # noqa: BLE001 (a backend that refuses, or OOM, is recorded)
