@@ -8,8 +8,8 @@ import matplotlib
 import pytest
 
 from flashref.bench import decode_bench
-from flashref.bench.decode_bench import (IMPLS, bytes_moved, parse_args, peak_bandwidth, plot, points,
-                                         speedup_table)
+from flashref.bench.decode_bench import (IMPLS, bytes_moved, host_table, parse_args, peak_bandwidth, plot,
+                                         points, speedup_table)
 
 matplotlib.use("Agg")
 
@@ -32,7 +32,7 @@ def _synthetic():
                 else:
                     ms = 0.01 * N_k / 4096 * B * slower[impl]
                     row.update(status="ok", ms=ms, gb_per_s=nbytes / ms / 1e6, bw_fraction=nbytes / ms * 1e3 / 3.35e12,
-                               peak_extra_bytes=1024)
+                               peak_extra_bytes=1024, host_us=50.0 * slower[impl])
                 rows.append(row)
     return {"device": "NVIDIA H100 80GB HBM3", "versions": {}, "command": "python -m flashref.bench decode",
             "peak_bytes_per_s": 3.35e12, "results": rows}
@@ -90,3 +90,10 @@ def test_plot_from_a_saved_run(tmp_path):
     x, y = fig.axes[0].get_lines()[0].get_data()
     assert list(x) == [4096, 65536] and all(0 < f <= 1 for f in y)
     matplotlib.pyplot.close(fig)
+
+
+def test_host_table_from_a_saved_run():
+    lines = host_table(_synthetic()["results"]).splitlines()
+    assert len(lines) == 1 + 4 and "decode us, host" in lines[0] and "flash us, host" in lines[0]
+    # B = 1, N_k = 4096: decode 10 us on the GPU and 50 us of host time; sdpa-flash (4x slower) 40 and 200
+    assert lines[1].split() == ["1", "4096", "10,", "50", "40,", "200", "50,", "250"]

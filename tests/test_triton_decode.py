@@ -215,6 +215,50 @@ def _kv(B, H_kv, n, d, seed):
     return [torch.randn(B, H_kv, n, d, generator=g).to(DEVICE) for _ in range(2)]
 
 
+def test_split_count_fills_whole_waves():
+    """The wave rule on an H100's 132 SMs with 8 K/V heads: B = 1 (8 programs) takes 16 splits, B = 4 takes
+    4, B = 16 (128 programs, already a full wave) takes 1; never more splits than key tiles."""
+    assert [decode.split_count(8 * B, 1000, 132) for B in (1, 4, 16)] == [16, 4, 1]
+    assert decode.split_count(8, 3, 132) == 3 and decode.split_count(1, 1, 132) == 1
+    for programs in range(1, 300):
+        s = decode.split_count(programs, 10**6, 132)
+        waves = -(-s * programs // 132)
+        assert s * programs / (waves * 132) >= 0.95 * max(
+            t * programs / (-(-t * programs // 132) * 132) for t in range(1, -(-264 // programs) + 1))
+    with pytest.raises(ValueError, match="sms must be a positive integer"):
+        decode.split_count(8, 10, 0)
+
+
+def test_launch_cache_reuses_only_what_the_data_cannot_change():
+    """check_finite=False: the first call of a signature is checked and planned in full, the next ones go
+    straight to the kernels (the launch cache) and give the same answer; another scale, a shifted (not
+    16-byte aligned) q, or other lengths' dtype are other signatures; a bad argument is refused even after a
+    good call of the same shapes (True and 1 hash alike, the key tells them apart)."""
+    q, k, v, _ = _inputs(2, 4, 2, 3, 70, 16, torch.float32, 8)
+    seqlens = torch.tensor([70, 40], dtype=torch.int32, device=DEVICE)
+    decode._LAUNCHES.clear()
+    first = flash_decode(q, k, v, seqlens, causal=True, check_finite=False)
+    assert len(decode._LAUNCHES) == 1
+    again = flash_decode(q, k, v, seqlens, causal=True, check_finite=False)
+    assert torch.equal(first, again) and len(decode._LAUNCHES) == 1
+    ref_o, _ = _reference(q, k, v, seqlens, True)
+    np.testing.assert_allclose(_np64(again), ref_o, rtol=0, atol=1e-5)
+    q2 = torch.randn_like(q)  # new data, same signature: a new answer, not the cached one
+    np.testing.assert_allclose(_np64(flash_decode(q2, k, v, seqlens, causal=True, check_finite=False)),
+                               _reference(q2, k, v, seqlens, True)[0], rtol=0, atol=1e-5)
+    half = flash_decode(q, k, v, seqlens, causal=True, sm_scale=0.5, check_finite=False)
+    np.testing.assert_allclose(_np64(half), _reference(q, k, v, seqlens, True, sm_scale=0.5)[0], rtol=0, atol=1e-5)
+    shifted = torch.empty(q.numel() + 1, dtype=q.dtype, device=DEVICE)[1:].view(q.shape)
+    shifted.copy_(q)
+    assert torch.equal(flash_decode(shifted, k, v, seqlens, causal=True, check_finite=False), first)
+    assert torch.equal(flash_decode(q, k, v, seqlens.long(), causal=True, check_finite=False), first)
+    assert len(decode._LAUNCHES) == 4  # + the scale, the shifted q, the int64 lengths
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        flash_decode(q, k, v, seqlens, causal=1, check_finite=False)
+    with pytest.raises(ValueError, match="k_cache must have q's batch size"):
+        flash_decode(q, k[:1], v[:1], seqlens, causal=True, check_finite=False)
+
+
 def test_kv_cache_prefill_then_decode():
     """Append a prompt, attend with its queries (causal), then decode token by token: each step equals
     flash_decode on the concatenated cache and the float64 reference."""

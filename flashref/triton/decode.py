@@ -265,15 +265,33 @@ def _sm_count(device) -> int:
     return _SMS[index]
 
 
+def split_count(programs: int, tiles: int, sms: int, good: float = 0.95) -> int:
+    """How many slices to cut the keys into when ``programs`` programs (batch rows x K/V heads x row blocks)
+    would each walk ``tiles`` key tiles alone, on a GPU of ``sms`` SMs.
+
+    Each split kernel streams its keys with enough loads in flight to keep one SM's share of the memory
+    bandwidth busy, so the GPU runs the ``s * programs`` programs in waves of about ``sms``, and a last wave
+    that is only partly full leaves SMs idle for a whole program's time. The wave efficiency of ``s`` splits
+    is ``s * programs / (ceil(s * programs / sms) * sms)``. The answer is the fewest splits whose efficiency
+    is at least ``good`` of the best one up to two waves (fewer splits: less to merge), never more splits
+    than tiles. On an H100 (132 SMs) with 8 K/V heads: B = 1 gives 16 splits (128 programs), B = 4 gives 4,
+    and B = 16 gives 1 (128 programs are already a full wave: splitting would only add a ragged one)."""
+    validation.check_positive_int("programs", programs)
+    validation.check_positive_int("sms", sms)
+    most = max(1, min(int(tiles), ops._cdiv(2 * sms, programs)))
+    efficiency = {s: s * programs / (ops._cdiv(s * programs, sms) * sms) for s in range(1, most + 1)}
+    best = max(efficiency.values())
+    return min(s for s, e in efficiency.items() if e >= good * best)
+
+
 def decode_plan(q, k_cache, num_splits=None) -> dict:
     """How :func:`flash_decode` launches for these shapes: the packed rows a program takes (``block_m``, at
     least 16 for tl.dot), the ``row_blocks`` a GQA group is cut into, ``block_n``, ``num_splits`` (given, or
     chosen), and on a GPU ``num_warps`` and ``num_stages``.
 
-    ``num_splits=None`` chooses enough splits that ``num_splits * B * H_kv * row_blocks`` programs fill the
-    GPU's SMs about twice over, never more splits than the longest cache has key tiles (a split of the
-    shortest rows may still be empty: it stores lse = -inf and costs one early exit). Under the interpreter:
-    ``min(4, key tiles)``, enough to exercise the merge."""
+    ``num_splits=None`` chooses by :func:`split_count` from the GPU's SM count, never more splits than the
+    longest cache has key tiles (a split of the shortest rows may still be empty: it stores lse = -inf and
+    costs one early exit). Under the interpreter: ``min(4, key tiles)``, enough to exercise the merge."""
     B, H, N_q, d = q.shape
     H_kv, N_max = k_cache.shape[1], k_cache.shape[2]
     rows = (H // H_kv) * N_q
@@ -294,8 +312,7 @@ def decode_plan(q, k_cache, num_splits=None) -> dict:
         if INTERPRETED:
             num_splits = min(4, tiles)
         else:
-            programs = B * H_kv * plan["row_blocks"]
-            num_splits = max(1, min(ops._cdiv(2 * _sm_count(q.device), programs), tiles))
+            num_splits = split_count(B * H_kv * plan["row_blocks"], tiles, _sm_count(q.device))
     plan["num_splits"] = int(num_splits)
     return plan
 
@@ -390,49 +407,143 @@ _STAGES_CHOSEN: dict = {}
 
 def _launch_split(grid, args, meta, plan, device):
     """Launch the split kernel; on a GPU with the plan's warps and stages, one stage fewer each time the
-    compiler says the shared memory does not suffice (remembered per shape)."""
+    compiler says the shared memory does not suffice (remembered per shape). Returns what Triton's launch
+    returns: on a GPU the compiled kernel."""
     if INTERPRETED:
-        flash_decode_split_kernel[grid](*args, **meta)
-        return
+        return flash_decode_split_kernel[grid](*args, **meta)
     key = (device, meta["BLOCK_D"], meta["BLOCK_M"], meta["BLOCK_N"], args[0].dtype)
     stages = [_STAGES_CHOSEN[key]] if key in _STAGES_CHOSEN else list(range(plan["num_stages"], 0, -1))
     for n, s in enumerate(stages):
         try:
-            flash_decode_split_kernel[grid](*args, **meta, num_warps=plan["num_warps"], num_stages=s)
+            compiled = flash_decode_split_kernel[grid](*args, **meta, num_warps=plan["num_warps"], num_stages=s)
         except OutOfResources:
             if n == len(stages) - 1:
                 raise
             continue
         _STAGES_CHOSEN[key] = s
-        return
+        return compiled
 
 
-def _split_forward(q, k_cache, v_cache, seqlens, causal, scale, plan):
-    """Kernel 1 alone: the partial outputs ``(B, H, num_splits, N_q, d)`` and their lse ``(B, H, num_splits,
-    N_q)``, both fp32 (what the merge reads; the tests merge them with notebook 02's function too)."""
+def _split_args(q, k_cache, v_cache, seqlens, scale, plan):
+    """The split kernel's partial buffers, grid and runtime arguments for one call."""
     B, H, N_q, d = q.shape
     H_kv = k_cache.shape[1]
     S = plan["num_splits"]
     o_part = torch.empty((B, H, S, N_q, d), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((B, H, S, N_q), dtype=torch.float32, device=q.device)
-    grid = (S, B * H_kv, plan["row_blocks"])
     args = (q, k_cache, v_cache, o_part, lse_part, seqlens, *q.stride(), *k_cache.stride(), *v_cache.stride(),
             *o_part.stride(), *lse_part.stride(), H_kv, N_q, H // H_kv, S, scale * LOG2E)
-    meta = dict(HEAD_DIM=d, BLOCK_D=plan["block_d"], BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"],
-                CAUSAL=causal, DOT=ops._dot_mode(q.dtype))
-    _launch_split(grid, args, meta, plan, q.device)
-    return o_part, lse_part
+    return o_part, lse_part, (S, B * H_kv, plan["row_blocks"]), args
 
 
-def _merge(o_part, lse_part, dtype, block_d):
+def _merge_args(o_part, lse_part, dtype):
     B, H, S, N_q, d = o_part.shape
     o = torch.empty((B, H, N_q, d), dtype=dtype, device=o_part.device)
     lse = torch.empty((B, H, N_q), dtype=torch.float32, device=o_part.device)
+    args = (o_part, lse_part, o, lse, *o_part.stride(), *lse_part.stride(), *o.stride(), H, N_q, S)
+    return o, lse, (B * H * N_q,), args
+
+
+def _split_meta(q, causal, plan):
+    return dict(HEAD_DIM=q.shape[3], BLOCK_D=plan["block_d"], BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"],
+                CAUSAL=causal, DOT=ops._dot_mode(q.dtype))
+
+
+def _merge_meta(d, block_d, num_splits):
+    return dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=min(MERGE_SPLITS, max(2, ops._pow2(num_splits))))
+
+
+def _split_forward(q, k_cache, v_cache, seqlens, causal, scale, plan, compiled=None):
+    """Kernel 1 alone: the partial outputs ``(B, H, num_splits, N_q, d)`` and their lse ``(B, H, num_splits,
+    N_q)``, both fp32 (what the merge reads; the tests merge them with notebook 02's function too). A dict
+    ``compiled`` receives the compiled kernel (on a GPU)."""
+    o_part, lse_part, grid, args = _split_args(q, k_cache, v_cache, seqlens, scale, plan)
+    kernel = _launch_split(grid, args, _split_meta(q, causal, plan), plan, q.device)
+    if compiled is not None:
+        compiled["split"] = kernel
+    return o_part, lse_part
+
+
+def _merge(o_part, lse_part, dtype, block_d, compiled=None):
+    o, lse, grid, args = _merge_args(o_part, lse_part, dtype)
     extra = {} if INTERPRETED else {"num_warps": 4 if block_d >= 128 else 2}
-    flash_decode_merge_kernel[(B * H * N_q,)](o_part, lse_part, o, lse, *o_part.stride(), *lse_part.stride(),
-                                              *o.stride(), H, N_q, S, HEAD_DIM=d, BLOCK_D=block_d,
-                                              BLOCK_S=min(MERGE_SPLITS, max(2, ops._pow2(S))), **extra)
+    kernel = flash_decode_merge_kernel[grid](*args, **_merge_meta(o_part.shape[4], block_d, o_part.shape[2]),
+                                             **extra)
+    if compiled is not None:
+        compiled["merge"] = kernel
     return o, lse
+
+
+# --------------------------------------------------------------------------------------------------
+# The launch cache: decoding is a loop of identical tiny calls
+# --------------------------------------------------------------------------------------------------
+
+# At B = 1 and a 4K cache the two kernels run for about 12 microseconds on an H100, while checking the inputs,
+# planning and two launches through Triton's dispatcher (which works out each argument's specialization and
+# looks the compiled kernel up) take hundreds of microseconds of Python: decoding one token would be bound by
+# the CPU. A generation loop calls with the same shapes, strides and dtypes every step, so everything but the
+# data is worked out once per such signature and the next calls go straight to the compiled kernels.
+
+_LAUNCHES: dict = {}
+_MAX_LAUNCHES = 512  # signatures kept (a loop over growing dense caches makes a new one per length)
+_fast_path = {"on": True}  # switched off for good if this Triton's compiled kernels refuse the call
+
+
+def _signature(q, k_cache, v_cache, cache_seqlens, causal, sm_scale, num_splits, return_lse):
+    """Everything the checks, the plan and Triton's specialization of the kernels depend on, except the data:
+    for each tensor its shape, strides, dtype, device and whether its address is 16-byte aligned (Triton
+    compiles a faster kernel when it is); the options with their types (``True`` and ``1`` hash alike but
+    are not the same answer to the checks). None where an argument is not what the fast path can key on."""
+    tensors = (q, k_cache, v_cache) if cache_seqlens is None else (q, k_cache, v_cache, cache_seqlens)
+    try:
+        layout = tuple((x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0) for x in tensors)
+        key = (layout, cache_seqlens is None, type(causal), causal, type(sm_scale), sm_scale, type(num_splits),
+               num_splits, type(return_lse), return_lse)
+        hash(key)
+    except (AttributeError, TypeError):
+        return None
+    return key
+
+
+class _Launch:
+    """The two kernels of one signature as the first call (checked in full) launched them: their tile sizes,
+    the scale, and on a GPU the compiled kernels themselves, which take every argument, constexprs too, in
+    the kernel's order. Calling it launches them again on new data of that signature."""
+
+    def __init__(self, q, causal, scale, plan, compiled, seqlens):
+        self.scale, self.plan = scale, plan
+        split_meta = _split_meta(q, causal, plan)
+        merge_meta = _merge_meta(q.shape[3], plan["block_d"], plan["num_splits"])
+        if INTERPRETED:  # the interpreter compiles nothing: launch through it again, with the same constexprs
+            self.split = lambda grid, args: flash_decode_split_kernel[grid](*args, **split_meta)
+            self.merge = lambda grid, args: flash_decode_merge_kernel[grid](*args, **merge_meta)
+        else:
+            split, merge = compiled["split"], compiled["merge"]
+            split_meta, merge_meta = tuple(split_meta.values()), tuple(merge_meta.values())
+            # a compiled kernel's launcher reads all three grid dimensions
+            self.split = lambda grid, args: split[(*grid, 1, 1)[:3]](*args, *split_meta)
+            self.merge = lambda grid, args: merge[(*grid, 1, 1)[:3]](*args, *merge_meta)
+        self.seqlens = seqlens  # the lengths made for cache_seqlens=None (constant: all N_max); else None
+
+    def __call__(self, q, k_cache, v_cache, cache_seqlens, return_lse):
+        seqlens = self.seqlens if cache_seqlens is None else cache_seqlens.to(torch.int32).contiguous()
+        o_part, lse_part, grid, args = _split_args(q, k_cache, v_cache, seqlens, self.scale, self.plan)
+        self.split(grid, args)
+        o, lse, grid, args = _merge_args(o_part, lse_part, q.dtype)
+        self.merge(grid, args)
+        return (o, lse) if return_lse else o
+
+
+def _fast(key, q, k_cache, v_cache, cache_seqlens, return_lse):
+    """The cached launch of ``key``'s signature, or None (not seen yet, or this Triton refused it once)."""
+    launch = _LAUNCHES.get(key) if key is not None and _fast_path["on"] else None
+    if launch is None:
+        return None
+    try:
+        return launch(q, k_cache, v_cache, cache_seqlens, return_lse)
+    except TypeError:  # a Triton whose compiled kernels take other arguments: refused before launching
+        _fast_path["on"] = False
+        return None
 
 
 def flash_decode(q, k_cache, v_cache, cache_seqlens=None, *, sm_scale=None, causal=False, num_splits=None,
@@ -455,15 +566,28 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens=None, *, sm_scale=None, caus
     unsplit kernel. Returns ``o`` like q, and with ``return_lse`` also ``lse`` ``(B, H, N_q)``, fp32, natural
     log. ``check_finite`` (default True): refuse NaN or inf in q and in the valid part of the caches, and read
     ``cache_seqlens`` on the host to check each is in ``[1, N_max]`` (``[N_q, N_max]`` when causal); False
-    skips both (no synchronization: what a generation loop, and the benchmark, pass).
+    skips both (no synchronization: what a generation loop, and the benchmark, pass), and then a call whose
+    shapes, strides and dtypes were already checked once goes straight to the compiled kernels (the launch
+    cache above says why).
     Notebook ``13_beyond_one_gpu_and_decoding``.
     """
+    key = None
+    if check_finite is False and _fast_path["on"]:
+        key = _signature(q, k_cache, v_cache, cache_seqlens, causal, sm_scale, num_splits, return_lse)
+        out = _fast(key, q, k_cache, v_cache, cache_seqlens, return_lse)
+        if out is not None:
+            return out
     scale, seqlens = _check_decode(q, k_cache, v_cache, cache_seqlens, causal, sm_scale, num_splits, return_lse,
                                    check_finite)
     plan = decode_plan(q, k_cache, num_splits)
+    compiled = {}
     with torch.no_grad():
-        o_part, lse_part = _split_forward(q, k_cache, v_cache, seqlens, causal, scale, plan)
-        o, lse = _merge(o_part, lse_part, q.dtype, plan["block_d"])
+        o_part, lse_part = _split_forward(q, k_cache, v_cache, seqlens, causal, scale, plan, compiled)
+        o, lse = _merge(o_part, lse_part, q.dtype, plan["block_d"], compiled)
+    if key is not None and (INTERPRETED or None not in compiled.values()):
+        if len(_LAUNCHES) >= _MAX_LAUNCHES:
+            _LAUNCHES.clear()
+        _LAUNCHES[key] = _Launch(q, causal, scale, plan, compiled, seqlens if cache_seqlens is None else None)
     return (o, lse) if return_lse else o
 
 
@@ -556,20 +680,23 @@ class KVCache:
         self.lengths = [L + int(m) for L, m in zip(self.lengths, lengths)]
         self.seqlens.copy_(torch.tensor(self.lengths, dtype=torch.int32), non_blocking=True)
 
-    def attend(self, q, causal=True, sm_scale=None, *, num_splits=None, return_lse=False):
+    def attend(self, q, causal=True, sm_scale=None, *, num_splits=None, return_lse=False, check_finite=True):
         """:func:`flash_decode` of ``q`` ``(B, H, N_q, d)`` against the cache; ``causal`` (default True) is
         bottom-right: the N_q queries are the last N_q tokens appended, query i sees the keys up to its own
-        position. The lengths are checked on the host (no synchronization), and q for NaN or inf; the cached
-        values were checked when appended."""
+        position. The lengths are checked on the host (no synchronization); ``check_finite`` (default True)
+        refuses NaN or inf in q, which reads q back (a generation loop passes False); the cached values were
+        checked when appended. The whole buffers go to the kernels with the lengths, so every step of a loop
+        has the same shapes and reuses :func:`flash_decode`'s launch cache."""
         lowest = q.shape[2] if causal and isinstance(q, torch.Tensor) and q.ndim == 4 else 1
         for b, L in enumerate(self.lengths):
             if L < lowest:
                 raise ValueError(f"q: row {b} of the cache holds {L} tokens, fewer than the {lowest} "
                                  f"{'queries (causal)' if causal else 'needed'}: append first")
-        if isinstance(q, torch.Tensor):
+        validation.check_bool("check_finite", check_finite)
+        if check_finite and isinstance(q, torch.Tensor):
             validation.check_finite({"q": q})
-        return flash_decode(q, self.k, self.v, self.seqlens, sm_scale=sm_scale, causal=causal, num_splits=num_splits,
-                            return_lse=return_lse, check_finite=False)
+        return flash_decode(q, self.k_cache, self.v_cache, self.seqlens, sm_scale=sm_scale, causal=causal,
+                            num_splits=num_splits, return_lse=return_lse, check_finite=False)
 
 
 # --------------------------------------------------------------------------------------------------
