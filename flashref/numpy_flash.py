@@ -22,8 +22,8 @@ import numpy as np
 
 from flashref import varlen
 from flashref.score_mods import ScoreMods
-from flashref.validation import (check_attention_inputs, check_block_mask, check_causal, check_causal_align,
-                                 check_dropout_p, check_finite, check_numpy, check_positive_int, check_same_shape, check_sm_scale)
+from flashref.validation import (check_attention_inputs, check_block_mask, check_causal, check_dropout_p, check_finite,
+                                 check_numpy, check_positive_int, check_same_shape, check_sm_scale, split_causal)
 
 #: Default tile sizes, tuned for speed on a CPU (``python -m flashref.bench numpy``): a 128 x 1024
 #: float32 score tile is 512 KiB, big enough that NumPy's per-call overhead is amortized, small enough
@@ -45,15 +45,6 @@ def _check_inputs(q, k, v, causal, sm_scale, block_q, block_k):
     check_causal(causal)
     scale = check_sm_scale(sm_scale, d)
     return N_q, N_k, d, scale, check_positive_int("block_q", block_q), check_positive_int("block_k", block_k)
-
-
-def _alignment(causal, causal_align, N_q, N_k):
-    """``(causal, causal_right)``: a bottom-right causal mask is applied as a window's right side
-    (``j - i <= N_k - N_q``, :class:`flashref.score_mods.ScoreMods`), so tiles beyond it are skipped the
-    window's way and ``causal`` (the top-left rule of :func:`tile_is_skipped`) is then False."""
-    if check_causal_align(causal_align) == "bottom_right" and causal:
-        return False, N_k - N_q
-    return causal, None
 
 
 def tile_ranges(n: int, block: int) -> list[tuple[int, int]]:
@@ -238,7 +229,7 @@ def flash_attention_forward(q, k, v, causal=False, sm_scale=None, block_q=BLOCK_
         raise TypeError(f"trace must be a list or None, got {type(trace).__name__}")
     if observe is not None and not callable(observe):
         raise TypeError(f"observe must be a callable or None, got {type(observe).__name__}")
-    causal, causal_right = _alignment(causal, causal_align, N_q, N_k)
+    causal, causal_right = split_causal(causal, causal_align, N_q, N_k)  # bottom-right: a window's side
     ex = _Extras(q, k, dropout_mask, dropout_p, block_mask, block_size, window_size, softcap, alibi_slopes,
                  causal_right)
     run = _forward_fa2 if order == "fa2" else _forward_fa1
@@ -370,7 +361,7 @@ def flash_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, b
                                          sm_scale=scale, block_q=block_q, block_k=block_k, trace=trace,
                                          causal_align=causal_align, **features)
         return tuple(g.astype(np.float16) for g in grads)
-    causal, causal_right = _alignment(causal, causal_align, N_q, N_k)
+    causal, causal_right = split_causal(causal, causal_align, N_q, N_k)  # bottom-right: a window's side
     ex = _Extras(q, k, **features, causal_right=causal_right)
     shape_q, shape_k = q.shape, k.shape
     q, o, do = ex.grouped(q, True), ex.grouped(o, True), ex.grouped(do, True)

@@ -128,17 +128,15 @@ def causal_mask(N_q: int, N_k: int, align: str = "top_left") -> np.ndarray:
     """Boolean ``(N_q, N_k)`` array, True where query ``i`` may attend key ``j``: ``j <= i`` (top-left
     aligned; rows ``i >= N_k``, when ``N_q > N_k``, see every key), or with ``align="bottom_right"``
     ``j <= i + N_k - N_q`` (the last query sees every key; when ``N_q > N_k`` the first rows see none)."""
-    offset = validation.causal_right(True, align, N_q, N_k)
-    return np.tril(np.ones((N_q, N_k), dtype=bool), k=offset)
+    _, bound = validation.split_causal(True, align, N_q, N_k)
+    return np.tril(np.ones((N_q, N_k), dtype=bool), k=bound or 0)
 
 
 def _mods(q, k, causal, causal_align, window_size, softcap, alibi_slopes):
-    """``(causal, mods)``: a bottom-right causal mask travels in ``mods`` as a bound on ``j - i`` (it is a
-    window's right side, ``N_k - N_q``), and ``causal`` is then False; top-left stays ``causal``."""
-    bottom_right = validation.check_causal_align(causal_align) == "bottom_right" and causal
-    mods = ScoreMods(window_size, softcap, alibi_slopes, lead=q.shape[:-2],
-                     causal_right=k.shape[-2] - q.shape[-2] if bottom_right else None)
-    return causal and not bottom_right, mods
+    """``(causal, mods)``, the causal mask split by :func:`flashref.validation.split_causal`: a shifted
+    (bottom-right) one travels in ``mods`` as a bound on ``j - i``."""
+    causal, bound = validation.split_causal(causal, causal_align, q.shape[-2], k.shape[-2])
+    return causal, ScoreMods(window_size, softcap, alibi_slopes, lead=q.shape[:-2], causal_right=bound)
 
 
 def _scaled_qk(q, k, sm_scale: float) -> np.ndarray:

@@ -59,12 +59,17 @@ def check_causal_align(causal_align) -> str:
     return causal_align
 
 
-def causal_right(causal: bool, causal_align: str, N_q: int, N_k: int):
-    """The causal mask as a bound on ``j - i``: 0 for top-left, ``N_k - N_q`` for bottom-right, None when
-    not causal. (Bottom-right equals top-left when ``N_q == N_k``.)"""
-    if not causal:
-        return None
-    return 0 if check_causal_align(causal_align) == "top_left" else N_k - N_q
+def split_causal(causal: bool, causal_align: str, N_q: int, N_k: int) -> tuple[bool, int | None]:
+    """How every implementation applies a causal mask: ``(top_left, bound)``. A top-left mask (or a
+    bottom-right one with ``N_q == N_k``: the same mask) stays ``top_left = causal``, with its own fast
+    rule (diagonal tiles masked, tiles above skipped) and ``bound = None``. A bottom-right mask with
+    ``N_q != N_k`` becomes ``top_left = False`` and ``bound = N_k - N_q``, a bound on ``j - i``: the right
+    side of a local window (:class:`flashref.score_mods.ScoreMods`), so the window's rules mask and skip
+    its tiles (a negative bound leaves the first ``N_q - N_k`` rows without a key)."""
+    check_causal_align(causal_align)
+    if causal and causal_align == "bottom_right" and N_q != N_k:
+        return False, N_k - N_q
+    return causal, None
 
 
 def check_sm_scale(sm_scale, head_dim: int) -> float:

@@ -167,3 +167,17 @@ def test_triton_bad_alignment_names_the_argument():
     for fn in (flash_attention, flash_attention_forward):
         with pytest.raises(ValueError, match="causal_align"):
             fn(q, q, q, causal=True, causal_align="top-left")
+
+
+def test_split_causal_is_the_one_rule():
+    """Every implementation splits a causal mask the same way: top-left (and bottom-right at N_q == N_k,
+    the same mask) stays causal; bottom-right with N_q != N_k is a bound on j - i of N_k - N_q."""
+    from flashref.validation import split_causal
+
+    assert split_causal(True, "top_left", 3, 7) == (True, None)
+    assert split_causal(True, "bottom_right", 5, 5) == (True, None)
+    assert split_causal(True, "bottom_right", 3, 7) == (False, 4)
+    assert split_causal(True, "bottom_right", 7, 3) == (False, -4)
+    assert split_causal(False, "bottom_right", 3, 7) == (False, None)
+    with pytest.raises(ValueError, match="causal_align must be one of"):
+        split_causal(True, "bottom", 3, 7)

@@ -133,17 +133,16 @@ class Features:
         N_q != N_k is the window's right side ``N_k - N_q`` (negative when N_q > N_k: the first rows then see
         no key), and the kernels' CAUSAL (top-left) is off: ``self.causal`` is what they get."""
         left, right = validation.check_window_size(window_size)
-        shifted = validation.check_causal_align(causal_align) == "bottom_right" and causal and N_q != N_k
-        if shifted and self.varlen is not None:
+        self.causal, bound = validation.split_causal(causal, causal_align, N_q, N_k)
+        if bound is not None and self.varlen is not None:
             raise ValueError("causal_align='bottom_right' is not supported for packed batches (each document "
                              "would need its own offset): align causal top-left there")
         unbounded = N_q + N_k
-        self.causal = causal and not shifted
-        self.window = left >= 0 or right >= 0 or shifted
+        self.window = left >= 0 or right >= 0 or bound is not None
         self.win_left = left if left >= 0 else unbounded
         self.win_right = 0 if self.causal else (right if right >= 0 else unbounded)
-        if shifted:
-            self.win_right = min(self.win_right, N_k - N_q)
+        if bound is not None:
+            self.win_right = min(self.win_right, bound)
         c = validation.check_softcap(softcap)
         self.softcap = c > 0
         self.cap_in, self.cap_out = (scale / c, c * LOG2E) if c > 0 else (0.0, 0.0)
