@@ -28,9 +28,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from flashref import torch_attention
+from flashref import torch_attention, validation
 
 ATTENTIONS = ("plain", "sdpa", "flashref", "local", "performer")
+EXACT = ("plain", "sdpa", "flashref")  # the attentions a KV cache (exact attention) reproduces
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tinyshakespeare.txt")
 
 
@@ -135,11 +136,18 @@ class CausalSelfAttention(nn.Module):
         else:
             self.features = None
 
-    def forward(self, x):
+    def forward(self, x, cache=None):
+        """``x`` ``(B, T, C)``. With a ``cache`` (:class:`flashref.triton.decode.KVCache`: this layer's keys
+        and values of the tokens before these T) the new keys and values are appended to it and the T
+        queries attend to everything cached, causal aligned bottom-right (:meth:`KVCache.attend`)."""
         B, T, C = x.shape
         H = self.cfg.n_head
         q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in self.qkv(x).split(C, dim=2))
-        o = attend(self.cfg.attention, q, k, v, self.cfg.window, self.features)
+        if cache is None:
+            o = attend(self.cfg.attention, q, k, v, self.cfg.window, self.features)
+        else:
+            cache.append(k.to(cache.k_cache.dtype), v.to(cache.k_cache.dtype))
+            o = cache.attend(q.to(cache.k_cache.dtype), causal=True, check_finite=False).to(q.dtype)
         return self.proj(o.transpose(1, 2).reshape(B, T, C))
 
 
@@ -151,8 +159,8 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=False), nn.GELU(),
                                  nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=False))
 
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x, cache=None):
+        x = x + self.attn(self.ln1(x), cache)
         return x + self.mlp(self.ln2(x))
 
 
@@ -179,23 +187,63 @@ class GPT(nn.Module):
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, 0.0, 0.02)
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx, targets=None, caches=None):
+        """``idx`` ``(B, T)``: logits ``(B, T, vocab)`` and the loss when ``targets`` are given. ``caches``
+        (one :class:`flashref.triton.decode.KVCache` per layer, from :meth:`make_caches`): these T tokens
+        follow the ones cached, so their positions start at the cache's length."""
         B, T = idx.shape
-        if T > self.cfg.block_size:
-            raise ValueError(f"sequence of {T} tokens is longer than block_size {self.cfg.block_size}")
-        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
-        for block in self.blocks:
-            x = block(x)
+        start = 0 if caches is None else caches[0].lengths[0]
+        if start + T > self.cfg.block_size:
+            raise ValueError(f"sequence of {start + T} tokens is longer than block_size {self.cfg.block_size}")
+        x = self.wte(idx) + self.wpe(torch.arange(start, start + T, device=idx.device))
+        for i, block in enumerate(self.blocks):
+            x = block(x, None if caches is None else caches[i])
         logits = self.head(self.ln_f(x))
         loss = None if targets is None else F.cross_entropy(logits.float().view(B * T, -1), targets.reshape(-1))
         return logits, loss
 
+    def make_caches(self, batch: int, dtype=None, device=None) -> list:
+        """One empty :class:`flashref.triton.decode.KVCache` per layer for ``batch`` sequences of up to
+        ``block_size`` tokens: ``(batch, n_head, block_size, n_embd / n_head)`` keys and values each, in
+        ``dtype`` (default: bf16 on a GPU, where the model runs in bf16 autocast; fp32 on a CPU)."""
+        from flashref.triton.decode import KVCache
+
+        device = torch.device(device) if device is not None else next(self.parameters()).device
+        if dtype is None:
+            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        d = self.cfg.n_embd // self.cfg.n_head
+        return [KVCache(batch, self.cfg.n_head, self.cfg.block_size, d, dtype=dtype, device=device)
+                for _ in self.blocks]
+
     @torch.no_grad()
-    def generate(self, idx, new_tokens: int, temperature: float = 1.0, top_k: int | None = None, generator=None):
+    def generate(self, idx, new_tokens: int, temperature: float = 1.0, top_k: int | None = None, generator=None,
+                 kv_cache: bool = False):
         """Sample ``new_tokens`` characters after ``idx`` ``(B, T)``, each from the model's distribution of the
-        next one given the last ``block_size`` (the whole context recomputed per token: no KV cache here)."""
+        next one (scaled by ``temperature``, cut to the ``top_k`` likeliest), drawn on the CPU with
+        ``generator``.
+
+        ``kv_cache=False``: every step runs the model on the whole context again (its last ``block_size``
+        tokens): step t costs attention over t tokens for each of t queries. ``kv_cache=True``: the prompt
+        runs once (its keys and values kept, :meth:`make_caches`), then each step runs the model on ONE new
+        token, whose query attends to the cached keys with flash-decoding (notebook
+        ``13_beyond_one_gpu_and_decoding``): the same distribution, up to rounding, for a fraction of the
+        work. It needs an exact attention (``plain``, ``sdpa`` or ``flashref``: the cache computes exact
+        attention) and ``T + new_tokens <= block_size`` (positions are absolute: no sliding context)."""
+        validation.check_bool("kv_cache", kv_cache)
+        if kv_cache:
+            if self.cfg.attention not in EXACT:
+                raise ValueError(f"kv_cache=True computes exact attention, but this model's attention is "
+                                 f"{self.cfg.attention!r}: use one of {EXACT}")
+            if idx.shape[1] + new_tokens > self.cfg.block_size:
+                raise ValueError(f"new_tokens: {idx.shape[1]} prompt tokens + {new_tokens} new ones exceed "
+                                 f"block_size {self.cfg.block_size} (kv_cache=True does not slide the context)")
+        caches = self.make_caches(idx.shape[0], device=idx.device) if kv_cache else None
+        step_in = idx  # what the model reads this step: everything, or (with the cache) what it has not seen
         for _ in range(new_tokens):
-            logits, _ = self(idx[:, -self.cfg.block_size:])
+            if caches is None:
+                step_in = idx[:, -self.cfg.block_size:]
+            with autocast(idx.device):
+                logits, _ = self(step_in, caches=caches)
             logits = logits[:, -1].float() / temperature
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
@@ -203,6 +251,7 @@ class GPT(nn.Module):
             probs = torch.softmax(logits, dim=-1)
             nxt = torch.multinomial(probs.cpu(), 1, generator=generator).to(idx.device)
             idx = torch.cat([idx, nxt], dim=1)
+            step_in = nxt
         return idx
 
 

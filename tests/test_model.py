@@ -220,3 +220,42 @@ def test_approximation_error_is_measured_on_the_models_own_attention_inputs():
     assert max(exact_window["local"]) < 1e-5  # a window as long as the sequence is exact
     short = model_bench.approximation_error(gpt, x, window=4, features=32)
     assert min(short["local"]) > 0.05 and len(short["performer"]) == 2
+
+
+@pytest.mark.parametrize("attention_name", ["flashref", "plain"])
+def test_kv_cache_steps_give_the_full_forwards_logits(attention_name):
+    """A prompt of 7 tokens through the caches, then 5 tokens one at a time: each step's logits equal those of
+    the whole sequence run at once (the cached keys and values, flash-decoding's bottom-right causal mask
+    and the shifted positions are the same model). fp32 on a CPU, the model's bf16 autocast on a GPU."""
+    gpt = tiny(attention_name).eval()
+    idx = torch.randint(0, 65, (2, 12), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    with torch.no_grad(), model.autocast(DEVICE):
+        full, _ = gpt(idx)
+        caches = gpt.make_caches(2)
+        steps = [gpt(idx[:, :7], caches=caches)[0]]
+        steps += [gpt(idx[:, t:t + 1], caches=caches)[0] for t in range(7, 12)]
+    assert caches[0].lengths == [12, 12] and len(caches) == 2
+    atol = 1e-4 if DEVICE == "cpu" else 5e-2  # bf16 on a GPU: the two paths round differently
+    torch.testing.assert_close(torch.cat(steps, 1).float(), full.float(), rtol=0, atol=atol)
+
+
+def test_generation_with_a_kv_cache_samples_the_same_text():
+    """The same seed draws the same characters with and without the cache (fp32 on a CPU: the distributions
+    agree to rounding, far below the gaps between the draws and the cumulative probabilities)."""
+    gpt = tiny("flashref").eval()
+    prompt = torch.tensor([[5, 17, 40], [1, 2, 3]], device=DEVICE)
+    outs = [gpt.generate(prompt, 12, generator=torch.Generator().manual_seed(7), kv_cache=c) for c in (False, True)]
+    assert outs[0].shape == (2, 15)
+    if DEVICE == "cpu":
+        assert torch.equal(outs[0], outs[1])
+
+
+def test_kv_cache_generation_refuses_what_it_cannot_do():
+    prompt = torch.zeros(1, 20, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match="new_tokens: 20 prompt tokens \\+ 5 new ones exceed block_size 24"):
+        tiny("flashref").generate(prompt, 5, kv_cache=True)
+    with pytest.raises(ValueError, match="kv_cache=True computes exact attention"):
+        tiny("local").generate(prompt[:, :3], 5, kv_cache=True)
+    with pytest.raises(TypeError, match="kv_cache must be a bool"):
+        tiny("flashref").generate(prompt[:, :3], 5, kv_cache=1)
+    assert tiny("local").generate(prompt, 10).shape == (1, 30)  # without the cache the context slides

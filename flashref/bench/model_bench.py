@@ -1,6 +1,6 @@
 """The kernel inside a model: the GPT of :mod:`flashref.model` trained and timed with each attention.
 
-    python -m flashref.bench model                    # every part, about 8 minutes on an H100
+    python -m flashref.bench model                    # every part, about 10 minutes on an H100
     python -m flashref.bench model --quick            # fewer steps and lengths, to try it out
     python -m flashref.bench model --parts speed maxlen --append
 
@@ -21,6 +21,12 @@ Parts (each a list of rows in ``book/data/model_bench.json``, saved with the dev
 - ``approx``: causal attention alone (6 heads of 64, 16K tokens, bf16), forward + backward, exact
   (``flashref``, ``sdpa``, ``plain``) against ``local`` and ``performer``, N = 256 to 16K, with the
   approximations' relative error against exact attention on the same random inputs.
+
+- ``generate``: the ``flashref`` model (256 characters) trained briefly (600 steps), then made to write: a
+  sample with the KV cache, and tokens/s at B = 1, 16 and 64 sequences of a 8-character prompt plus 248
+  new characters, regenerating the whole context each step (``kv_cache=False``) against keeping its keys
+  and values (``kv_cache=True``, flash-decoding), with the share of draws on which the two agree
+  (notebook ``13_beyond_one_gpu_and_decoding``).
 
 Notebook ``11_attention_in_a_model`` draws its plots from the file.
 """
@@ -414,6 +420,52 @@ def amdahl(share: float, kernel_speedup: float) -> float:
     return 1.0 / ((1.0 - share) + share / kernel_speedup)
 
 
+def generate_cases(train_steps=600, batches=(1, 16, 64), prompt="ROMEO:\nO, ", new_tokens=None, device="cuda"):
+    """Rows of part "generate": the flashref model trained ``train_steps`` steps, a sample written with the
+    KV cache, then per batch size the wall time of generating ``new_tokens`` characters (default: up to
+    ``block_size``) after ``prompt`` with and without the cache, as tokens/s (new tokens of all sequences
+    over the seconds, the sampling on the CPU included in both), and how many of the drawn characters the
+    two runs share (bf16: the two paths round differently, so one draw may differ and the texts part ways
+    from there; the CPU tests check they agree exactly in fp32)."""
+    import torch
+
+    from flashref import model
+
+    tok, train, val = _corpus()
+    T = 256
+    gpt = _build("flashref", T, device=device)
+    model.train(gpt, model.Batches(train, 64, T, seed=0), train_steps, lr=1e-3, warmup=min(100, train_steps // 10))
+    gpt.eval()
+    final = model.evaluate(gpt, model.Batches(val, 64, T, seed=2), iters=20)
+    start = tok.encode(prompt)[None].to(device)
+    new_tokens = new_tokens or T - start.shape[1]
+    sample = gpt.generate(start, T - start.shape[1], generator=torch.Generator().manual_seed(0), kv_cache=True)
+    yield {"part": "generate", "case": "sample", "train_steps": train_steps, "final_val": final,
+           "prompt": prompt, "text": tok.decode(sample[0])}
+    for B in batches:
+        idx = start.expand(B, -1).contiguous()
+        row = {"part": "generate", "case": "speed", "batch": B, "prompt_tokens": start.shape[1],
+               "new_tokens": new_tokens}
+        outs = {}
+        for cached in (False, True):
+            gpt.generate(idx, 4, generator=torch.Generator().manual_seed(1), kv_cache=cached)  # compiles, warms
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            outs[cached] = gpt.generate(idx, new_tokens, generator=torch.Generator().manual_seed(1), kv_cache=cached)
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - t0
+            name = "cached" if cached else "recompute"
+            row[f"{name}_s"] = seconds
+            row[f"{name}_tokens_per_s"] = B * new_tokens / seconds
+        row["speedup"] = row["cached_tokens_per_s"] / row["recompute_tokens_per_s"]
+        same = outs[False][:, start.shape[1]:] == outs[True][:, start.shape[1]:]
+        row["agreement"] = float(same.float().mean())
+        row["identical_prefix"] = int(same.all(0).int().cumprod(0).sum())  # draws alike in every sequence
+        yield row
+    del gpt
+    torch.cuda.empty_cache()
+
+
 def load_results(path=None) -> dict:
     """The committed run, book/data/model_bench.json (or ``path``), read by :func:`flashref.bench.results.load`
     (on Colab: the copy in the course repository)."""
@@ -429,7 +481,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m flashref.bench model", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=OUT)
-    parts = ["train", "compile", "speed", "maxlen", "approx"]
+    parts = ["train", "compile", "speed", "maxlen", "approx", "generate"]
     p.add_argument("--parts", nargs="+", default=parts, choices=parts)
     p.add_argument("--quick", action="store_true", help="100 training steps, three lengths: a try, not the data")
     p.add_argument("--append", action="store_true", help="add to the rows already in --out (same GPU and versions)")
@@ -449,7 +501,8 @@ def main(argv=None) -> int:
              "speed": lambda: speed_cases(quick_n if args.quick else SPEED_N, compiled_ns=(4096,) if args.quick else
                                           (1024, 4096, 16384)),
              "maxlen": lambda: maxlen_cases(cap=1 << 17 if args.quick else 1 << 20),
-             "approx": lambda: approx_cases(quick_n if args.quick else APPROX_N)}
+             "approx": lambda: approx_cases(quick_n if args.quick else APPROX_N),
+             "generate": lambda: generate_cases(100 if args.quick else 600, (1, 16) if args.quick else (1, 16, 64))}
 
     def show(r):
         print(json.dumps({k: v for k, v in r.items() if k not in ("loss", "val")})[:400], flush=True)
