@@ -136,6 +136,14 @@ def _merge(m_a, l_a, m_b, l_b):
     return (m, 0.0) if m == -math.inf else (m, l_a * math.exp(m_a - m) + l_b * math.exp(m_b - m))
 
 
+def _merge_splits(o, lse, weigh=True):
+    m = lse.max(0)
+    w = np.exp(lse - m)
+    total = w.sum(0)
+    merged = (w[..., None] * o).sum(0) / total[:, None] if weigh else o.sum(0) / len(o)
+    return merged, m + np.log(total)
+
+
 ex_sink_w = 3  # the window of the checker's first case, (n_blocks, window) = (8, 3)
 
 
@@ -173,6 +181,12 @@ def _sink_window(n, w, sink=True, extra=0, causal=True):
         (lambda n, w: _sink_window(n, w).astype(np.int8), "dtype bool"),
         (lambda n, w: _sink_window(n, w) & ~np.eye(n, dtype=bool), "(1, 1), (2, 2)"),
         (lambda n, w: [[True]], "bool tensor (or NumPy array)")]),
+    ("beyond.check_merge_splits", _merge_splits, [
+        (lambda o, lse: ((np.exp(lse)[..., None] * o).sum(0) / np.exp(lse).sum(0)[:, None],
+                         np.log(np.exp(lse).sum(0))), "NaN or inf"),  # exact, but exp(lse) overflows
+        (lambda o, lse: _merge_splits(o, lse, weigh=False), "weighs exp(lse_s - lse)"),
+        (lambda o, lse: (_merge_splits(o, lse)[0], lse.max(0)), "log sum_s exp(lse_s)"),
+        (lambda o, lse: _merge_splits(o, lse)[0], "return a pair")]),
 ])
 def test_coding_exercises_accept_the_right_function_and_name_what_is_wrong(check, right, wrongs):
     import importlib
@@ -315,3 +329,17 @@ def test_causal_tile_rule_checker_accepts_the_kernels_rule_and_names_each_mistak
     ]:
         verdict = ex.check_causal_tile_rule(bad)
         assert not verdict and words in repr(verdict), repr(verdict)
+
+
+def test_beyond_numbers():
+    from flashref.exercises import beyond as ex
+
+    # K and V of 8 heads x 64K keys x 128 dims in fp16 (and q, o) at 3.35 TB/s: about 80 microseconds
+    want = 2 * (2 * 8 * 65536 * 128 + 2 * 32 * 128) / 3.35e12 * 1e6
+    assert ex.check_decode_time(want) and 80 < want < 80.2
+    assert "once per query head" in repr(ex.check_decode_time(4 * want - 3 * 2 * 2 * 32 * 128 / 3.35e12 * 1e6))
+    assert "not both" in repr(ex.check_decode_time(want / 2))
+    assert not ex.check_decode_time(2 * want)
+    pairs = ex.causal_pairs_contiguous(4096, 4)
+    assert pairs[0] == 1024 * 1025 // 2 and sum(pairs) == 4096 * 4097 // 2  # the whole causal triangle
+    assert ex.check_causal_imbalance(pairs[-1] / pairs[0]) and not ex.check_causal_imbalance(4.0)
