@@ -42,7 +42,12 @@ block's owner. They travel in fp32 and are rounded once at the end.
 
 from __future__ import annotations
 
+import contextlib
 import numbers
+import queue
+import threading
+import time
+from collections import defaultdict
 
 import numpy as np
 import torch
@@ -55,7 +60,7 @@ from flashref.triton import flash_attention_backward, flash_attention_forward
 from flashref.triton.ops import _check
 
 __all__ = ["ring_attention", "ring_attention_forward", "ring_attention_backward", "RingAttentionFunction",
-           "shard_sequence", "gather_sequence", "sequence_positions", "block_visibility"]
+           "shard_sequence", "gather_sequence", "sequence_positions", "block_visibility", "simulate_ring"]
 
 # Message tags: K/V blocks and the dK/dV partial sums are separate streams of messages between two ranks
 # (gloo matches messages by tag; NCCL by order, which is the same on every rank anyway).
@@ -428,3 +433,152 @@ def ring_attention(q, k, v, causal=False, sm_scale=None, group=None, *, check_fi
     benchmarks do. Notebook ``13_beyond_one_gpu_and_decoding``; the module docstring explains the ring.
     """
     return RingAttentionFunction.apply(q, k, v, causal, sm_scale, group, check_finite)
+
+
+# --------------------------------------------------------------------------------------------------
+# One process, R simulated ranks: the same ring with threads as ranks and mailboxes as the network
+# --------------------------------------------------------------------------------------------------
+
+_SIMULATION_TIMEOUT = 600.0  # seconds for a whole simulate_ring call: a bug fails it instead of hanging forever
+_POLL = 0.2  # seconds a waiting rank sleeps between looks at the failure flag
+
+
+class _RingAborted(RuntimeError):
+    """A rank bailing out of a wait because another rank failed: never the error simulate_ring reports."""
+
+
+class _SimulatedWorld:
+    """What the simulated ranks share: one mailbox per (receiving rank, tag), the lock that makes them take
+    turns, and the first real error."""
+
+    def __init__(self, size):
+        self.size = size
+        self.turn = threading.Lock()
+        self.mailboxes = defaultdict(queue.Queue)  # only touched under `turn`, so the dict needs no lock of its own
+        self.failed = threading.Event()
+        self.error = None
+
+    def fail(self, exc):
+        if self.error is None and not isinstance(exc, _RingAborted):
+            self.error = exc
+        self.failed.set()
+
+    def receive(self, rank, tag):
+        """The oldest message for ``rank`` under ``tag``. Called holding ``turn``; gives it up while blocked, so
+        the sender can run (Triton's interpreter allows one kernel at a time)."""
+        box = self.mailboxes[(rank, tag)]
+        self.turn.release()
+        try:
+            while True:
+                if self.failed.is_set():
+                    raise _RingAborted(f"rank {rank} stops: another rank failed")
+                try:
+                    return box.get(timeout=_POLL)
+                except queue.Empty:
+                    pass
+        finally:
+            self.turn.acquire()
+
+
+class _SimulatedRing:
+    """A rank of the simulated world, with the interface _forward and _backward use from _Ring."""
+
+    def __init__(self, world, rank):
+        self.world, self.size, self.rank = world, world.size, rank
+
+    def exchange(self, tensors, tag):
+        return _SimulatedExchange(self, tensors, tag)
+
+
+class _SimulatedExchange:
+    def __init__(self, ring, tensors, tag):
+        self.ring, self.tag = ring, tag
+        if ring.size == 1:  # as _Exchange: what a ring of one sends is what it receives
+            self.received = list(tensors)
+            return
+        self.received = None
+        # Clones: a sent message is a snapshot, whatever the sender does with its tensors afterwards.
+        ring.world.mailboxes[((ring.rank + 1) % ring.size, tag)].put([t.clone() for t in tensors])
+
+    def wait(self):
+        if self.received is None:
+            return self.ring.world.receive(self.ring.rank, self.tag)
+        return self.received
+
+
+@contextlib.contextmanager
+def _rank_scope(device, stream):
+    """Grad mode and the current CUDA device and stream belong to a thread: each rank takes the caller's."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.no_grad())
+        if stream is not None:
+            stack.enter_context(torch.cuda.device(device))
+            stack.enter_context(torch.cuda.stream(stream))
+        yield
+
+
+def _run_rank(world, rank, work, results, device, stream):
+    with world.turn:  # released only inside receive(): the ranks take turns
+        try:
+            if world.failed.is_set():
+                raise _RingAborted(f"rank {rank} stops before it starts: another rank failed")
+            with _rank_scope(device, stream):
+                results[rank] = work(_SimulatedRing(world, rank))
+        except BaseException as exc:  # noqa: BLE001 (recorded for the caller; the others must not wait forever)
+            world.fail(exc)
+
+
+def _run_world(world_size, work, device):
+    """``work(ring)`` on each rank of a simulated world, one thread each; their results in rank order."""
+    world = _SimulatedWorld(world_size)
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+    results = [None] * world_size
+    threads = [threading.Thread(target=_run_rank, args=(world, r, work, results, device, stream),
+                                name=f"flashref-simulated-rank-{r}", daemon=True) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + _SIMULATION_TIMEOUT
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    if any(t.is_alive() for t in threads):
+        world.failed.set()  # the waiting ranks bail out; a rank stuck inside a kernel cannot be stopped
+        raise TimeoutError(f"simulate_ring: the {world_size} simulated ranks did not finish within "
+                           f"{_SIMULATION_TIMEOUT} s")
+    if world.error is not None:
+        raise world.error
+    return results
+
+
+def simulate_ring(q, k, v, world_size, causal=False, sm_scale=None, do=None):
+    """The ring of :func:`ring_attention` with ``world_size`` ranks in one process: threads as ranks, a FIFO
+    mailbox per (rank, tag) as the network, each rank running the module's own forward (and, given ``do``,
+    backward) on its shard. For reading and checking the algorithm on one device (notebook
+    ``13_beyond_one_gpu_and_decoding``). The threads take turns (Triton's interpreter runs one kernel at a
+    time), so it shows the ring's arithmetic and message order, not its speed. ``q``: ``(B, H, N, d)``, ``k``,
+    ``v``: ``(B, H_kv, N, d)``, the whole sequence, sharded as :func:`shard_sequence` (zigzag when causal).
+    Returns ``(o, lse)``, or ``(o, lse, dq, dk, dv)`` given ``do``, gathered back in sequence order."""
+    world_size = validation.check_positive_int("world_size", world_size)
+    _, scale = _check(q, k, v, causal, sm_scale, check_finite=True)
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(f"simulate_ring shards one sequence: N of k ({k.shape[2]}) must equal N of q "
+                         f"({q.shape[2]})")
+    if do is not None:
+        if not isinstance(do, torch.Tensor):
+            raise TypeError(f"do must be None or a torch.Tensor, got {type(do).__name__}")
+        validation.check_same_shape("do", do, "q", q)
+        validation.check_finite({"do": do})
+    # Each rank holds its own copy of its shard, as on separate GPUs.
+    shards = [[shard_sequence(x, r, world_size, zigzag=causal).contiguous() for r in range(world_size)]
+              for x in (q, k, v)]
+    do_shards = None if do is None else [shard_sequence(do.to(q.dtype), r, world_size, zigzag=causal).contiguous()
+                                         for r in range(world_size)]
+
+    def work(ring):
+        q_r, k_r, v_r = (s[ring.rank] for s in shards)
+        O, lse = _forward(q_r, k_r, v_r, causal, scale, ring)
+        if do_shards is None:
+            return O, lse
+        return (O, lse, *_backward(q_r, k_r, v_r, O, lse, do_shards[ring.rank], causal, scale, ring))
+
+    results = _run_world(world_size, work, q.device)
+    return tuple(gather_sequence([res[i] for res in results], zigzag=causal) for i in range(len(results[0])))

@@ -1,8 +1,9 @@
 """Ring attention (flashref.ring_attention) against the float64 reference: spawned processes joined by a gloo
 process group on the CPU (the kernels in Triton's interpreter), world sizes 2 and 3, causal (zigzag) and not,
 grouped-query heads, forward and backward; the layout functions and the zigzag rule against a dense causal
-mask; and the errors, including the ones every rank must raise together. On the GPU machine the same code
-runs with NCCL (python -m flashref.bench ring)."""
+mask; and the errors, including the ones every rank must raise together. simulate_ring, the same ring with
+threads as ranks in this process, against the same reference, and its failures (no hang). On the GPU machine
+the same code runs with NCCL (python -m flashref.bench ring)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import math
 import os
 import queue as queue_module
 import tempfile
+import threading
 import time
 import traceback
 
@@ -21,9 +23,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import flashref.ring_attention as ring_module
 from flashref import reference
 from flashref.ring_attention import (block_visibility, gather_sequence, ring_attention, ring_attention_backward,
-                                     ring_attention_forward, sequence_positions, shard_sequence)
+                                     ring_attention_forward, sequence_positions, shard_sequence, simulate_ring)
 from flashref.tolerance import assert_within_tolerance
 from tests._triton_helpers import feature_inputs, np64, plain_with_features
 
@@ -326,3 +329,121 @@ def test_bad_inputs_name_the_argument(one_rank_group):
     out = ring_attention(qq, q, q)
     with pytest.raises(ValueError, match="gradient of o"):
         out.backward(torch.full_like(out, math.inf))
+
+
+# ---- simulate_ring: the ring with threads as ranks, in this process --------------------------------------------
+
+# (world_size, B, H, H_kv, N): N a multiple of 2R (causal's zigzag), grouped-query heads for every R
+SIMULATED = [(1, 2, 2, 1, 8), (2, 1, 2, 2, 16), (2, 2, 2, 1, 8), (3, 1, 2, 1, 12), (3, 2, 2, 2, 12), (4, 1, 2, 1, 16)]
+
+
+def _simulated_reference(q, k, v, do, causal, sm_scale=None):
+    q64, k64, v64, do64 = (np64(x) for x in (q, k, v, do))
+    o, lse = reference.attention(q64, k64, v64, causal=causal, sm_scale=sm_scale, return_lse=True)
+    return (o, lse, *reference.attention_backward(q64, k64, v64, do64, causal=causal, sm_scale=sm_scale))
+
+
+def _assert_matches(got, want, like):
+    for name, x, r, t in zip(("o", "lse", "dq", "dk", "dv"), got, want, like):
+        assert x.shape == r.shape and x.dtype == t.dtype, (name, tuple(x.shape), x.dtype)
+        np.testing.assert_allclose(np64(x), r, rtol=0, atol=1e-5 * max(1.0, float(np.abs(r).max())), err_msg=name)
+
+
+def _simulated_threads_alive():
+    return [t for t in threading.enumerate() if t.name.startswith("flashref-simulated-rank-")]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("world_size, B, H, H_kv, N", SIMULATED, ids=lambda x: str(x))
+def test_simulate_ring_matches_the_reference(world_size, B, H, H_kv, N, causal):
+    q, k, v, do = feature_inputs(B, H, H_kv, N, N, 16, torch.float32, seed=7 * world_size + N)
+    got = simulate_ring(q, k, v, world_size, causal=causal, do=do)
+    lse_like = torch.empty(B, H, N, dtype=torch.float32)
+    _assert_matches(got, _simulated_reference(q, k, v, do, causal), (q, lse_like, q, k, v))
+    forward = simulate_ring(q, k, v, world_size, causal=causal)
+    assert len(forward) == 2 and all(torch.equal(a, b) for a, b in zip(forward, got[:2])), \
+        "without do: (o, lse), the same numbers"
+    assert not _simulated_threads_alive()
+
+
+def test_simulate_ring_takes_sm_scale_and_gradients_that_require_grad():
+    q, k, v, do = feature_inputs(1, 2, 1, 12, 12, 16, torch.float32, seed=3)
+    qq = q.clone().requires_grad_()  # the threads run without autograd, whatever the inputs ask for
+    got = simulate_ring(qq, k, v, 3, causal=True, sm_scale=0.3, do=do)
+    assert not any(x.requires_grad for x in got)
+    _assert_matches(got, _simulated_reference(q, k, v, do, True, sm_scale=0.3),
+                    (q, torch.empty(1, 2, 12), q, k, v))
+
+
+def test_simulate_ring_bad_arguments_name_the_argument():
+    q, k, v, do = feature_inputs(1, 2, 1, 8, 8, 16, torch.float32)
+    with pytest.raises(ValueError, match="world_size must be a positive integer"):
+        simulate_ring(q, k, v, 0)
+    with pytest.raises(TypeError, match="world_size must be a positive integer"):
+        simulate_ring(q, k, v, 2.0)
+    with pytest.raises(TypeError, match="q must be a torch.Tensor"):
+        simulate_ring(q.numpy(), k, v, 2)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        simulate_ring(q, k, v, 2, causal=1)
+    with pytest.raises(ValueError, match="sm_scale must be a finite number > 0"):
+        simulate_ring(q, k, v, 2, sm_scale=0.0)
+    with pytest.raises(ValueError, match="N of k"):
+        simulate_ring(q, k[:, :, :4], v[:, :, :4], 2)
+    with pytest.raises(ValueError, match="multiple of 3"):
+        simulate_ring(q, k, v, 3)
+    with pytest.raises(ValueError, match="multiple of 4"):  # causal: the zigzag's 2R chunks
+        simulate_ring(q[:, :, :6], k[:, :, :6], v[:, :, :6], 2, causal=True)
+    with pytest.raises(ValueError, match=r"do must have the shape of q \(1, 2, 8, 16\)"):
+        simulate_ring(q, k, v, 2, do=do[:, :, :4])
+    with pytest.raises(TypeError, match="do must be None or a torch.Tensor"):
+        simulate_ring(q, k, v, 2, do=do.numpy())
+    with pytest.raises(ValueError, match="do must be finite"):
+        simulate_ring(q, k, v, 2, do=torch.full_like(do, math.nan))
+    nan_v = v.clone()
+    nan_v[0, 0, 1, 2] = math.nan
+    with pytest.raises(ValueError, match="v must be finite"):
+        simulate_ring(q, k, nan_v, 2)
+
+
+class _Boom(RuntimeError):
+    pass
+
+
+def _failing_on_rank(monkeypatch, rank, before=None):
+    """flash_attention_forward that raises _Boom on simulated rank ``rank`` (after ``before()``, if given)."""
+    real = ring_module.flash_attention_forward
+
+    def forward(*args, **kwargs):
+        if threading.current_thread().name == f"flashref-simulated-rank-{rank}":
+            if before is not None:
+                before()
+            raise _Boom(f"rank {rank} fails")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ring_module, "flash_attention_forward", forward)
+
+
+@pytest.mark.parametrize("with_backward", [False, True])
+def test_simulate_ring_a_failing_rank_raises_its_error_and_nobody_hangs(monkeypatch, with_backward):
+    q, k, v, do = feature_inputs(1, 2, 1, 12, 12, 16, torch.float32)
+    _failing_on_rank(monkeypatch, 1)
+    start = time.monotonic()
+    with pytest.raises(_Boom, match="rank 1 fails"):  # the rank's own error, not another rank's bail-out
+        simulate_ring(q, k, v, 3, causal=True, do=do if with_backward else None)
+    assert time.monotonic() - start < 60
+    assert not _simulated_threads_alive()
+    monkeypatch.undo()  # and the next simulated world is a fresh one: nothing left in its mailboxes
+    _assert_matches(simulate_ring(q, k, v, 3, causal=True, do=do), _simulated_reference(q, k, v, do, True),
+                    (q, torch.empty(1, 2, 12), q, k, v))
+
+
+def test_simulate_ring_times_out_instead_of_hanging(monkeypatch):
+    q, k, v, _ = feature_inputs(1, 2, 1, 8, 8, 16, torch.float32)
+    monkeypatch.setattr(ring_module, "_SIMULATION_TIMEOUT", 0.5)
+    _failing_on_rank(monkeypatch, 0, before=lambda: time.sleep(1.5))  # stuck past the timeout, then gone
+    with pytest.raises(TimeoutError, match="did not finish within 0.5 s"):
+        simulate_ring(q, k, v, 2)
+    deadline = time.monotonic() + 30
+    while _simulated_threads_alive() and time.monotonic() < deadline:  # no thread may outlive this test
+        time.sleep(0.1)
+    assert not _simulated_threads_alive()
