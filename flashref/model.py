@@ -146,7 +146,7 @@ class CausalSelfAttention(nn.Module):
         if cache is None:
             o = attend(self.cfg.attention, q, k, v, self.cfg.window, self.features)
         else:
-            cache.append(k.to(cache.k_cache.dtype), v.to(cache.k_cache.dtype))
+            cache.append(k.to(cache.k_cache.dtype), v.to(cache.k_cache.dtype), check_finite=False)  # no waits
             o = cache.attend(q.to(cache.k_cache.dtype), causal=True, check_finite=False).to(q.dtype)
         return self.proj(o.transpose(1, 2).reshape(B, T, C))
 

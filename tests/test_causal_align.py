@@ -129,7 +129,7 @@ def test_triton_with_a_window_and_extreme_logits():
 
 
 def test_triton_visits_only_key_tiles_before_the_shifted_diagonal():
-    """The kernels' tile rule (``_tile_ranges``, run in the interpreter) under a bottom-right mask with
+    """The kernels' tile rule (``_tile_ranges``, run as a kernel) under a bottom-right mask with
     N_q > N_k, where the bound on j - i is negative: a query tile visits exactly the key tiles that hold a key
     one of its rows sees, and none when it sees nothing. The kernels take the shifted diagonal as a window, so
     the left side is always bounded (an unbounded side comes as N_q + N_k), which keeps every range >= 0."""
@@ -137,7 +137,7 @@ def test_triton_visits_only_key_tiles_before_the_shifted_diagonal():
 
     N_q, N_k, bm, bn = 96, 40, 32, 16
     after = N_k - N_q
-    out = torch.empty(4, dtype=torch.int32)
+    out = torch.empty(4, dtype=torch.int32, device=DEVICE)
     for before in (5, N_q + N_k):
         for start in range(0, N_q, bm):
             _ranges_kernel[(1,)](out, start, N_k, before, after, BLOCK_OUTER=bm, BLOCK_INNER=bn, BOUNDED_BEFORE=True,

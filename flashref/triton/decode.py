@@ -642,10 +642,12 @@ class KVCache:
         self.lengths = [0] * len(self.lengths)
         self.seqlens.zero_()
 
-    def append(self, k, v, lengths=None) -> None:
+    def append(self, k, v, lengths=None, *, check_finite=True) -> None:
         """Write ``k``, ``v`` ``(B, H_kv, n, d)`` after each row's current length. ``lengths`` (a list of B
         ints, each in [0, n]; default all n): how many of the n new tokens of each row are real, for a batch
-        of prompts of different lengths padded to n. Too many tokens for ``max_len`` is a ValueError."""
+        of prompts of different lengths padded to n. Too many tokens for ``max_len`` is a ValueError.
+        ``check_finite`` (default True) refuses NaN or inf in k and v, which reads them back (a wait for the
+        GPU); a generation loop passes False, and then appending never waits."""
         B, H_kv, _, d = self.k_cache.shape
         for name, x in (("k", k), ("v", v)):
             if not isinstance(x, torch.Tensor):
@@ -668,17 +670,20 @@ class KVCache:
             if L + m > self.max_len:
                 raise ValueError(f"k: appending {m} tokens to row {b}, which holds {L}, would overflow max_len = "
                                  f"{self.max_len}")
-        validation.check_finite({"k": k, "v": v})
+        validation.check_bool("check_finite", check_finite)
+        if check_finite:
+            validation.check_finite({"k": k, "v": v})
         if len(set(self.lengths)) == 1 and len(set(lengths)) == 1:  # all rows alike: one copy each
             L, m = self.lengths[0], lengths[0]
             self.k_cache[:, :, L:L + m] = k[:, :, :m]
             self.v_cache[:, :, L:L + m] = v[:, :, :m]
+            self.seqlens += m  # on the device: no copy from the host
         else:
             for b, (L, m) in enumerate(zip(self.lengths, lengths)):
                 self.k_cache[b, :, L:L + m] = k[b, :, :m]
                 self.v_cache[b, :, L:L + m] = v[b, :, :m]
+            self.seqlens.copy_(torch.tensor([L + int(m) for L, m in zip(self.lengths, lengths)], dtype=torch.int32))
         self.lengths = [L + int(m) for L, m in zip(self.lengths, lengths)]
-        self.seqlens.copy_(torch.tensor(self.lengths, dtype=torch.int32), non_blocking=True)
 
     def attend(self, q, causal=True, sm_scale=None, *, num_splits=None, return_lse=False, check_finite=True):
         """:func:`flash_decode` of ``q`` ``(B, H, N_q, d)`` against the cache; ``causal`` (default True) is
