@@ -110,10 +110,15 @@ def _triton_check(N_q, N_k, dtype, H=4, H_kv=2, d=16, window=(-1, -1), scale=1.0
     assert np.array_equal(np.isneginf(np64(lse)), empty), "lse is -inf exactly on the rows that see no key"
     np.testing.assert_allclose(np64(lse)[~empty], ref_lse[~empty], rtol=0,
                                atol=1e-4 * max(1.0, np.abs(ref_lse[~empty]).max(initial=0)))
-    # the backward from (o, lse) alone, as a ring or a decoder calls it
+    # The backward from (o, lse) alone, as a ring or a decoder calls it. Its P is recomputed from the lse the
+    # caller kept in fp32, whose own rounding (half an ulp of |lse|: 6e-5 at |lse| = 1300, the extreme-logit
+    # case) is a relative error of P that plain attention, one pass that keeps no lse, does not have; the
+    # slack grows with it (measured on an H100: dv off by 1.5e-4 there, where the autograd path, which keeps
+    # the kernel's own lse, stays within the rule).
     grads = flash_attention_backward(q, k, v, got[0], lse, do, **kw)
+    lse_rounding = 0.5 * float(np.finfo(np.float32).eps) * float(np.abs(ref_lse[~empty]).max(initial=0))
     for name, x, r, b in zip(("dq", "dk", "dv"), grads, refs[1:], base[1:]):
-        atol = 1e-5 * max(1.0, float(np.abs(r).max())) if dtype == torch.float32 else None
+        atol = (1e-5 + lse_rounding) * max(1.0, float(np.abs(r).max())) if dtype == torch.float32 else None
         assert_within_tolerance(x, r, b, factor=3.0, atol=atol, name=name)
 
 

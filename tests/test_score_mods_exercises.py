@@ -13,6 +13,7 @@ import triton.language as tl
 from flashref.exercises import score_mods as ex
 from flashref.window_tiles import tile_ranges, window_tile_kinds
 from flashref.triton.forward import _tile_ranges
+from tests._triton_helpers import DEVICE
 
 
 def test_cu_seqlens_checker():
@@ -88,7 +89,7 @@ def _ranges_kernel(OUT, start, n_inner, before, after, BLOCK_OUTER: tl.constexpr
 
 @pytest.mark.parametrize("before, after", [(None, None), (None, 0), (20, 0), (5, 37), (None, 7), (100, None), (0, 0)])
 def test_plain_python_tile_ranges_are_the_kernels(before, after):
-    out = torch.empty(4, dtype=torch.int32)
+    out = torch.empty(4, dtype=torch.int32, device=DEVICE)  # compiled for the GPU when there is one
     for n_inner in (1, 95, 256):
         for start in range(0, 300, 32):
             _ranges_kernel[(1,)](out, start, n_inner, before or 0, after or 0, BLOCK_OUTER=32, BLOCK_INNER=16,
