@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from flashref import reference
+from flashref.bench.decode_bench import bytes_moved  # the benchmark's count: one home for it
 from flashref.exercises import NOT_ANSWERED, UNWRITTEN, Verdict, as_number, check_number, right, wrong
 
 #: Exercise "merge": (N_q, N_k, d, slice boundaries of the keys, score scale) of the cases checked; an empty
@@ -85,11 +86,6 @@ def check_merge_splits(fn) -> Verdict:
                  "flash-decoding: exact, in any order.")
 
 
-def decode_bytes(B, H, H_kv, N_k, d, elem_bytes, N_q=1) -> int:
-    """Bytes one decoding step must move at least: K and V once (shared by each group of query heads), q and o."""
-    return elem_bytes * (2 * B * H_kv * N_k * d + 2 * B * H * N_q * d)
-
-
 def check_decode_time(answer) -> Verdict:
     """The least time, in microseconds, one decoding step of :data:`DECODE` can take at the HBM's bandwidth."""
     if answer is None:
@@ -98,8 +94,8 @@ def check_decode_time(answer) -> Verdict:
     if x is None:
         return wrong(f"give one number (microseconds), not {type(answer).__name__}.")
     p = {key: DECODE[key] for key in ("B", "H", "H_kv", "N_k", "d", "elem_bytes")}
-    want = decode_bytes(**p) / DECODE["bandwidth"] * 1e6
-    per_head = decode_bytes(**{**p, "H_kv": p["H"]}) / DECODE["bandwidth"] * 1e6
+    want = bytes_moved(**p, N_q=1) / DECODE["bandwidth"] * 1e6
+    per_head = bytes_moved(**{**p, "H_kv": p["H"]}, N_q=1) / DECODE["bandwidth"] * 1e6
     if abs(x - per_head) <= 0.01 * per_head:
         return wrong("that reads K and V once per query head; with grouped-query attention the 32 query heads "
                      "share 8 K/V heads, and each K/V head is read once for its whole group.")
