@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime
 import math
 import os
-import queue as queue_module
 import tempfile
 import threading
 import time
@@ -21,9 +20,9 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import flashref.ring_attention as ring_module
+from flashref.bench import ring_bench
 from flashref import reference
 from flashref.ring_attention import (block_visibility, gather_sequence, ring_attention, ring_attention_backward,
                                      ring_attention_forward, sequence_positions, shard_sequence, simulate_ring)
@@ -100,40 +99,20 @@ def _worker(rank, world_size, init_file, cases, results):
 
 
 def spawn_ring(world_size, cases, timeout=JOIN_TIMEOUT):
-    """Run :func:`_worker` on ``world_size`` spawned processes; returns ``{(case, rank): arrays}``, ``{rank:
-    errors}``. A worker's exception fails with its traceback; a hang fails after ``timeout`` seconds."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    folder = tempfile.mkdtemp(prefix="flashref_ring_")
-    procs = [ctx.Process(target=_worker, args=(r, world_size, os.path.join(folder, "store"), cases, results),
-                         daemon=True) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    out, errors, done, failures = {}, {}, set(), []
-    deadline = time.monotonic() + timeout
-    try:
-        while len(done) < world_size and not failures:
-            try:
-                msg = results.get(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
-            except queue_module.Empty:
-                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                if dead or time.monotonic() > deadline:
-                    failures.append(f"workers exited with {dead}" if dead else f"no answer within {timeout} s")
-                continue
-            if msg[0] == "result":
-                out[(msg[2], msg[1])] = (msg[3], msg[4])
-            elif msg[0] == "errors":
-                errors[msg[1]] = msg[2]
-            elif msg[0] == "done":
-                done.add(msg[1])
-            else:
-                failures.append(f"rank {msg[1]} failed:\n{msg[2]}")
-    finally:
-        for p in procs:
-            p.join(timeout=10 if not failures else 1)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+    """Run :func:`_worker` on ``world_size`` spawned processes (the ring benchmark's launcher); returns
+    ``{(case, rank): arrays}``, ``{rank: errors}``. A worker's exception fails with its traceback; a hang fails
+    after ``timeout`` seconds."""
+    store = os.path.join(tempfile.mkdtemp(prefix="flashref_ring_"), "store")
+    out, errors = {}, {}
+
+    def on_message(msg):
+        if msg[0] == "result":
+            out[(msg[2], msg[1])] = (msg[3], msg[4])
+        elif msg[0] == "errors":
+            errors[msg[1]] = msg[2]
+
+    failures = ring_bench._run([(_worker, (r, world_size, store, cases)) for r in range(world_size)], on_message,
+                               timeout=timeout)
     if failures:
         pytest.fail("\n".join(failures), pytrace=False)
     return out, errors
