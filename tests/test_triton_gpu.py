@@ -124,7 +124,8 @@ def test_autotuned_path_with_t4_configs(monkeypatch):
     _check(q, k, v, do, False)
     monkeypatch.setenv("FLASHREF_T4_CONFIGS", "1")
     _check(q, k, v, do, False)
-    chosen = {key[0]: cfg for key, cfg in ops._CHOSEN.items() if key[9] and key[2] == 64}  # key[9]: T4 mode
+    # ops._tune_key: (name, HEAD_DIM, ..., T4 mode, dtypes); the T4 flag is second from the end
+    chosen = {key[0]: cfg for key, cfg in ops._CHOSEN.items() if key[-2] and key[2] == 64}
     assert set(chosen) == {"forward", "dkdv", "dq"}
     for name, cfg in chosen.items():
         assert cfg in configs.KERNELS[name]["t4"], (name, cfg)
