@@ -108,13 +108,14 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_b
             x_t = tl.where(tl.trans(_block_elements(bm_base, stride_bmi, stride_bmj, offs_m, offs_n, N_q, N_k,
                                                     BLOCK_SIZE)), x_t, float("-inf"))
     p_t = tl.exp2(x_t)
-    dp_t = _dot(v, tl.trans(do), DOT)
+    # dV's product before dP's, as FlashAttention-2 orders them: P's fp16 copy dies before dP is live.
     if DROPOUT:  # P~ = P * keep / (1 - p) carries O (dV is scaled at the end); dP = dP~ * keep / (1 - p)
         keep_t = tl.trans(_keep(seed, bh, offs_m, start_n, BLOCK_N, drop_below))
         dv += _dot(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, DOT)
-        dp_t = tl.where(keep_t, dp_t * keep_scale, 0.0)
+        dp_t = tl.where(keep_t, _dot(v, tl.trans(do), DOT) * keep_scale, 0.0)
     else:
         dv += _dot(p_t.to(do.dtype), do, DOT)
+        dp_t = _dot(v, tl.trans(do), DOT)
     ds_t = p_t * (dp_t - delta[None, :])
     if SOFTCAP:  # dS with respect to the raw score: times d(c tanh(s / c)) / ds
         ds_t = ds_t * (1.0 - t_t * t_t)
@@ -201,7 +202,8 @@ def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, M2, L2, Delta, BM, LISTS,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           CAUSAL: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT: tl.constexpr,
                           HAS_BM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DROPOUT: tl.constexpr,
-                          WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, VARLEN: tl.constexpr):
+                          WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, VARLEN: tl.constexpr,
+                          ONE_HEAD: tl.constexpr):
     """Program (pid_n, pid_bhk) writes dK and dV of keys pid_n*BLOCK_N : +BLOCK_N of K/V head hk. Needs
     BLOCK_N % BLOCK_M == 0. With grouped-query attention (GROUP query heads per K/V head) it walks the
     query rows of every head of its group, so dK and dV are summed over the group in registers, and K and
@@ -212,7 +214,7 @@ def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, M2, L2, Delta, BM, LISTS,
     not touched. LISTS: per key block of the mask, the count and increasing indices of the query blocks
     that see it (the forward's lists, transposed). The score modifications and VARLEN as in the forward
     kernel; key j is seen by queries ``j - win_right <= i <= j + win_left``, and only those query tiles are
-    visited."""
+    visited. ONE_HEAD: GROUP == SPLIT (each program has one query head)."""
     pid_n = tl.program_id(0)
     pid_bhk = tl.program_id(1)
     H_kv = H // GROUP
@@ -220,6 +222,8 @@ def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, M2, L2, Delta, BM, LISTS,
     hk = (pid_bhk // SPLIT) % H_kv
     split = pid_bhk % SPLIT
     heads = GROUP // SPLIT
+    if ONE_HEAD:  # GROUP == SPLIT, as in multi-head attention: one head a program, so no loop around the tile
+        heads = 1  # loops. With a trip count known only at run time, ptxas spilled 100-400 bytes a thread on sm_90.
     start_n = pid_n * BLOCK_N
     doc = b
     N_rows = N_q  # the statistics' row stride

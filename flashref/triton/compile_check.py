@@ -93,6 +93,7 @@ def compile_config(kernel: str, cfg: configs.TileConfig, capability: int, head_d
                   "ALIBI": alibi, "VARLEN": varlen}
     if kernel == "dkdv":
         constexprs["ATOMIC_DQ"] = False  # the default, deterministic path
+        constexprs["ONE_HEAD"] = True  # multi-head attention: one query head per program
     types = _signature(kernel, dtype)
     runtime = [n for n in fn.arg_names if n not in constexprs]
     if len(runtime) != len(types):

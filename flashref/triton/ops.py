@@ -48,7 +48,7 @@ _KEY_META = ("TUNE_N", "HEAD_DIM", "CAUSAL", "HAS_BM", "BLOCK_SIZE", "DROPOUT", 
 def _autotuned(kernel, name: str):
     # dkdv may add into DQ atomically: the autotuner zeroes it before each trial and after the last one.
     extra = {"reset_to_zero": ["DQ"]} if name == "dkdv" else {}
-    key = list(_KEY_META) + (["ATOMIC_DQ"] if name == "dkdv" else [])
+    key = list(_KEY_META) + (["ATOMIC_DQ", "ONE_HEAD"] if name == "dkdv" else [])
     return triton.autotune(configs=configs.autotune_configs(name), key=key,
                            prune_configs_by={"early_config_prune": configs.make_pruner(name)}, **extra)(kernel)
 
@@ -337,7 +337,8 @@ _CHOSEN: dict = {}
 
 def _tune_key(name, args, meta) -> tuple:
     """What the autotuner keys on: its key arguments and the dtypes of the tensor arguments."""
-    return (name, *(meta[m] for m in _KEY_META), meta.get("ATOMIC_DQ"), args[0].device, configs.t4_mode(),
+    return (name, *(meta[m] for m in _KEY_META), meta.get("ATOMIC_DQ"), meta.get("ONE_HEAD"), args[0].device,
+            configs.t4_mode(),
             tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
 
 
@@ -358,8 +359,8 @@ def _launch_first_fit(kernel, name, grid_rows, bh, args, meta):
     versions (seen: Triton 3.6 on an H100 keeping num_stages copies of K and V at d = 256, one more than
     the estimate), so a config that runs out of shared memory falls through to the next one."""
     q = args[0]
-    key = (name, meta["BLOCK_D"], q.dtype, str(q.device), meta.get("ATOMIC_DQ"), configs.t4_mode(),
-           *(meta.get(m) for m in _KEY_META if m != "TUNE_N"))
+    key = (name, meta["BLOCK_D"], q.dtype, str(q.device), meta.get("ATOMIC_DQ"), meta.get("ONE_HEAD"),
+           configs.t4_mode(), *(meta.get(m) for m in _KEY_META if m != "TUNE_N"))
     cands = [_FIRST_FIT[key]] if key in _FIRST_FIT else \
         configs.device_candidates(name, meta["BLOCK_D"], q.element_size(), q.device)
     for i, cfg in enumerate(cands):
@@ -432,7 +433,8 @@ def _backward(q, k, v, o, stats, do, scale: float, deterministic: bool, feat: Fe
     bm, lists_t, bm_strides_t = feat.args(q, transposed=True)
     _launch(flash_bwd_dkdv_kernel, "dkdv", feat.rows_k, feat.batch * H_kv * split,
             q, k, v, do, dk, dv, dq_acc, m2, l2, delta, bm, lists_t, *common, *_strides(dk), *_strides(dv),
-            *_strides(dq_acc), *bm_strides_t, *tail, ATOMIC_DQ=not deterministic, SPLIT=split, **meta)
+            *_strides(dq_acc), *bm_strides_t, *tail, ATOMIC_DQ=not deterministic, SPLIT=split,
+            ONE_HEAD=H // H_kv == split, **meta)
     if split > 1:  # the partial sums, added in a fixed order: still bitwise reproducible
         dk = dk.view(B, H_kv, split, N_k, d).sum(2).to(k.dtype)
         dv = dv.view(B, H_kv, split, N_k, d).sum(2).to(v.dtype)
