@@ -71,11 +71,13 @@ def _launch_specialization(fn, constexprs: dict, signature: dict) -> dict:
 
 def compile_config(kernel: str, cfg: configs.TileConfig, capability: int, head_dim: int, dtype: str = "float16",
                    causal: bool = False, block_size: int | None = None, dropout: bool = False,
-                   window: bool = False, softcap: bool = False, alibi: bool = False, varlen: bool = False):
+                   window: bool = False, softcap: bool = False, alibi: bool = False, varlen: bool = False,
+                   one_head: bool = True):
     """Compile one config of ``kernel`` for a GPU of compute ``capability`` as a launch on contiguous tensors
     would; return the compiled kernel (``.metadata.shared`` is its shared memory in bytes). ``block_size``
     compiles the block-sparse variant, ``dropout`` the one with fused dropout, ``window``, ``softcap``,
-    ``alibi`` and ``varlen`` those with the score modifications and packed batches."""
+    ``alibi`` and ``varlen`` those with the score modifications and packed batches; ``one_head=False`` the dK/dV
+    kernel with its loop over a group's query heads (grouped-query attention)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -93,7 +95,7 @@ def compile_config(kernel: str, cfg: configs.TileConfig, capability: int, head_d
                   "ALIBI": alibi, "VARLEN": varlen}
     if kernel == "dkdv":
         constexprs["ATOMIC_DQ"] = False  # the default, deterministic path
-        constexprs["ONE_HEAD"] = True  # multi-head attention: one query head per program
+        constexprs["ONE_HEAD"] = one_head  # True: multi-head attention, one query head per program
     types = _signature(kernel, dtype)
     runtime = [n for n in fn.arg_names if n not in constexprs]
     if len(runtime) != len(types):
@@ -104,6 +106,30 @@ def compile_config(kernel: str, cfg: configs.TileConfig, capability: int, head_d
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     target = GPUTarget("cuda", capability, 32)
     return triton.compile(src, target=target, options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+
+
+def ptxas_usage(compiled, capability: int = 90) -> dict:
+    """Registers a thread and bytes of register spills (stores and loads to local memory) of a compiled
+    kernel, as ``ptxas -v`` reports them for its PTX (the ptxas that ships with Triton): how close a config
+    comes to the 255 registers a thread may hold. A spill is a trip to memory inside the tile loop, so the
+    figure explains a config that is slower than its tile size promises, and it needs no GPU."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    arch = "sm_90a" if capability == 90 else f"sm_{capability}"
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "kernel.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        done = subprocess.run([get_ptxas(capability).path, "-v", f"--gpu-name={arch}", ptx, "-o", os.devnull],
+                              capture_output=True, text=True, check=True)
+    text = done.stdout + done.stderr
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    return {"registers": int(re.search(r"Used (\d+) registers", text).group(1)),
+            "spill_stores": int(spills.group(1)), "spill_loads": int(spills.group(2))}
 
 
 def table(gpus=("T4", "A100", "H100"), head_dims=(64, 128), dtype="float16", kernels=("forward", "dkdv", "dq")):
