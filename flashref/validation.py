@@ -152,6 +152,14 @@ def _raise_not_finite(name, x, allow_neg_inf):
     raise ValueError(f"{name} must be {allowed}, got {shown} at index {index}")
 
 
+def check_dense(name: str, x) -> None:
+    """A torch tensor must be dense (strided): a sparse or otherwise laid-out tensor has no rows and strides
+    for a kernel to read, and torch's own errors on it name no argument."""
+    layout = getattr(x, "layout", None)
+    if layout is not None and _framework(x) == "torch" and str(layout) != "torch.strided":
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {layout}")
+
+
 def check_attention_inputs(q, k, v, *, allowed_ndims=(2, 4), allowed_dtypes=None, max_head_dim=None,
                            numpy=False, finite=True, gqa=False):
     """Check q, k, v for attention; return ``(N_q, N_k, d)``.
@@ -170,6 +178,7 @@ def check_attention_inputs(q, k, v, *, allowed_ndims=(2, 4), allowed_dtypes=None
             check_numpy(name, x)
         if not (hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "ndim")):
             raise TypeError(f"{name} must be an array or tensor, got {type(x).__name__}")
+        check_dense(name, x)
         if x.ndim not in allowed_ndims:
             shapes = " or ".join("(B, H, N, d)" if n == 4 else "(N, d)" if n == 2 else f"{n}-d" for n in allowed_ndims)
             raise ValueError(f"{name} must have shape {shapes}, got {x.ndim}-d shape {tuple(x.shape)}")

@@ -238,6 +238,12 @@ def test_rejects_non_tensors():
         flash_attention(q.cpu().numpy(), k, v)
 
 
+def test_rejects_sparse_tensors():
+    q, k, v = _ok()
+    with pytest.raises(TypeError, match="k must be a dense \\(strided\\) tensor, got layout torch.sparse_coo"):
+        flash_attention(q, k.to_sparse(), v)
+
+
 def test_rejects_wrong_device():
     q, k, v = _ok()
     if DEVICE == "cuda":

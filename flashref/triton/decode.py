@@ -328,6 +328,7 @@ def _check_decode(q, k_cache, v_cache, cache_seqlens, causal, sm_scale, num_spli
     for name, x in named:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        validation.check_dense(name, x)
         if x.ndim != 4:
             raise ValueError(f"{name} must have shape {'(B, H, N_q, d)' if name == 'q' else '(B, H_kv, N_max, d)'}, "
                              f"got {x.ndim}-d shape {tuple(x.shape)}")
@@ -374,6 +375,7 @@ def _check_decode(q, k_cache, v_cache, cache_seqlens, causal, sm_scale, num_spli
             got = type(cache_seqlens).__name__ if not isinstance(cache_seqlens, torch.Tensor) else \
                 f"a tensor of dtype {cache_seqlens.dtype}"
             raise TypeError(f"cache_seqlens must be None or an int32 (or int64) torch.Tensor of shape (B,), got {got}")
+        validation.check_dense("cache_seqlens", cache_seqlens)
         if tuple(cache_seqlens.shape) != (B,):
             raise ValueError(f"cache_seqlens must have shape (B,) = ({B},), got {tuple(cache_seqlens.shape)}")
         if cache_seqlens.device != q.device:
@@ -500,7 +502,7 @@ def _signature(q, k_cache, v_cache, cache_seqlens, causal, sm_scale, num_splits,
         key = (layout, cache_seqlens is None, type(causal), causal, type(sm_scale), sm_scale, type(num_splits),
                num_splits, type(return_lse), return_lse)
         hash(key)
-    except (AttributeError, TypeError):
+    except (AttributeError, TypeError, RuntimeError):  # not a tensor; unhashable; no address (a sparse tensor)
         return None
     return key
 
@@ -678,12 +680,13 @@ class KVCache:
             self.k_cache[:, :, L:L + m] = k[:, :, :m]
             self.v_cache[:, :, L:L + m] = v[:, :, :m]
             self.seqlens += m  # on the device: no copy from the host
+            self.lengths = [L + int(m)] * B
         else:
             for b, (L, m) in enumerate(zip(self.lengths, lengths)):
                 self.k_cache[b, :, L:L + m] = k[b, :, :m]
                 self.v_cache[b, :, L:L + m] = v[b, :, :m]
-            self.seqlens.copy_(torch.tensor([L + int(m) for L, m in zip(self.lengths, lengths)], dtype=torch.int32))
-        self.lengths = [L + int(m) for L, m in zip(self.lengths, lengths)]
+            self.lengths = [L + int(m) for L, m in zip(self.lengths, lengths)]
+            self.seqlens.copy_(torch.tensor(self.lengths, dtype=torch.int32))
 
     def attend(self, q, causal=True, sm_scale=None, *, num_splits=None, return_lse=False, check_finite=True):
         """:func:`flash_decode` of ``q`` ``(B, H, N_q, d)`` against the cache; ``causal`` (default True) is
