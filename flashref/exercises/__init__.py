@@ -72,15 +72,29 @@ def as_number(x):
         return None
 
 
+def read_number(answer, what: str) -> tuple[float | None, Verdict | None]:
+    """``(value, None)`` for a numeric answer, or ``(None, verdict)`` with the verdict a checker returns
+    instead: not answered yet (None), or not a number (``what`` names the number asked for). Every checker
+    of a numeric answer opens with it::
+
+        value, unready = read_number(answer, "the speed-up")
+        if unready is not None:
+            return unready
+    """
+    if answer is None:
+        return None, Verdict(False, NOT_ANSWERED)
+    value = as_number(answer)
+    if value is None:
+        return None, wrong(f"{what} should be a number, got {type(answer).__name__}: {answer!r}.")
+    return value, None
+
+
 def check_number(answer, expected: float, *, what: str, rel: float = 1e-9, hint: str = "",
                  explain: str = "") -> Verdict:
     """Compare a numeric answer with ``expected`` to a relative tolerance."""
-    if answer is None:
-        return Verdict(False, NOT_ANSWERED)
-    try:
-        value = float(answer)
-    except (TypeError, ValueError):
-        return wrong(f"{what} should be a number, got {type(answer).__name__}: {answer!r}.")
+    value, unready = read_number(answer, what)
+    if unready is not None:
+        return unready
     if np.isclose(value, expected, rtol=rel, atol=0.0):
         return right(explain)
     ratio = f" (off by a factor of {value / expected:.3g})" if expected and value else ""

@@ -15,7 +15,7 @@ import numpy as np
 
 from flashref import reference
 from flashref.bench.decode_bench import bytes_moved  # the benchmark's count: one home for it
-from flashref.exercises import NOT_ANSWERED, UNWRITTEN, Verdict, as_number, check_number, right, wrong
+from flashref.exercises import NOT_ANSWERED, UNWRITTEN, Verdict, check_number, read_number, right, wrong
 
 #: Exercise "merge": (N_q, N_k, d, slice boundaries of the keys, score scale) of the cases checked; an empty
 #: slice (two equal boundaries) holds no key: O = 0 and lse = -inf, as flash-decoding stores it.
@@ -88,11 +88,9 @@ def check_merge_splits(fn) -> Verdict:
 
 def check_decode_time(answer) -> Verdict:
     """The least time, in microseconds, one decoding step of :data:`DECODE` can take at the HBM's bandwidth."""
-    if answer is None:
-        return Verdict(False, NOT_ANSWERED)
-    x = as_number(answer)
-    if x is None:
-        return wrong(f"give one number (microseconds), not {type(answer).__name__}.")
+    x, unready = read_number(answer, "the time (in microseconds)")
+    if unready is not None:
+        return unready
     p = {key: DECODE[key] for key in ("B", "H", "H_kv", "N_k", "d", "elem_bytes")}
     want = bytes_moved(**p, N_q=1) / DECODE["bandwidth"] * 1e6
     per_head = bytes_moved(**{**p, "H_kv": p["H"]}, N_q=1) / DECODE["bandwidth"] * 1e6

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 from flashref import hbm
-from flashref.exercises import NOT_ANSWERED, Verdict, as_number, right, wrong
+from flashref.exercises import NOT_ANSWERED, Verdict, as_number, read_number, right, wrong
 
 #: Exercise 1: the Triton forward on one sequence of 16 heads, N = 16K, d = 128, fp16, not causal.
 PREDICT = {"B": 1, "H": 16, "N": 16384, "d": 128}
@@ -41,11 +41,9 @@ def _totals(impl, mode, shape):
 
 def check_predicted_dram_read(answer) -> Verdict:
     """The bytes the Triton forward reads from DRAM at ``PREDICT``, predicted from the compulsory count."""
-    if answer is None:
-        return Verdict(False, NOT_ANSWERED)
-    value = as_number(answer)
-    if value is None:
-        return wrong(f"the prediction should be a number of bytes, got {type(answer).__name__}: {answer!r}.")
+    value, unready = read_number(answer, "the prediction (a number of bytes)")
+    if unready is not None:
+        return unready
     B, H, N, d = PREDICT["B"], PREDICT["H"], PREDICT["N"], PREDICT["d"]
     model = hbm.flash_forward(B, H, N, N, d, 128, 64, causal=False, elem=2).compulsory_read
     measured = _totals("flashref-triton", "fwd", PREDICT)
@@ -74,11 +72,9 @@ def nn_passes(measured_dram_bytes: float, shape=PASSES, elem: int = 2) -> float:
 def check_nn_passes(answer) -> Verdict:
     """How many N x N fp16 matrices' worth of bytes plain attention's forward moves through DRAM at ``PASSES``
     (reads plus writes, measured), to 5%."""
-    if answer is None:
-        return Verdict(False, NOT_ANSWERED)
-    value = as_number(answer)
-    if value is None:
-        return wrong(f"the answer should be a number, got {type(answer).__name__}: {answer!r}.")
+    value, unready = read_number(answer, "the answer")
+    if unready is not None:
+        return unready
     B, H, N, d = PASSES["B"], PASSES["H"], PASSES["N"], PASSES["d"]
     model = nn_passes(hbm.total(hbm.standard_forward(B, H, N, N, d)))
     measured = _totals("plain", "fwd", PASSES)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashref.exercises import NOT_ANSWERED, UNWRITTEN, Verdict, as_number, right, wrong
+from flashref.exercises import NOT_ANSWERED, UNWRITTEN, Verdict, read_number, right, wrong
 
 
 #: Exercise "end to end": rounded from the committed H100 run at N = 4096 (book/data/model_bench.json):
@@ -30,11 +30,9 @@ def end_to_end_speedup(share: float = SHARE, kernel_speedup: float = KERNEL_SPEE
 
 def check_end_to_end_speedup(answer) -> Verdict:
     """The whole step's speed-up when SHARE of it runs KERNEL_SPEEDUP times faster."""
-    if answer is None:
-        return Verdict(False, NOT_ANSWERED)
-    value = as_number(answer)
-    if value is None:
-        return wrong(f"the speed-up should be a number, got {type(answer).__name__}: {answer!r}.")
+    value, unready = read_number(answer, "the speed-up")
+    if unready is not None:
+        return unready
     want = end_to_end_speedup()
     if abs(value - want) <= 0.02 * want:
         return right(f"1 / ((1 - {SHARE}) + {SHARE} / {KERNEL_SPEEDUP:g}) = {want:.2f}: the 7% of the step "

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashref.exercises import NOT_ANSWERED, UNWRITTEN, Verdict, as_number, right, triton_kernel_unready, wrong
+from flashref.exercises import NOT_ANSWERED, UNWRITTEN, Verdict, read_number, right, triton_kernel_unready, wrong
 
 #: Exercise "offsets": the length lists the reader's function is checked on.
 CU_CASES = [[3, 5, 2], [1], [7, 1, 1, 12], [4096, 17, 255, 1000]]
@@ -63,11 +63,9 @@ def padded_work(lengths=PAD_LENGTHS) -> float:
 
 def check_padded_work(answer) -> Verdict:
     """How many times more (query, key) pairs the padded batch computes than the packed one, causal."""
-    if answer is None:
-        return Verdict(False, NOT_ANSWERED)
-    x = as_number(answer)
-    if x is None:
-        return wrong(f"give one number (a ratio), not {type(answer).__name__}.")
+    x, unready = read_number(answer, "the ratio")
+    if unready is not None:
+        return unready
     want = padded_work()
     n = np.asarray(PAD_LENGTHS)
     not_causal = len(n) * n.max() ** 2 / float((n ** 2).sum())

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashref.exercises import NOT_ANSWERED, UNWRITTEN, Verdict, as_number, right, wrong
+from flashref.exercises import NOT_ANSWERED, UNWRITTEN, Verdict, read_number, right, wrong
 
 
 #: Exercise "sink window": (n_blocks, window) cases the reader's function is checked on.
@@ -134,11 +134,9 @@ def dropout_mask_bytes(B: int, H: int, N: int) -> int:
 
 def check_dropout_mask_bytes(answer) -> Verdict:
     """Bytes of a stored dropout keep-mask, one byte per entry (torch.bool), for B = 4, H = 12, N = 8192."""
-    if answer is None:
-        return Verdict(False, NOT_ANSWERED)
-    value = as_number(answer)
-    if value is None:
-        return wrong(f"the answer should be a number of bytes, got {type(answer).__name__}: {answer!r}.")
+    value, unready = read_number(answer, "the answer (a number of bytes)")
+    if unready is not None:
+        return unready
     expected = dropout_mask_bytes(MASK_B, MASK_H, MASK_N)
     qkv = 3 * MASK_B * MASK_H * MASK_N * MASK_D * 2
     close = lambda x: np.isclose(value, x, rtol=1e-6, atol=0.0)  # noqa: E731
@@ -171,11 +169,9 @@ def kv_cache_bytes(layers: int, H_kv: int, d: int, N: int, elem: int = 2) -> int
 def check_gqa_cache_saved(answer) -> Verdict:
     """Bytes of KV cache that grouped-query attention (8 K/V heads) saves against multi-head attention (64)
     for one sequence of 4096 tokens of an 80-layer model with d = 128, fp16."""
-    if answer is None:
-        return Verdict(False, NOT_ANSWERED)
-    value = as_number(answer)
-    if value is None:
-        return wrong(f"the answer should be a number of bytes, got {type(answer).__name__}: {answer!r}.")
+    value, unready = read_number(answer, "the answer (a number of bytes)")
+    if unready is not None:
+        return unready
     mha = kv_cache_bytes(GQA_LAYERS, GQA_H, GQA_D, GQA_N, GQA_BYTES)
     gqa = kv_cache_bytes(GQA_LAYERS, GQA_H_KV, GQA_D, GQA_N, GQA_BYTES)
     expected = mha - gqa
