@@ -267,7 +267,7 @@ def test_every_listed_config_keeps_the_tile_rule():
     from flashref.triton import configs
 
     for kernel, pools in configs.KERNELS.items():
-        for cfg in [*pools["large"], *pools["t4"], configs.INTERPRETER[kernel]]:
+        for cfg in [*pools["large"], *pools["wide"], *pools["t4"], configs.INTERPRETER[kernel]]:
             configs.check_tile(kernel, cfg)
 
 

@@ -167,3 +167,42 @@ def test_dkdv_kernel_without_the_head_loop_keeps_its_registers():
     for cfg, one, loop in json.loads(proc.stdout.strip().splitlines()[-1]):
         assert one["registers"] <= 255 and loop["registers"] <= 255
         assert one["spill_stores"] <= max(64, loop["spill_stores"] // 4), (cfg, one, loop)
+
+
+
+WIDE = r"""
+import json
+from flashref.triton import configs, compile_check
+
+limit = configs.GPUS["H100"]["shared_bytes"]
+rows = []
+for kernel in ("dkdv", "dq"):
+    for pool in ("wide", "large"):
+        for cfg in configs.KERNELS[kernel][pool]:
+            fits = configs.shared_bytes_estimate(kernel, cfg, 256, 2, 90) <= limit
+            if pool == "wide" or (kernel == "dkdv" and fits and cfg.block_n >= 64):
+                usage = compile_check.ptxas_usage(compile_check.compile_config(kernel, cfg, 90, 256, "float16"))
+                rows.append([kernel, pool, list(cfg.__dict__.values()), usage["spill_stores"]])
+print(json.dumps(rows))
+"""
+
+
+def test_wide_heads_have_configs_that_keep_their_accumulators_in_registers():
+    """At d = 256 (BLOCK_D 256) the backward kernels take the "wide" configs, whose fp32 accumulators fit a
+    thread's registers: for the H100 no wide config spills more than 512 bytes a thread, where the large dK/dV
+    configs with 64 or 128 resident keys that fit spill several KB (ptxas -v; Triton 3.7: 8-340 bytes against
+    3.3 and 11 KB). The head dim picks the list."""
+    from flashref.triton import configs
+
+    assert configs.pool_name(256) == "wide" and configs.pool_name(128) == "large"
+    assert configs.pool_name(256, t4=True) == configs.pool_name(64, t4=True) == "t4"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["FLASHREF_TRITON_COMPILE_ONLY"] = "1"
+    proc = subprocess.run([sys.executable, "-c", WIDE], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    wide = [r for r in rows if r[1] == "wide"]
+    large = [r for r in rows if r[1] == "large"]
+    assert len(wide) == len(configs.KERNELS["dkdv"]["wide"]) + len(configs.KERNELS["dq"]["wide"]) and large
+    assert max(r[3] for r in wide) <= 512, wide
+    assert min(r[3] for r in large) >= 2048, large

@@ -35,19 +35,30 @@ class TileConfig:
 
 # Forward and dQ kernels: BLOCK_M % BLOCK_N == 0. dK/dV kernel: BLOCK_N % BLOCK_M == 0 (BLOCK_N keys
 # stay resident, BLOCK_M queries stream past), so the diagonal is always whole tiles.
+#
+# Three lists per kernel: "large" for A100- and H100-class GPUs up to d = 128, "wide" for them beyond
+# (BLOCK_D = 256), "t4" for a T4 at any d. Wide heads need their own: a thread holds its share of the fp32
+# accumulators, (BLOCK_N x 256) for each of dK and dV, and 4 warps with 128 resident keys would need 512
+# registers a thread for those alone, where 255 is the most. ptxas -v (compile_check.ptxas_usage, sm_90)
+# counts 11-14 KB of spills a thread for that dK/dV config, 3-4 KB for (32, 64) on 4 warps; the wide ones spill
+# 0-340 bytes. Timed on an H100 at d = 256 (B 8, H 8, N 4K), the wide dK/dV configs took the backward pass from
+# 31.5 ms (the best large one) to 18.7 ms.
 FORWARD = {
     "large": [TileConfig(128, 64, 4, 3), TileConfig(128, 128, 8, 3), TileConfig(128, 64, 8, 3),
               TileConfig(128, 64, 8, 4), TileConfig(128, 128, 8, 2), TileConfig(64, 64, 4, 3), TileConfig(64, 32, 4, 2)],
+    "wide": [TileConfig(128, 64, 8, 2), TileConfig(128, 32, 8, 3), TileConfig(64, 64, 4, 3), TileConfig(64, 32, 4, 2)],
     "t4": [TileConfig(64, 64, 4, 2), TileConfig(64, 32, 4, 2), TileConfig(32, 32, 4, 2), TileConfig(16, 16, 4, 1)],
 }
 BACKWARD_DKDV = {
     "large": [TileConfig(32, 128, 4, 3), TileConfig(64, 128, 8, 3), TileConfig(64, 128, 4, 3),
               TileConfig(32, 64, 4, 3), TileConfig(16, 32, 4, 1)],
+    "wide": [TileConfig(32, 32, 4, 3), TileConfig(32, 64, 8, 2), TileConfig(32, 64, 8, 3), TileConfig(16, 32, 4, 1)],
     "t4": [TileConfig(32, 64, 4, 2), TileConfig(16, 64, 4, 2), TileConfig(16, 32, 4, 1), TileConfig(16, 16, 4, 1)],
 }
 BACKWARD_DQ = {
     "large": [TileConfig(128, 32, 4, 3), TileConfig(128, 64, 8, 3), TileConfig(128, 64, 4, 3),
               TileConfig(64, 32, 4, 3), TileConfig(32, 16, 4, 1)],
+    "wide": [TileConfig(128, 32, 8, 2), TileConfig(64, 32, 4, 3), TileConfig(64, 32, 8, 3), TileConfig(32, 16, 4, 1)],
     "t4": [TileConfig(64, 32, 4, 2), TileConfig(64, 16, 4, 2), TileConfig(32, 16, 4, 1), TileConfig(16, 16, 4, 1)],
 }
 KERNELS = {"forward": FORWARD, "dkdv": BACKWARD_DKDV, "dq": BACKWARD_DQ}
@@ -111,12 +122,18 @@ def check_tile(kernel: str, cfg: TileConfig) -> None:
         raise ValueError(f"{kernel} config {cfg}: {names[0]} must be a multiple of {names[1]}, got {big} and {small}")
 
 
+def pool_name(block_d: int, t4: bool = False) -> str:
+    """Which list of a kernel's configs applies: "t4" (a T4, or FLASHREF_T4_CONFIGS=1), else "wide" for
+    head dims above 128, else "large"."""
+    return "t4" if t4 else "wide" if block_d > 128 else "large"
+
+
 def candidates(kernel: str, block_d: int, elem_bytes: int, shared_limit: int, t4: bool = False,
                capability: int = 90) -> list[TileConfig]:
     """The configs of ``kernel`` ("forward", "dkdv", "dq") that fit ``shared_limit`` bytes per block.
     Never empty: the smallest config is kept even if the estimate says it will not fit (the compiler has
     the last word and the autotuner skips configs that run out of resources)."""
-    pool = KERNELS[kernel]["t4" if t4 else "large"]
+    pool = KERNELS[kernel][pool_name(block_d, t4)]
     fits = [c for c in pool if shared_bytes_estimate(kernel, c, block_d, elem_bytes, capability) <= shared_limit]
     return fits or [pool[-1]]
 
@@ -151,10 +168,12 @@ def _to_triton(cfg: TileConfig, names: tuple[str, str]):
 
 
 def autotune_configs(kernel: str):
-    """Every candidate of ``kernel``, both lists, as ``triton.Config``: the autotuner is built once, at
-    import, and :func:`make_pruner` picks the list (``FLASHREF_T4_CONFIGS``) when it tunes, as the
+    """Every candidate of ``kernel``, all lists, as ``triton.Config``: the autotuner is built once, at
+    import, and :func:`make_pruner` picks the list (head dim, ``FLASHREF_T4_CONFIGS``) when it tunes, as the
     first-fit path does on every call, so the variable is read at one time for both."""
-    pool = KERNELS[kernel]["large"] + [c for c in KERNELS[kernel]["t4"] if c not in KERNELS[kernel]["large"]]
+    pool = []
+    for name in ("large", "wide", "t4"):
+        pool += [c for c in KERNELS[kernel][name] if c not in pool]
     return [_to_triton(c, ("BLOCK_M", "BLOCK_N")) for c in pool]
 
 
@@ -178,7 +197,7 @@ def make_pruner(kernel: str):
         capability = device_capability(args["Q"].device)
         if t4_mode():
             limit = min(limit, GPUS["T4"]["shared_bytes"])
-        pool = KERNELS[kernel]["t4" if t4_mode() else "large"]
+        pool = KERNELS[kernel][pool_name(block_d, t4_mode())]
         listed = [c for c in configs
                   if TileConfig(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in pool]
         keep = []
