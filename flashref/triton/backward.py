@@ -67,23 +67,33 @@ def flash_bwd_preprocess_kernel(O, DO, Delta,
 @triton.jit
 def _dkdv_tile(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base,
                stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
-               start_m, start_n, N_q, N_k, sm_scale, qk_scale, offs_n, offs_d,
+               start_m, start_n, N_q, N_k, sm_scale, qk_scale, offs_n, offs_d, offs_e,
                bm_base, stride_bmi, stride_bmj, seed, bh, drop_below, keep_scale,
                win_left, win_right, cap_in, cap_out, slope2,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT: tl.constexpr,
                HAS_BM: tl.constexpr, BM_TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, DROPOUT: tl.constexpr,
-               WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+               WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, D_SPLIT: tl.constexpr):
     """Add the contribution of the query tile at ``start_m`` to this K/V tile's dK and dV (transposed form:
     rows are keys, columns are queries), and with ATOMIC_DQ this tile's share of the query tile's dQ. A
     block mask finer than the tile is applied element by element; with DROPOUT the forward's keep-mask is
     regenerated for the transposed tile. SOFTCAP / ALIBI recompute the forward's modified score
-    (forward._modified), and dS is multiplied by the cap's derivative 1 - tanh^2."""
+    (forward._modified), and dS is multiplied by the cap's derivative 1 - tanh^2. With D_SPLIT > 1 the
+    program keeps only columns ``offs_e`` of dK and dV: S and dP still need whole rows of Q and dO, and the
+    products into dK and dV take those columns of Q and dO."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q = _load_rows(q_base, offs_m, offs_d, stride_qm, stride_qd, N_q, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
                    MASKED=MASKED)
     do = _load_rows(do_base, offs_m, offs_d, stride_dom, stride_dod, N_q, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
                     MASKED=MASKED)
+    if D_SPLIT == 1:
+        q_e = q
+        do_e = do
+    else:  # read again (from L2: the rows were just loaded), in the layout of this program's columns
+        q_e = _load_rows(q_base, offs_m, offs_e, stride_qm, stride_qd, N_q, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+                         MASKED=MASKED)
+        do_e = _load_rows(do_base, offs_m, offs_e, stride_dom, stride_dod, N_q, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+                          MASKED=MASKED)
     if MASKED:  # l2 = +inf on padded rows makes their P exactly 0
         m2 = tl.load(m2_base + offs_m, mask=offs_m < N_q, other=0.0)
         l2 = tl.load(l2_base + offs_m, mask=offs_m < N_q, other=float("inf"))
@@ -111,16 +121,16 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_b
     # dV's product before dP's, as FlashAttention-2 orders them: P's fp16 copy dies before dP is live.
     if DROPOUT:  # P~ = P * keep / (1 - p) carries O (dV is scaled at the end); dP = dP~ * keep / (1 - p)
         keep_t = tl.trans(_keep(seed, bh, offs_m, start_n, BLOCK_N, drop_below))
-        dv += _dot(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, DOT)
+        dv += _dot(tl.where(keep_t, p_t, 0.0).to(do.dtype), do_e, DOT)
         dp_t = tl.where(keep_t, _dot(v, tl.trans(do), DOT) * keep_scale, 0.0)
     else:
-        dv += _dot(p_t.to(do.dtype), do, DOT)
+        dv += _dot(p_t.to(do.dtype), do_e, DOT)
         dp_t = _dot(v, tl.trans(do), DOT)
     ds_t = p_t * (dp_t - delta[None, :])
     if SOFTCAP:  # dS with respect to the raw score: times d(c tanh(s / c)) / ds
         ds_t = ds_t * (1.0 - t_t * t_t)
     ds_t = ds_t.to(q.dtype)
-    dk += _dot(ds_t, q, DOT)
+    dk += _dot(ds_t, q_e, DOT)
     if ATOMIC_DQ:  # every K/V tile's program adds into the same dQ rows, in whatever order they run
         dq = _dot(tl.trans(ds_t), k, DOT) * sm_scale
         dq_ptrs = dq_base + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
@@ -131,13 +141,14 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_b
 @triton.jit
 def _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base,
                 stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
-                start_n, lo, hi, N_q, N_k, sm_scale, qk_scale, offs_n, offs_d,
+                start_n, lo, hi, N_q, N_k, sm_scale, qk_scale, offs_n, offs_d, offs_e,
                 bm_base, stride_bmi, stride_bmj, list_row, seed, bh, drop_below, keep_scale,
                 win_left, win_right, cap_in, cap_out, slope2,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT: tl.constexpr,
                 HAS_BM: tl.constexpr, BM_TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, DROPOUT: tl.constexpr,
-                LISTED: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+                LISTED: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+                D_SPLIT: tl.constexpr):
     """Add the query tiles with first row in [lo, hi) to this K/V tile's dK and dV; when LISTED only the
     visible ones, read from this key block's list of visible query blocks (``list_row``), or the plain loop
     when all of them are visible (as _fwd_tiles). Otherwise a tile the block mask hides is skipped
@@ -149,23 +160,23 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_
             for start_m in range(lo, hi, BLOCK_M):
                 dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base, stride_qm,
                                     stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd, start_m, start_n, N_q,
-                                    N_k, sm_scale, qk_scale, offs_n, offs_d, bm_base, stride_bmi, stride_bmj, seed,
-                                    bh, drop_below, keep_scale, win_left, win_right, cap_in, cap_out, slope2,
+                                    N_k, sm_scale, qk_scale, offs_n, offs_d, offs_e, bm_base, stride_bmi, stride_bmj,
+                                    seed, bh, drop_below, keep_scale, win_left, win_right, cap_in, cap_out, slope2,
                                     HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                                     MASKED=MASKED, CAUSAL=CAUSAL, ATOMIC_DQ=ATOMIC_DQ, DOT=DOT, HAS_BM=False,
                                     BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, WINDOW=WINDOW,
-                                    SOFTCAP=SOFTCAP, ALIBI=ALIBI)
+                                    SOFTCAP=SOFTCAP, ALIBI=ALIBI, D_SPLIT=D_SPLIT)
         else:
             for it in range(it_lo, it_hi):
                 start_m = _listed_start(list_row, it, BLOCK_SIZE, BLOCK_M)
                 dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base, stride_qm,
                                     stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd, start_m, start_n, N_q,
-                                    N_k, sm_scale, qk_scale, offs_n, offs_d, bm_base, stride_bmi, stride_bmj, seed,
-                                    bh, drop_below, keep_scale, win_left, win_right, cap_in, cap_out, slope2,
+                                    N_k, sm_scale, qk_scale, offs_n, offs_d, offs_e, bm_base, stride_bmi, stride_bmj,
+                                    seed, bh, drop_below, keep_scale, win_left, win_right, cap_in, cap_out, slope2,
                                     HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                                     MASKED=MASKED, CAUSAL=CAUSAL, ATOMIC_DQ=ATOMIC_DQ, DOT=DOT, HAS_BM=HAS_BM,
                                     BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, WINDOW=WINDOW,
-                                    SOFTCAP=SOFTCAP, ALIBI=ALIBI)
+                                    SOFTCAP=SOFTCAP, ALIBI=ALIBI, D_SPLIT=D_SPLIT)
     else:
         for start_m in range(lo, hi, BLOCK_M):
             visible = True
@@ -175,12 +186,12 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_
             if visible:
                 dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base, stride_qm,
                                     stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd, start_m, start_n, N_q,
-                                    N_k, sm_scale, qk_scale, offs_n, offs_d, bm_base, stride_bmi, stride_bmj, seed,
-                                    bh, drop_below, keep_scale, win_left, win_right, cap_in, cap_out, slope2,
+                                    N_k, sm_scale, qk_scale, offs_n, offs_d, offs_e, bm_base, stride_bmi, stride_bmj,
+                                    seed, bh, drop_below, keep_scale, win_left, win_right, cap_in, cap_out, slope2,
                                     HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                                     MASKED=MASKED, CAUSAL=CAUSAL, ATOMIC_DQ=ATOMIC_DQ, DOT=DOT, HAS_BM=HAS_BM,
                                     BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, WINDOW=WINDOW,
-                                    SOFTCAP=SOFTCAP, ALIBI=ALIBI)
+                                    SOFTCAP=SOFTCAP, ALIBI=ALIBI, D_SPLIT=D_SPLIT)
     return dk, dv
 
 
@@ -203,7 +214,7 @@ def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, M2, L2, Delta, BM, LISTS,
                           CAUSAL: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT: tl.constexpr,
                           HAS_BM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DROPOUT: tl.constexpr,
                           WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, VARLEN: tl.constexpr,
-                          ONE_HEAD: tl.constexpr):
+                          ONE_HEAD: tl.constexpr, D_SPLIT: tl.constexpr):
     """Program (pid_n, pid_bhk) writes dK and dV of keys pid_n*BLOCK_N : +BLOCK_N of K/V head hk. Needs
     BLOCK_N % BLOCK_M == 0. With grouped-query attention (GROUP query heads per K/V head) it walks the
     query rows of every head of its group, so dK and dV are summed over the group in registers, and K and
@@ -214,8 +225,16 @@ def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, M2, L2, Delta, BM, LISTS,
     not touched. LISTS: per key block of the mask, the count and increasing indices of the query blocks
     that see it (the forward's lists, transposed). The score modifications and VARLEN as in the forward
     kernel; key j is seen by queries ``j - win_right <= i <= j + win_left``, and only those query tiles are
-    visited. ONE_HEAD: GROUP == SPLIT (each program has one query head)."""
-    pid_n = tl.program_id(0)
+    visited. ONE_HEAD: GROUP == SPLIT (each program has one query head).
+
+    D_SPLIT: programs pid_n * D_SPLIT + c share a K/V tile, program c keeping columns c * BLOCK_D / D_SPLIT :
+    +BLOCK_D / D_SPLIT of dK and dV. Each recomputes the tile's S and dP (more arithmetic), and in return its
+    fp32 accumulators are 1 / D_SPLIT as large, so wide heads (d = 256) can keep 64 or more resident keys in
+    registers. Not with ATOMIC_DQ (dQ needs every column of K)."""
+    tl.static_assert(D_SPLIT == 1 or not ATOMIC_DQ, "D_SPLIT > 1 needs the deterministic dQ kernel")
+    BLOCK_E: tl.constexpr = BLOCK_D // D_SPLIT
+    pid_n = tl.program_id(0) // D_SPLIT
+    offs_e = (tl.program_id(0) % D_SPLIT) * BLOCK_E + tl.arange(0, BLOCK_E)  # this program's dK, dV columns
     pid_bhk = tl.program_id(1)
     H_kv = H // GROUP
     b = pid_bhk // (H_kv * SPLIT)
@@ -239,7 +258,7 @@ def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, M2, L2, Delta, BM, LISTS,
     hk64 = hk.to(tl.int64)
     BM_TILE: tl.constexpr = (BLOCK_SIZE % BLOCK_M == 0) and (BLOCK_SIZE % BLOCK_N == 0)
     LISTED: tl.constexpr = HAS_BM and BM_TILE
-    kv_mask = (offs_n[:, None] < N_k) & (offs_d[None, :] < HEAD_DIM)
+    kv_mask = (offs_n[:, None] < N_k) & (offs_e[None, :] < HEAD_DIM)
     k_base = K + b64 * stride_kb + hk64 * stride_kh
     v_base = V + b64 * stride_vb + hk64 * stride_vh
     out_h = (hk * SPLIT + split).to(tl.int64)  # = hk without a split
@@ -252,8 +271,8 @@ def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, M2, L2, Delta, BM, LISTS,
         dv_base += k_start.to(tl.int64) * stride_dvn
     k = _load_rows(k_base, offs_n, offs_d, stride_kn, stride_kd, N_k, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, MASKED=True)
     v = _load_rows(v_base, offs_n, offs_d, stride_vn, stride_vd, N_k, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, MASKED=True)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dk = tl.zeros([BLOCK_N, BLOCK_E], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_E], dtype=tl.float32)
     # Queries in [full_lo, full_hi) see every key of this tile: no mask. Causal: those below the diagonal
     # tiles. [lo, full_lo) (the diagonal, a window's edge) and [full_hi, hi) (a window's other edge, the
     # ragged last tile) are masked; queries outside [lo, hi) never see this tile and are not visited.
@@ -284,35 +303,35 @@ def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, M2, L2, Delta, BM, LISTS,
         if CAUSAL or WINDOW:
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base, stride_qm,
                                  stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd, start_n, lo, full_lo,
-                                 N_q, N_k, sm_scale, qk_scale, offs_n, offs_d, bm_base, stride_bmi, stride_bmj,
-                                 list_row, seed, bh, drop_below, keep_scale, win_left, win_right, cap_in, cap_out,
-                                 slope2, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                                 MASKED=True, CAUSAL=CAUSAL, ATOMIC_DQ=ATOMIC_DQ, DOT=DOT, HAS_BM=HAS_BM,
-                                 BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, LISTED=False,
-                                 WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
+                                 N_q, N_k, sm_scale, qk_scale, offs_n, offs_d, offs_e, bm_base, stride_bmi,
+                                 stride_bmj, list_row, seed, bh, drop_below, keep_scale, win_left, win_right, cap_in,
+                                 cap_out, slope2, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M,
+                                 BLOCK_N=BLOCK_N, MASKED=True, CAUSAL=CAUSAL, ATOMIC_DQ=ATOMIC_DQ, DOT=DOT,
+                                 HAS_BM=HAS_BM, BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, LISTED=False,
+                                 WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI, D_SPLIT=D_SPLIT)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base, stride_qm,
                              stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd, start_n, full_lo, full_hi,
-                             N_q, N_k, sm_scale, qk_scale, offs_n, offs_d, bm_base, stride_bmi, stride_bmj, list_row,
-                             seed, bh, drop_below, keep_scale, win_left, win_right, cap_in, cap_out, slope2,
+                             N_q, N_k, sm_scale, qk_scale, offs_n, offs_d, offs_e, bm_base, stride_bmi, stride_bmj,
+                             list_row, seed, bh, drop_below, keep_scale, win_left, win_right, cap_in, cap_out, slope2,
                              HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, MASKED=False,
                              CAUSAL=CAUSAL, ATOMIC_DQ=ATOMIC_DQ, DOT=DOT, HAS_BM=HAS_BM, BM_TILE=BM_TILE,
                              BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, LISTED=LISTED, WINDOW=WINDOW, SOFTCAP=SOFTCAP,
-                             ALIBI=ALIBI)
+                             ALIBI=ALIBI, D_SPLIT=D_SPLIT)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base, stride_qm,
                              stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd, start_n, full_hi, hi, N_q,
-                             N_k, sm_scale, qk_scale, offs_n, offs_d, bm_base, stride_bmi, stride_bmj, list_row, seed,
-                             bh, drop_below, keep_scale, win_left, win_right, cap_in, cap_out, slope2,
+                             N_k, sm_scale, qk_scale, offs_n, offs_d, offs_e, bm_base, stride_bmi, stride_bmj,
+                             list_row, seed, bh, drop_below, keep_scale, win_left, win_right, cap_in, cap_out, slope2,
                              HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, MASKED=True,
                              CAUSAL=CAUSAL, ATOMIC_DQ=ATOMIC_DQ, DOT=DOT, HAS_BM=HAS_BM, BM_TILE=BM_TILE,
                              BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, LISTED=False, WINDOW=WINDOW, SOFTCAP=SOFTCAP,
-                             ALIBI=ALIBI)
+                             ALIBI=ALIBI, D_SPLIT=D_SPLIT)
 
     dk = dk * sm_scale
     if DROPOUT:
         dv = dv * keep_scale
-    tl.store(dk_base + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty),
+    tl.store(dk_base + offs_n[:, None] * stride_dkn + offs_e[None, :] * stride_dkd, dk.to(DK.dtype.element_ty),
              mask=kv_mask)
-    tl.store(dv_base + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd, dv.to(DV.dtype.element_ty),
+    tl.store(dv_base + offs_n[:, None] * stride_dvn + offs_e[None, :] * stride_dvd, dv.to(DV.dtype.element_ty),
              mask=kv_mask)
 
 

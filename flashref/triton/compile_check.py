@@ -72,12 +72,13 @@ def _launch_specialization(fn, constexprs: dict, signature: dict) -> dict:
 def compile_config(kernel: str, cfg: configs.TileConfig, capability: int, head_dim: int, dtype: str = "float16",
                    causal: bool = False, block_size: int | None = None, dropout: bool = False,
                    window: bool = False, softcap: bool = False, alibi: bool = False, varlen: bool = False,
-                   one_head: bool = True):
+                   one_head: bool = True, d_split: int | None = None):
     """Compile one config of ``kernel`` for a GPU of compute ``capability`` as a launch on contiguous tensors
     would; return the compiled kernel (``.metadata.shared`` is its shared memory in bytes). ``block_size``
     compiles the block-sparse variant, ``dropout`` the one with fused dropout, ``window``, ``softcap``,
     ``alibi`` and ``varlen`` those with the score modifications and packed batches; ``one_head=False`` the dK/dV
-    kernel with its loop over a group's query heads (grouped-query attention)."""
+    kernel with its loop over a group's query heads (grouped-query attention); ``d_split`` the dK/dV kernel's
+    column split (default: what the deterministic backward launches for this head dim on a GPU)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -96,6 +97,7 @@ def compile_config(kernel: str, cfg: configs.TileConfig, capability: int, head_d
     if kernel == "dkdv":
         constexprs["ATOMIC_DQ"] = False  # the default, deterministic path
         constexprs["ONE_HEAD"] = one_head  # True: multi-head attention, one query head per program
+        constexprs["D_SPLIT"] = d_split or (2 if constexprs["BLOCK_D"] >= 256 else 1)  # as ops._column_split
     types = _signature(kernel, dtype)
     runtime = [n for n in fn.arg_names if n not in constexprs]
     if len(runtime) != len(types):

@@ -40,9 +40,10 @@ class TileConfig:
 # (BLOCK_D = 256), "t4" for a T4 at any d. Wide heads need their own: a thread holds its share of the fp32
 # accumulators, (BLOCK_N x 256) for each of dK and dV, and 4 warps with 128 resident keys would need 512
 # registers a thread for those alone, where 255 is the most. ptxas -v (compile_check.ptxas_usage, sm_90)
-# counts 11-14 KB of spills a thread for that dK/dV config, 3-4 KB for (32, 64) on 4 warps; the wide ones spill
-# 0-340 bytes. Timed on an H100 at d = 256 (B 8, H 8, N 4K), the wide dK/dV configs took the backward pass from
-# 31.5 ms (the best large one) to 18.7 ms.
+# counts 11-14 KB of spills a thread for that dK/dV config, 3-4 KB for (32, 64) on 4 warps. At d = 256 the
+# dK/dV kernel also splits the columns between two programs (ops._column_split), so 8 warps hold 128 keys
+# without a spill. Timed on an H100 at d = 256 (B 8, H 8, N 4K, not causal): dK/dV took 25.1 ms a pass in the
+# best large config, 10.2 ms in (32, 32) on 4 warps unsplit, 9.0 ms in (32, 128) on 8 warps split.
 FORWARD = {
     "large": [TileConfig(128, 64, 4, 3), TileConfig(128, 128, 8, 3), TileConfig(128, 64, 8, 3),
               TileConfig(128, 64, 8, 4), TileConfig(128, 128, 8, 2), TileConfig(64, 64, 4, 3), TileConfig(64, 32, 4, 2)],
@@ -52,7 +53,7 @@ FORWARD = {
 BACKWARD_DKDV = {
     "large": [TileConfig(32, 128, 4, 3), TileConfig(64, 128, 8, 3), TileConfig(64, 128, 4, 3),
               TileConfig(32, 64, 4, 3), TileConfig(16, 32, 4, 1)],
-    "wide": [TileConfig(32, 32, 4, 3), TileConfig(32, 64, 8, 2), TileConfig(32, 64, 8, 3), TileConfig(16, 32, 4, 1)],
+    "wide": [TileConfig(32, 128, 8, 2), TileConfig(16, 128, 8, 3), TileConfig(32, 32, 4, 3), TileConfig(16, 32, 4, 1)],
     "t4": [TileConfig(32, 64, 4, 2), TileConfig(16, 64, 4, 2), TileConfig(16, 32, 4, 1), TileConfig(16, 16, 4, 1)],
 }
 BACKWARD_DQ = {
@@ -91,6 +92,8 @@ def shared_bytes_estimate(kernel: str, cfg: TileConfig, block_d: int, elem_bytes
     """
     if kernel == "dkdv":
         resident, streamed = cfg.block_n, cfg.block_m
+        if block_d >= 256:  # the column split (ops._column_split) also streams its half of Q and dO
+            streamed = streamed * 3 // 2
     else:
         resident, streamed = cfg.block_m, cfg.block_n
     if capability < 80:

@@ -48,7 +48,7 @@ _KEY_META = ("TUNE_N", "HEAD_DIM", "CAUSAL", "HAS_BM", "BLOCK_SIZE", "DROPOUT", 
 def _autotuned(kernel, name: str):
     # dkdv may add into DQ atomically: the autotuner zeroes it before each trial and after the last one.
     extra = {"reset_to_zero": ["DQ"]} if name == "dkdv" else {}
-    key = list(_KEY_META) + (["ATOMIC_DQ", "ONE_HEAD"] if name == "dkdv" else [])
+    key = list(_KEY_META) + (["ATOMIC_DQ", "ONE_HEAD", "D_SPLIT"] if name == "dkdv" else [])
     return triton.autotune(configs=configs.autotune_configs(name), key=key,
                            prune_configs_by={"early_config_prune": configs.make_pruner(name)}, **extra)(kernel)
 
@@ -316,7 +316,7 @@ def _launch(kernel, name, grid_rows, bh, *args, **meta):
         cfg = _CHOSEN.get(key)
         if cfg is None:  # the first call of this key: the autotuner times the configs and launches the best
             rows = "BLOCK_N" if name == "dkdv" else "BLOCK_M"
-            grid = lambda m: (_cdiv(grid_rows, m[rows]), bh)  # noqa: E731
+            grid = lambda m: (_cdiv(grid_rows, m[rows]) * meta.get("D_SPLIT", 1), bh)  # noqa: E731
             tuner = _TUNED[name]
             # Triton's autotuner remembers its best config per its own key, which does not see
             # FLASHREF_T4_CONFIGS; ours does, so let it tune afresh whenever ours has no answer.
@@ -337,7 +337,8 @@ _CHOSEN: dict = {}
 
 def _tune_key(name, args, meta) -> tuple:
     """What the autotuner keys on: its key arguments and the dtypes of the tensor arguments."""
-    return (name, *(meta[m] for m in _KEY_META), meta.get("ATOMIC_DQ"), meta.get("ONE_HEAD"), args[0].device,
+    return (name, *(meta[m] for m in _KEY_META), meta.get("ATOMIC_DQ"), meta.get("ONE_HEAD"), meta.get("D_SPLIT"),
+            args[0].device,
             configs.t4_mode(),
             tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
 
@@ -345,7 +346,7 @@ def _tune_key(name, args, meta) -> tuple:
 def _launch_config(kernel, name, grid_rows, bh, cfg, args, meta):
     configs.check_tile(name, cfg)
     block_rows = cfg.block_n if name == "dkdv" else cfg.block_m
-    grid = (_cdiv(grid_rows, block_rows), bh)
+    grid = (_cdiv(grid_rows, block_rows) * meta.get("D_SPLIT", 1), bh)  # D_SPLIT programs share a dK/dV tile
     extra = {} if INTERPRETED else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     kernel[grid](*args, **meta, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **extra)
 
@@ -360,7 +361,7 @@ def _launch_first_fit(kernel, name, grid_rows, bh, args, meta):
     the estimate), so a config that runs out of shared memory falls through to the next one."""
     q = args[0]
     key = (name, meta["BLOCK_D"], q.dtype, str(q.device), meta.get("ATOMIC_DQ"), meta.get("ONE_HEAD"),
-           configs.t4_mode(), *(meta.get(m) for m in _KEY_META if m != "TUNE_N"))
+           meta.get("D_SPLIT"), configs.t4_mode(), *(meta.get(m) for m in _KEY_META if m != "TUNE_N"))
     cands = [_FIRST_FIT[key]] if key in _FIRST_FIT else \
         configs.device_candidates(name, meta["BLOCK_D"], q.element_size(), q.device)
     for i, cfg in enumerate(cands):
@@ -404,6 +405,16 @@ def _group_split(group: int, programs: int, device) -> int:
     return group
 
 
+def _column_split(block_d: int, deterministic: bool) -> int:
+    """How many dK/dV programs share one K/V tile, each keeping a slice of the columns (the kernel's
+    D_SPLIT): 2 for wide heads (BLOCK_D 256), whose whole fp32 dK and dV tiles would not fit a thread's
+    registers, and 1 otherwise. Atomic dQ needs every column of K in one program, so it never splits. Under
+    the interpreter 2 from BLOCK_D 64 on, so CI runs both paths."""
+    if not deterministic:
+        return 1
+    return 2 if block_d >= (64 if INTERPRETED else 256) else 1
+
+
 PRE_M = 16 if INTERPRETED else 64  # rows of D per program of the preprocess kernel
 
 
@@ -434,7 +445,7 @@ def _backward(q, k, v, o, stats, do, scale: float, deterministic: bool, feat: Fe
     _launch(flash_bwd_dkdv_kernel, "dkdv", feat.rows_k, feat.batch * H_kv * split,
             q, k, v, do, dk, dv, dq_acc, m2, l2, delta, bm, lists_t, *common, *_strides(dk), *_strides(dv),
             *_strides(dq_acc), *bm_strides_t, *tail, ATOMIC_DQ=not deterministic, SPLIT=split,
-            ONE_HEAD=H // H_kv == split, **meta)
+            ONE_HEAD=H // H_kv == split, D_SPLIT=_column_split(block_d, deterministic), **meta)
     if split > 1:  # the partial sums, added in a fixed order: still bitwise reproducible
         dk = dk.view(B, H_kv, split, N_k, d).sum(2).to(k.dtype)
         dv = dv.view(B, H_kv, split, N_k, d).sum(2).to(v.dtype)
