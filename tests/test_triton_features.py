@@ -9,9 +9,13 @@ import numpy as np
 import pytest
 import torch
 
+import flashref.triton  # noqa: F401  (the interpreter is switched on before triton is imported)
+import triton
+import triton.language as tl
 from flashref import reference
 from flashref.tolerance import assert_within_tolerance
 from flashref.triton import dropout_mask, flash_attention, flash_attention_backward, flash_attention_forward
+from flashref.triton.forward import _keep, _keep_t, drop_threshold
 from tests._triton_helpers import DEVICE, no_autotune  # noqa: F401  (an autouse fixture: applies here)
 from tests._triton_helpers import feature_inputs as _inputs
 from tests._triton_helpers import np64 as _np64
@@ -130,6 +134,48 @@ def test_dropout_is_reproducible_from_its_seed_and_keeps_one_minus_p():
     assert abs(keep.float().mean().item() - 0.7) < 0.01  # 65,600 draws: the standard error is 0.0018
     assert torch.equal(keep, dropout_mask(5, 2, 2, 100, 164, 0.3, DEVICE))
     assert not torch.equal(keep[0, 0], keep[0, 1]) and not torch.equal(keep[0, 0], keep[1, 0])  # a stream per head
+
+
+@triton.jit
+def _keep_tiles(KEEP, KEEP_T, seed, start_m, start_n, drop_below, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One tile of the mask from each orientation's function: _keep (queries in rows), _keep_t (keys)."""
+    bh = tl.program_id(0) + 1
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    tl.store(KEEP + rows[:, None] * BLOCK_N + cols[None, :],
+             _keep(seed, bh, start_m, start_n, BLOCK_M, BLOCK_N, drop_below).to(tl.int8))
+    tl.store(KEEP_T + cols[:, None] * BLOCK_M + rows[None, :],
+             _keep_t(seed, bh, start_m, start_n, BLOCK_M, BLOCK_N, drop_below).to(tl.int8))
+
+
+@pytest.mark.parametrize("block_m, block_n, start_m, start_n", [(16, 32, 0, 0), (64, 16, 48, 80), (32, 64, 96, 32)])
+def test_each_kernels_tile_draws_the_same_bits_as_dropout_mask(block_m, block_n, start_m, start_n):
+    """The forward and dQ kernels draw the mask with _keep, the dK/dV kernel with _keep_t (its tiles hold
+    keys in rows), each grouping Philox calls as its own threads hold P. Any tile of either is the same slice
+    of dropout_mask, whatever the tile's shape and position."""
+    p, seed = 0.3, 77
+    keep, keep_t = (torch.empty(shape, dtype=torch.int8, device=DEVICE)
+                    for shape in ((block_m, block_n), (block_n, block_m)))
+    _keep_tiles[(1,)](keep, keep_t, seed, start_m, start_n, drop_threshold(p), BLOCK_M=block_m, BLOCK_N=block_n)
+    whole = dropout_mask(seed, 1, 2, 160, 160, p, DEVICE)[0, 1]  # head bh = 1, as the kernel above
+    want = whole[start_m:start_m + block_m, start_n:start_n + block_n]
+    assert torch.equal(keep.bool(), want)
+    assert torch.equal(keep_t.bool().T, want)
+
+
+def test_all_eight_numbers_of_a_philox_call_are_used_with_the_same_odds():
+    """The eight entries that share a call take different 16-bit halves of its four words; a wrong shift or
+    word would show as one of the eight positions kept far from 1 - p (each has 8,192 draws here)."""
+    p = 0.3
+    keep = dropout_mask(9, 1, 4, 128, 128, p, DEVICE)[0].float()
+    i, j = torch.arange(128, device=DEVICE), torch.arange(128, device=DEVICE)
+    for bit_i in (0, 1):
+        for bit_j in (0, 1):
+            for low_j in (0, 1):
+                rows = (i // 8) % 2 == bit_i
+                cols = ((j // 8) % 2 == bit_j) & (j % 2 == low_j)
+                kept = keep[:, rows][:, :, cols].mean().item()
+                assert abs(kept - (1 - p)) < 0.025, (bit_i, bit_j, low_j, kept)  # 5 standard errors
 
 
 def test_dropout_seed_none_draws_from_torchs_generator():

@@ -6,7 +6,8 @@ block-sparse attention against its own dense time.
 - GQA: H = 32 query heads sharing H_kv = 8 or 1 K/V heads, against ``scaled_dot_product_attention(...,
   enable_gqa=True)`` on its flash and cuDNN backends; forward + backward; peak memory.
 - Dropout p = 0.1 against SDPA's flash backend with the same ``dropout_p``, and against flashref
-  without dropout; forward + backward.
+  without dropout; forward + backward, with the deterministic backward and with atomic dQ (FlashAttention-2's
+  kind, where one backward kernel draws the mask instead of two).
 - Block-sparse: a causal sliding window of ``w`` blocks of 128 keys, time against density (visible
   blocks / all blocks) next to the dense kernel's time; forward and forward + backward.
 - Block-sparse against FlexAttention (``torch.compile(flex_attention)`` with ``create_block_mask``) on the
@@ -103,6 +104,9 @@ def dropout_cases(N=4096, d=64, B=8, H=16, p=0.1):
         peers = {"flashref-triton": lambda q, k, v: flash_attention(q, k, v, causal=causal, dropout_p=p, seed=1,
                                                                     check_finite=False),
                  "flashref-triton no dropout": lambda q, k, v: flash_attention(q, k, v, causal=causal, check_finite=False),
+                 # atomic dQ, as FlashAttention-2's backward: one backward kernel draws the mask, not two
+                 "flashref-triton atomic dQ": lambda q, k, v: flash_attention(
+                     q, k, v, causal=causal, dropout_p=p, seed=1, deterministic=False, check_finite=False),
                  "sdpa-flash": lambda q, k, v: sdpa("sdpa-flash", dropout_p=p)(q, k, v, causal)}
         for impl, fn in peers.items():
             ms, peak = _time(_fwd_bwd(fn, q, k, v, do), True, [q, k, v])

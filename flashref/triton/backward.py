@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashref.triton.forward import (_block_elements, _block_visible, _document, _dot, _in_window, _keep,
+from flashref.triton.forward import (_block_elements, _block_visible, _document, _dot, _in_window, _keep, _keep_t,
                                      _listed_start, _listed_tiles_before, _load_rows, _modified, _tile_ranges)
 
 
@@ -120,7 +120,7 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_b
     p_t = tl.exp2(x_t)
     # dV's product before dP's, as FlashAttention-2 orders them: P's fp16 copy dies before dP is live.
     if DROPOUT:  # P~ = P * keep / (1 - p) carries O (dV is scaled at the end); dP = dP~ * keep / (1 - p)
-        keep_t = tl.trans(_keep(seed, bh, offs_m, start_n, BLOCK_N, drop_below))
+        keep_t = _keep_t(seed, bh, start_m, start_n, BLOCK_M, BLOCK_N, drop_below)
         dv += _dot(tl.where(keep_t, p_t, 0.0).to(do.dtype), do_e, DOT)
         dp_t = tl.where(keep_t, _dot(v, tl.trans(do), DOT) * keep_scale, 0.0)
     else:
@@ -337,15 +337,15 @@ def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, M2, L2, Delta, BM, LISTS,
 
 @triton.jit
 def _dq_tile(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-             start_n, N_q, N_k, qk_scale, offs_m, offs_d,
+             start_m, start_n, N_q, N_k, qk_scale, offs_m, offs_d,
              bm_base, stride_bmi, stride_bmj, seed, bh, drop_below, keep_scale,
              win_left, win_right, cap_in, cap_out, slope2,
              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
              MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr,
              HAS_BM: tl.constexpr, BM_TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, DROPOUT: tl.constexpr,
              WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
-    """Add the contribution of the K/V tile at ``start_n`` to this Q tile's dQ (the modifications as in
-    _dkdv_tile)."""
+    """Add the contribution of the K/V tile at ``start_n`` to the dQ of the Q tile at ``start_m`` (the
+    modifications as in _dkdv_tile)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k = _load_rows(k_base, offs_n, offs_d, stride_kn, stride_kd, N_k, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
                    MASKED=MASKED)
@@ -371,7 +371,7 @@ def _dq_tile(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, str
     p = tl.exp2(x)
     dp = _dot(do, tl.trans(v), DOT)
     if DROPOUT:
-        dp = tl.where(_keep(seed, bh, offs_m, start_n, BLOCK_N, drop_below), dp * keep_scale, 0.0)
+        dp = tl.where(_keep(seed, bh, start_m, start_n, offs_m.shape[0], BLOCK_N, drop_below), dp * keep_scale, 0.0)
     ds = p * (dp - delta[:, None])
     if SOFTCAP:
         ds = ds * (1.0 - t * t)
@@ -397,8 +397,8 @@ def _dq_tiles(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, st
         if (it_hi - it_lo) * BLOCK_N == hi - lo:
             for start_n in range(lo, hi, BLOCK_N):
                 dq = _dq_tile(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                              start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj, seed, bh,
-                              drop_below, keep_scale, win_left, win_right, cap_in, cap_out, slope2,
+                              start_m, start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj,
+                              seed, bh, drop_below, keep_scale, win_left, win_right, cap_in, cap_out, slope2,
                               HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, MASKED=MASKED, CAUSAL=CAUSAL,
                               DOT=DOT, HAS_BM=False, BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT,
                               WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
@@ -406,8 +406,8 @@ def _dq_tiles(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, st
             for it in range(it_lo, it_hi):
                 start_n = _listed_start(list_row, it, BLOCK_SIZE, BLOCK_N)
                 dq = _dq_tile(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                              start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj, seed, bh,
-                              drop_below, keep_scale, win_left, win_right, cap_in, cap_out, slope2,
+                              start_m, start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj,
+                              seed, bh, drop_below, keep_scale, win_left, win_right, cap_in, cap_out, slope2,
                               HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, MASKED=MASKED, CAUSAL=CAUSAL,
                               DOT=DOT, HAS_BM=HAS_BM, BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT,
                               WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
@@ -419,8 +419,8 @@ def _dq_tiles(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, st
                     visible = _block_visible(bm_base, stride_bmi, stride_bmj, start_m, start_n, BLOCK_SIZE)
             if visible:
                 dq = _dq_tile(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                              start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj, seed, bh,
-                              drop_below, keep_scale, win_left, win_right, cap_in, cap_out, slope2,
+                              start_m, start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj,
+                              seed, bh, drop_below, keep_scale, win_left, win_right, cap_in, cap_out, slope2,
                               HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, MASKED=MASKED, CAUSAL=CAUSAL,
                               DOT=DOT, HAS_BM=HAS_BM, BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT,
                               WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI)

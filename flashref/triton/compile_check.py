@@ -97,7 +97,7 @@ def compile_config(kernel: str, cfg: configs.TileConfig, capability: int, head_d
     if kernel == "dkdv":
         constexprs["ATOMIC_DQ"] = False  # the default, deterministic path
         constexprs["ONE_HEAD"] = one_head  # True: multi-head attention, one query head per program
-        constexprs["D_SPLIT"] = d_split or (2 if constexprs["BLOCK_D"] >= 256 else 1)  # as ops._column_split
+        constexprs["D_SPLIT"] = d_split or configs.column_split(constexprs["BLOCK_D"])
     types = _signature(kernel, dtype)
     runtime = [n for n in fn.arg_names if n not in constexprs]
     if len(runtime) != len(types):

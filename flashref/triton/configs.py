@@ -41,7 +41,7 @@ class TileConfig:
 # accumulators, (BLOCK_N x 256) for each of dK and dV, and 4 warps with 128 resident keys would need 512
 # registers a thread for those alone, where 255 is the most. ptxas -v (compile_check.ptxas_usage, sm_90)
 # counts 11-14 KB of spills a thread for that dK/dV config, 3-4 KB for (32, 64) on 4 warps. At d = 256 the
-# dK/dV kernel also splits the columns between two programs (ops._column_split), so 8 warps hold 128 keys
+# dK/dV kernel also splits the columns between two programs (column_split), so 8 warps hold 128 keys
 # without a spill. Timed on an H100 at d = 256 (B 8, H 8, N 4K, not causal): dK/dV took 25.1 ms a pass in the
 # best large config, 10.2 ms in (32, 32) on 4 warps unsplit, 9.0 ms in (32, 128) on 8 warps split.
 FORWARD = {
@@ -79,6 +79,16 @@ def t4_mode() -> bool:
     return os.environ.get("FLASHREF_T4_CONFIGS", "") == "1"
 
 
+def column_split(block_d: int, deterministic: bool = True, interpreted: bool = False) -> int:
+    """How many dK/dV programs share one K/V tile, each keeping a slice of the columns (the kernel's
+    D_SPLIT): 2 for wide heads (BLOCK_D 256), whose whole fp32 dK and dV tiles would not fit a thread's
+    registers, and 1 otherwise. Atomic dQ (not ``deterministic``) needs every column of K in one program, so
+    it never splits. Under the interpreter 2 from BLOCK_D 64 on, so CI runs both paths."""
+    if not deterministic:
+        return 1
+    return 2 if block_d >= (64 if interpreted else 256) else 1
+
+
 def shared_bytes_estimate(kernel: str, cfg: TileConfig, block_d: int, elem_bytes: int, capability: int = 90) -> int:
     """Shared memory a config is expected to need, in bytes (checked against the compiler's own figure by
     ``tests/test_triton_compile.py``).
@@ -92,7 +102,7 @@ def shared_bytes_estimate(kernel: str, cfg: TileConfig, block_d: int, elem_bytes
     """
     if kernel == "dkdv":
         resident, streamed = cfg.block_n, cfg.block_m
-        if block_d >= 256:  # the column split (ops._column_split) also streams its half of Q and dO
+        if column_split(block_d) > 1:  # each program also streams its half of Q and dO
             streamed = streamed * 3 // 2
     else:
         resident, streamed = cfg.block_m, cfg.block_n

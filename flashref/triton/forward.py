@@ -67,27 +67,62 @@ def drop_threshold(dropout_p: float) -> int:
     return min(int(round(dropout_p * 2**DROP_BITS)), 2**DROP_BITS - 1)
 
 
+# Which entries share a Philox call is chosen for the tensor cores' register layout. An accumulator tile of
+# mma / wgmma gives each thread, in every 16 x 16 block, rows r and r + 8 and columns 2c, 2c + 1, 2c + 8 and
+# 2c + 9: so the eight entries (i, j) that differ only in bit 3 of i and bits 0 and 3 of j share one call,
+# and the thread that holds P's entries computes their bits itself. Any other grouping (eight consecutive
+# keys, say) leaves each thread with bits that belong to other threads, and the compiler moves them
+# through shared memory every tile (measured: about as many instructions as Philox itself).
 @triton.jit
-def _keep(seed, bh, offs_m, start_n, BLOCK_N: tl.constexpr, drop_below):
-    """The dropout keep-mask of one (query rows ``offs_m``) x (keys ``start_n`` : +BLOCK_N) tile of head
-    ``bh``: True where the entry of P is kept, with probability 1 - drop_below / 2**16.
+def _keep(seed, bh, start_m, start_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, drop_below):
+    """The dropout keep-mask of the (queries start_m : +BLOCK_M) x (keys start_n : +BLOCK_N) tile of head
+    ``bh`` (both starts multiples of 16): True where the entry of P is kept, with probability
+    1 - drop_below / 2**16.
 
-    Counter-based: Philox maps (seed; key group, query row, head) to 128 random bits, so any kernel can
-    regenerate exactly the forward's mask for any tile, in any orientation, and nothing of size N^2 is ever
-    stored. One call serves eight keys (start_n must be a multiple of 8): a fixed function of (row, column),
-    whatever the tile shape. ``flashref.triton.dropout_mask`` runs this same function."""
-    G: tl.constexpr = BLOCK_N // 8
-    groups = start_n // 8 + tl.arange(0, G)
-    c0 = (offs_m[:, None] * 0 + groups[None, :]).to(tl.uint32)
-    c1 = (offs_m[:, None] + groups[None, :] * 0).to(tl.uint32)
-    c2 = c1 * 0 + bh.to(tl.uint32)
-    r0, r1, r2, r3 = tl.philox(seed, c0, c1, c2, c2 * 0, n_rounds=PHILOX_ROUNDS)
-    # Key 8 g + 2 w + h keeps when 16-bit half h of word w is >= drop_below, compared in place: the high
-    # half as w >= drop_below * 2**16, the low one shifted up first (a join's new last axis varies fastest).
+    Counter-based: Philox maps (seed; j without bits 0 and 3, i without bit 3, head) to four 32-bit words,
+    and entry (i, j) takes 16-bit half ``j % 2`` of word ``2 * bit3(i) + bit3(j)``. So any kernel can
+    regenerate exactly the forward's mask for any tile, and nothing of size N^2 is ever stored; the dK/dV
+    kernel, whose tiles hold keys in rows, computes the same function with _keep_t.
+    ``flashref.triton.dropout_mask`` runs this one."""
+    a = tl.arange(0, BLOCK_M // 16)
+    b = tl.arange(0, 8)  # bits 0-2 of i
+    c = tl.arange(0, BLOCK_N // 16)
+    e = tl.arange(0, 4)  # bits 1-2 of j
+    row = ((start_m // 16 + a)[:, None, None, None] * 8 + b[None, :, None, None]).to(tl.uint32)
+    col = ((start_n // 16 + c)[None, None, :, None] * 4 + e[None, None, None, :]).to(tl.uint32)
+    r0, r1, r2, r3 = _philox(seed, bh, col + row * 0, row + col * 0)
+    w = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # (a, b, c, e, bit3(j), bit3(i))
+    t = drop_below.to(tl.uint32) << 16  # compare each 16-bit half in place: the low one shifted up first
+    keep = tl.join((w << 16) >= t, w >= t)  # (a, b, c, e, bit3(j), bit3(i), bit0(j)): a join's new axis is last
+    keep = tl.permute(keep, (0, 5, 1, 2, 4, 3, 6))  # (a, bit3(i), b, c, bit3(j), e, bit0(j)): i, j in order
+    return tl.reshape(keep, (BLOCK_M, BLOCK_N))
+
+
+@triton.jit
+def _keep_t(seed, bh, start_m, start_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, drop_below):
+    """_keep's mask, transposed: the (keys start_n : +BLOCK_N) x (queries start_m : +BLOCK_M) tile, as the
+    dK/dV kernel holds it. Its threads hold rows (keys) r and r + 8 and, per 16 columns, queries 2c, 2c + 1,
+    2c + 8, 2c + 9: each uses half of every Philox call it makes, so two threads compute the same call (twice
+    the Philox work of _keep, still no trip through shared memory)."""
+    a = tl.arange(0, BLOCK_N // 16)
+    b = tl.arange(0, 8)  # bits 0-2 of j
+    c = tl.arange(0, BLOCK_M // 16)
+    e = tl.arange(0, 8)  # bits 0-2 of i
+    key = ((start_n // 16 + a)[:, None, None, None] * 8 + b[None, :, None, None]).to(tl.uint32)  # j without bit 3
+    qry = ((start_m // 16 + c)[None, None, :, None] * 8 + e[None, None, None, :]).to(tl.uint32)  # i without bit 3
+    r0, r1, r2, r3 = _philox(seed, bh, (key >> 1) + qry * 0, qry + key * 0)
+    w = tl.join(tl.join(r0, r2), tl.join(r1, r3))  # (a, b, c, e, bit3(i), bit3(j))
     t = drop_below.to(tl.uint32) << 16
-    words = tl.join(tl.join(r0, r2), tl.join(r1, r3))  # (rows, G, 2, 2): flat index = word number
-    keep = tl.join((words << 16) >= t, words >= t)
-    return tl.reshape(keep, (offs_m.shape[0], BLOCK_N))
+    shift = (16 - 16 * (b & 1)).to(tl.uint32)[None, :, None, None, None, None]  # half j % 2, moved to the top
+    keep = (w << shift) >= t
+    keep = tl.permute(keep, (0, 5, 1, 2, 4, 3))  # (a, bit3(j), b, c, bit3(i), e): j, i in order
+    return tl.reshape(keep, (BLOCK_N, BLOCK_M))
+
+
+@triton.jit
+def _philox(seed, bh, col, row):
+    """Philox-4x32-7 of counter (col, row, head, 0) under key ``seed``: four independent 32-bit words."""
+    return tl.philox(seed, col, row, row * 0 + bh.to(tl.uint32), row * 0, n_rounds=PHILOX_ROUNDS)
 
 
 # libdevice's tanh on a GPU; the CPU interpreter cannot call libdevice (see _tanh).
@@ -245,17 +280,18 @@ def _listed_start(row, it, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr):
 
 @triton.jit
 def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-              start_n, N_q, N_k, qk_scale, offs_m, offs_d,
+              start_m, start_n, N_q, N_k, qk_scale, offs_m, offs_d,
               bm_base, stride_bmi, stride_bmj, seed, bh, drop_below, win_left, win_right, cap_in, cap_out, slope2,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr,
               HAS_BM: tl.constexpr, BM_TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, DROPOUT: tl.constexpr,
               WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
-    """Fold the K/V tile at ``start_n`` into (acc, l_i, m_i). A MASKED tile checks key bounds and, when
-    CAUSAL or WINDOW, which keys each row sees; the others are full tiles that every query row of the block
-    may see. With a block mask applied element by element (HAS_BM, not BM_TILE), or in a masked tile of a
-    window, rows may have seen no key yet, so the max is kept finite. SOFTCAP / ALIBI modify the scores
-    (_modified) before any mask: a masked score is -inf whatever the cap would make of it."""
+    """Fold the K/V tile at ``start_n`` into (acc, l_i, m_i) of the query block at ``start_m``. A MASKED
+    tile checks key bounds and, when CAUSAL or WINDOW, which keys each row sees; the others are full tiles
+    that every query row of the block may see. With a block mask applied element by element (HAS_BM, not
+    BM_TILE), or in a masked tile of a window, rows may have seen no key yet, so the max is kept finite.
+    SOFTCAP / ALIBI modify the scores (_modified) before any mask: a masked score is -inf whatever the cap
+    would make of it."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k = _load_rows(k_base, offs_n, offs_d, stride_kn, stride_kd, N_k, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
                    MASKED=MASKED)
@@ -291,7 +327,7 @@ def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn,
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     if DROPOUT:  # l sums P before dropout; O sums the kept entries, and is scaled by 1 / (1 - p) at the end
-        p = tl.where(_keep(seed, bh, offs_m, start_n, BLOCK_N, drop_below), p, 0.0)
+        p = tl.where(_keep(seed, bh, start_m, start_n, offs_m.shape[0], BLOCK_N, drop_below), p, 0.0)
     acc += _dot(p.to(v.dtype), v, DOT)
     return acc, l_i, m_new
 
@@ -316,20 +352,20 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
         if (it_hi - it_lo) * BLOCK_N == hi - lo:
             for start_n in range(lo, hi, BLOCK_N):
                 acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn,
-                                          stride_vd, start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi,
-                                          stride_bmj, seed, bh, drop_below, win_left, win_right, cap_in, cap_out,
-                                          slope2, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, MASKED=MASKED,
-                                          CAUSAL=CAUSAL, DOT=DOT, HAS_BM=False, BM_TILE=BM_TILE,
+                                          stride_vd, start_m, start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base,
+                                          stride_bmi, stride_bmj, seed, bh, drop_below, win_left, win_right, cap_in,
+                                          cap_out, slope2, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
+                                          MASKED=MASKED, CAUSAL=CAUSAL, DOT=DOT, HAS_BM=False, BM_TILE=BM_TILE,
                                           BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, WINDOW=WINDOW, SOFTCAP=SOFTCAP,
                                           ALIBI=ALIBI)
         else:
             for it in range(it_lo, it_hi):
                 start_n = _listed_start(list_row, it, BLOCK_SIZE, BLOCK_N)
                 acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn,
-                                          stride_vd, start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi,
-                                          stride_bmj, seed, bh, drop_below, win_left, win_right, cap_in, cap_out,
-                                          slope2, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, MASKED=MASKED,
-                                          CAUSAL=CAUSAL, DOT=DOT, HAS_BM=HAS_BM, BM_TILE=BM_TILE,
+                                          stride_vd, start_m, start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base,
+                                          stride_bmi, stride_bmj, seed, bh, drop_below, win_left, win_right, cap_in,
+                                          cap_out, slope2, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
+                                          MASKED=MASKED, CAUSAL=CAUSAL, DOT=DOT, HAS_BM=HAS_BM, BM_TILE=BM_TILE,
                                           BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, WINDOW=WINDOW, SOFTCAP=SOFTCAP,
                                           ALIBI=ALIBI)
     else:
@@ -340,10 +376,10 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
                     visible = _block_visible(bm_base, stride_bmi, stride_bmj, start_m, start_n, BLOCK_SIZE)
             if visible:
                 acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn,
-                                          stride_vd, start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi,
-                                          stride_bmj, seed, bh, drop_below, win_left, win_right, cap_in, cap_out,
-                                          slope2, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, MASKED=MASKED,
-                                          CAUSAL=CAUSAL, DOT=DOT, HAS_BM=HAS_BM, BM_TILE=BM_TILE,
+                                          stride_vd, start_m, start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base,
+                                          stride_bmi, stride_bmj, seed, bh, drop_below, win_left, win_right, cap_in,
+                                          cap_out, slope2, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
+                                          MASKED=MASKED, CAUSAL=CAUSAL, DOT=DOT, HAS_BM=HAS_BM, BM_TILE=BM_TILE,
                                           BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, WINDOW=WINDOW, SOFTCAP=SOFTCAP,
                                           ALIBI=ALIBI)
     return acc, l_i, m_i
@@ -480,6 +516,6 @@ def dropout_mask_kernel(KEEP, seed, drop_below, N_q, N_k, BLOCK: tl.constexpr):
     bh = tl.program_id(2)
     rows = pid_m * BLOCK + tl.arange(0, BLOCK)
     cols = pid_n * BLOCK + tl.arange(0, BLOCK)
-    keep = _keep(seed, bh, rows, pid_n * BLOCK, BLOCK, drop_below)
+    keep = _keep(seed, bh, pid_m * BLOCK, pid_n * BLOCK, BLOCK, BLOCK, drop_below)
     ptrs = KEEP + bh.to(tl.int64) * N_q * N_k + rows[:, None].to(tl.int64) * N_k + cols[None, :]
     tl.store(ptrs, keep.to(tl.int8), mask=(rows[:, None] < N_q) & (cols[None, :] < N_k))

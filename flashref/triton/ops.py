@@ -251,10 +251,11 @@ def _lists_of(given, bm, transposed: bool) -> torch.Tensor:
 def dropout_mask(seed, B, H, N_q, N_k, dropout_p, device):
     """The boolean keep-mask ``(B, H, N_q, N_k)`` the kernels draw for ``seed``, bit for bit: True where an
     entry of P is kept (probability ``1 - dropout_p``). It runs the kernels' own random function, so tests
-    can compare with the float64 reference exactly. Each entry is kept when its 16-bit random number (eight
-    per Philox-4x32-7 call, from ``(seed; key // 8, query, b * H + h)``) is at least
-    ``round(dropout_p * 2**16)``: the kept fraction is ``1 - dropout_p`` within 2**-17. Notebook
-    ``10_dropout_masks_sparsity``."""
+    can compare with the float64 reference exactly. Each entry is kept when its 16-bit random number is at
+    least ``round(dropout_p * 2**16)``: the kept fraction is ``1 - dropout_p`` within 2**-17. A Philox-4x32-7
+    call gives eight such numbers, to the entries (i, j) that differ in bit 3 of the query i and bits 0 and 3
+    of the key j, from ``(seed; j without those bits, i without its bit, b * H + h)``: the entries one thread
+    of a tensor-core tile holds (``flashref.triton.forward._keep``). Notebook ``10_dropout_masks_sparsity``."""
     p = validation.check_dropout_p(dropout_p)
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
         raise TypeError(f"seed must be an int in [0, 2**63), got {type(seed).__name__}: {seed!r}")
@@ -338,9 +339,7 @@ _CHOSEN: dict = {}
 def _tune_key(name, args, meta) -> tuple:
     """What the autotuner keys on: its key arguments and the dtypes of the tensor arguments."""
     return (name, *(meta[m] for m in _KEY_META), meta.get("ATOMIC_DQ"), meta.get("ONE_HEAD"), meta.get("D_SPLIT"),
-            args[0].device,
-            configs.t4_mode(),
-            tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
+            args[0].device, configs.t4_mode(), tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
 
 
 def _launch_config(kernel, name, grid_rows, bh, cfg, args, meta):
@@ -405,16 +404,6 @@ def _group_split(group: int, programs: int, device) -> int:
     return group
 
 
-def _column_split(block_d: int, deterministic: bool) -> int:
-    """How many dK/dV programs share one K/V tile, each keeping a slice of the columns (the kernel's
-    D_SPLIT): 2 for wide heads (BLOCK_D 256), whose whole fp32 dK and dV tiles would not fit a thread's
-    registers, and 1 otherwise. Atomic dQ needs every column of K in one program, so it never splits. Under
-    the interpreter 2 from BLOCK_D 64 on, so CI runs both paths."""
-    if not deterministic:
-        return 1
-    return 2 if block_d >= (64 if INTERPRETED else 256) else 1
-
-
 PRE_M = 16 if INTERPRETED else 64  # rows of D per program of the preprocess kernel
 
 
@@ -445,7 +434,8 @@ def _backward(q, k, v, o, stats, do, scale: float, deterministic: bool, feat: Fe
     _launch(flash_bwd_dkdv_kernel, "dkdv", feat.rows_k, feat.batch * H_kv * split,
             q, k, v, do, dk, dv, dq_acc, m2, l2, delta, bm, lists_t, *common, *_strides(dk), *_strides(dv),
             *_strides(dq_acc), *bm_strides_t, *tail, ATOMIC_DQ=not deterministic, SPLIT=split,
-            ONE_HEAD=H // H_kv == split, D_SPLIT=_column_split(block_d, deterministic), **meta)
+            ONE_HEAD=H // H_kv == split, D_SPLIT=configs.column_split(block_d, deterministic, INTERPRETED),
+            **meta)
     if split > 1:  # the partial sums, added in a fixed order: still bitwise reproducible
         dk = dk.view(B, H_kv, split, N_k, d).sum(2).to(k.dtype)
         dv = dv.view(B, H_kv, split, N_k, d).sum(2).to(v.dtype)
