@@ -431,6 +431,15 @@ def _backward(q, k, v, o, stats, do, scale: float, deterministic: bool, feat: Fe
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
     tail = (H, N_q, N_k, scale, scale * LOG2E)
     bm, lists_t, bm_strides_t = feat.args(q, transposed=True)
+    side = _dq_stream(q.device) if deterministic and feat.block_mask is not None else None
+    if deterministic:
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        bm_q, lists_q, bm_strides_q = feat.args(q)
+        dq_args = (q, k, v, do, dq, m2, l2, delta, bm_q, lists_q, *common, *_strides(dq), *bm_strides_q, *tail)
+    if side is not None:  # dQ beside dK/dV: see _dq_stream
+        side.wait_stream(torch.cuda.current_stream(q.device))
+        with torch.cuda.stream(side):
+            _launch(flash_bwd_dq_kernel, "dq", feat.rows_q, feat.batch * H, *dq_args, **meta)
     _launch(flash_bwd_dkdv_kernel, "dkdv", feat.rows_k, feat.batch * H_kv * split,
             q, k, v, do, dk, dv, dq_acc, m2, l2, delta, bm, lists_t, *common, *_strides(dk), *_strides(dv),
             *_strides(dq_acc), *bm_strides_t, *tail, ATOMIC_DQ=not deterministic, SPLIT=split,
@@ -441,11 +450,29 @@ def _backward(q, k, v, o, stats, do, scale: float, deterministic: bool, feat: Fe
         dv = dv.view(B, H_kv, split, N_k, d).sum(2).to(v.dtype)
     if not deterministic:
         return dq_acc.to(q.dtype), dk, dv
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    bm, lists, bm_strides = feat.args(q)
-    _launch(flash_bwd_dq_kernel, "dq", feat.rows_q, feat.batch * H,
-            q, k, v, do, dq, m2, l2, delta, bm, lists, *common, *_strides(dq), *bm_strides, *tail, **meta)
+    if side is not None:
+        torch.cuda.current_stream(q.device).wait_stream(side)  # what follows on this stream sees dQ
+    else:
+        _launch(flash_bwd_dq_kernel, "dq", feat.rows_q, feat.batch * H, *dq_args, **meta)
     return dq, dk, dv
+
+
+_DQ_STREAMS: dict = {}
+
+
+def _dq_stream(device):
+    """The CUDA stream on which a block-sparse backward launches its dQ kernel, beside the dK/dV kernel on
+    the caller's stream (None on the CPU). A block mask with global tokens (BigBird's) gives a few programs
+    of each kernel a whole row or column of blocks: one after the other, each kernel ends with a tail in
+    which those few programs run alone; side by side, either kernel's programs fill the SMs the other's
+    tail leaves idle. The two kernels only read what both need (Q, K, V, dO, the statistics, D), so the
+    order between them does not matter, and each stays bitwise reproducible. The caller's stream waits
+    for this one before the gradients are used, which also keeps CUDA-graph capture valid."""
+    if device.type != "cuda":
+        return None
+    if device not in _DQ_STREAMS:
+        _DQ_STREAMS[device] = torch.cuda.Stream(device)
+    return _DQ_STREAMS[device]
 
 
 _FEATURES_DOC = """
