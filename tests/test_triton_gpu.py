@@ -147,7 +147,7 @@ def test_memory_is_linear_in_n():
     assert extra < 6 * tensor_bytes  # o, dq, dk, dv, small row statistics; an N x N matrix would be 256x
 
 
-def test_block_sparse_backward_on_two_streams_matches_one_and_captures_in_a_cuda_graph():
+def test_block_sparse_backward_on_two_streams_matches_one_and_captures_in_a_cuda_graph(monkeypatch):
     """A block-sparse backward launches dQ on a side stream beside dK/dV (ops._dq_stream). Its gradients
     equal, bit for bit, those of the same backward with both kernels on one stream, and the whole
     forward + backward replays from a CUDA graph with the same result (the side stream is forked from and
@@ -167,12 +167,9 @@ def test_block_sparse_backward_on_two_streams_matches_one_and_captures_in_a_cuda
 
     two = grads()
     torch.cuda.synchronize()
-    side_stream = ops._dq_stream
-    try:
-        ops._dq_stream = lambda device: None  # both kernels on the caller's stream
+    with monkeypatch.context() as m:
+        m.setattr(ops, "_dq_stream", lambda device: None)  # both kernels on the caller's stream
         one = grads()
-    finally:
-        ops._dq_stream = side_stream
     assert all(torch.equal(a, b) for a, b in zip(two, one))
 
     qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
