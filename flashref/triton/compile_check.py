@@ -110,6 +110,38 @@ def compile_config(kernel: str, cfg: configs.TileConfig, capability: int, head_d
     return triton.compile(src, target=target, options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
 
 
+def compile_hopper(head_dim: int, cfg: dict | None = None, causal: bool = False, overlap: bool = False,
+                   dtype: str = "float16"):
+    """Compile :mod:`flashref.triton.hopper`'s Gluon forward for an H100 (sm_90) as a launch of
+    :func:`~flashref.triton.hopper.hopper_forward` would (``cfg`` as its ``default_config``, which is the
+    default); return the compiled kernel. Its PTX shows the TMA copies and wgmma products it asks for."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    import triton
+    from flashref.triton import hopper
+
+    if os.environ.get("TRITON_INTERPRET", "") == "1":
+        raise RuntimeError("kernels defined under TRITON_INTERPRET=1 cannot be compiled: run with "
+                           "FLASHREF_TRITON_COMPILE_ONLY=1 and TRITON_INTERPRET unset")
+    cfg = dict(hopper.default_config(head_dim), **(cfg or {}))
+    ty, gdt = {"float16": ("fp16", gl.float16), "bfloat16": ("bf16", gl.bfloat16)}[dtype]
+    bm, bn, d = cfg["block_m"], cfg["block_n"], head_dim
+    q_lay = gl.NVMMASharedLayout.get_default_for([bm, d], gdt)
+    kv_lay = gl.NVMMASharedLayout.get_default_for([bn, d], gdt)
+    signature = {"q_desc": f"tensordesc<{ty}[{bm}, {d}],{q_lay!r}>", "k_desc": f"tensordesc<{ty}[{bn}, {d}],{kv_lay!r}>",
+                 "v_desc": f"tensordesc<{ty}[{bn}, {d}],{kv_lay!r}>", "O": f"*{ty}", "LSE": "*fp32", "M2": "*fp32",
+                 "L2": "*fp32", "N_q": "i32", "N_k": "i32", "qk_scale": "fp32"}
+    constexprs = dict(HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=cfg["stages"], CAUSAL=causal, OVERLAP=overlap,
+                      num_warps=cfg["num_warps"])
+    signature.update({n: "constexpr" for n in constexprs})
+    fn = hopper.hopper_fwd_kernel
+    attrs = {(fn.arg_names.index("O"),): [["tt.divisibility", 16]]}  # torch's allocations are 16-byte aligned
+    src = GluonASTSource(fn, signature, constexprs, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg["num_warps"]})
+
+
 def ptxas_usage(compiled, capability: int = 90) -> dict:
     """Registers a thread and bytes of register spills (stores and loads to local memory) of a compiled
     kernel, as ``ptxas -v`` reports them for its PTX (the ptxas that ships with Triton): how close a config

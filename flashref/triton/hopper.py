@@ -1,0 +1,268 @@
+"""FlashAttention-3's ideas on Hopper, in Gluon: a forward kernel built one switch at a time.
+
+The teaching kernel (:mod:`flashref.triton.forward`) leaves the schedule to Triton's compiler. Gluon
+(``triton.experimental.gluon``) hands it to us: we allocate shared memory, fill it with the tensor-memory
+accelerator (TMA), count arrivals on mbarriers, and say when to wait for the asynchronous warpgroup
+products (wgmma). The switches of :func:`hopper_forward`, each measured on its own:
+
+``stages``
+    K and V tiles in a ring of ``stages`` shared-memory slots, loaded by TMA ahead of use and awaited
+    on one mbarrier per slot (K and V each have one, so Q K^T can start while V is on its way).
+    ``stages=1`` loads a tile only when the last one is consumed.
+``block_m``, ``block_n``, ``num_warps``
+    The tile and the warps of a program. 4 warps are one warpgroup, one wgmma issuer; 8 are two.
+    Smaller programs leave room for two or more on one SM, whose softmax and products then overlap:
+    while one program computes exponentials, another keeps the tensor cores busy.
+``overlap``
+    Intra-warpgroup overlap, written as FlashAttention-3 does: S_j = Q K_j^T and O += P_{j-1} V_{j-1}
+    are issued, the program waits for S_j only, runs softmax j, then waits for O. Needs ``stages >= 3``.
+    Read in the SASS: ptxas (CUDA 13) moves the wait for O up to before softmax j's exponentials, so
+    the product and the exponentials do not overlap after all; the switch stays to show that.
+
+Supported: fp16 and bf16, head dims 64, 128 and 256, any N_q and N_k (N = 1 too), top-left causal or not,
+no other feature (dropout, masks, GQA: those stay on the teaching kernel). Outputs match
+:func:`flashref.triton.flash_attention_forward`: O, the natural-log lse, and the backward's (m2, l2).
+It needs an sm_90 GPU; :func:`supported` says whether a call qualifies. Notebook ``14_hopper``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+HEAD_DIMS = (64, 128, 256)
+
+
+@gluon.jit
+def _load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kv_row, j, n_tiles,
+             BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Start the TMA copies of K and V tile j into slot j % STAGES (nothing when j is past the last tile).
+    K and V have a barrier each, so Q K^T can start while V is still on its way."""
+    slot = j % STAGES
+    go = j < n_tiles
+    row = kv_row + j * BLOCK_N
+    mbarrier.expect(k_bars.index(slot), k_desc.block_type.nbytes, pred=go)
+    tma.async_copy_global_to_shared(k_desc, [row, 0], k_bars.index(slot), k_smem.index(slot), pred=go)
+    mbarrier.expect(v_bars.index(slot), v_desc.block_type.nbytes, pred=go)
+    tma.async_copy_global_to_shared(v_desc, [row, 0], v_bars.index(slot), v_smem.index(slot), pred=go)
+
+
+@gluon.jit
+def _softmax_tile(S, m_i, l_i, j, n_full, start_m, N_k, qk_scale,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr):
+    """The online-softmax step for score tile j: P = exp2(S * scale - m_new), the running max m and sum l, and
+    alpha = exp2(m_old - m_new), the factor O must be rescaled by. Tiles from n_full on hold keys past N_k or
+    (causal) right of the diagonal: those scores become -inf before the max."""
+    if j >= n_full:
+        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        keep = gl.expand_dims(cols < N_k, 0)
+        if CAUSAL:
+            rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+            keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1))
+        S = gl.where(keep, S, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(S, axis=1) * qk_scale)
+    alpha = gl.exp2(m_i - m_new)
+    P = gl.exp2(S * qk_scale - gl.expand_dims(m_new, 1))
+    l_i = l_i * alpha + gl.sum(P, axis=1)
+    return P, m_new, l_i, alpha
+
+
+@gluon.jit
+def hopper_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, N_q, N_k, qk_scale,
+                      HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                      CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr):
+    """Program (pid_m, bh) writes O rows [pid_m * BLOCK_M, +BLOCK_M) of head bh, its lse (natural log) and the
+    backward's M2 (base-2 row max) and L2 (log2 of the row sum), as the teaching kernel does.
+
+    The descriptors view Q, K, V as 2-D (B * H * N, d) tensors. A tile that runs past its head's last row
+    reads the next head's rows (or TMA's zeros past the tensor's end): their scores are masked to -inf
+    (keys), or their rows never stored (queries)."""
+    pid_m = gl.program_id(0)
+    if CAUSAL:  # the longest rows first, so the short ones fill the tail of the launch
+        pid_m = gl.num_programs(0) - 1 - pid_m
+    bh = gl.program_id(1)
+    start_m = pid_m * BLOCK_M
+    dtype: gl.constexpr = q_desc.dtype
+
+    # One warpgroup (4 warps) per 64 rows; the tile's columns set the wgmma instruction's N.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(k_bars.index(s), count=1)
+        mbarrier.init(v_bars.index(s), count=1)
+
+    # Key tiles [0, n_full) need no mask; [n_full, n_tiles) hold the ragged end or the causal diagonal.
+    hi = N_k
+    n_full = N_k // BLOCK_N
+    if CAUSAL:
+        hi = gl.minimum(N_k, start_m + BLOCK_M)
+        n_full = gl.minimum(n_full, (start_m + 1) // BLOCK_N)
+    n_tiles = gl.cdiv(hi, BLOCK_N)
+    kv_row = bh * N_k
+
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [bh * N_q + start_m, 0], q_bar, q_smem)
+    # The overlapped loop keeps two tiles in use (K_j, V_{j-1}), so it prefetches one tile fewer.
+    for j in gl.static_range(STAGES - 1 if OVERLAP else STAGES):
+        _load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kv_row, j, n_tiles, BLOCK_N, STAGES)
+
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
+    acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    mbarrier.wait(q_bar, 0)
+
+    if OVERLAP:
+        gl.static_assert(STAGES >= 3, "the overlapped loop holds K_j and V_{j-1}: it needs a third slot to prefetch")
+        # Tile 0's scores and softmax alone; then each step issues S_j = Q K_j^T and O += P_{j-1} V_{j-1},
+        # waits for S_j only (the PV product stays in flight), runs softmax j, then waits for O.
+        mbarrier.wait(k_bars.index(0), 0)
+        S = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        S = warpgroup_mma_wait(0, deps=[S])
+        P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, 0, n_full, start_m, N_k, qk_scale,
+                                           BLOCK_M, BLOCK_N, CAUSAL, s_layout)
+        for j in range(1, n_tiles):
+            slot = j % STAGES
+            prev = (j - 1) % STAGES
+            mbarrier.wait(k_bars.index(slot), (j // STAGES) & 1)
+            S = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            # O is rescaled for tile j - 1 here, not right after the wait for O below: with those multiplies
+            # after the wait, ptxas hoists the wait above the exponentials to interleave them.
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            mbarrier.wait(v_bars.index(prev), ((j - 1) // STAGES) & 1)
+            p = gl.convert_layout(P.to(dtype), p_layout)
+            acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+            # Slot (j - 2) % STAGES was freed by the last step's wait: refill it now, before the softmax.
+            # Issued after the wait for O instead, ptxas hoists that wait (with the barrier guarding the
+            # slot) above the exponentials, and the overlap is gone.
+            _load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kv_row, j - 2 + STAGES, n_tiles,
+                     BLOCK_N, STAGES)
+            S = warpgroup_mma_wait(1, deps=[S])
+            P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, j, n_full, start_m, N_k, qk_scale,
+                                               BLOCK_M, BLOCK_N, CAUSAL, s_layout)
+            acc, p = warpgroup_mma_wait(0, deps=[acc, p])
+        last = (n_tiles - 1) % STAGES
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        mbarrier.wait(v_bars.index(last), ((n_tiles - 1) // STAGES) & 1)
+        p = gl.convert_layout(P.to(dtype), p_layout)
+        acc = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
+        acc, p = warpgroup_mma_wait(0, deps=[acc, p])
+    else:
+        for j in range(0, n_tiles):
+            slot = j % STAGES
+            phase = (j // STAGES) & 1
+            mbarrier.wait(k_bars.index(slot), phase)
+            S = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            S = warpgroup_mma_wait(0, deps=[S])
+            P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, j, n_full, start_m, N_k, qk_scale,
+                                               BLOCK_M, BLOCK_N, CAUSAL, s_layout)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            mbarrier.wait(v_bars.index(slot), phase)
+            p = gl.convert_layout(P.to(dtype), p_layout)
+            acc = warpgroup_mma(p, v_smem.index(slot), acc, is_async=True)
+            acc, p = warpgroup_mma_wait(0, deps=[acc, p])
+            _load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kv_row, j + STAGES, n_tiles, BLOCK_N, STAGES)
+
+    mbarrier.invalidate(q_bar)
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(k_bars.index(s))
+        mbarrier.invalidate(v_bars.index(s))
+
+    # Every real row saw key 0 (top-left causal), so l_i >= 1; rows past N_q are not stored.
+    acc = acc / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
+    offs_s = start_m + gl.arange(0, BLOCK_M, layout=row_s)
+    stat = bh.to(gl.int64) * N_q + offs_s
+    log2_l = gl.log2(l_i)
+    gl.store(LSE + stat, (m_i + log2_l) * 0.6931471805599453, mask=offs_s < N_q)
+    gl.store(M2 + stat, m_i, mask=offs_s < N_q)
+    gl.store(L2 + stat, log2_l, mask=offs_s < N_q)
+    offs_m = start_m + gl.arange(0, BLOCK_M, layout=row_o)
+    offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
+    rows = bh.to(gl.int64) * N_q + offs_m
+    ptrs = O + gl.expand_dims(rows * HEAD_D, 1) + gl.expand_dims(offs_d, 0)
+    gl.store(ptrs, acc.to(dtype), mask=gl.expand_dims(offs_m < N_q, 1))
+
+
+def supported(q, k, v) -> str | None:
+    """None when :func:`hopper_forward` can take these (already checked) q, k, v, else the reason it cannot:
+    the teaching kernel takes them instead."""
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return f"needs an sm_90 (Hopper) GPU, got device {q.device}"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"needs float16 or bfloat16 q, k, v, got {q.dtype}"
+    if k.shape[1] != q.shape[1]:
+        return f"has no grouped-query attention: k and v need q's {q.shape[1]} heads, got {k.shape[1]}"
+    if q.shape[3] not in HEAD_DIMS:
+        return f"needs a head dim in {HEAD_DIMS}, got {q.shape[3]}"
+    if max(q.shape[0] * q.shape[1] * max(q.shape[2], k.shape[2]), 1) >= 2**31:
+        return "needs B * H * N < 2**31 (TMA coordinates are 32-bit)"
+    return None
+
+
+def default_config(head_dim: int) -> dict:
+    """Tile, warps and pipeline depth per head dim: the fastest of a sweep on an H100 (fp16, B x N = 65536,
+    H x d = 2048, N = 4K and 16K, causal and not). d = 64: one warpgroup over 64 x 128 tiles, room for
+    four programs an SM. d = 128: two warpgroups over 128 x 64 tiles, two programs an SM. d = 256 is
+    correct but not yet tuned."""
+    if head_dim <= 64:
+        return dict(block_m=64, block_n=128, num_warps=4, stages=1)
+    if head_dim <= 128:
+        return dict(block_m=128, block_n=64, num_warps=8, stages=2)
+    return dict(block_m=128, block_n=64, num_warps=8, stages=2)
+
+
+def hopper_forward(q, k, v, causal=False, sm_scale=None, *, block_m=None, block_n=None, num_warps=None,
+                   stages=None, overlap=False):
+    """``(o, lse, (m2, l2))`` for (B, H, N, d) q, k, v on an sm_90 GPU, with the switches of this module's
+    docstring (``None`` takes :func:`default_config`'s value). Checks as :func:`flashref.triton.flash_attention`."""
+    from flashref.triton.ops import _check  # the package's checks: types, shapes, dtypes, devices, sm_scale
+
+    d, scale = _check(q, k, v, causal, sm_scale)
+    why = supported(q, k, v)
+    if why is not None:
+        raise ValueError(f"hopper_forward {why}")
+    B, H, N_q, _ = q.shape
+    N_k = k.shape[2]
+    cfg = default_config(d)
+    for name, given in (("block_m", block_m), ("block_n", block_n), ("num_warps", num_warps), ("stages", stages)):
+        if given is not None:
+            cfg[name] = given
+    if overlap and cfg["stages"] < 3:
+        raise ValueError(f"overlap=True needs stages >= 3 (K_j and V_(j-1) are in use while a third tile loads), "
+                         f"got stages={cfg['stages']}")
+    q2, k2, v2 = (x.contiguous().view(-1, d) for x in (q, k, v))
+    gdt = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
+    q_lay = gl.NVMMASharedLayout.get_default_for([cfg["block_m"], d], gdt)
+    kv_lay = gl.NVMMASharedLayout.get_default_for([cfg["block_n"], d], gdt)
+    q_desc = TensorDescriptor.from_tensor(q2, [cfg["block_m"], d], q_lay)
+    k_desc = TensorDescriptor.from_tensor(k2, [cfg["block_n"], d], kv_lay)
+    v_desc = TensorDescriptor.from_tensor(v2, [cfg["block_n"], d], kv_lay)
+    o = torch.empty((B, H, N_q, d), dtype=q.dtype, device=q.device)
+    lse, m2, l2 = torch.empty((3, B, H, N_q), dtype=torch.float32, device=q.device).unbind(0)
+    grid = (triton.cdiv(N_q, cfg["block_m"]), B * H)
+    hopper_fwd_kernel[grid](q_desc, k_desc, v_desc, o, lse, m2, l2, N_q, N_k, scale * LOG2E,
+                            HEAD_D=d, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"],
+                            CAUSAL=bool(causal), OVERLAP=bool(overlap), num_warps=cfg["num_warps"])
+    return o, lse, (m2, l2)

@@ -1,0 +1,158 @@
+"""flashref.triton.hopper, the Gluon forward for sm_90: compiled for an H100 on this CPU machine (TMA copies,
+wgmma products, shared memory that fits, no spills), clear errors off Hopper, and on an H100 (marker ``gpu``)
+the FlashAttention test method: fp16/bf16 against an fp32 reference within 2x the error of plain attention in
+the same precision, on uneven sizes, N = 1, causal and not, extreme logits, every switch; its lse and (m2, l2)
+feed the recomputing backward as the teaching kernel's do.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+import torch  # noqa: E402
+
+import flashref.triton  # noqa: E402, F401  (before triton: the interpreter switch)
+from flashref.tolerance import assert_within_tolerance  # noqa: E402
+from flashref.torch_attention import make_qkv, plain_attention  # noqa: E402
+
+H100_SHARED = 227 * 1024  # the per-block limit of an H100
+
+COMPILE = r"""
+import json
+from flashref.triton import compile_check
+rows = []
+for d, dtype, cfg, causal, overlap in [(64, "float16", None, False, False), (128, "float16", None, True, False),
+                                       (256, "float16", None, False, False), (128, "bfloat16", None, False, False),
+                                       (64, "float16", {"stages": 3, "block_m": 128, "num_warps": 8}, True, True)]:
+    k = compile_check.compile_hopper(d, cfg, causal=causal, overlap=overlap, dtype=dtype)
+    ptx = k.asm["ptx"]
+    rows.append({"case": [d, dtype, cfg, causal, overlap], "shared": k.metadata.shared,
+                 "wgmma": ptx.count("wgmma.mma_async"), "tma": ptx.count("cp.async.bulk.tensor"),
+                 "mbarrier_waits": ptx.count("mbarrier.try_wait"), "default": cfg is None,
+                 **compile_check.ptxas_usage(k)})
+print(json.dumps(rows))
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["FLASHREF_TRITON_COMPILE_ONLY"] = "1"
+    proc = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_compiles_for_the_h100_with_tma_and_wgmma(compiled):
+    for row in compiled:
+        assert row["shared"] <= H100_SHARED, row
+        assert row["wgmma"] > 0 and row["tma"] >= 3 and row["mbarrier_waits"] >= 3, row
+        if row["default"]:  # the shipped configs keep every value in registers
+            assert row["spill_stores"] == 0 and row["spill_loads"] == 0, row
+
+
+def test_refuses_what_it_cannot_run_naming_why():
+    from flashref.triton import hopper
+
+    q, k, v, _ = make_qkv(1, 2, 8, 8, 64, torch.float16, "cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        with pytest.raises(ValueError, match="sm_90"):
+            hopper.hopper_forward(q, k, v)
+    with pytest.raises(TypeError, match="q must be a torch.Tensor"):
+        hopper.hopper_forward(q.tolist(), k, v)
+    with pytest.raises(ValueError, match="head dimension"):
+        hopper.hopper_forward(q, k[..., :32], v)
+
+
+# --- on an H100 ---------------------------------------------------------------------------------------------
+
+def _hopper_or_skip():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm_90 (Hopper) GPU")
+    from flashref.triton import hopper
+
+    return hopper
+
+
+def _reference(q, k, v, causal):
+    """O and lse in fp32 from the same inputs."""
+    qf, kf, vf = (x.float() for x in (q, k, v))
+    S = qf @ kf.transpose(-1, -2) / q.shape[-1] ** 0.5
+    if causal:
+        S = S.masked_fill(torch.ones(S.shape[-2:], dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return torch.softmax(S, -1) @ vf, torch.logsumexp(S, -1)
+
+
+def _check(hopper, q, k, v, causal, **switches):
+    o, lse, (m2, l2) = hopper.hopper_forward(q, k, v, causal, **switches)
+    ref_o, ref_lse = _reference(q, k, v, causal)
+    what = f"{tuple(q.shape)} x {k.shape[2]} keys, {q.dtype}, causal={causal}, {switches}"
+    assert o.dtype == q.dtype and o.shape == q.shape
+    assert_within_tolerance(o, ref_o, plain_attention(q, k, v, causal), factor=2.0, name=f"o {what}")
+    assert torch.allclose(lse, ref_lse, rtol=1e-4, atol=1e-3), f"lse {what}"
+    assert torch.allclose(m2 + l2, lse * 1.4426950408889634, rtol=1e-4, atol=1e-3), f"m2 + l2 {what}"
+
+
+LENGTHS = [(113, 203), (1, 239), (239, 1), (300, 97), (1023, 1024), (2048, 2048)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d,dtype", [(64, torch.float16), (128, torch.float16), (256, torch.float16),
+                                     (64, torch.bfloat16), (128, torch.bfloat16)], ids=str)
+def test_method_on_uneven_shapes(d, dtype, causal):
+    hopper = _hopper_or_skip()
+    for i, (N_q, N_k) in enumerate(LENGTHS):
+        B, H = (2, 3) if max(N_q, N_k) <= 1024 else (1, 2)
+        q, k, v, _ = make_qkv(B, H, N_q, N_k, d, dtype, "cuda", seed=i + d)
+        _check(hopper, q, k, v, causal)
+
+
+SWITCHES = [dict(stages=1), dict(stages=2), dict(stages=3), dict(stages=3, overlap=True),
+            dict(block_m=64, block_n=64, num_warps=4), dict(block_m=128, block_n=128, num_warps=8, stages=2),
+            dict(block_m=128, block_n=64, num_warps=4, stages=2)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("switches", SWITCHES, ids=str)
+@pytest.mark.parametrize("d", [64, 128])
+def test_every_switch_computes_the_same_function(d, switches):
+    hopper = _hopper_or_skip()
+    for causal in (False, True):
+        for i, (N_q, N_k) in enumerate([(113, 203), (1, 239), (700, 700)]):
+            q, k, v, _ = make_qkv(2, 2, N_q, N_k, d, torch.float16, "cuda", seed=7 * i + d)
+            _check(hopper, q, k, v, causal, **switches)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_extreme_logits(causal):
+    hopper = _hopper_or_skip()
+    q, k, v, _ = make_qkv(1, 2, 333, 401, 128, torch.float16, "cuda", seed=3, scale=30.0)
+    _check(hopper, q, k, v, causal)
+
+
+@pytest.mark.gpu
+def test_its_statistics_feed_the_recomputing_backward():
+    """dQ, dK, dV recomputed from the Hopper forward's o and lse pass the same rule as plain attention's."""
+    hopper = _hopper_or_skip()
+    from flashref.triton import flash_attention_backward
+    from tests._triton_helpers import plain_forward_backward
+
+    q, k, v, do = make_qkv(2, 3, 517, 389, 128, torch.float16, "cuda", seed=11)
+    for causal in (False, True):
+        o, lse, _ = hopper.hopper_forward(q, k, v, causal)
+        grads = flash_attention_backward(q, k, v, o, lse, do, causal)
+        ref = plain_forward_backward(*(x.float() for x in (q, k, v, do)), causal)
+        base = plain_forward_backward(q, k, v, do, causal)
+        for name, g, r, b in zip(("dq", "dk", "dv"), grads, ref[1:], base[1:]):
+            assert_within_tolerance(g, r, b, factor=3.0, name=f"{name}, causal={causal}")
