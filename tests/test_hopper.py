@@ -156,3 +156,26 @@ def test_its_statistics_feed_the_recomputing_backward():
         base = plain_forward_backward(q, k, v, do, causal)
         for name, g, r, b in zip(("dq", "dk", "dv"), grads, ref[1:], base[1:]):
             assert_within_tolerance(g, r, b, factor=3.0, name=f"{name}, causal={causal}")
+
+
+def test_the_committed_bench_measured_every_step_and_the_shipped_defaults():
+    """book/data/hopper_bench.json holds every step of the table at every point beside the peers, and its
+    default step ran with what :func:`default_config` ships now (else the file is stale: measure again)."""
+    from flashref.bench import hopper_bench
+    from flashref.triton import hopper
+
+    data = hopper_bench.load_results()
+    assert "H100" in data["device"] and data["versions"]["triton"]
+    points = {(r["d"], r["N"], r["causal"]) for r in data["results"]}
+    assert {(d, N, c) for d, N, c in hopper_bench.GRID} <= points
+    for d, N, causal in points:
+        rows = [r for r in data["results"] if (r["d"], r["N"], r["causal"]) == (d, N, causal)]
+        impls = {r["impl"] for r in rows}
+        assert {"sdpa-flash", "sdpa-cudnn", "flashref-triton", "flashref-hopper"} <= impls
+        steps = [r["step"] for r in rows if r["impl"] == "flashref-hopper"]
+        names = [s for s, _ in (hopper_bench.STEPS if d <= 128 else hopper_bench.STEPS[-1:])]
+        assert steps == names
+        default = [r for r in rows if r["step"] == hopper_bench.STEPS[-1][0]][0]
+        assert default["switches"] == hopper.default_config(d)
+        assert all(r["ms"] > 0 and abs(r["tflops"] * r["ms"] * 1e9 - hopper_bench.flops(r["B"], r["H"], N, N, d, causal))
+                   < 1e-6 * hopper_bench.flops(r["B"], r["H"], N, N, d, causal) for r in rows)

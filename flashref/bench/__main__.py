@@ -1,4 +1,4 @@
-"""Command line: ``python -m flashref.bench {numpy,gpu,hbm,features,mods,model,cupy,ring,decode} --help``."""
+"""Command line: ``python -m flashref.bench {numpy,gpu,hbm,features,mods,model,cupy,ring,decode,hopper} --help``."""
 
 import sys
 
@@ -8,7 +8,8 @@ def main(argv=None) -> int:
     suites = {"numpy": "flashref.bench.numpy_bench", "gpu": "flashref.bench.gpu_bench", "hbm": "flashref.bench.hbm_bench",
               "features": "flashref.bench.features_bench", "mods": "flashref.bench.mods_bench",
               "model": "flashref.bench.model_bench", "cupy": "flashref.bench.cupy_bench",
-              "ring": "flashref.bench.ring_bench", "decode": "flashref.bench.decode_bench"}
+              "ring": "flashref.bench.ring_bench", "decode": "flashref.bench.decode_bench",
+              "hopper": "flashref.bench.hopper_bench"}
     if not argv or argv[0] not in suites:
         print(f"usage: python -m flashref.bench {{{','.join(suites)}}} [options]", file=sys.stderr)
         return 2
