@@ -60,6 +60,16 @@ def test_compiles_for_the_h100_with_tma_and_wgmma(compiled):
             assert row["spill_stores"] == 0 and row["spill_loads"] == 0, row
 
 
+def test_the_report_lists_each_step_of_the_table():
+    from flashref.bench.hopper_bench import STEPS
+    from flashref.triton.compile_check import report_in_child
+
+    text = report_in_child("hopper")
+    for name, _ in STEPS:
+        assert f"  {name}: " in text
+    assert "waits 0 0 1 0" in text  # the overlapped loop waits for S_j alone (wait 1), then for O
+
+
 def test_refuses_what_it_cannot_run_naming_why():
     from flashref.triton import hopper
 

@@ -211,7 +211,31 @@ def wgmma_report() -> str:
             f"waits for the tensor cores: {len(waits)}; waits until no product is in flight: {waits.count(0)}")
 
 
-REPORTS = {"shared": shared_report, "wgmma": wgmma_report}
+def hopper_report(head_dim: int = 128) -> str:
+    """For each step of :data:`flashref.bench.hopper_bench.STEPS`, what the Gluon forward compiled for an H100
+    holds: shared memory, registers a thread (so programs an SM), its TMA copies, wgmma instructions, and
+    its waits for the tensor cores (``wait 1`` lets one product run on while the program goes on)."""
+    import re
+
+    from flashref.bench.hopper_bench import STEPS
+    from flashref.triton import hopper
+
+    lines = [f"Gluon forward, d = {head_dim}, for an H100 (sm_90):"]
+    for name, switches in STEPS:
+        switches = dict(switches)
+        overlap = switches.pop("overlap", False)
+        k = compile_hopper(head_dim, switches, overlap=overlap)
+        ptx, use = k.asm["ptx"], ptxas_usage(k)
+        warps = dict(hopper.default_config(head_dim), **switches)["num_warps"]
+        per_sm = min(228 * 1024 // (k.metadata.shared + 1024), 65536 // (use["registers"] * 32 * warps))
+        waits = re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)
+        lines.append(f"  {name}: {k.metadata.shared // 1024} KB shared, {use['registers']} registers, "
+                     f"{per_sm} program(s) an SM, {ptx.count('cp.async.bulk.tensor')} TMA copies, "
+                     f"{ptx.count('wgmma.mma_async')} wgmma, waits {' '.join(waits)}")
+    return "\n".join(lines)
+
+
+REPORTS = {"shared": shared_report, "wgmma": wgmma_report, "hopper": hopper_report}
 
 
 def report_in_child(name: str) -> str:
