@@ -17,12 +17,14 @@ products (wgmma). The switches of :func:`hopper_forward`, each measured on its o
     Intra-warpgroup overlap, written as FlashAttention-3 does: S_j = Q K_j^T and O += P_{j-1} V_{j-1}
     are issued, the program waits for S_j only, runs softmax j, then waits for O. Needs ``stages >= 3``.
     Read in the SASS: ptxas (CUDA 13) moves the wait for O up to before softmax j's exponentials, so
-    the product and the exponentials do not overlap after all; the switch stays to show that.
+    P V and the exponentials do not overlap after all. What remains is two products queued back to back
+    (S_j behind P_{j-1} V_{j-1}), worth a few percent where the registers still allow the same occupancy.
 
 Supported: fp16 and bf16, head dims 64, 128 and 256, any N_q and N_k (N = 1 too), top-left causal or not,
 no other feature (dropout, masks, GQA: those stay on the teaching kernel). Outputs match
 :func:`flashref.triton.flash_attention_forward`: O, the natural-log lse, and the backward's (m2, l2).
-It needs an sm_90 GPU; :func:`supported` says whether a call qualifies. Notebook ``14_hopper``.
+It needs an sm_90 GPU; :func:`supported` says whether a call qualifies. Its chapter (after the Triton ones) is
+not written yet; ``python -m flashref.bench hopper`` and ``compile_check hopper`` hold its measurements.
 """
 
 from __future__ import annotations
