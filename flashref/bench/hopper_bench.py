@@ -16,6 +16,7 @@ import sys
 
 from flashref.bench import results
 from flashref.bench.gpu_bench import sdpa
+from flashref.bench.features_bench import _time  # one timer for the suites: peak memory, then do_bench
 from flashref.bench.results import flops
 
 #: The Gluon kernel's steps: (name, switches of :func:`flashref.triton.hopper.hopper_forward`).
@@ -33,15 +34,9 @@ def load_results() -> dict:
     return results.load("hopper_bench.json")
 
 
-def _ms(fn) -> float:
-    import triton
-
-    fn()
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
 def cases(grid=GRID, d256=True):
-    """Rows ``{case, impl, step, switches, B, H, N, d, causal, ms, tflops}`` of every point of ``grid``."""
+    """Rows ``{case, impl, step, switches, B, H, N, d, causal, ms, tflops, peak_extra_bytes}`` of every point
+    of ``grid``."""
     import torch
 
     from flashref.triton import flash_attention_forward, hopper
@@ -59,10 +54,11 @@ def cases(grid=GRID, d256=True):
         impls += [("flashref-hopper", (step, sw), lambda sw=sw: hopper.hopper_forward(q, k, v, causal, **sw))
                   for step, sw in steps]
         for impl, step, fn in impls:
-            ms = _ms(fn)
+            ms, peak = _time(fn, False, None)
             yield {"case": "fwd", "impl": impl, "step": step[0] if step else None,
                    "switches": dict(hopper.default_config(d), **step[1]) if step else None,
-                   "B": B, "H": H, "N": N, "d": d, "causal": causal, "ms": ms, "tflops": work / (ms * 1e-3) / 1e12}
+                   "B": B, "H": H, "N": N, "d": d, "causal": causal, "ms": ms, "tflops": work / (ms * 1e-3) / 1e12,
+                   "peak_extra_bytes": peak}
         del q, k, v
         torch.cuda.empty_cache()
 

@@ -29,7 +29,6 @@ not written yet; ``python -m flashref.bench hopper`` and ``compile_check hopper`
 
 from __future__ import annotations
 
-import math
 
 import torch
 import triton
@@ -38,8 +37,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
+from flashref.triton.forward import LN2, LOG2E
+
 
 HEAD_DIMS = (64, 128, 256)
 
@@ -95,7 +94,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, N_q, N_k, qk_scale
     start_m = pid_m * BLOCK_M
     dtype: gl.constexpr = q_desc.dtype
 
-    # One warpgroup (4 warps) per 64 rows; the tile's columns set the wgmma instruction's N.
+    # wgmma gives each warp 16 rows, stacked down the tile; the tile's columns set the instruction's N.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -197,7 +196,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, N_q, N_k, qk_scale
     offs_s = start_m + gl.arange(0, BLOCK_M, layout=row_s)
     stat = bh.to(gl.int64) * N_q + offs_s
     log2_l = gl.log2(l_i)
-    gl.store(LSE + stat, (m_i + log2_l) * 0.6931471805599453, mask=offs_s < N_q)
+    gl.store(LSE + stat, (m_i + log2_l) * LN2, mask=offs_s < N_q)
     gl.store(M2 + stat, m_i, mask=offs_s < N_q)
     gl.store(L2 + stat, log2_l, mask=offs_s < N_q)
     offs_m = start_m + gl.arange(0, BLOCK_M, layout=row_o)
