@@ -27,17 +27,21 @@ from flashref.torch_attention import make_qkv, plain_attention  # noqa: E402
 H100_SHARED = 227 * 1024  # the per-block limit of an H100
 
 COMPILE = r"""
-import json
+import json, re
 from flashref.triton import compile_check
 rows = []
-for d, dtype, cfg, causal, overlap in [(64, "float16", None, False, False), (128, "float16", None, True, False),
-                                       (256, "float16", None, False, False), (128, "bfloat16", None, False, False),
-                                       (64, "float16", {"stages": 3, "block_m": 128, "num_warps": 8}, True, True)]:
-    k = compile_check.compile_hopper(d, cfg, causal=causal, overlap=overlap, dtype=dtype)
+for d, dtype, switches, causal in [(64, "float16", None, False), (128, "float16", None, True),
+                                   (256, "float16", None, False), (128, "bfloat16", None, False),
+                                   (128, "float16", {"warp_specialize": False}, True),
+                                   (64, "float16", {"warp_specialize": True, "pingpong": False}, True),
+                                   (64, "float16", {"stages": 3, "block_m": 128, "num_warps": 8, "overlap": True,
+                                                    "warp_specialize": False}, True)]:
+    k = compile_check.compile_hopper(d, switches, causal=causal, dtype=dtype)
     ptx = k.asm["ptx"]
-    rows.append({"case": [d, dtype, cfg, causal, overlap], "shared": k.metadata.shared,
+    rows.append({"case": [d, dtype, switches, causal], "shared": k.metadata.shared, "warps": k.metadata.num_warps,
                  "wgmma": ptx.count("wgmma.mma_async"), "tma": ptx.count("cp.async.bulk.tensor"),
-                 "mbarrier_waits": ptx.count("mbarrier.try_wait"), "default": cfg is None,
+                 "mbarrier_waits": ptx.count("mbarrier.try_wait"), "default": switches is None,
+                 "setmaxnreg": sorted({int(n) for n in re.findall(r"setmaxnreg[.a-z0-9]*\s+(\d+)", ptx)}),
                  **compile_check.ptxas_usage(k)})
 print(json.dumps(rows))
 """
@@ -53,11 +57,19 @@ def compiled():
 
 
 def test_compiles_for_the_h100_with_tma_and_wgmma(compiled):
+    from flashref.triton import hopper
+
     for row in compiled:
         assert row["shared"] <= H100_SHARED, row
         assert row["wgmma"] > 0 and row["tma"] >= 3 and row["mbarrier_waits"] >= 3, row
         if row["default"]:  # the shipped configs keep every value in registers
             assert row["spill_stores"] == 0 and row["spill_loads"] == 0, row
+        d, _, switches, _ = row["case"]
+        if hopper.config(d, **(switches or {}))["warp_specialize"]:
+            # three warpgroups (a producer warp, rounded up, and two consumers); registers move from one to the others
+            assert row["warps"] == 12 and {24, 240} <= set(row["setmaxnreg"]), row
+        else:
+            assert row["setmaxnreg"] == [], row
 
 
 def test_the_report_lists_each_step_of_the_table():
@@ -68,6 +80,8 @@ def test_the_report_lists_each_step_of_the_table():
     for name, _ in STEPS:
         assert f"  {name}: " in text
     assert "waits 0 0 1 0" in text  # the overlapped loop waits for S_j alone (wait 1), then for O
+    ws = [line for line in text.splitlines() if "consumer" in line]
+    assert ws and all("12 warps" in line and "setmaxnreg 24/" in line and "/240" in line for line in ws), text
 
 
 def test_refuses_what_it_cannot_run_naming_why():
@@ -81,6 +95,13 @@ def test_refuses_what_it_cannot_run_naming_why():
         hopper.hopper_forward(q.tolist(), k, v)
     with pytest.raises(ValueError, match="head dimension"):
         hopper.hopper_forward(q, k[..., :32], v)
+    # switches that cannot go together are refused before any GPU is needed
+    with pytest.raises(ValueError, match="pingpong=True"):
+        hopper.hopper_forward(q, k, v, warp_specialize=False, pingpong=True)
+    with pytest.raises(ValueError, match="num_warps=4"):
+        hopper.hopper_forward(q, k, v, warp_specialize=True, num_warps=8)
+    with pytest.raises(ValueError, match="stages >= 3"):
+        hopper.hopper_forward(q, k, v, warp_specialize=False, overlap=True, stages=2)
 
 
 # --- on an H100 ---------------------------------------------------------------------------------------------
@@ -127,9 +148,14 @@ def test_method_on_uneven_shapes(d, dtype, causal):
         _check(hopper, q, k, v, causal)
 
 
-SWITCHES = [dict(stages=1), dict(stages=2), dict(stages=3), dict(stages=3, overlap=True),
-            dict(block_m=64, block_n=64, num_warps=4), dict(block_m=128, block_n=128, num_warps=8, stages=2),
-            dict(block_m=128, block_n=64, num_warps=4, stages=2)]
+SWITCHES = [dict(warp_specialize=False, stages=1), dict(warp_specialize=False, stages=2),
+            dict(warp_specialize=False, stages=3), dict(warp_specialize=False, stages=3, overlap=True),
+            dict(warp_specialize=False, block_m=64, block_n=64, num_warps=4),
+            dict(warp_specialize=False, block_m=128, block_n=128, num_warps=8, stages=2),
+            dict(warp_specialize=False, block_m=128, block_n=64, num_warps=4, stages=2),
+            dict(warp_specialize=True, pingpong=False), dict(warp_specialize=True, pingpong=True, stages=1),
+            dict(warp_specialize=True, pingpong=True, stages=3, block_n=64),
+            dict(warp_specialize=True, pingpong=True, block_m=256, block_n=64)]
 
 
 @pytest.mark.gpu
@@ -140,6 +166,16 @@ def test_every_switch_computes_the_same_function(d, switches):
     for causal in (False, True):
         for i, (N_q, N_k) in enumerate([(113, 203), (1, 239), (700, 700)]):
             q, k, v, _ = make_qkv(2, 2, N_q, N_k, d, torch.float16, "cuda", seed=7 * i + d)
+            _check(hopper, q, k, v, causal, **switches)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("switches", [dict(warp_specialize=False), dict(warp_specialize=True, pingpong=False)], ids=str)
+def test_d256_without_the_default_schedule(switches):
+    hopper = _hopper_or_skip()
+    for causal in (False, True):
+        for i, (N_q, N_k) in enumerate([(113, 203), (1, 239), (700, 700)]):
+            q, k, v, _ = make_qkv(2, 2, N_q, N_k, 256, torch.float16, "cuda", seed=5 * i)
             _check(hopper, q, k, v, causal, **switches)
 
 
@@ -170,7 +206,8 @@ def test_its_statistics_feed_the_recomputing_backward():
 
 def test_the_committed_bench_measured_every_step_and_the_shipped_defaults():
     """book/data/hopper_bench.json holds every step of the table at every point beside the peers, and its
-    default step ran with what :func:`default_config` ships now (else the file is stale: measure again)."""
+    steps ran with the switches they name now, the shipped defaults among them (else the file is stale: measure
+    again)."""
     from flashref.bench import hopper_bench
     from flashref.triton import hopper
 
@@ -182,10 +219,10 @@ def test_the_committed_bench_measured_every_step_and_the_shipped_defaults():
         rows = [r for r in data["results"] if (r["d"], r["N"], r["causal"]) == (d, N, causal)]
         impls = {r["impl"] for r in rows}
         assert {"sdpa-flash", "sdpa-cudnn", "flashref-triton", "flashref-hopper"} <= impls
-        steps = [r["step"] for r in rows if r["impl"] == "flashref-hopper"]
-        names = [s for s, _ in (hopper_bench.STEPS if d <= 128 else hopper_bench.STEPS[-1:])]
-        assert steps == names
-        default = [r for r in rows if r["step"] == hopper_bench.STEPS[-1][0]][0]
-        assert default["switches"] == hopper.default_config(d)
+        hopper_rows = [r for r in rows if r["impl"] == "flashref-hopper"]
+        steps = hopper_bench.STEPS if d <= 128 else hopper_bench.STEPS_D256
+        assert [r["step"] for r in hopper_rows] == [name for name, _ in steps]
+        assert [r["switches"] for r in hopper_rows] == [hopper.config(d, **sw) for _, sw in steps]
+        assert hopper.default_config(d) in [r["switches"] for r in hopper_rows]
         assert all(r["ms"] > 0 and abs(r["tflops"] * r["ms"] * 1e9 - hopper_bench.flops(r["B"], r["H"], N, N, d, causal))
                    < 1e-6 * hopper_bench.flops(r["B"], r["H"], N, N, d, causal) for r in rows)

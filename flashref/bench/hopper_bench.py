@@ -21,11 +21,16 @@ from flashref.bench.results import flops
 
 #: The Gluon kernel's steps: (name, switches of :func:`flashref.triton.hopper.hopper_forward`).
 STEPS = [
-    ("TMA + wgmma, one K/V tile at a time", dict(block_m=128, block_n=128, num_warps=8, stages=1)),
-    ("+ a ring of 3 TMA stages", dict(block_m=128, block_n=128, num_warps=8, stages=3)),
-    ("+ intra-warpgroup overlap, as written", dict(block_m=128, block_n=128, num_warps=8, stages=3, overlap=True)),
-    ("smaller programs, several an SM (default)", {}),
+    ("TMA + wgmma, one K/V tile at a time", dict(block_m=128, block_n=128, num_warps=8, stages=1, warp_specialize=False)),
+    ("+ a ring of 3 TMA stages", dict(block_m=128, block_n=128, num_warps=8, stages=3, warp_specialize=False)),
+    ("+ intra-warpgroup overlap, as written",
+     dict(block_m=128, block_n=128, num_warps=8, stages=3, overlap=True, warp_specialize=False)),
+    ("smaller programs, several an SM", dict(warp_specialize=False)),
+    ("warp specialization: a producer warp, two consumer warpgroups", dict(warp_specialize=True, pingpong=False)),
+    ("+ ping-pong between the consumers", dict(warp_specialize=True, pingpong=True)),
 ]
+#: The steps measured at d = 256 (the 128 x 128 tiles of the first three do not fit its shared memory).
+STEPS_D256 = STEPS[3:]
 GRID = [(d, N, causal) for d in (64, 128) for N in (4096, 16384) for causal in (False, True)]
 
 
@@ -50,13 +55,13 @@ def cases(grid=GRID, d256=True):
         work = flops(B, H, N, N, d, causal)
         impls = [(name, None, lambda fn=sdpa(name): fn(q, k, v, causal)) for name in ("sdpa-flash", "sdpa-cudnn")]
         impls.append(("flashref-triton", None, lambda: flash_attention_forward(q, k, v, causal)))
-        steps = STEPS if d <= 128 else STEPS[-1:]
+        steps = STEPS if d <= 128 else STEPS_D256
         impls += [("flashref-hopper", (step, sw), lambda sw=sw: hopper.hopper_forward(q, k, v, causal, **sw))
                   for step, sw in steps]
         for impl, step, fn in impls:
             ms, peak = _time(fn, False, None)
             yield {"case": "fwd", "impl": impl, "step": step[0] if step else None,
-                   "switches": dict(hopper.default_config(d), **step[1]) if step else None,
+                   "switches": hopper.config(d, **step[1]) if step else None,
                    "B": B, "H": H, "N": N, "d": d, "causal": causal, "ms": ms, "tflops": work / (ms * 1e-3) / 1e12,
                    "peak_extra_bytes": peak}
         del q, k, v

@@ -110,11 +110,10 @@ def compile_config(kernel: str, cfg: configs.TileConfig, capability: int, head_d
     return triton.compile(src, target=target, options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
 
 
-def compile_hopper(head_dim: int, cfg: dict | None = None, causal: bool = False, overlap: bool = False,
-                   dtype: str = "float16"):
+def compile_hopper(head_dim: int, switches: dict | None = None, causal: bool = False, dtype: str = "float16"):
     """Compile :mod:`flashref.triton.hopper`'s Gluon forward for an H100 (sm_90) as a launch of
-    :func:`~flashref.triton.hopper.hopper_forward` would (``cfg`` as its ``default_config``, which is the
-    default); return the compiled kernel. Its PTX shows the TMA copies and wgmma products it asks for."""
+    :func:`~flashref.triton.hopper.hopper_forward` with these switches would (none: its defaults); return the
+    compiled kernel. Its PTX shows the TMA copies, wgmma products and register moves it asks for."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -125,21 +124,19 @@ def compile_hopper(head_dim: int, cfg: dict | None = None, causal: bool = False,
     if os.environ.get("TRITON_INTERPRET", "") == "1":
         raise RuntimeError("kernels defined under TRITON_INTERPRET=1 cannot be compiled: run with "
                            "FLASHREF_TRITON_COMPILE_ONLY=1 and TRITON_INTERPRET unset")
-    cfg = dict(hopper.default_config(head_dim), **(cfg or {}))
+    cfg = hopper.config(head_dim, **(switches or {}))
     ty, gdt = {"float16": ("fp16", gl.float16), "bfloat16": ("bf16", gl.bfloat16)}[dtype]
-    bm, bn, d = cfg["block_m"], cfg["block_n"], head_dim
-    q_lay = gl.NVMMASharedLayout.get_default_for([bm, d], gdt)
-    kv_lay = gl.NVMMASharedLayout.get_default_for([bn, d], gdt)
-    signature = {"q_desc": f"tensordesc<{ty}[{bm}, {d}],{q_lay!r}>", "k_desc": f"tensordesc<{ty}[{bn}, {d}],{kv_lay!r}>",
-                 "v_desc": f"tensordesc<{ty}[{bn}, {d}],{kv_lay!r}>", "O": f"*{ty}", "LSE": "*fp32", "M2": "*fp32",
+    q_block, kv_block = hopper._descriptor_blocks(cfg, head_dim)
+    q_lay = gl.NVMMASharedLayout.get_default_for(q_block, gdt)
+    kv_lay = gl.NVMMASharedLayout.get_default_for(kv_block, gdt)
+    signature = {"q_desc": f"tensordesc<{ty}{q_block},{q_lay!r}>", "k_desc": f"tensordesc<{ty}{kv_block},{kv_lay!r}>",
+                 "v_desc": f"tensordesc<{ty}{kv_block},{kv_lay!r}>", "O": f"*{ty}", "LSE": "*fp32", "M2": "*fp32",
                  "L2": "*fp32", "N_q": "i32", "N_k": "i32", "qk_scale": "fp32"}
-    constexprs = dict(HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=cfg["stages"], CAUSAL=causal, OVERLAP=overlap,
-                      num_warps=cfg["num_warps"])
+    fn, constexprs, options = hopper.kernel_and_constexprs(cfg, head_dim, causal)
     signature.update({n: "constexpr" for n in constexprs})
-    fn = hopper.hopper_fwd_kernel
     attrs = {(fn.arg_names.index("O"),): [["tt.divisibility", 16]]}  # torch's allocations are 16-byte aligned
     src = GluonASTSource(fn, signature, constexprs, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg["num_warps"]})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(options, num_warps=constexprs["num_warps"]))
 
 
 def ptxas_usage(compiled, capability: int = 90) -> dict:
@@ -213,8 +210,10 @@ def wgmma_report() -> str:
 
 def hopper_report(head_dim: int = 128) -> str:
     """For each step of :data:`flashref.bench.hopper_bench.STEPS`, what the Gluon forward compiled for an H100
-    holds: shared memory, registers a thread (so programs an SM), its TMA copies, wgmma instructions, and
-    its waits for the tensor cores (``wait 1`` lets one product run on while the program goes on)."""
+    holds: shared memory, registers a thread (so programs an SM), its TMA copies, wgmma instructions, its
+    waits for the tensor cores (``wait 1`` lets one product run on while the program goes on) and, when
+    warp-specialized, the register counts ``setmaxnreg`` sets: 24 a thread for the producer, 240 for each consumer
+    (256 is the kernel's own warps before they split, 120 the workers' while they wait for their partition)."""
     import re
 
     from flashref.bench.hopper_bench import STEPS
@@ -222,14 +221,14 @@ def hopper_report(head_dim: int = 128) -> str:
 
     lines = [f"Gluon forward, d = {head_dim}, for an H100 (sm_90):"]
     for name, switches in STEPS:
-        switches = dict(switches)
-        overlap = switches.pop("overlap", False)
-        k = compile_hopper(head_dim, switches, overlap=overlap)
+        k = compile_hopper(head_dim, switches)
         ptx, use = k.asm["ptx"], ptxas_usage(k)
-        warps = dict(hopper.default_config(head_dim), **switches)["num_warps"]
+        warps = k.metadata.num_warps  # every partition's warps, rounded up to whole warpgroups
         per_sm = min(228 * 1024 // (k.metadata.shared + 1024), 65536 // (use["registers"] * 32 * warps))
         waits = re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)
-        lines.append(f"  {name}: {k.metadata.shared // 1024} KB shared, {use['registers']} registers, "
+        moves = sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})
+        regs = f"setmaxnreg {'/'.join(map(str, moves))}" if moves else f"{use['registers']} registers"
+        lines.append(f"  {name}: {k.metadata.shared // 1024} KB shared, {warps} warps, {regs}, "
                      f"{per_sm} program(s) an SM, {ptx.count('cp.async.bulk.tensor')} TMA copies, "
                      f"{ptx.count('wgmma.mma_async')} wgmma, waits {' '.join(waits)}")
     return "\n".join(lines)

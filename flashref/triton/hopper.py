@@ -19,6 +19,15 @@ products (wgmma). The switches of :func:`hopper_forward`, each measured on its o
     Read in the SASS: ptxas (CUDA 13) moves the wait for O up to before softmax j's exponentials, so
     P V and the exponentials do not overlap after all. What remains is two products queued back to back
     (S_j behind P_{j-1} V_{j-1}), worth a few percent where the registers still allow the same occupancy.
+``warp_specialize``
+    A second kernel (:func:`hopper_ws_fwd_kernel`) whose warps do different jobs, as FlashAttention-3's do: one
+    producer warp issues every TMA copy and waits only for free slots; two consumer warpgroups of 64 rows each
+    issue products and compute softmax. ``setmaxnreg`` moves registers from the producer (24 a thread) to the
+    consumers (240). A consumer's round issues P_{t-1} V_{t-1} and S_t back to back, waits for both, then runs
+    softmax t.
+``pingpong``
+    With ``warp_specialize``: the consumers take turns, an mbarrier handing the tensor cores from one to the other,
+    so one warpgroup's exponentials run while the other's products do.
 
 Supported: fp16 and bf16, head dims 64, 128 and 256, any N_q and N_k (N = 1 too), top-left causal or not,
 no other feature (dropout, masks, GQA: those stay on the teaching kernel). Outputs match
@@ -41,6 +50,7 @@ from flashref.triton.forward import LN2, LOG2E
 
 
 HEAD_DIMS = (64, 128, 256)
+WS_MAXNREG = 168  # 65536 registers / (12 warps * 32 threads), rounded down to a multiple of 8
 
 
 @gluon.jit
@@ -75,6 +85,26 @@ def _softmax_tile(S, m_i, l_i, j, n_full, start_m, N_k, qk_scale,
     P = gl.exp2(S * qk_scale - gl.expand_dims(m_new, 1))
     l_i = l_i * alpha + gl.sum(P, axis=1)
     return P, m_new, l_i, alpha
+
+
+@gluon.jit
+def _store_rows(acc, m_i, l_i, O, LSE, M2, L2, bh, start_m, N_q, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
+                s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """O = acc / l for rows [start_m, +BLOCK_M) of head bh, the natural-log lse and the backward's (m2, l2).
+    Every real row saw key 0 (top-left causal), so l >= 1; rows past N_q are not stored."""
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    acc = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
+    offs_s = start_m + gl.arange(0, BLOCK_M, layout=row_s)
+    stat = bh.to(gl.int64) * N_q + offs_s
+    log2_l = gl.log2(l_i)
+    gl.store(LSE + stat, (m_i + log2_l) * LN2, mask=offs_s < N_q)
+    gl.store(M2 + stat, m_i, mask=offs_s < N_q)
+    gl.store(L2 + stat, log2_l, mask=offs_s < N_q)
+    offs_m = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
+    rows = bh.to(gl.int64) * N_q + offs_m
+    ptrs = O + gl.expand_dims(rows * HEAD_D, 1) + gl.expand_dims(offs_d, 0)
+    gl.store(ptrs, acc.to(O.dtype.element_ty), mask=gl.expand_dims(offs_m < N_q, 1))
 
 
 @gluon.jit
@@ -191,19 +221,169 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, N_q, N_k, qk_scale
         mbarrier.invalidate(k_bars.index(s))
         mbarrier.invalidate(v_bars.index(s))
 
-    # Every real row saw key 0 (top-left causal), so l_i >= 1; rows past N_q are not stored.
-    acc = acc / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
-    offs_s = start_m + gl.arange(0, BLOCK_M, layout=row_s)
-    stat = bh.to(gl.int64) * N_q + offs_s
-    log2_l = gl.log2(l_i)
-    gl.store(LSE + stat, (m_i + log2_l) * LN2, mask=offs_s < N_q)
-    gl.store(M2 + stat, m_i, mask=offs_s < N_q)
-    gl.store(L2 + stat, log2_l, mask=offs_s < N_q)
-    offs_m = start_m + gl.arange(0, BLOCK_M, layout=row_o)
-    offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
-    rows = bh.to(gl.int64) * N_q + offs_m
-    ptrs = O + gl.expand_dims(rows * HEAD_D, 1) + gl.expand_dims(offs_d, 0)
-    gl.store(ptrs, acc.to(dtype), mask=gl.expand_dims(offs_m < N_q, 1))
+    _store_rows(acc, m_i, l_i, O, LSE, M2, L2, bh, start_m, N_q, BLOCK_M, HEAD_D, s_layout, o_layout)
+
+# ---- Warp specialization: a producer warp feeds two consumer warpgroups ---------------------------------------
+
+@gluon.jit
+def _ws_tiles(pid_m, N_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """(n_tiles, n_full) of the program's whole BLOCK_M rows, which every partition must agree on: the producer
+    loads n_tiles K and V tiles and each consumer takes all of them (tiles from n_full on are masked)."""
+    start_m = pid_m * BLOCK_M
+    hi = N_k
+    n_full = N_k // BLOCK_N
+    if CAUSAL:
+        hi = gl.minimum(N_k, start_m + BLOCK_M)
+        n_full = gl.minimum(n_full, (start_m + 1) // BLOCK_N)
+    return gl.cdiv(hi, BLOCK_N), n_full
+
+
+@gluon.jit
+def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
+                 pid_m, bh, N_q, N_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 CAUSAL: gl.constexpr):
+    """One warp with few registers: it issues every TMA copy. Each consumer warpgroup's Q half has a barrier of
+    its own; a K or V slot is refilled once both consumers have arrived on its empty barrier."""
+    ROWS: gl.constexpr = BLOCK_M // 2
+    for wg in gl.static_range(2):
+        mbarrier.expect(q_bars.index(wg), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [bh * N_q + pid_m * BLOCK_M + wg * ROWS, 0], q_bars.index(wg),
+                                        q_smem.index(wg))
+    n_tiles, n_full = _ws_tiles(pid_m, N_k, BLOCK_M, BLOCK_N, CAUSAL)
+    for j in range(n_tiles):
+        slot = j % STAGES
+        phase = (j // STAGES) & 1
+        row = bh * N_k + j * BLOCK_N
+        # A fresh mbarrier counts as having completed the phase before its first, so round 0 passes at once.
+        mbarrier.wait(k_empty.index(slot), phase ^ 1)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [row, 0], k_ready.index(slot), k_smem.index(slot))
+        mbarrier.wait(v_empty.index(slot), phase ^ 1)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [row, 0], v_ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _take_turn(turns, t, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: wait until the other warpgroup has issued its products of the same round (warpgroup 0 goes
+    first: its wait in round 0 is on the phase a fresh barrier counts as done)."""
+    if PINGPONG:
+        mbarrier.wait(turns.index(WG), (t & 1) ^ (1 - WG))
+
+
+@gluon.jit
+def _give_turn(turns, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    if PINGPONG:
+        mbarrier.arrive(turns.index(1 - WG), count=1)
+
+
+@gluon.jit
+def _ws_consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turns, O, LSE, M2, L2,
+                 pid_m, bh, N_q, N_k, qk_scale, WG: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+    """Consumer warpgroup WG (4 warps) owns rows [WG * BLOCK_M/2, +BLOCK_M/2) of the program's tile. Round t
+    issues O += P_{t-1} V_{t-1} and S_t = Q K_t^T back to back, waits for both, frees their slots, then runs
+    softmax t. With PINGPONG, the rounds of the two warpgroups take turns on the tensor cores: one issues its
+    products while the other computes exponentials."""
+    ROWS: gl.constexpr = BLOCK_M // 2
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    start_m = pid_m * BLOCK_M + WG * ROWS
+    n_tiles, n_full = _ws_tiles(pid_m, N_k, BLOCK_M, BLOCK_N, CAUSAL)
+    q = q_smem.index(WG)
+
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([ROWS], gl.float32, row_s)
+    acc = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    mbarrier.wait(q_bars.index(WG), 0)
+
+    # Round 0: S_0 alone.
+    _take_turn(turns, 0, WG, PINGPONG)
+    mbarrier.wait(k_ready.index(0), 0)
+    S = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    _give_turn(turns, WG, PINGPONG)
+    S = warpgroup_mma_wait(0, deps=[S])
+    mbarrier.arrive(k_empty.index(0), count=1)
+    P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, 0, n_full, start_m, N_k, qk_scale,
+                                       ROWS, BLOCK_N, CAUSAL, s_layout)
+    for t in range(1, n_tiles):
+        slot = t % STAGES
+        prev = (t - 1) % STAGES
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        p = gl.convert_layout(P.to(dtype), p_layout)
+        _take_turn(turns, t, WG, PINGPONG)
+        mbarrier.wait(v_ready.index(prev), ((t - 1) // STAGES) & 1)
+        acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+        mbarrier.wait(k_ready.index(slot), (t // STAGES) & 1)
+        S = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        _give_turn(turns, WG, PINGPONG)
+        acc, p, S = warpgroup_mma_wait(0, deps=[acc, p, S])
+        mbarrier.arrive(v_empty.index(prev), count=1)
+        mbarrier.arrive(k_empty.index(slot), count=1)
+        P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, t, n_full, start_m, N_k, qk_scale,
+                                           ROWS, BLOCK_N, CAUSAL, s_layout)
+    # The last round: P V of the last tile alone.
+    last = (n_tiles - 1) % STAGES
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+    p = gl.convert_layout(P.to(dtype), p_layout)
+    _take_turn(turns, n_tiles, WG, PINGPONG)
+    mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
+    acc = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
+    _give_turn(turns, WG, PINGPONG)
+    acc, p = warpgroup_mma_wait(0, deps=[acc, p])
+    mbarrier.arrive(v_empty.index(last), count=1)
+    _store_rows(acc, m_i, l_i, O, LSE, M2, L2, bh, start_m, N_q, ROWS, HEAD_D, s_layout, o_layout)
+
+
+@gluon.jit
+def hopper_ws_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, N_q, N_k, qk_scale,
+                         HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                         CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, num_warps: gl.constexpr):
+    """The warp-specialized forward: program (pid_m, bh) as in :func:`hopper_fwd_kernel`, its work split among
+    three partitions. The kernel's own 4 warps are consumer warpgroup 0; a worker warpgroup of 4 is consumer 1;
+    one worker warp is the producer. The launch caps registers so that 12 warps fit an SM, and the partitions'
+    requests move them: 24 a thread for the producer, 240 for each consumer."""
+    gl.static_assert(num_warps == 4, "the kernel's own warps are one consumer warpgroup")
+    pid_m = gl.program_id(0)
+    if CAUSAL:
+        pid_m = gl.num_programs(0) - 1 - pid_m
+    bh = gl.program_id(1)
+    ROWS: gl.constexpr = BLOCK_M // 2
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bars.index(i), count=1)
+        mbarrier.init(turns.index(i), count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(s), count=1)
+        mbarrier.init(v_ready.index(s), count=1)
+        mbarrier.init(k_empty.index(s), count=2)  # both consumers must be done with a slot
+        mbarrier.init(v_empty.index(s), count=2)
+
+    # Tuples built here keep constexprs as constexprs only when written out whole (a sum of tuples does not).
+    gl.warp_specialize([
+        (_ws_consumer, (q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turns, O, LSE, M2, L2,
+                        pid_m, bh, N_q, N_k, qk_scale, 0, HEAD_D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, PINGPONG)),
+        (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
+                        pid_m, bh, N_q, N_k, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+        (_ws_consumer, (q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turns, O, LSE, M2, L2,
+                        pid_m, bh, N_q, N_k, qk_scale, 1, HEAD_D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, PINGPONG)),
+    ], [1, 4], [24, 240])
 
 
 def supported(q, k, v) -> str | None:
@@ -222,48 +402,86 @@ def supported(q, k, v) -> str | None:
     return None
 
 
-def default_config(head_dim: int) -> dict:
-    """Tile, warps and pipeline depth per head dim: the fastest of a sweep on an H100 (fp16, B x N = 65536,
-    H x d = 2048, N = 4K and 16K, causal and not). d = 64: one warpgroup over 64 x 128 tiles, room for
-    four programs an SM. d = 128: two warpgroups over 128 x 64 tiles, two programs an SM. d = 256 is
-    correct but not yet tuned."""
+SWITCHES = ("block_m", "block_n", "num_warps", "stages", "overlap", "warp_specialize", "pingpong")
+
+
+def default_config(head_dim: int, warp_specialize: bool | None = None) -> dict:
+    """The switches :func:`hopper_forward` runs with when given none: the fastest of sweeps on an H100 (fp16,
+    B x N = 65536, H x d = 2048, N = 4K and 16K, causal and not; ``python -m flashref.bench hopper``).
+    d = 64: one warpgroup over 64 x 128 tiles, four programs an SM, no warp specialization (it measured 0.9-1.1x
+    there). d = 128 and 256: warp-specialized, a producer warp and two consumer warpgroups of 64 rows taking
+    turns (ping-pong). ``warp_specialize`` picks the best tile of either kind."""
+    if warp_specialize is None:
+        warp_specialize = head_dim > 64
+    if warp_specialize:
+        return dict(block_m=128, block_n=128 if head_dim <= 128 else 64, num_warps=4, stages=2, overlap=False,
+                    warp_specialize=True, pingpong=True)
     if head_dim <= 64:
-        return dict(block_m=64, block_n=128, num_warps=4, stages=1)
-    if head_dim <= 128:
-        return dict(block_m=128, block_n=64, num_warps=8, stages=2)
-    return dict(block_m=128, block_n=64, num_warps=8, stages=2)
+        return dict(block_m=64, block_n=128, num_warps=4, stages=1, overlap=False, warp_specialize=False,
+                    pingpong=False)
+    return dict(block_m=128, block_n=64, num_warps=8, stages=2, overlap=False, warp_specialize=False, pingpong=False)
+
+
+def config(head_dim: int, **switches) -> dict:
+    """Every switch of :func:`hopper_forward`: those given (``None`` counts as not given) over
+    :func:`default_config`'s, checked for combinations the kernels cannot run."""
+    unknown = set(switches) - set(SWITCHES)
+    if unknown:
+        raise TypeError(f"hopper_forward got unknown switches {sorted(unknown)}; it takes {SWITCHES}")
+    given = {k: v for k, v in switches.items() if v is not None}
+    cfg = dict(default_config(head_dim, given.get("warp_specialize")), **given)
+    if cfg["pingpong"] and not cfg["warp_specialize"]:
+        raise ValueError("pingpong=True takes turns between the consumer warpgroups of warp_specialize=True")
+    if cfg["warp_specialize"] and (cfg["overlap"] or cfg["num_warps"] != 4 or cfg["block_m"] % 128):
+        raise ValueError(f"warp_specialize=True runs its own schedule: it needs overlap=False, num_warps=4 (one "
+                         f"consumer warpgroup) and block_m a multiple of 128 (two consumers of 64 rows or more), got "
+                         f"overlap={cfg['overlap']}, num_warps={cfg['num_warps']}, block_m={cfg['block_m']}")
+    if cfg["overlap"] and cfg["stages"] < 3:
+        raise ValueError(f"overlap=True needs stages >= 3 (K_j and V_(j-1) are in use while a third tile loads), "
+                         f"got stages={cfg['stages']}")
+    return cfg
+
+
+def _descriptor_blocks(cfg: dict, head_dim: int):
+    """The TMA boxes: Q rows a copy (a consumer's half of the tile when warp-specialized), K and V rows."""
+    q_rows = cfg["block_m"] // 2 if cfg["warp_specialize"] else cfg["block_m"]
+    return [q_rows, head_dim], [cfg["block_n"], head_dim]
+
+
+def kernel_and_constexprs(cfg: dict, head_dim: int, causal: bool):
+    """The Gluon kernel a config launches, its compile-time arguments and launch options."""
+    shape = dict(HEAD_D=head_dim, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"],
+                 CAUSAL=bool(causal))
+    if cfg["warp_specialize"]:
+        # 12 warps (3 warpgroups) at WS_MAXNREG each fit the SM's 64K registers; the partitions then move them.
+        return hopper_ws_fwd_kernel, dict(shape, PINGPONG=bool(cfg["pingpong"]), num_warps=4), dict(maxnreg=WS_MAXNREG)
+    return hopper_fwd_kernel, dict(shape, OVERLAP=bool(cfg["overlap"]), num_warps=cfg["num_warps"]), {}
 
 
 def hopper_forward(q, k, v, causal=False, sm_scale=None, *, block_m=None, block_n=None, num_warps=None,
-                   stages=None, overlap=False):
+                   stages=None, overlap=None, warp_specialize=None, pingpong=None):
     """``(o, lse, (m2, l2))`` for (B, H, N, d) q, k, v on an sm_90 GPU, with the switches of this module's
     docstring (``None`` takes :func:`default_config`'s value). Checks as :func:`flashref.triton.flash_attention`."""
     from flashref.triton.ops import _check  # the package's checks: types, shapes, dtypes, devices, sm_scale
 
     d, scale = _check(q, k, v, causal, sm_scale)
+    cfg = config(d, block_m=block_m, block_n=block_n, num_warps=num_warps, stages=stages, overlap=overlap,
+                 warp_specialize=warp_specialize, pingpong=pingpong)
     why = supported(q, k, v)
     if why is not None:
         raise ValueError(f"hopper_forward {why}")
     B, H, N_q, _ = q.shape
     N_k = k.shape[2]
-    cfg = default_config(d)
-    for name, given in (("block_m", block_m), ("block_n", block_n), ("num_warps", num_warps), ("stages", stages)):
-        if given is not None:
-            cfg[name] = given
-    if overlap and cfg["stages"] < 3:
-        raise ValueError(f"overlap=True needs stages >= 3 (K_j and V_(j-1) are in use while a third tile loads), "
-                         f"got stages={cfg['stages']}")
+    q_block, kv_block = _descriptor_blocks(cfg, d)
     q2, k2, v2 = (x.contiguous().view(-1, d) for x in (q, k, v))
     gdt = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
-    q_lay = gl.NVMMASharedLayout.get_default_for([cfg["block_m"], d], gdt)
-    kv_lay = gl.NVMMASharedLayout.get_default_for([cfg["block_n"], d], gdt)
-    q_desc = TensorDescriptor.from_tensor(q2, [cfg["block_m"], d], q_lay)
-    k_desc = TensorDescriptor.from_tensor(k2, [cfg["block_n"], d], kv_lay)
-    v_desc = TensorDescriptor.from_tensor(v2, [cfg["block_n"], d], kv_lay)
+    q_desc = TensorDescriptor.from_tensor(q2, q_block, gl.NVMMASharedLayout.get_default_for(q_block, gdt))
+    kv_lay = gl.NVMMASharedLayout.get_default_for(kv_block, gdt)
+    k_desc = TensorDescriptor.from_tensor(k2, kv_block, kv_lay)
+    v_desc = TensorDescriptor.from_tensor(v2, kv_block, kv_lay)
     o = torch.empty((B, H, N_q, d), dtype=q.dtype, device=q.device)
     lse, m2, l2 = torch.empty((3, B, H, N_q), dtype=torch.float32, device=q.device).unbind(0)
+    kernel, constexprs, options = kernel_and_constexprs(cfg, d, causal)
     grid = (triton.cdiv(N_q, cfg["block_m"]), B * H)
-    hopper_fwd_kernel[grid](q_desc, k_desc, v_desc, o, lse, m2, l2, N_q, N_k, scale * LOG2E,
-                            HEAD_D=d, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"],
-                            CAUSAL=bool(causal), OVERLAP=bool(overlap), num_warps=cfg["num_warps"])
+    kernel[grid](q_desc, k_desc, v_desc, o, lse, m2, l2, N_q, N_k, scale * LOG2E, **constexprs, **options)
     return o, lse, (m2, l2)
