@@ -35,12 +35,14 @@ for d, dtype, switches, causal in [(64, "float16", None, False), (128, "float16"
                                    (128, "float16", {"warp_specialize": False}, True),
                                    (64, "float16", {"warp_specialize": True, "pingpong": False}, True),
                                    (64, "float16", {"stages": 3, "block_m": 128, "num_warps": 8, "overlap": True,
-                                                    "warp_specialize": False}, True)]:
+                                                    "warp_specialize": False}, True),
+                                   (128, "float8_e4m3", {"block_n": 128}, True), (256, "float8_e4m3", {"block_n": 128}, False)]:
     k = compile_check.compile_hopper(d, switches, causal=causal, dtype=dtype)
     ptx = k.asm["ptx"]
     rows.append({"case": [d, dtype, switches, causal], "shared": k.metadata.shared, "warps": k.metadata.num_warps,
                  "wgmma": ptx.count("wgmma.mma_async"), "tma": ptx.count("cp.async.bulk.tensor"),
                  "mbarrier_waits": ptx.count("mbarrier.try_wait"), "default": switches is None,
+                 "e4m3_wgmma": len(re.findall(r"wgmma\.mma_async[.a-z0-9]*\.e4m3\.e4m3", ptx)),
                  "setmaxnreg": sorted({int(n) for n in re.findall(r"setmaxnreg[.a-z0-9]*\s+(\d+)", ptx)}),
                  **compile_check.ptxas_usage(k)})
 print(json.dumps(rows))
@@ -64,8 +66,9 @@ def test_compiles_for_the_h100_with_tma_and_wgmma(compiled):
         assert row["wgmma"] > 0 and row["tma"] >= 3 and row["mbarrier_waits"] >= 3, row
         if row["default"]:  # the shipped configs keep every value in registers
             assert row["spill_stores"] == 0 and row["spill_loads"] == 0, row
-        d, _, switches, _ = row["case"]
-        if hopper.config(d, **(switches or {}))["warp_specialize"]:
+        d, dtype, switches, _ = row["case"]
+        assert (row["e4m3_wgmma"] == row["wgmma"]) if dtype == "float8_e4m3" else row["e4m3_wgmma"] == 0, row
+        if dtype == "float8_e4m3" or hopper.config(d, **(switches or {}))["warp_specialize"]:
             # three warpgroups (a producer warp, rounded up, and two consumers); registers move from one to the others
             assert row["warps"] == 12 and {24, 240} <= set(row["setmaxnreg"]), row
         else:
@@ -82,6 +85,28 @@ def test_the_report_lists_each_step_of_the_table():
     assert "waits 0 0 1 0" in text  # the overlapped loop waits for S_j alone (wait 1), then for O
     ws = [line for line in text.splitlines() if "consumer" in line]
     assert ws and all("12 warps" in line and "setmaxnreg 24/" in line and "/240" in line for line in ws), text
+
+
+def test_fp8_quantization_round_trips_and_the_rotation_keeps_scores():
+    from flashref.triton import hopper
+
+    q, k, v, _ = make_qkv(2, 3, 203, 150, 64, torch.float16, "cpu", seed=4)
+    k[..., 5] *= 50  # an outlier channel
+    for incoherent in (False, True):
+        x = hopper.quantize_fp8(q, k, v, block_n=128, incoherent=incoherent)
+        assert x.q.dtype == x.k.dtype == x.vt.dtype == torch.float8_e4m3fn
+        assert x.q_scale.shape == (2, 3, 4) and x.k_scale.shape == (2, 3, 2) and x.v_scale.shape == (2, 3)
+        assert x.vt.shape == (2, 3, 64, 160) and x.vt.is_contiguous()  # keys padded to 16 for TMA's row stride
+        qd, kd, vd = hopper.dequantize_fp8(x)
+        S = qd @ kd.transpose(-1, -2)
+        S_ref = q.float() @ k.float().transpose(-1, -2)
+        # e4m3 keeps 3 mantissa bits: each value within 2^-4 relative, the scores within a few percent
+        assert float((S - S_ref).norm() / S_ref.norm()) < 0.05
+        assert float((vd - v.float()).abs().max()) <= 2**-4 * float(v.float().abs().max())
+    M = hopper.random_rotation(128, seed=1)
+    assert torch.allclose(M @ M.T, torch.eye(128), atol=1e-6)
+    with pytest.raises(ValueError, match="power-of-two"):
+        hopper.random_rotation(80)
 
 
 def test_refuses_what_it_cannot_run_naming_why():
@@ -177,6 +202,26 @@ def test_d256_without_the_default_schedule(switches):
         for i, (N_q, N_k) in enumerate([(113, 203), (1, 239), (700, 700)]):
             q, k, v, _ = make_qkv(2, 2, N_q, N_k, 256, torch.float16, "cuda", seed=5 * i)
             _check(hopper, q, k, v, causal, **switches)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("incoherent", [False, True])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_fp8_within_three_times_the_error_of_its_e4m3_inputs(d, incoherent):
+    """The FP8 forward against the fp32 reference, with plain fp32 attention of the same e4m3 inputs (the error
+    the inputs' rounding alone makes) as the baseline: the kernel adds P's e4m3 rounding, no more than 3x."""
+    hopper = _hopper_or_skip()
+    for causal in (False, True):
+        for i, (N_q, N_k) in enumerate([(113, 203), (1, 239), (239, 1), (700, 2000)]):
+            q, k, v, _ = make_qkv(2, 2, N_q, N_k, d, torch.float16, "cuda", seed=3 * i + d)
+            o, lse = hopper.hopper_fp8_forward(q, k, v, causal, incoherent=incoherent)
+            ref_o, ref_lse = _reference(q, k, v, causal)
+            x = hopper.quantize_fp8(q, k, v, block_n=128, incoherent=incoherent)
+            base = plain_attention(*hopper.dequantize_fp8(x), causal)
+            what = f"{N_q}x{N_k}, d={d}, causal={causal}, incoherent={incoherent}"
+            assert o.dtype == torch.float16 and o.shape == q.shape
+            assert_within_tolerance(o, ref_o, base, factor=3.0, name=f"fp8 o {what}")
+            assert torch.allclose(lse, ref_lse, atol=0.05), f"fp8 lse {what}"
 
 
 @pytest.mark.gpu

@@ -112,8 +112,9 @@ def compile_config(kernel: str, cfg: configs.TileConfig, capability: int, head_d
 
 def compile_hopper(head_dim: int, switches: dict | None = None, causal: bool = False, dtype: str = "float16"):
     """Compile :mod:`flashref.triton.hopper`'s Gluon forward for an H100 (sm_90) as a launch of
-    :func:`~flashref.triton.hopper.hopper_forward` with these switches would (none: its defaults); return the
-    compiled kernel. Its PTX shows the TMA copies, wgmma products and register moves it asks for."""
+    :func:`~flashref.triton.hopper.hopper_forward` with these switches would (none: its defaults), or of
+    :func:`~flashref.triton.hopper.fp8_attention` for ``dtype="float8_e4m3"``; return the compiled kernel. Its
+    PTX shows the TMA copies, wgmma products and register moves it asks for."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -124,15 +125,23 @@ def compile_hopper(head_dim: int, switches: dict | None = None, causal: bool = F
     if os.environ.get("TRITON_INTERPRET", "") == "1":
         raise RuntimeError("kernels defined under TRITON_INTERPRET=1 cannot be compiled: run with "
                            "FLASHREF_TRITON_COMPILE_ONLY=1 and TRITON_INTERPRET unset")
-    cfg = hopper.config(head_dim, **(switches or {}))
-    ty, gdt = {"float16": ("fp16", gl.float16), "bfloat16": ("bf16", gl.bfloat16)}[dtype]
+    fp8 = dtype == "float8_e4m3"
+    cfg = hopper.config(head_dim, **dict(switches or {}, **({"warp_specialize": True} if fp8 else {})))
+    ty, gdt = {"float16": ("fp16", gl.float16), "bfloat16": ("bf16", gl.bfloat16),
+               "float8_e4m3": ("fp8e4nv", gl.float8e4nv)}[dtype]
     q_block, kv_block = hopper._descriptor_blocks(cfg, head_dim)
-    q_lay = gl.NVMMASharedLayout.get_default_for(q_block, gdt)
-    kv_lay = gl.NVMMASharedLayout.get_default_for(kv_block, gdt)
-    signature = {"q_desc": f"tensordesc<{ty}{q_block},{q_lay!r}>", "k_desc": f"tensordesc<{ty}{kv_block},{kv_lay!r}>",
-                 "v_desc": f"tensordesc<{ty}{kv_block},{kv_lay!r}>", "O": f"*{ty}", "LSE": "*fp32", "M2": "*fp32",
-                 "L2": "*fp32", "N_q": "i32", "N_k": "i32", "qk_scale": "fp32"}
+    v_block = kv_block[::-1] if fp8 else kv_block  # FP8 reads V transposed
+    lay = {repr(b): gl.NVMMASharedLayout.get_default_for(b, gdt) for b in (q_block, kv_block, v_block)}
+    signature = {"q_desc": f"tensordesc<{ty}{q_block},{lay[repr(q_block)]!r}>",
+                 "k_desc": f"tensordesc<{ty}{kv_block},{lay[repr(kv_block)]!r}>",
+                 "v_desc": f"tensordesc<{ty}{v_block},{lay[repr(v_block)]!r}>",
+                 "O": "*fp16" if fp8 else f"*{ty}", "LSE": "*fp32", "M2": "*fp32", "L2": "*fp32"}
+    if cfg["warp_specialize"]:
+        signature.update(QS="*fp32", KS="*fp32", VS="*fp32")
+    signature.update({"N_q": "i32", "N_k": "i32", "qk_scale": "fp32"})
     fn, constexprs, options = hopper.kernel_and_constexprs(cfg, head_dim, causal)
+    if fp8:
+        constexprs["FP8"] = True
     signature.update({n: "constexpr" for n in constexprs})
     attrs = {(fn.arg_names.index("O"),): [["tt.divisibility", 16]]}  # torch's allocations are 16-byte aligned
     src = GluonASTSource(fn, signature, constexprs, attrs)

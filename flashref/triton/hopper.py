@@ -38,6 +38,7 @@ not written yet; ``python -m flashref.bench hopper`` and ``compile_check hopper`
 
 from __future__ import annotations
 
+from typing import NamedTuple
 
 import torch
 import triton
@@ -69,10 +70,12 @@ def _load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kv_row, j, n_tiles,
 
 @gluon.jit
 def _softmax_tile(S, m_i, l_i, j, n_full, start_m, N_k, qk_scale,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr):
-    """The online-softmax step for score tile j: P = exp2(S * scale - m_new), the running max m and sum l, and
-    alpha = exp2(m_old - m_new), the factor O must be rescaled by. Tiles from n_full on hold keys past N_k or
-    (causal) right of the diagonal: those scores become -inf before the max."""
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr,
+                  P_SHIFT: gl.constexpr = 0.0):
+    """The online-softmax step for score tile j: P = exp2(S * scale - m_new + P_SHIFT), the running max m and sum
+    l (of P as computed, so l carries the same 2^P_SHIFT), and alpha = exp2(m_old - m_new), the factor O must be
+    rescaled by. Tiles from n_full on hold keys past N_k or (causal) right of the diagonal: those scores become
+    -inf before the max."""
     if j >= n_full:
         cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         keep = gl.expand_dims(cols < N_k, 0)
@@ -82,7 +85,7 @@ def _softmax_tile(S, m_i, l_i, j, n_full, start_m, N_k, qk_scale,
         S = gl.where(keep, S, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(S, axis=1) * qk_scale)
     alpha = gl.exp2(m_i - m_new)
-    P = gl.exp2(S * qk_scale - gl.expand_dims(m_new, 1))
+    P = gl.exp2(S * qk_scale - gl.expand_dims(m_new - P_SHIFT, 1))
     l_i = l_i * alpha + gl.sum(P, axis=1)
     return P, m_new, l_i, alpha
 
@@ -240,10 +243,12 @@ def _ws_tiles(pid_m, N_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: 
 
 @gluon.jit
 def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
-                 pid_m, bh, N_q, N_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 CAUSAL: gl.constexpr):
+                 pid_m, bh, N_q, N_k, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr):
     """One warp with few registers: it issues every TMA copy. Each consumer warpgroup's Q half has a barrier of
-    its own; a K or V slot is refilled once both consumers have arrived on its empty barrier."""
+    its own; a K or V slot is refilled once both consumers have arrived on its empty barrier. In FP8, V comes
+    transposed, (B * H * d, N_k): the tensor cores take 8-bit operands only with the reduced dimension
+    contiguous, and P V reduces over keys."""
     ROWS: gl.constexpr = BLOCK_M // 2
     for wg in gl.static_range(2):
         mbarrier.expect(q_bars.index(wg), q_desc.block_type.nbytes)
@@ -260,7 +265,31 @@ def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready
         tma.async_copy_global_to_shared(k_desc, [row, 0], k_ready.index(slot), k_smem.index(slot))
         mbarrier.wait(v_empty.index(slot), phase ^ 1)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [row, 0], v_ready.index(slot), v_smem.index(slot))
+        if FP8:
+            tma.async_copy_global_to_shared(v_desc, [bh * HEAD_D, j * BLOCK_N], v_ready.index(slot), v_smem.index(slot))
+        else:
+            tma.async_copy_global_to_shared(v_desc, [row, 0], v_ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _v_operand(v_smem, slot, FP8: gl.constexpr):
+    """V tile `slot` as the (keys x d) operand of P V: a transposed view of the V^T tile in FP8."""
+    if FP8:
+        v = v_smem.index(slot).permute((1, 0))
+    else:
+        v = v_smem.index(slot)
+    return v
+
+
+@gluon.jit
+def _wait_products(acc, p, S, FP8: gl.constexpr):
+    """Wait for every product in flight; (acc, S). The wait holds the register operand P alive until then, but
+    Triton's wait takes no 8-bit operands: in FP8, ptxas alone keeps P's registers until the product is done."""
+    if FP8:
+        acc, S = warpgroup_mma_wait(0, deps=[acc, S])
+    else:
+        acc, p, S = warpgroup_mma_wait(0, deps=[acc, p, S])
+    return acc, S
 
 
 @gluon.jit
@@ -279,24 +308,36 @@ def _give_turn(turns, WG: gl.constexpr, PINGPONG: gl.constexpr):
 
 @gluon.jit
 def _ws_consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turns, O, LSE, M2, L2,
-                 pid_m, bh, N_q, N_k, qk_scale, WG: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
-                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+                 QS, KS, VS, pid_m, bh, N_q, N_k, qk_scale, WG: gl.constexpr, HEAD_D: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                 PINGPONG: gl.constexpr, FP8: gl.constexpr):
     """Consumer warpgroup WG (4 warps) owns rows [WG * BLOCK_M/2, +BLOCK_M/2) of the program's tile. Round t
     issues O += P_{t-1} V_{t-1} and S_t = Q K_t^T back to back, waits for both, frees their slots, then runs
     softmax t. With PINGPONG, the rounds of the two warpgroups take turns on the tensor cores: one issues its
-    products while the other computes exponentials."""
+    products while the other computes exponentials.
+
+    FP8: Q, K and V^T are e4m3 with scales QS (one per 64 query rows of a head), KS (one per key tile) and VS
+    (one per head). The scores of tile t are scaled by QS * KS[t] with the softmax scale; P goes to e4m3
+    times 2^8, so probabilities down to 2^-17 stay in its normal range, and O = acc * VS / l."""
     ROWS: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = q_smem.dtype
+    INSTR_K: gl.constexpr = 32 if FP8 else 16  # a wgmma reduces 32 bytes a step
+    P_SHIFT: gl.constexpr = 8.0 if FP8 else 0.0
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+                                                       instr_shape=[16, BLOCK_N, INSTR_K])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_D, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+                                                       instr_shape=[16, HEAD_D, INSTR_K])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4 if FP8 else 2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     start_m = pid_m * BLOCK_M + WG * ROWS
     n_tiles, n_full = _ws_tiles(pid_m, N_k, BLOCK_M, BLOCK_N, CAUSAL)
     q = q_smem.index(WG)
+    q_scale = qk_scale
+    k_scales = KS
+    if FP8:
+        q_scale = qk_scale * gl.load(QS + bh * gl.cdiv(N_q, ROWS) + start_m // ROWS)
+        k_scales = KS + bh * gl.cdiv(N_k, BLOCK_N)
 
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([ROWS], gl.float32, row_s)
@@ -311,8 +352,11 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_em
     _give_turn(turns, WG, PINGPONG)
     S = warpgroup_mma_wait(0, deps=[S])
     mbarrier.arrive(k_empty.index(0), count=1)
-    P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, 0, n_full, start_m, N_k, qk_scale,
-                                       ROWS, BLOCK_N, CAUSAL, s_layout)
+    s_scale = q_scale
+    if FP8:
+        s_scale = q_scale * gl.load(k_scales)
+    P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, 0, n_full, start_m, N_k, s_scale,
+                                       ROWS, BLOCK_N, CAUSAL, s_layout, P_SHIFT)
     for t in range(1, n_tiles):
         slot = t % STAGES
         prev = (t - 1) % STAGES
@@ -320,36 +364,43 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_em
         p = gl.convert_layout(P.to(dtype), p_layout)
         _take_turn(turns, t, WG, PINGPONG)
         mbarrier.wait(v_ready.index(prev), ((t - 1) // STAGES) & 1)
-        acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+        acc = warpgroup_mma(p, _v_operand(v_smem, prev, FP8), acc, is_async=True)
         mbarrier.wait(k_ready.index(slot), (t // STAGES) & 1)
         S = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         _give_turn(turns, WG, PINGPONG)
-        acc, p, S = warpgroup_mma_wait(0, deps=[acc, p, S])
+        acc, S = _wait_products(acc, p, S, FP8)
         mbarrier.arrive(v_empty.index(prev), count=1)
         mbarrier.arrive(k_empty.index(slot), count=1)
-        P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, t, n_full, start_m, N_k, qk_scale,
-                                           ROWS, BLOCK_N, CAUSAL, s_layout)
+        s_scale = q_scale
+        if FP8:
+            s_scale = q_scale * gl.load(k_scales + t)
+        P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, t, n_full, start_m, N_k, s_scale,
+                                           ROWS, BLOCK_N, CAUSAL, s_layout, P_SHIFT)
     # The last round: P V of the last tile alone.
     last = (n_tiles - 1) % STAGES
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
     p = gl.convert_layout(P.to(dtype), p_layout)
     _take_turn(turns, n_tiles, WG, PINGPONG)
     mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
-    acc = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
+    acc = warpgroup_mma(p, _v_operand(v_smem, last, FP8), acc, is_async=True)
     _give_turn(turns, WG, PINGPONG)
-    acc, p = warpgroup_mma_wait(0, deps=[acc, p])
+    acc, S = _wait_products(acc, p, s_zero, FP8)
     mbarrier.arrive(v_empty.index(last), count=1)
+    if FP8:  # undo the 2^8 on P (in acc and l alike) and V's scale
+        acc = acc * (gl.load(VS + bh) / 256.0)
+        l_i = l_i / 256.0
     _store_rows(acc, m_i, l_i, O, LSE, M2, L2, bh, start_m, N_q, ROWS, HEAD_D, s_layout, o_layout)
 
 
 @gluon.jit
-def hopper_ws_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, N_q, N_k, qk_scale,
+def hopper_ws_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, QS, KS, VS, N_q, N_k, qk_scale,
                          HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                         CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, num_warps: gl.constexpr):
+                         CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, FP8: gl.constexpr, num_warps: gl.constexpr):
     """The warp-specialized forward: program (pid_m, bh) as in :func:`hopper_fwd_kernel`, its work split among
     three partitions. The kernel's own 4 warps are consumer warpgroup 0; a worker warpgroup of 4 is consumer 1;
     one worker warp is the producer. The launch caps registers so that 12 warps fit an SM, and the partitions'
-    requests move them: 24 a thread for the producer, 240 for each consumer."""
+    requests move them: 24 a thread for the producer, 240 for each consumer. FP8 (e4m3 Q, K, V^T with the scales
+    QS, KS, VS; see :func:`_ws_consumer`) is a switch of this kernel: the schedule is the same."""
     gl.static_assert(num_warps == 4, "the kernel's own warps are one consumer warpgroup")
     pid_m = gl.program_id(0)
     if CAUSAL:
@@ -359,7 +410,7 @@ def hopper_ws_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, N_q, N_k, qk_sc
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -378,11 +429,13 @@ def hopper_ws_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, N_q, N_k, qk_sc
     # Tuples built here keep constexprs as constexprs only when written out whole (a sum of tuples does not).
     gl.warp_specialize([
         (_ws_consumer, (q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turns, O, LSE, M2, L2,
-                        pid_m, bh, N_q, N_k, qk_scale, 0, HEAD_D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, PINGPONG)),
+                        QS, KS, VS, pid_m, bh, N_q, N_k, qk_scale, 0, HEAD_D, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
+                        PINGPONG, FP8)),
         (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
-                        pid_m, bh, N_q, N_k, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+                        pid_m, bh, N_q, N_k, HEAD_D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, FP8)),
         (_ws_consumer, (q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turns, O, LSE, M2, L2,
-                        pid_m, bh, N_q, N_k, qk_scale, 1, HEAD_D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, PINGPONG)),
+                        QS, KS, VS, pid_m, bh, N_q, N_k, qk_scale, 1, HEAD_D, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
+                        PINGPONG, FP8)),
     ], [1, 4], [24, 240])
 
 
@@ -454,7 +507,8 @@ def kernel_and_constexprs(cfg: dict, head_dim: int, causal: bool):
                  CAUSAL=bool(causal))
     if cfg["warp_specialize"]:
         # 12 warps (3 warpgroups) at WS_MAXNREG each fit the SM's 64K registers; the partitions then move them.
-        return hopper_ws_fwd_kernel, dict(shape, PINGPONG=bool(cfg["pingpong"]), num_warps=4), dict(maxnreg=WS_MAXNREG)
+        return (hopper_ws_fwd_kernel, dict(shape, PINGPONG=bool(cfg["pingpong"]), FP8=False, num_warps=4),
+                dict(maxnreg=WS_MAXNREG))
     return hopper_fwd_kernel, dict(shape, OVERLAP=bool(cfg["overlap"]), num_warps=cfg["num_warps"]), {}
 
 
@@ -483,5 +537,122 @@ def hopper_forward(q, k, v, causal=False, sm_scale=None, *, block_m=None, block_
     lse, m2, l2 = torch.empty((3, B, H, N_q), dtype=torch.float32, device=q.device).unbind(0)
     kernel, constexprs, options = kernel_and_constexprs(cfg, d, causal)
     grid = (triton.cdiv(N_q, cfg["block_m"]), B * H)
-    kernel[grid](q_desc, k_desc, v_desc, o, lse, m2, l2, N_q, N_k, scale * LOG2E, **constexprs, **options)
+    scales = (lse, lse, lse) if cfg["warp_specialize"] else ()  # FP8's scale pointers, unread here
+    kernel[grid](q_desc, k_desc, v_desc, o, lse, m2, l2, *scales, N_q, N_k, scale * LOG2E, **constexprs, **options)
     return o, lse, (m2, l2)
+
+
+# ---- FP8 ---------------------------------------------------------------------------------------------------
+
+FP8_MAX = 448.0  # the largest e4m3 number
+FP8_Q_ROWS = 64  # query rows a Q scale covers: one consumer warpgroup's rows
+
+
+class Fp8Inputs(NamedTuple):
+    """Q, K (e4m3, (B, H, N, d)) and V^T (e4m3, (B, H, d, N_k rounded up to 16)) with their scales: x = x8 * scale,
+    one scale per FP8_Q_ROWS query rows, per block_n keys, and per head for V. What :func:`fp8_attention` takes."""
+    q: torch.Tensor
+    k: torch.Tensor
+    vt: torch.Tensor
+    q_scale: torch.Tensor
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+    block_n: int
+
+
+def random_rotation(d: int, seed: int = 0, device="cpu") -> torch.Tensor:
+    """A random orthogonal d x d matrix, H diag(s) / sqrt(d) (H the Walsh-Hadamard matrix, s random signs): the
+    incoherent processing of FlashAttention-3. (Q M)(K M)^T = Q K^T, while an outlier in one channel of Q or K is
+    spread over all d channels, so a block's scale no longer has to stretch to fit it."""
+    if d & (d - 1):
+        raise ValueError(f"random_rotation needs a power-of-two d, got {d}")
+    H = torch.ones(1, 1, dtype=torch.float32)
+    while H.shape[0] < d:
+        H = torch.cat([torch.cat([H, H], 1), torch.cat([H, -H], 1)], 0)
+    g = torch.Generator().manual_seed(seed)
+    signs = torch.randint(0, 2, (d,), generator=g).float() * 2 - 1
+    return (H * signs[None, :] / d ** 0.5).to(device)
+
+
+def _quantize_rows(x: torch.Tensor, rows: int):
+    """x (B, H, N, d) in float32 to e4m3 with one scale per `rows` rows of a head: scale = amax / FP8_MAX."""
+    B, H, N, d = x.shape
+    pad = -N % rows
+    blocks = torch.nn.functional.pad(x, (0, 0, 0, pad)).view(B, H, (N + pad) // rows, rows, d)
+    scale = blocks.abs().amax(dim=(-1, -2)) / FP8_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero block: any scale is exact
+    x8 = (blocks / scale[..., None, None]).to(torch.float8_e4m3fn).view(B, H, N + pad, d)[:, :, :N]
+    return x8.contiguous(), scale.contiguous()
+
+
+def quantize_fp8(q, k, v, *, block_n: int = 128, incoherent: bool = False, seed: int = 0) -> Fp8Inputs:
+    """Q, K, V (B, H, N, d) to :class:`Fp8Inputs`, per-block scaled; with ``incoherent``, Q and K are first
+    multiplied by the same :func:`random_rotation`, which leaves Q K^T as it was."""
+    qf, kf, vf = (x.float() for x in (q, k, v))
+    if incoherent:
+        M = random_rotation(q.shape[-1], seed, q.device)
+        qf, kf = qf @ M, kf @ M
+    q8, q_scale = _quantize_rows(qf, FP8_Q_ROWS)
+    k8, k_scale = _quantize_rows(kf, block_n)
+    v_scale = vf.abs().amax(dim=(-1, -2)) / FP8_MAX
+    v_scale = torch.where(v_scale > 0, v_scale, torch.ones_like(v_scale)).contiguous()
+    N_k = k.shape[2]
+    vt = (vf / v_scale[..., None, None]).to(torch.float8_e4m3fn).transpose(-1, -2)
+    vt = torch.nn.functional.pad(vt.view(torch.uint8), (0, -N_k % 16)).view(torch.float8_e4m3fn).contiguous()
+    return Fp8Inputs(q8, k8, vt, q_scale, k_scale, v_scale, block_n)
+
+
+def fp8_attention(x: Fp8Inputs, causal=False, sm_scale=None, *, out_dtype=torch.float16, stages=None,
+                  pingpong=None):
+    """``(o, lse)`` from quantized inputs: the warp-specialized kernel with e4m3 products (P in e4m3 too) and
+    fp32 softmax. ``sm_scale`` defaults to 1/sqrt(d)."""
+    B, H, N_q, d = x.q.shape
+    N_k = x.k.shape[2]
+    scale = d ** -0.5 if sm_scale is None else float(sm_scale)
+    cfg = config(d, warp_specialize=True, block_n=x.block_n, stages=stages, pingpong=pingpong)
+    if cfg["block_m"] != 2 * FP8_Q_ROWS:
+        raise ValueError(f"fp8_attention's Q scales cover {FP8_Q_ROWS} rows, one consumer's: block_m must be "
+                         f"{2 * FP8_Q_ROWS}, got {cfg['block_m']}")
+    f8 = gl.float8e4nv
+    q_block, kv_block = [FP8_Q_ROWS, d], [x.block_n, d]
+    q_desc = TensorDescriptor.from_tensor(x.q.view(-1, d), q_block, gl.NVMMASharedLayout.get_default_for(q_block, f8))
+    k_desc = TensorDescriptor.from_tensor(x.k.view(-1, d), kv_block, gl.NVMMASharedLayout.get_default_for(kv_block, f8))
+    vt_block = [d, x.block_n]
+    v_desc = TensorDescriptor.from_tensor(x.vt.view(-1, x.vt.shape[-1]), vt_block,
+                                          gl.NVMMASharedLayout.get_default_for(vt_block, f8))
+    o = torch.empty((B, H, N_q, d), dtype=out_dtype, device=x.q.device)
+    lse, m2, l2 = torch.empty((3, B, H, N_q), dtype=torch.float32, device=x.q.device).unbind(0)
+    _, constexprs, options = kernel_and_constexprs(cfg, d, causal)
+    grid = (triton.cdiv(N_q, cfg["block_m"]), B * H)
+    hopper_ws_fwd_kernel[grid](q_desc, k_desc, v_desc, o, lse, m2, l2, x.q_scale, x.k_scale, x.v_scale, N_q, N_k,
+                               scale * LOG2E, **dict(constexprs, FP8=True), **options)
+    return o, lse
+
+
+def hopper_fp8_forward(q, k, v, causal=False, sm_scale=None, *, incoherent=False, seed=0, block_n=None,
+                       stages=None, pingpong=None):
+    """``(o, lse)`` of fp16 or bf16 q, k, v through e4m3: :func:`quantize_fp8` (per-block scales, and with
+    ``incoherent`` the random rotation of Q and K) then :func:`fp8_attention`; o in q's dtype. An sm_90 GPU."""
+    from flashref.triton.ops import _check
+
+    d, scale = _check(q, k, v, causal, sm_scale)
+    # 8-bit tiles take half the shared memory: 128 keys a tile at every head dim
+    cfg = config(d, warp_specialize=True, block_n=128 if block_n is None else block_n, stages=stages,
+                 pingpong=pingpong)
+    why = supported(q, k, v)
+    if why is not None:
+        raise ValueError(f"hopper_fp8_forward {why}")
+    x = quantize_fp8(q, k, v, block_n=cfg["block_n"], incoherent=incoherent, seed=seed)
+    return fp8_attention(x, causal, scale, out_dtype=q.dtype, stages=cfg["stages"], pingpong=cfg["pingpong"])
+
+
+def dequantize_fp8(x: Fp8Inputs):
+    """float32 (Q, K, V) that ``x`` stands for: each 8-bit value times its block's scale (Q and K rotated if
+    ``x`` was quantized with ``incoherent``, which leaves attention as it was). Plain attention of these in
+    float32 is the FP8 kernel's baseline: the error of e4m3 inputs alone."""
+    def rows(x8, scale, n):
+        return x8.float() * scale.repeat_interleave(n, dim=-1)[..., : x8.shape[2], None]
+
+    N_k = x.k.shape[2]
+    v = x.vt[..., :N_k].float().transpose(-1, -2) * x.v_scale[..., None, None]
+    return rows(x.q, x.q_scale, FP8_Q_ROWS), rows(x.k, x.k_scale, x.block_n), v
