@@ -29,6 +29,10 @@ products (wgmma). The switches of :func:`hopper_forward`, each measured on its o
     With ``warp_specialize``: the consumers take turns, an mbarrier handing the tensor cores from one to the other,
     so one warpgroup's exponentials run while the other's products do.
 
+FP8 (:func:`hopper_fp8_forward`, or :func:`quantize_fp8` then :func:`fp8_attention`): the warp-specialized kernel
+with e4m3 Q, K and V (transposed) and per-block scales, P rounded to e4m3, softmax in fp32; ``incoherent``
+rotates Q and K by a random Hadamard matrix first, which spreads an outlier channel over all of them.
+
 Supported: fp16 and bf16, head dims 64, 128 and 256, any N_q and N_k (N = 1 too), top-left causal or not,
 no other feature (dropout, masks, GQA: those stay on the teaching kernel). Outputs match
 :func:`flashref.triton.flash_attention_forward`: O, the natural-log lse, and the backward's (m2, l2).
