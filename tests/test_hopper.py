@@ -36,7 +36,8 @@ for d, dtype, switches, causal in [(64, "float16", None, False), (128, "float16"
                                    (64, "float16", {"warp_specialize": True, "pingpong": False}, True),
                                    (64, "float16", {"stages": 3, "block_m": 128, "num_warps": 8, "overlap": True,
                                                     "warp_specialize": False}, True),
-                                   (128, "float8_e4m3", {"block_n": 128}, True), (256, "float8_e4m3", {"block_n": 128}, False)]:
+                                   (128, "float8_e4m3", {"block_n": 128}, True),
+                                   (256, "float8_e4m3", {"block_n": 128}, False)]:
     k = compile_check.compile_hopper(d, switches, causal=causal, dtype=dtype)
     ptx = k.asm["ptx"]
     rows.append({"case": [d, dtype, switches, causal], "shared": k.metadata.shared, "warps": k.metadata.num_warps,

@@ -21,7 +21,8 @@ from flashref.bench.results import flops
 
 #: The Gluon kernel's steps: (name, switches of :func:`flashref.triton.hopper.hopper_forward`).
 STEPS = [
-    ("TMA + wgmma, one K/V tile at a time", dict(block_m=128, block_n=128, num_warps=8, stages=1, warp_specialize=False)),
+    ("TMA + wgmma, one K/V tile at a time",
+     dict(block_m=128, block_n=128, num_warps=8, stages=1, warp_specialize=False)),
     ("+ a ring of 3 TMA stages", dict(block_m=128, block_n=128, num_warps=8, stages=3, warp_specialize=False)),
     ("+ intra-warpgroup overlap, as written",
      dict(block_m=128, block_n=128, num_warps=8, stages=3, overlap=True, warp_specialize=False)),
