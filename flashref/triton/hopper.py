@@ -340,7 +340,8 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_em
     q_scale = qk_scale
     k_scales = KS
     if FP8:
-        q_scale = qk_scale * gl.load(QS + bh * gl.cdiv(N_q, ROWS) + start_m // ROWS)
+        # a consumer whose rows all lie past N_q (N_q <= 64) has no scale of its own: it stores nothing either
+        q_scale = qk_scale * gl.load(QS + bh * gl.cdiv(N_q, ROWS) + start_m // ROWS, mask=start_m < N_q, other=1.0)
         k_scales = KS + bh * gl.cdiv(N_k, BLOCK_N)
 
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
