@@ -259,22 +259,52 @@ def test_its_statistics_feed_the_recomputing_backward():
 def test_the_committed_bench_measured_every_step_and_the_shipped_defaults():
     """book/data/hopper_bench.json holds every step of the table at every point beside the peers, and its
     steps ran with the switches they name now, the shipped defaults among them (else the file is stale: measure
-    again)."""
+    again); then FP8 at every point, and FP8's error table."""
     from flashref.bench import hopper_bench
     from flashref.triton import hopper
 
     data = hopper_bench.load_results()
     assert "H100" in data["device"] and data["versions"]["triton"]
-    points = {(r["d"], r["N"], r["causal"]) for r in data["results"]}
+    fwd = [r for r in data["results"] if r["case"] == "fwd"]
+    points = {(r["d"], r["N"], r["causal"]) for r in fwd}
     assert {(d, N, c) for d, N, c in hopper_bench.GRID} <= points
     for d, N, causal in points:
-        rows = [r for r in data["results"] if (r["d"], r["N"], r["causal"]) == (d, N, causal)]
+        rows = [r for r in fwd if (r["d"], r["N"], r["causal"]) == (d, N, causal)]
         impls = {r["impl"] for r in rows}
-        assert {"sdpa-flash", "sdpa-cudnn", "flashref-triton", "flashref-hopper"} <= impls
+        assert {"sdpa-flash", "sdpa-cudnn", "flashref-triton", "flashref-hopper", "flashref-hopper-fp8",
+                "flashref-hopper-fp8+quantize"} <= impls
         hopper_rows = [r for r in rows if r["impl"] == "flashref-hopper"]
         steps = hopper_bench.STEPS if d <= 128 else hopper_bench.STEPS_D256
         assert [r["step"] for r in hopper_rows] == [name for name, _ in steps]
         assert [r["switches"] for r in hopper_rows] == [hopper.config(d, **sw) for _, sw in steps]
         assert hopper.default_config(d) in [r["switches"] for r in hopper_rows]
+        assert all(r["switches"] == hopper.config(d, **hopper_bench.FP8) for r in rows if "fp8" in r["impl"])
         assert all(r["ms"] > 0 and abs(r["tflops"] * r["ms"] * 1e9 - hopper_bench.flops(r["B"], r["H"], N, N, d, causal))
                    < 1e-6 * hopper_bench.flops(r["B"], r["H"], N, N, d, causal) for r in rows)
+    errors = {(r["inputs"], r["impl"], r["incoherent"]): r["rel_rms"] for r in data["results"] if r["case"] == "error"}
+    for kind in ("randn", "outliers"):
+        assert {(kind, "plain-fp16", False), (kind, "flashref-hopper", False)} <= errors.keys()
+        for incoherent in (False, True):
+            fp8 = errors[kind, "flashref-hopper-fp8", incoherent]
+            # FP8 errs more than fp16, and no less than the e4m3 inputs alone make it err
+            assert errors[kind, "flashref-hopper", False] < errors[kind, "e4m3-inputs-fp32", incoherent] <= fp8 * 1.01
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_the_fused_quantizer_gives_the_torch_operations_bits(d):
+    """quantize_fp8's kernel (on the GPU) and its torch operations (elsewhere) round to the same e4m3 values with
+    the same scales: uneven N, N = 1, an outlier channel, an all-zero head, fp16 and float32 (rotated) inputs."""
+    hopper = _hopper_or_skip()
+    for i, (N_q, N_k) in enumerate([(113, 203), (1, 1), (700, 2000)]):
+        q, k, v, _ = make_qkv(2, 3, N_q, N_k, d, torch.float16, "cuda", seed=13 * i + d)
+        k[..., 3] *= 40
+        q[0, 1] = 0
+        v[1, 2] = 0
+        M = hopper.random_rotation(d, seed=i, device="cuda")
+        for x, rows in ((q, hopper.FP8_Q_ROWS), (k, 128), (k, 64), (q.float() @ M, hopper.FP8_Q_ROWS)):
+            got, want = hopper._quantize_rows(x, rows), hopper._quantize_rows_torch(x.cpu(), rows)
+            assert torch.equal(got[0].cpu().view(torch.uint8), want[0].view(torch.uint8)), (N_q, N_k, rows)
+            assert torch.equal(got[1].cpu(), want[1]), (N_q, N_k, rows)
+        (vt, v_scale), (vt_cpu, v_scale_cpu) = hopper._quantize_v(v), hopper._quantize_v(v.cpu())
+        assert torch.equal(vt.cpu().view(torch.uint8), vt_cpu.view(torch.uint8)) and torch.equal(v_scale.cpu(), v_scale_cpu)

@@ -1,12 +1,15 @@
 """FlashAttention-3's ideas on Hopper, one switch at a time, beside PyTorch's attention in the same run.
 
-    python -m flashref.bench hopper            # the grid below, about 3 minutes on an H100
+    python -m flashref.bench hopper            # the grid below, about 4 minutes on an H100
 
 Forward only, fp16, B x N = 65536 tokens and H x d = 2048 (d = 64 and 128; N = 4K and 16K; causal and not),
 plus the issue's d = 256 case (B 8, H 8, N 4096). For each point: SDPA's flash (FlashAttention-2) and cuDNN
 backends, flashref's teaching Triton kernel (:func:`flashref.triton.flash_attention_forward`, autotuned), and
-the Gluon kernel of :mod:`flashref.triton.hopper` in the steps of :data:`STEPS`, each adding one switch.
-Results go to ``book/data/hopper_bench.json`` with the device, versions and command (:func:`load_results`).
+the Gluon kernel of :mod:`flashref.triton.hopper` in the steps of :data:`STEPS`, each adding one switch, then
+its FP8 forward: on inputs already in e4m3 (``flashref-hopper-fp8``, how FlashAttention-3 reports it) and from
+fp16 inputs, quantization included (``flashref-hopper-fp8+quantize``). Last, FP8's error (:func:`errors`): the
+relative RMS error of O against float32 attention, on Gaussian inputs and on inputs with outliers, with and
+without incoherent processing. Results go to ``book/data/hopper_bench.json`` with the device, versions and command (:func:`load_results`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ STEPS = [
     ("warp specialization: a producer warp, two consumer warpgroups", dict(warp_specialize=True, pingpong=False)),
     ("+ ping-pong between the consumers", dict(warp_specialize=True, pingpong=True)),
 ]
+#: The FP8 forward's switches: warp-specialized, 128 keys a tile at every d (8-bit tiles take half the room).
+FP8 = dict(warp_specialize=True, block_n=128, pingpong=True)
 #: The steps measured at d = 256 (the 128 x 128 tiles of the first three do not fit its shared memory).
 STEPS_D256 = STEPS[3:]
 GRID = [(d, N, causal) for d in (64, 128) for N in (4096, 16384) for causal in (False, True)]
@@ -59,17 +64,73 @@ def cases(grid=GRID, d256=True):
         steps = STEPS if d <= 128 else STEPS_D256
         impls += [("flashref-hopper", (step, sw), lambda sw=sw: hopper.hopper_forward(q, k, v, causal, **sw))
                   for step, sw in steps]
+        x = hopper.quantize_fp8(q, k, v, block_n=FP8["block_n"])
+        fp8 = {key: FP8[key] for key in ("stages", "pingpong") if key in FP8}
+        impls += [("flashref-hopper-fp8", ("FP8 (e4m3) on quantized inputs", FP8),
+                   lambda: hopper.fp8_attention(x, causal, **fp8)),
+                  ("flashref-hopper-fp8+quantize", ("FP8 (e4m3), quantization included", FP8),
+                   lambda: hopper.hopper_fp8_forward(q, k, v, causal, block_n=FP8["block_n"], **fp8))]
         for impl, step, fn in impls:
             ms, peak = _time(fn, False, None)
             yield {"case": "fwd", "impl": impl, "step": step[0] if step else None,
                    "switches": hopper.config(d, **step[1]) if step else None,
                    "B": B, "H": H, "N": N, "d": d, "causal": causal, "ms": ms, "tflops": work / (ms * 1e-3) / 1e12,
                    "peak_extra_bytes": peak}
-        del q, k, v
+        del q, k, v, x
         torch.cuda.empty_cache()
 
 
+#: The error table's inputs: B, H, N, d and the share of Q and K entries given an outlier (std 10 more).
+ERROR_SHAPE = (4, 8, 2048, 128)
+OUTLIERS = 1e-3
+
+
+def error_inputs(kind: str, seed: int = 0):
+    """fp16 Q, K, V of :data:`ERROR_SHAPE` on the GPU: ``"randn"`` (standard normal) or ``"outliers"`` (as
+    ``"randn"``, plus a share :data:`OUTLIERS` of Q's and K's entries drawn with std 10 more, as FlashAttention-3's
+    error test does: the large activations real models have)."""
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(ERROR_SHAPE, device="cuda", generator=g) for _ in range(3))
+    if kind == "outliers":
+        q, k = (x + (torch.rand(x.shape, device="cuda", generator=g) < OUTLIERS)
+                * 10 * torch.randn(x.shape, device="cuda", generator=g) for x in (q, k))
+    elif kind != "randn":
+        raise ValueError(f"kind must be 'randn' or 'outliers', got {kind!r}")
+    return q.half(), k.half(), v.half()
+
+
+def rel_rms(o, ref) -> float:
+    """||o - ref|| / ||ref||, in float32."""
+    return float((o.float() - ref.float()).norm() / ref.float().norm())
+
+
+def errors():
+    """Rows ``{case: "error", inputs, impl, incoherent, rel_rms, B, H, N, d}``: O of plain fp16 attention, the fp16
+    Gluon kernel, the FP8 kernel, and float32 attention of the e4m3 inputs themselves (the share of the error that
+    the inputs' rounding makes), each against float32 attention of the fp16 inputs."""
+    from flashref.torch_attention import plain_attention
+    from flashref.triton import hopper
+
+    B, H, N, d = ERROR_SHAPE
+    for kind in ("randn", "outliers"):
+        q, k, v = error_inputs(kind)
+        ref = plain_attention(q.float(), k.float(), v.float())
+        outs = [("plain-fp16", False, plain_attention(q, k, v)), ("flashref-hopper", False, hopper.hopper_forward(q, k, v)[0])]
+        for incoherent in (False, True):
+            outs.append(("flashref-hopper-fp8", incoherent, hopper.hopper_fp8_forward(q, k, v, incoherent=incoherent)[0]))
+            x = hopper.quantize_fp8(q, k, v, block_n=FP8["block_n"], incoherent=incoherent)
+            outs.append(("e4m3-inputs-fp32", incoherent, plain_attention(*hopper.dequantize_fp8(x))))
+        for impl, incoherent, o in outs:
+            yield {"case": "error", "inputs": kind, "impl": impl, "incoherent": incoherent, "rel_rms": rel_rms(o, ref),
+                   "B": B, "H": H, "N": N, "d": d}
+
+
 def _print(r):
+    if r["case"] == "error":
+        print(f"error {r['inputs']:8s} {r['impl']:20s} incoherent={r['incoherent']!s:5s} rel RMS {r['rel_rms']:.2e}")
+        return
     what = r["impl"] + (f" [{r['step']}]" if r["step"] else "")
     print(f"d={r['d']:<3d} N={r['N']:<5d} causal={r['causal']!s:5s} {what:62s} {r['ms']:8.3f} ms "
           f"{r['tflops']:6.1f} TFLOP/s", flush=True)
@@ -89,6 +150,8 @@ def main(argv=None) -> int:
                          dtype="float16")
     add = results.recorder(data, args.out, show=_print)  # saved after each row: a run cut short keeps what it measured
     for row in cases():
+        add(row)
+    for row in errors():
         add(row)
     return 0
 

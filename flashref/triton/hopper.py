@@ -46,6 +46,7 @@ from typing import NamedTuple
 
 import torch
 import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
@@ -552,6 +553,7 @@ def hopper_forward(q, k, v, causal=False, sm_scale=None, *, block_m=None, block_
 # ---- FP8 ---------------------------------------------------------------------------------------------------
 
 FP8_MAX = 448.0  # the largest e4m3 number
+_FP8_MAX = tl.constexpr(FP8_MAX)  # for kernels
 FP8_Q_ROWS = 64  # query rows a Q scale covers: one consumer warpgroup's rows
 
 
@@ -581,31 +583,95 @@ def random_rotation(d: int, seed: int = 0, device="cpu") -> torch.Tensor:
     return (H * signs[None, :] / d ** 0.5).to(device)
 
 
+@triton.jit
+def _fp8_blocks_kernel(X, X8, SCALE, N, N_out, out_head, out_row, out_col,
+                       ROWS: tl.constexpr, SUB: tl.constexpr, D: tl.constexpr, PER_HEAD: tl.constexpr):
+    """One program: ROWS rows of one head of X (contiguous, (B*H, N, D)) divided by their scale and rounded to e4m3
+    (round to nearest even). The scale is amax / FP8_MAX of these rows, written to SCALE[head, block], or with
+    PER_HEAD the head's, read from SCALE[head]. X8 is addressed through strides, so V^T is written transposed;
+    rows from N to N_out are written as zeros (V^T's padding). SUB rows at a time, twice over (amax, then the
+    values): a whole 128 x 256 block would not fit in registers."""
+    blk = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    cols = tl.arange(0, D)
+    X += bh * N * D
+    X8 += bh * out_head
+    if PER_HEAD:
+        scale = tl.load(SCALE + bh)
+    else:
+        amax = tl.zeros((SUB,), dtype=tl.float32)
+        for r0 in range(blk * ROWS, blk * ROWS + ROWS, SUB):
+            rows = r0 + tl.arange(0, SUB)
+            x = tl.load(X + rows[:, None] * D + cols[None, :], mask=rows[:, None] < N, other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
+        amax = tl.max(amax, axis=0)
+        scale = tl.where(amax > 0, tl.math.div_rn(amax, _FP8_MAX), 1.0)  # an all-zero block: any scale is exact
+        tl.store(SCALE + bh * tl.num_programs(0) + blk, scale)
+    for r0 in range(blk * ROWS, blk * ROWS + ROWS, SUB):
+        rows = r0 + tl.arange(0, SUB)
+        x = tl.load(X + rows[:, None] * D + cols[None, :], mask=rows[:, None] < N, other=0.0)
+        # div_rn: the correctly rounded quotient, as torch's, so both quantizers give the same bits
+        x8 = tl.math.div_rn(x.to(tl.float32), scale).to(tl.float8e4nv)
+        tl.store(X8 + rows[:, None] * out_row + cols[None, :] * out_col, x8, mask=rows[:, None] < N_out)
+
+
 def _quantize_rows(x: torch.Tensor, rows: int):
-    """x (B, H, N, d) in float32 to e4m3 with one scale per `rows` rows of a head: scale = amax / FP8_MAX."""
+    """x (B, H, N, d) to e4m3 with one scale per ``rows`` rows of a head, scale = amax / FP8_MAX: the fused kernel on
+    a GPU, torch operations elsewhere (the same bits: the GPU test compares them)."""
+    B, H, N, d = x.shape
+    if x.is_cuda:
+        x8 = torch.empty((B, H, N, d), dtype=torch.float8_e4m3fn, device=x.device)
+        scale = torch.empty((B, H, triton.cdiv(N, rows)), dtype=torch.float32, device=x.device)
+        _fp8_launch(x, x8, scale, scale.shape[-1], N, N, (N * d, d, 1), rows, per_head=False)
+        return x8, scale
+    return _quantize_rows_torch(x, rows)
+
+
+def _fp8_launch(x, x8, scale, n_blocks, N, N_out, strides, rows, per_head):
+    d = x.shape[-1]
+    sub = min(rows, 8192 // d)  # 32 values a thread of 8 warps each pass
+    _fp8_blocks_kernel[(n_blocks, x.shape[0] * x.shape[1])](x.contiguous(), x8, scale, N, N_out, *strides, ROWS=rows,
+                                                            SUB=sub, D=d, PER_HEAD=per_head, num_warps=8)
+
+
+def _quantize_rows_torch(x: torch.Tensor, rows: int):
     B, H, N, d = x.shape
     pad = -N % rows
-    blocks = torch.nn.functional.pad(x, (0, 0, 0, pad)).view(B, H, (N + pad) // rows, rows, d)
-    scale = blocks.abs().amax(dim=(-1, -2)) / FP8_MAX
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero block: any scale is exact
+    blocks = torch.nn.functional.pad(x.float(), (0, 0, 0, pad)).view(B, H, (N + pad) // rows, rows, d)
+    scale = (blocks.abs().amax(dim=(-1, -2)).double() / FP8_MAX).float()  # correctly rounded, as in _quantize_v
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     x8 = (blocks / scale[..., None, None]).to(torch.float8_e4m3fn).view(B, H, N + pad, d)[:, :, :N]
     return x8.contiguous(), scale.contiguous()
 
 
+def _quantize_v(v: torch.Tensor):
+    """V (B, H, N_k, d) to (V^T in e4m3, (B, H, d, N_k rounded up to 16), one scale a head)."""
+    B, H, N_k, d = v.shape
+    lo, hi = torch.aminmax(v.reshape(B, H, N_k * d), dim=-1)  # one pass, no |V| temporary
+    # in float64, then rounded: the correctly rounded quotient on every device (CUDA's tensor / scalar multiplies by
+    # the reciprocal, one unit in the last place off at times), as the Q and K scales' div_rn
+    v_scale = (torch.maximum(-lo, hi).double() / FP8_MAX).float()
+    v_scale = torch.where(v_scale > 0, v_scale, torch.ones_like(v_scale)).contiguous()
+    N_pad = N_k + -N_k % 16  # TMA rows of V^T: 16-byte aligned
+    if v.is_cuda:
+        vt = torch.empty((B, H, d, N_pad), dtype=torch.float8_e4m3fn, device=v.device)
+        _fp8_launch(v, vt, v_scale, triton.cdiv(N_pad, 64), N_k, N_pad, (d * N_pad, 1, N_pad), 64, per_head=True)
+        return vt, v_scale
+    vt = (v.float() / v_scale[..., None, None]).to(torch.float8_e4m3fn).transpose(-1, -2)
+    vt = torch.nn.functional.pad(vt.view(torch.uint8), (0, N_pad - N_k)).view(torch.float8_e4m3fn).contiguous()
+    return vt, v_scale
+
+
 def quantize_fp8(q, k, v, *, block_n: int = 128, incoherent: bool = False, seed: int = 0) -> Fp8Inputs:
     """Q, K, V (B, H, N, d) to :class:`Fp8Inputs`, per-block scaled; with ``incoherent``, Q and K are first
-    multiplied by the same :func:`random_rotation`, which leaves Q K^T as it was."""
-    qf, kf, vf = (x.float() for x in (q, k, v))
+    multiplied by the same :func:`random_rotation`, which leaves Q K^T as it was. On a GPU one fused kernel a
+    tensor (read once, written once in 8 bits); elsewhere torch operations with the same result."""
     if incoherent:
         M = random_rotation(q.shape[-1], seed, q.device)
-        qf, kf = qf @ M, kf @ M
-    q8, q_scale = _quantize_rows(qf, FP8_Q_ROWS)
-    k8, k_scale = _quantize_rows(kf, block_n)
-    v_scale = vf.abs().amax(dim=(-1, -2)) / FP8_MAX
-    v_scale = torch.where(v_scale > 0, v_scale, torch.ones_like(v_scale)).contiguous()
-    N_k = k.shape[2]
-    vt = (vf / v_scale[..., None, None]).to(torch.float8_e4m3fn).transpose(-1, -2)
-    vt = torch.nn.functional.pad(vt.view(torch.uint8), (0, -N_k % 16)).view(torch.float8_e4m3fn).contiguous()
+        q, k = q.float() @ M, k.float() @ M
+    q8, q_scale = _quantize_rows(q, FP8_Q_ROWS)
+    k8, k_scale = _quantize_rows(k, block_n)
+    vt, v_scale = _quantize_v(v)
     return Fp8Inputs(q8, k8, vt, q_scale, k_scale, v_scale, block_n)
 
 
