@@ -295,6 +295,8 @@ def test_the_committed_bench_measured_every_step_and_the_shipped_defaults():
 def test_the_fused_quantizer_gives_the_torch_operations_bits(d):
     """quantize_fp8's kernel (on the GPU) and its torch operations (elsewhere) round to the same e4m3 values with
     the same scales: uneven N, N = 1, an outlier channel, an all-zero head, fp16 and float32 (rotated) inputs."""
+    from flashref import fp8
+
     hopper = _hopper_or_skip()
     for i, (N_q, N_k) in enumerate([(113, 203), (1, 1), (700, 2000)]):
         q, k, v, _ = make_qkv(2, 3, N_q, N_k, d, torch.float16, "cuda", seed=13 * i + d)
@@ -303,7 +305,7 @@ def test_the_fused_quantizer_gives_the_torch_operations_bits(d):
         v[1, 2] = 0
         M = hopper.random_rotation(d, seed=i, device="cuda")
         for x, rows in ((q, hopper.FP8_Q_ROWS), (k, 128), (k, 64), (q.float() @ M, hopper.FP8_Q_ROWS)):
-            got, want = hopper._quantize_rows(x, rows), hopper._quantize_rows_torch(x.cpu(), rows)
+            got, want = hopper._quantize_rows(x, rows), fp8.quantize_blocks(x.cpu(), rows)
             assert torch.equal(got[0].cpu().view(torch.uint8), want[0].view(torch.uint8)), (N_q, N_k, rows)
             assert torch.equal(got[1].cpu(), want[1]), (N_q, N_k, rows)
         (vt, v_scale), (vt_cpu, v_scale_cpu) = hopper._quantize_v(v), hopper._quantize_v(v.cpu())

@@ -42,7 +42,6 @@ not written yet; ``python -m flashref.bench hopper`` and ``compile_check hopper`
 
 from __future__ import annotations
 
-from typing import NamedTuple
 
 import torch
 import triton
@@ -52,6 +51,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from flashref import fp8
+from flashref.fp8 import FP8_MAX, FP8_Q_ROWS, Fp8Inputs, random_rotation  # noqa: F401 (public here too)
 from flashref.triton.forward import LN2, LOG2E
 
 
@@ -550,37 +551,9 @@ def hopper_forward(q, k, v, causal=False, sm_scale=None, *, block_m=None, block_
     return o, lse, (m2, l2)
 
 
-# ---- FP8 ---------------------------------------------------------------------------------------------------
+# ---- FP8: the numerics live in flashref.fp8; here, the fused quantizer and the kernel's launch ---------------
 
-FP8_MAX = 448.0  # the largest e4m3 number
 _FP8_MAX = tl.constexpr(FP8_MAX)  # for kernels
-FP8_Q_ROWS = 64  # query rows a Q scale covers: one consumer warpgroup's rows
-
-
-class Fp8Inputs(NamedTuple):
-    """Q, K (e4m3, (B, H, N, d)) and V^T (e4m3, (B, H, d, N_k rounded up to 16)) with their scales: x = x8 * scale,
-    one scale per FP8_Q_ROWS query rows, per block_n keys, and per head for V. What :func:`fp8_attention` takes."""
-    q: torch.Tensor
-    k: torch.Tensor
-    vt: torch.Tensor
-    q_scale: torch.Tensor
-    k_scale: torch.Tensor
-    v_scale: torch.Tensor
-    block_n: int
-
-
-def random_rotation(d: int, seed: int = 0, device="cpu") -> torch.Tensor:
-    """A random orthogonal d x d matrix, H diag(s) / sqrt(d) (H the Walsh-Hadamard matrix, s random signs): the
-    incoherent processing of FlashAttention-3. (Q M)(K M)^T = Q K^T, while an outlier in one channel of Q or K is
-    spread over all d channels, so a block's scale no longer has to stretch to fit it."""
-    if d & (d - 1):
-        raise ValueError(f"random_rotation needs a power-of-two d, got {d}")
-    H = torch.ones(1, 1, dtype=torch.float32)
-    while H.shape[0] < d:
-        H = torch.cat([torch.cat([H, H], 1), torch.cat([H, -H], 1)], 0)
-    g = torch.Generator().manual_seed(seed)
-    signs = torch.randint(0, 2, (d,), generator=g).float() * 2 - 1
-    return (H * signs[None, :] / d ** 0.5).to(device)
 
 
 @triton.jit
@@ -616,15 +589,15 @@ def _fp8_blocks_kernel(X, X8, SCALE, N, N_out, out_head, out_row, out_col,
 
 
 def _quantize_rows(x: torch.Tensor, rows: int):
-    """x (B, H, N, d) to e4m3 with one scale per ``rows`` rows of a head, scale = amax / FP8_MAX: the fused kernel on
-    a GPU, torch operations elsewhere (the same bits: the GPU test compares them)."""
+    """:func:`flashref.fp8.quantize_blocks`: the fused kernel on a GPU, torch operations elsewhere (the same bits:
+    the GPU test compares them)."""
     B, H, N, d = x.shape
     if x.is_cuda:
         x8 = torch.empty((B, H, N, d), dtype=torch.float8_e4m3fn, device=x.device)
         scale = torch.empty((B, H, triton.cdiv(N, rows)), dtype=torch.float32, device=x.device)
         _fp8_launch(x, x8, scale, scale.shape[-1], N, N, (N * d, d, 1), rows, per_head=False)
         return x8, scale
-    return _quantize_rows_torch(x, rows)
+    return fp8.quantize_blocks(x, rows)
 
 
 def _fp8_launch(x, x8, scale, n_blocks, N, N_out, strides, rows, per_head):
@@ -634,32 +607,16 @@ def _fp8_launch(x, x8, scale, n_blocks, N, N_out, strides, rows, per_head):
                                                             SUB=sub, D=d, PER_HEAD=per_head, num_warps=8)
 
 
-def _quantize_rows_torch(x: torch.Tensor, rows: int):
-    B, H, N, d = x.shape
-    pad = -N % rows
-    blocks = torch.nn.functional.pad(x.float(), (0, 0, 0, pad)).view(B, H, (N + pad) // rows, rows, d)
-    scale = (blocks.abs().amax(dim=(-1, -2)).double() / FP8_MAX).float()  # correctly rounded, as in _quantize_v
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    x8 = (blocks / scale[..., None, None]).to(torch.float8_e4m3fn).view(B, H, N + pad, d)[:, :, :N]
-    return x8.contiguous(), scale.contiguous()
-
-
 def _quantize_v(v: torch.Tensor):
     """V (B, H, N_k, d) to (V^T in e4m3, (B, H, d, N_k rounded up to 16), one scale a head)."""
     B, H, N_k, d = v.shape
-    lo, hi = torch.aminmax(v.reshape(B, H, N_k * d), dim=-1)  # one pass, no |V| temporary
-    # in float64, then rounded: the correctly rounded quotient on every device (CUDA's tensor / scalar multiplies by
-    # the reciprocal, one unit in the last place off at times), as the Q and K scales' div_rn
-    v_scale = (torch.maximum(-lo, hi).double() / FP8_MAX).float()
-    v_scale = torch.where(v_scale > 0, v_scale, torch.ones_like(v_scale)).contiguous()
-    N_pad = N_k + -N_k % 16  # TMA rows of V^T: 16-byte aligned
+    v_scale = fp8.head_scale(v)
     if v.is_cuda:
+        N_pad = N_k + -N_k % 16
         vt = torch.empty((B, H, d, N_pad), dtype=torch.float8_e4m3fn, device=v.device)
         _fp8_launch(v, vt, v_scale, triton.cdiv(N_pad, 64), N_k, N_pad, (d * N_pad, 1, N_pad), 64, per_head=True)
         return vt, v_scale
-    vt = (v.float() / v_scale[..., None, None]).to(torch.float8_e4m3fn).transpose(-1, -2)
-    vt = torch.nn.functional.pad(vt.view(torch.uint8), (0, N_pad - N_k)).view(torch.float8_e4m3fn).contiguous()
-    return vt, v_scale
+    return fp8.quantize_v_transposed(v, v_scale), v_scale
 
 
 def quantize_fp8(q, k, v, *, block_n: int = 128, incoherent: bool = False, seed: int = 0) -> Fp8Inputs:
@@ -720,12 +677,5 @@ def hopper_fp8_forward(q, k, v, causal=False, sm_scale=None, *, incoherent=False
 
 
 def dequantize_fp8(x: Fp8Inputs):
-    """float32 (Q, K, V) that ``x`` stands for: each 8-bit value times its block's scale (Q and K rotated if
-    ``x`` was quantized with ``incoherent``, which leaves attention as it was). Plain attention of these in
-    float32 is the FP8 kernel's baseline: the error of e4m3 inputs alone."""
-    def rows(x8, scale, n):
-        return x8.float() * scale.repeat_interleave(n, dim=-1)[..., : x8.shape[2], None]
-
-    N_k = x.k.shape[2]
-    v = x.vt[..., :N_k].float().transpose(-1, -2) * x.v_scale[..., None, None]
-    return rows(x.q, x.q_scale, FP8_Q_ROWS), rows(x.k, x.k_scale, x.block_n), v
+    """:func:`flashref.fp8.dequantize`: the float32 Q, K, V that ``x`` stands for."""
+    return fp8.dequantize(x)

@@ -1,0 +1,189 @@
+"""Which unit of one H100 SM is busy when: a schedule model of the forward kernel's main loop, one picture per
+idea of FlashAttention-3 (notebook ``14_flashattention3_on_hopper``).
+
+The model has three units: the TMA copy engine (loads K and V tiles), the tensor cores (the products
+S = Q K^T and O += P V) and the exponential units (softmax). Each *stream* (a program, or a warpgroup of one)
+runs its operations in program order. An operation starts when its stream has reached it, its inputs are
+ready and its unit is free; a unit does one operation at a time. Copies and products are asynchronous:
+the stream issues them and goes on. Softmax runs on the stream's own warps, so the stream waits for it.
+Waits are written as inputs: "softmax j needs S_j" is the wait for S_j.
+
+Operation times come from the H100 SXM's data sheet (:data:`H100`): dense fp16 tensor-core throughput, the
+exponential (special function) throughput FlashAttention-3's paper quotes, both divided among 132 SMs, and
+an assumed 64 bytes a clock from L2 into each SM. It is a model for pictures, not a measurement: the
+measured effect of each idea is the benchmark's (``python -m flashref.bench hopper``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+#: H100 SXM rates (data sheet; exponentials as FlashAttention-3's paper gives them), per second, whole GPU.
+H100 = dict(sms=132, fp16_flops=989e12, fp8_flops=1979e12, exp_per_s=3.9e12, l2_bytes_per_sm=64 * 1.755e9)
+
+UNITS = ("TMA", "tensor cores", "exponentials")
+
+
+class Op(NamedTuple):
+    """One operation of a stream: ``name`` (unique in the schedule), its unit (one of :data:`UNITS`),
+    ``seconds`` on it, the names of the operations it waits for, and whether the stream waits for it to end
+    (``sync``: softmax) or only issues it (copies, products)."""
+    name: str
+    unit: str
+    seconds: float
+    after: tuple = ()
+    sync: bool = False
+
+
+class Busy(NamedTuple):
+    """An interval a unit spends on one operation of one stream."""
+    stream: str
+    name: str
+    unit: str
+    start: float
+    end: float
+
+
+def tile_seconds(block_m: int, block_n: int, d: int, *, fp8: bool = False, rates: dict = H100) -> dict:
+    """Seconds one SM spends on a ``block_m x block_n`` tile at head dim ``d``: ``{"load": K and V tiles from
+    L2, "S": Q K^T, "PV": P V, "softmax": block_m * block_n exponentials}``; the products at the fp16 or
+    (``fp8``) FP8 tensor-core rate, one byte or two a value."""
+    flops_per_sm = (rates["fp8_flops"] if fp8 else rates["fp16_flops"]) / rates["sms"]
+    gemm = 2 * block_m * block_n * d / flops_per_sm
+    return {"load": 2 * block_n * d * (1 if fp8 else 2) / rates["l2_bytes_per_sm"], "S": gemm, "PV": gemm,
+            "softmax": block_m * block_n / (rates["exp_per_s"] / rates["sms"])}
+
+
+def simulate(streams: dict) -> list:
+    """``streams``: ``{stream name: [Op, ...]}`` in program order. Returns the :class:`Busy` intervals, list
+    scheduling: of the operations next in their streams, the one that can start earliest goes first. An input
+    named ``"<op>@start"`` is ready when that operation starts (is issued) rather than when it ends."""
+    done, unit_free, issue_at, position = {}, {u: 0.0 for u in UNITS}, {s: 0.0 for s in streams}, {s: 0 for s in streams}
+    busy = []
+
+    def earliest(stream):
+        op = streams[stream][position[stream]]
+        if any(name not in done for name in op.after):
+            return None  # waits for an operation of another stream not yet placed
+        return max([issue_at[stream], unit_free[op.unit]] + [done[name] for name in op.after])
+
+    while any(position[s] < len(ops) for s, ops in streams.items()):
+        ready = [(t, s) for s in streams if position[s] < len(streams[s]) and (t := earliest(s)) is not None]
+        if not ready:
+            raise ValueError("the schedule waits in a circle: an operation waits for one that comes after it")
+        start, stream = min(ready, key=lambda x: x[0])
+        op = streams[stream][position[stream]]
+        end = start + op.seconds
+        busy.append(Busy(stream, op.name, op.unit, start, end))
+        done[op.name], done[op.name + "@start"], unit_free[op.unit] = end, start, end
+        issue_at[stream] = end if op.sync else start
+        position[stream] += 1
+    return busy
+
+
+def _loads(prefix, n_tiles, t, stages, freed_by):
+    """TMA copies of K_j and V_j into a ring of ``stages`` slots: copy j waits for tile j - stages's slot,
+    freed by the operation ``freed_by(j - stages)``."""
+    return [Op(f"{prefix}load{j}", "TMA", t["load"], (freed_by(j - stages),) if j >= stages else ())
+            for j in range(n_tiles)]
+
+
+def serial(n_tiles=4, t=None, stages=1, prefix=""):
+    """One program: each tile's copy, S, softmax and P V wait for the one before (``stages=1``); with more
+    stages the copies run ahead into a ring, the rest stays in line."""
+    t = t or tile_seconds(128, 128, 128)
+    ops = []
+    loads = _loads(prefix, n_tiles, t, stages, lambda j: f"{prefix}PV{j}")
+    for j in range(n_tiles):
+        if stages == 1:  # the one slot: this tile's copy is issued once the last tile is used
+            ops.append(loads[j])
+        previous = (f"{prefix}PV{j - 1}",) if j > 0 else ()  # in line: S_j after P_{j-1} V_{j-1}
+        ops += [Op(f"{prefix}S{j}", "tensor cores", t["S"], (f"{prefix}load{j}",) + previous),
+                Op(f"{prefix}softmax{j}", "exponentials", t["softmax"], (f"{prefix}S{j}",), sync=True),
+                Op(f"{prefix}PV{j}", "tensor cores", t["PV"], (f"{prefix}softmax{j}",))]
+    if stages == 1:
+        return {prefix + "program": ops}
+    return {prefix + "TMA": loads, prefix + "program": ops}
+
+
+def overlapped(n_tiles=4, t=None, stages=3):
+    """Intra-warpgroup overlap as FlashAttention-3 writes it: S_j and P_{j-1} V_{j-1} are issued together,
+    softmax j waits for S_j alone and runs while P_{j-1} V_{j-1} does."""
+    t = t or tile_seconds(128, 128, 128)
+    ops = [Op("S0", "tensor cores", t["S"], ("load0",)), Op("softmax0", "exponentials", t["softmax"], ("S0",), sync=True)]
+    for j in range(1, n_tiles):
+        ops += [Op(f"S{j}", "tensor cores", t["S"], (f"load{j}",)),
+                Op(f"PV{j - 1}", "tensor cores", t["PV"], (f"softmax{j - 1}",)),
+                Op(f"softmax{j}", "exponentials", t["softmax"], (f"S{j}",), sync=True)]
+    ops.append(Op(f"PV{n_tiles - 1}", "tensor cores", t["PV"], (f"softmax{n_tiles - 1}",)))
+    return {"TMA": _loads("", n_tiles, t, stages, lambda j: f"PV{j}"), "program": ops}
+
+
+def two_programs(n_tiles=4, t=None, stages=2):
+    """Two programs of half the tile on one SM, each in line as :func:`serial`; nothing coordinates them: the
+    warp schedulers give a unit to whichever is ready."""
+    streams = {}
+    for p in ("A ", "B "):  # each program's tile: half the rows
+        streams.update(serial(n_tiles, t, stages, prefix=p))
+    return streams
+
+
+def warp_specialized(n_tiles=4, t=None, stages=2, pingpong=False):
+    """A producer warp issues the copies; two consumer warpgroups of half the rows each. Round r of a consumer
+    issues P_{r-1} V_{r-1} and S_r, waits for both, then runs softmax r. With ``pingpong`` a consumer issues
+    round r's products only once the other has issued its own (warpgroup 0 goes first)."""
+    t = t or tile_seconds(64, 128, 128)
+    wgs = ("WG0", "WG1")
+    # both consumers read K_j and V_j: a slot is free once the second is done with it (modelled: WG1's P V)
+    streams = {"producer": _loads("", n_tiles, t, stages, lambda j: f"WG1 PV{j}")}
+    issued = {}  # (warpgroup, round) -> the last product it issues that round
+    for w, wg in enumerate(wgs):
+        ops = []
+        for r in range(n_tiles + 1):
+            turn = ()
+            if pingpong and w == 1:
+                turn = (f"{issued[0, r]}@start",)
+            elif pingpong and r > 0:
+                turn = (f"WG1 {'S' if r - 1 < n_tiles else 'PV'}{r - 1}@start",)
+            products = []
+            if r > 0:
+                products.append(Op(f"{wg} PV{r - 1}", "tensor cores", t["PV"], (f"{wg} softmax{r - 1}",) + turn))
+            if r < n_tiles:
+                products.append(Op(f"{wg} S{r}", "tensor cores", t["S"], (f"load{r}",) + turn))
+            issued[w, r] = products[-1].name
+            ops += products
+            if r < n_tiles:
+                ops.append(Op(f"{wg} softmax{r}", "exponentials", t["softmax"], tuple(p.name for p in products),
+                              sync=True))
+        streams[wg] = ops
+    return streams
+
+
+def makespan(busy) -> float:
+    """Seconds from the first start to the last end."""
+    return max(b.end for b in busy) - min(b.start for b in busy)
+
+
+def utilization(busy, unit: str) -> float:
+    """The share of the makespan ``unit`` is busy."""
+    return sum(b.end - b.start for b in busy if b.unit == unit) / makespan(busy)
+
+
+def draw(ax, busy, title: str = ""):
+    """One row a unit, one bar an operation (microseconds), coloured by stream, labelled with its name."""
+    import matplotlib.pyplot as plt
+
+    streams = sorted({b.stream for b in busy})
+    colours = dict(zip(streams, plt.get_cmap("tab10").colors))
+    for b in busy:
+        if b.end <= b.start:
+            continue
+        row = UNITS.index(b.unit)
+        ax.barh(row, (b.end - b.start) * 1e6, left=b.start * 1e6, color=colours[b.stream], edgecolor="white",
+                height=0.7)
+        label = b.name.replace(b.stream + " ", "").replace(b.stream, "")
+        ax.text((b.start + b.end) / 2 * 1e6, row, label.split()[-1], ha="center", va="center", fontsize=6)
+    ax.set_yticks(range(len(UNITS)), UNITS, fontsize=8)
+    ax.set_ylim(len(UNITS) - 0.5, -0.5)
+    ax.set_xlabel("microseconds", fontsize=8)
+    ax.set_title(title, fontsize=9, loc="left")
