@@ -106,15 +106,16 @@ def serial(n_tiles=4, t=None, stages=1, prefix=""):
     return {prefix + "TMA": loads, prefix + "program": ops}
 
 
-def overlapped(n_tiles=4, t=None, stages=3):
+def overlapped(n_tiles=4, t=None, stages=3, as_compiled=False):
     """Intra-warpgroup overlap as FlashAttention-3 writes it: S_j and P_{j-1} V_{j-1} are issued together,
-    softmax j waits for S_j alone and runs while P_{j-1} V_{j-1} does."""
+    softmax j waits for S_j alone and runs while P_{j-1} V_{j-1} does. ``as_compiled``: as ptxas (CUDA 13)
+    schedules our Gluon kernel's version, the wait for P_{j-1} V_{j-1} moved up before softmax j."""
     t = t or tile_seconds(128, 128, 128)
     ops = [Op("S0", "tensor cores", t["S"], ("load0",)), Op("softmax0", "exponentials", t["softmax"], ("S0",), sync=True)]
     for j in range(1, n_tiles):
         ops += [Op(f"S{j}", "tensor cores", t["S"], (f"load{j}",)),
                 Op(f"PV{j - 1}", "tensor cores", t["PV"], (f"softmax{j - 1}",)),
-                Op(f"softmax{j}", "exponentials", t["softmax"], (f"S{j}",), sync=True)]
+                Op(f"softmax{j}", "exponentials", t["softmax"], (f"S{j}",) + ((f"PV{j - 1}",) * as_compiled), sync=True)]
     ops.append(Op(f"PV{n_tiles - 1}", "tensor cores", t["PV"], (f"softmax{n_tiles - 1}",)))
     return {"TMA": _loads("", n_tiles, t, stages, lambda j: f"PV{j}"), "program": ops}
 
@@ -169,21 +170,26 @@ def utilization(busy, unit: str) -> float:
     return sum(b.end - b.start for b in busy if b.unit == unit) / makespan(busy)
 
 
-def draw(ax, busy, title: str = ""):
-    """One row a unit, one bar an operation (microseconds), coloured by stream, labelled with its name."""
+def draw(ax, busy, title: str = "", legend: bool = True):
+    """One row a unit, one bar an operation (microseconds), coloured by stream; bars wide enough carry their
+    operation's name (KV j: the copy of K_j and V_j; S j, PV j: the products; e j: softmax j's exponentials)."""
     import matplotlib.pyplot as plt
 
-    streams = sorted({b.stream for b in busy})
+    streams = list(dict.fromkeys(b.stream for b in busy))
     colours = dict(zip(streams, plt.get_cmap("tab10").colors))
+    span = makespan(busy)
     for b in busy:
-        if b.end <= b.start:
-            continue
         row = UNITS.index(b.unit)
         ax.barh(row, (b.end - b.start) * 1e6, left=b.start * 1e6, color=colours[b.stream], edgecolor="white",
-                height=0.7)
-        label = b.name.replace(b.stream + " ", "").replace(b.stream, "")
-        ax.text((b.start + b.end) / 2 * 1e6, row, label.split()[-1], ha="center", va="center", fontsize=6)
+                height=0.7, label=b.stream)
+        if b.end - b.start > span / 40:
+            name = b.name.split()[-1].replace("load", "KV").replace("softmax", "e")
+            ax.text((b.start + b.end) / 2 * 1e6, row, name, ha="center", va="center", fontsize=6, color="white")
     ax.set_yticks(range(len(UNITS)), UNITS, fontsize=8)
     ax.set_ylim(len(UNITS) - 0.5, -0.5)
-    ax.set_xlabel("microseconds", fontsize=8)
     ax.set_title(title, fontsize=9, loc="left")
+    if legend and len(streams) > 1:
+        handles, labels = ax.get_legend_handles_labels()
+        first = dict(zip(labels, handles))
+        ax.legend(first.values(), first.keys(), fontsize=7, loc="lower right", bbox_to_anchor=(1.0, 0.98),
+                  ncol=len(first), frameon=False)

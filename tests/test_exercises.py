@@ -154,6 +154,25 @@ def _sink_window(n, w, sink=True, extra=0, causal=True):
     return mask[None, None]
 
 
+def _quantize_blocks(x, rows, zero_guard=True, one_scale=False, short_block=True, cast=True):
+    """A reader's per-block e4m3 quantizer, right by default; each switch makes one mistake."""
+    import torch
+
+    B, H, N, d = x.shape
+    n_blocks = -(-N // rows) if short_block else N // rows
+    blocks = torch.nn.functional.pad(x, (0, 0, 0, n_blocks * rows - N))[:, :, :n_blocks * rows]
+    blocks = blocks.reshape(B, H, n_blocks, rows, d)
+    amax = blocks.abs().amax(dim=(-1, -2))
+    if one_scale:
+        amax = torch.full_like(amax, float(x.abs().max()))
+    scale = amax / 448
+    if zero_guard:
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    x8 = (blocks / scale[..., None, None]).reshape(B, H, n_blocks * rows, d)
+    x8 = torch.nn.functional.pad(x8, (0, 0, 0, max(0, N - n_blocks * rows)))[:, :, :N]
+    return (x8.to(torch.float8_e4m3fn) if cast else x8), scale
+
+
 @pytest.mark.parametrize("check, right, wrongs", [
     ("standard_attention.check_attention_function", _attention, [
         (lambda q, k, v, c: _attention(q * np.sqrt(q.shape[-1]), k, v, c), "not scaled"),
@@ -181,6 +200,12 @@ def _sink_window(n, w, sink=True, extra=0, causal=True):
         (lambda n, w: _sink_window(n, w).astype(np.int8), "dtype bool"),
         (lambda n, w: _sink_window(n, w) & ~np.eye(n, dtype=bool), "(1, 1), (2, 2)"),
         (lambda n, w: [[True]], "bool tensor (or NumPy array)")]),
+    ("hopper.check_quantize_blocks", _quantize_blocks, [
+        (lambda x, rows: _quantize_blocks(x, rows, zero_guard=False), "all-zero block has amax 0"),
+        (lambda x, rows: _quantize_blocks(x, rows, one_scale=True), "the scales are off"),
+        (lambda x, rows: _quantize_blocks(x, rows, short_block=False), "A short last block has a scale too"),
+        (lambda x, rows: _quantize_blocks(x, rows, cast=False), "torch.float8_e4m3fn tensor"),
+        (lambda x, rows: _quantize_blocks(x, rows)[0], "return a pair")]),
     ("beyond.check_merge_splits", _merge_splits, [
         (lambda o, lse: ((np.exp(lse)[..., None] * o).sum(0) / np.exp(lse).sum(0)[:, None],
                          np.log(np.exp(lse).sum(0))), "NaN or inf"),  # exact, but exp(lse) overflows
@@ -343,3 +368,13 @@ def test_beyond_numbers():
     pairs = ex.causal_pairs_contiguous(4096, 4)
     assert pairs[0] == 1024 * 1025 // 2 and sum(pairs) == 4096 * 4097 // 2  # the whole causal triangle
     assert ex.check_causal_imbalance(pairs[-1] / pairs[0]) and not ex.check_causal_imbalance(4.0)
+
+
+def test_hopper_numbers():
+    from flashref.exercises import hopper as ex
+
+    # 128 x 128 exponentials at 3.9e12/s against 4 * 128 * 128 * 64 FLOPs at 1979e12/s: about 1.98
+    want = (128 * 128 / 3.9e12) / (4 * 128 * 128 * 64 / 1979e12)
+    assert ex.check_exp_ratio(want) and 1.97 < want < 1.99
+    assert "twice as long" in repr(ex.check_exp_ratio(want))
+    assert not ex.check_exp_ratio(want / 2) and not ex.check_exp_ratio(1 / want)  # fp16 rates; upside down
