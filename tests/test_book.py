@@ -24,7 +24,8 @@ def test_book_builds_without_warnings(tmp_path):
     for page in ("book/intro.html", "book/memory_hierarchy.html", "notebooks/01_standard_attention.html",
                  "notebooks/08_triton_backward.html", "notebooks/09_measured_io.html",
                  "notebooks/10_dropout_masks_sparsity.html", "notebooks/11_attention_in_a_model.html",
-                 "notebooks/12_packing_and_score_mods.html", "notebooks/13_beyond_one_gpu_and_decoding.html"):
+                 "notebooks/12_packing_and_score_mods.html", "notebooks/13_beyond_one_gpu_and_decoding.html",
+                 "notebooks/14_flashattention3_on_hopper.html"):
         assert (html / page).exists(), f"{page} missing from the build"
     # The animated tile walk plays in the rendered page: matplotlib's JavaScript player and its frames.
     tiled = (html / "notebooks/03_tiled_forward.html").read_text()

@@ -127,6 +127,118 @@ def errors():
                    "B": B, "H": H, "N": N, "d": d}
 
 
+PEERS = [("sdpa-flash", "SDPA flash (FlashAttention-2)"), ("sdpa-cudnn", "SDPA cuDNN"),
+         ("flashref-triton", "teaching Triton kernel (notebook 7)")]
+FP8_ROWS = [("flashref-hopper-fp8", "FP8, inputs already e4m3"), ("flashref-hopper-fp8+quantize", "FP8, quantizing included")]
+
+
+def _points(results):
+    return sorted({(r["d"], r["N"], r["causal"]) for r in results if r["case"] == "fwd"},
+                  key=lambda p: (p[0], p[1], p[2]))
+
+
+def _get(results, impl, point, step=None):
+    for r in results:
+        if r["case"] == "fwd" and r["impl"] == impl and (r["d"], r["N"], r["causal"]) == point and r["step"] == step:
+            return r
+    return None
+
+
+def step_table(results) -> str:
+    """TFLOP/s, one line per implementation or step (the peers, the Gluon kernel's :data:`STEPS`, FP8), one column
+    per point (d, N, causal); "-" where a step was not run (the 128 x 128 steps at d = 256)."""
+    points = _points(results)
+    head = f"{'':52s}" + "".join(f"{f'd{d} {N // 1024}K' + (' c' if c else ''):>11s}" for d, N, c in points)
+    lines = [head]
+
+    def line(label, impl, step=None):
+        cells = [(_get(results, impl, p, step) or {}).get("tflops") for p in points]
+        lines.append(f"{label[:52]:52s}" + "".join(f"{c:11.0f}" if c else f"{'-':>11s}" for c in cells))
+
+    for impl, label in PEERS:
+        line(label, impl)
+    for n, (step, _) in enumerate(STEPS, start=1):
+        line(f"{n}. {step}", "flashref-hopper", step)
+    for impl, label in FP8_ROWS:
+        line(label, impl, next(r["step"] for r in results if r["impl"] == impl))
+    return "\n".join(lines)
+
+
+def default_row(results, point):
+    """The Gluon kernel's row at ``point`` with the switches :func:`flashref.triton.hopper.default_config` ships."""
+    from flashref.triton.hopper import default_config
+
+    return next(r for r in results if r["case"] == "fwd" and r["impl"] == "flashref-hopper"
+                and (r["d"], r["N"], r["causal"]) == point and r["switches"] == default_config(point[0]))
+
+
+def goals_table(results) -> str:
+    """Per point: the shipped defaults' TFLOP/s, over cuDNN's and over SDPA flash's, and FP8 (inputs already e4m3,
+    and quantizing included) over the fp16 default: the issue's goals are >= 1.0x cuDNN, >= 1.0x flash, FP8 >= 1.5x."""
+    lines = [f"{'d':>3s} {'N':>6s} {'causal':>6s} {'TFLOP/s':>8s} {'x cuDNN':>8s} {'x flash':>8s} {'FP8 x':>6s} "
+             f"{'FP8+q x':>8s} {'FP8 TFLOP/s':>12s}"]
+    for point in _points(results):
+        mine = default_row(results, point)["tflops"]
+        cudnn, flash = (_get(results, i, point)["tflops"] for i in ("sdpa-cudnn", "sdpa-flash"))
+        fp8, fp8q = (next(r for r in results if r["case"] == "fwd" and r["impl"] == i
+                          and (r["d"], r["N"], r["causal"]) == point)["tflops"] for i, _ in FP8_ROWS)
+        d, N, causal = point
+        lines.append(f"{d:3d} {N:6d} {causal!s:>6s} {mine:8.0f} {mine / cudnn:8.2f} {mine / flash:8.2f} "
+                     f"{fp8 / mine:6.2f} {fp8q / mine:8.2f} {fp8:12.0f}")
+    return "\n".join(lines)
+
+
+ERROR_LABELS = {("plain-fp16", False): "plain attention in fp16", ("flashref-hopper", False): "Gluon kernel, fp16",
+                ("e4m3-inputs-fp32", False): "e4m3 inputs, attention in fp32",
+                ("flashref-hopper-fp8", False): "Gluon kernel, FP8",
+                ("e4m3-inputs-fp32", True): "e4m3 inputs, incoherent, fp32",
+                ("flashref-hopper-fp8", True): "Gluon kernel, FP8, incoherent"}
+
+
+def error_table(results) -> str:
+    """Relative RMS error of O against float32 attention, one line per implementation, one column per kind of
+    inputs (:func:`error_inputs`)."""
+    get = {(r["inputs"], r["impl"], r["incoherent"]): r["rel_rms"] for r in results if r["case"] == "error"}
+    lines = [f"{'':34s}{'randn':>10s}{'outliers':>10s}"]
+    for (impl, inc), label in ERROR_LABELS.items():
+        lines.append(f"{label:34s}" + "".join(f"{get[kind, impl, inc]:10.1e}" for kind in ("randn", "outliers")))
+    return "\n".join(lines)
+
+
+def plot(data, point=(128, 16384, False)):
+    """Two panels: TFLOP/s at ``point`` of the peers, each step and FP8 (bars); and each fp16 and FP8 variant's
+    error on inputs with outliers against its speed there."""
+    import matplotlib.pyplot as plt
+
+    results = data["results"]
+    rows = [(label, _get(results, impl, point)) for impl, label in PEERS]
+    rows += [(f"{n}. {step}", _get(results, "flashref-hopper", point, step)) for n, (step, _) in enumerate(STEPS, 1)]
+    rows += [(label, next(r for r in results if r["impl"] == impl and (r["d"], r["N"], r["causal"]) == point))
+             for impl, label in FP8_ROWS]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [3, 2]})
+    colours = ["0.6"] * len(PEERS) + ["tab:blue"] * len(STEPS) + ["tab:orange"] * len(FP8_ROWS)
+    ax.barh(range(len(rows)), [r["tflops"] for _, r in rows], color=colours)
+    ax.set_yticks(range(len(rows)), [label for label, _ in rows], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("TFLOP/s (forward)")
+    d, N, causal = point
+    ax.set_title(f"d = {d}, N = {N}, {'causal' if causal else 'not causal'}, fp16 inputs", fontsize=9)
+    errs = {(r["inputs"], r["impl"], r["incoherent"]): r["rel_rms"] for r in results if r["case"] == "error"}
+    fp16 = default_row(results, point)["tflops"]
+    fp8 = rows[-2][1]["tflops"]
+    for (impl, inc), speed, marker in ((("flashref-hopper", False), fp16, "o"), (("flashref-hopper-fp8", False), fp8, "s"),
+                                      (("flashref-hopper-fp8", True), fp8, "^")):
+        ax2.scatter(speed, errs["outliers", impl, inc], marker=marker, s=60, label=ERROR_LABELS[impl, inc])
+    ax2.set_yscale("log")
+    ax2.set_xlabel("TFLOP/s (forward)")
+    ax2.set_ylabel("relative RMS error of O (outliers)")
+    ax2.legend(fontsize=7)
+    ax2.set_title("error against speed", fontsize=9)
+    fig.suptitle(data["device"], fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
 def _print(r):
     if r["case"] == "error":
         print(f"error {r['inputs']:8s} {r['impl']:20s} incoherent={r['incoherent']!s:5s} rel RMS {r['rel_rms']:.2e}")
