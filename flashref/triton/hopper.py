@@ -36,8 +36,9 @@ rotates Q and K by a random Hadamard matrix first, which spreads an outlier chan
 Supported: fp16 and bf16, head dims 64, 128 and 256, any N_q and N_k (N = 1 too), top-left causal or not,
 no other feature (dropout, masks, GQA: those stay on the teaching kernel). Outputs match
 :func:`flashref.triton.flash_attention_forward`: O, the natural-log lse, and the backward's (m2, l2).
-It needs an sm_90 GPU; :func:`supported` says whether a call qualifies. Its chapter (after the Triton ones) is
-not written yet; ``python -m flashref.bench hopper`` and ``compile_check hopper`` hold its measurements.
+It needs an sm_90 GPU; :func:`supported` says whether a call qualifies. :func:`flashref.triton.flash_attention`
+does not dispatch to it yet. Taught in notebook ``14_flashattention3_on_hopper``; ``python -m flashref.bench
+hopper`` and ``compile_check hopper`` hold its measurements.
 """
 
 from __future__ import annotations
@@ -533,6 +534,13 @@ def hopper_forward(q, k, v, causal=False, sm_scale=None, *, block_m=None, block_
     why = supported(q, k, v)
     if why is not None:
         raise ValueError(f"hopper_forward {why}")
+    return launch_forward(q, k, v, causal, scale, cfg)
+
+
+def launch_forward(q, k, v, causal: bool, scale: float, cfg: dict):
+    """:func:`hopper_forward` on inputs already checked (and :func:`supported`), with the switches ``cfg`` (what a
+    dispatch from :func:`flashref.triton.flash_attention` will call: its checks are done by then)."""
+    d = q.shape[3]
     B, H, N_q, _ = q.shape
     N_k = k.shape[2]
     q_block, kv_block = _descriptor_blocks(cfg, d)
