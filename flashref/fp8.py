@@ -23,7 +23,8 @@ FP8_Q_ROWS = 64  # query rows a Q scale covers: one consumer warpgroup's rows in
 
 class Fp8Inputs(NamedTuple):
     """Q, K (e4m3, (B, H, N, d)) and V^T (e4m3, (B, H, d, N_k rounded up to 16)) with their scales: x = x8 * scale,
-    one scale per FP8_Q_ROWS query rows, per block_n keys, and per head for V. What :func:`flashref.triton.hopper.fp8_attention` takes."""
+    one scale per FP8_Q_ROWS query rows, per block_n keys, and per head for V. What
+    :func:`flashref.triton.hopper.fp8_attention` takes."""
     q: torch.Tensor
     k: torch.Tensor
     vt: torch.Tensor

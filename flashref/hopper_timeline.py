@@ -58,7 +58,8 @@ def simulate(streams: dict) -> list:
     """``streams``: ``{stream name: [Op, ...]}`` in program order. Returns the :class:`Busy` intervals, list
     scheduling: of the operations next in their streams, the one that can start earliest goes first. An input
     named ``"<op>@start"`` is ready when that operation starts (is issued) rather than when it ends."""
-    done, unit_free, issue_at, position = {}, {u: 0.0 for u in UNITS}, {s: 0.0 for s in streams}, {s: 0 for s in streams}
+    done, unit_free = {}, {u: 0.0 for u in UNITS}
+    issue_at, position = {s: 0.0 for s in streams}, {s: 0 for s in streams}
     busy = []
 
     def earliest(stream):
@@ -111,11 +112,13 @@ def overlapped(n_tiles=4, t=None, stages=3, as_compiled=False):
     softmax j waits for S_j alone and runs while P_{j-1} V_{j-1} does. ``as_compiled``: as ptxas (CUDA 13)
     schedules our Gluon kernel's version, the wait for P_{j-1} V_{j-1} moved up before softmax j."""
     t = t or tile_seconds(128, 128, 128)
-    ops = [Op("S0", "tensor cores", t["S"], ("load0",)), Op("softmax0", "exponentials", t["softmax"], ("S0",), sync=True)]
+    ops = [Op("S0", "tensor cores", t["S"], ("load0",)),
+           Op("softmax0", "exponentials", t["softmax"], ("S0",), sync=True)]
     for j in range(1, n_tiles):
         ops += [Op(f"S{j}", "tensor cores", t["S"], (f"load{j}",)),
                 Op(f"PV{j - 1}", "tensor cores", t["PV"], (f"softmax{j - 1}",)),
-                Op(f"softmax{j}", "exponentials", t["softmax"], (f"S{j}",) + ((f"PV{j - 1}",) * as_compiled), sync=True)]
+                Op(f"softmax{j}", "exponentials", t["softmax"], (f"S{j}",) + ((f"PV{j - 1}",) * as_compiled),
+                   sync=True)]
     ops.append(Op(f"PV{n_tiles - 1}", "tensor cores", t["PV"], (f"softmax{n_tiles - 1}",)))
     return {"TMA": _loads("", n_tiles, t, stages, lambda j: f"PV{j}"), "program": ops}
 

@@ -9,7 +9,8 @@ the Gluon kernel of :mod:`flashref.triton.hopper` in the steps of :data:`STEPS`,
 its FP8 forward: on inputs already in e4m3 (``flashref-hopper-fp8``, how FlashAttention-3 reports it) and from
 fp16 inputs, quantization included (``flashref-hopper-fp8+quantize``). Last, FP8's error (:func:`errors`): the
 relative RMS error of O against float32 attention, on Gaussian inputs and on inputs with outliers, with and
-without incoherent processing. Results go to ``book/data/hopper_bench.json`` with the device, versions and command (:func:`load_results`).
+without incoherent processing. Results go to ``book/data/hopper_bench.json`` with the device, versions and
+command (:func:`load_results`).
 """
 
 from __future__ import annotations
@@ -117,9 +118,11 @@ def errors():
     for kind in ("randn", "outliers"):
         q, k, v = error_inputs(kind)
         ref = plain_attention(q.float(), k.float(), v.float())
-        outs = [("plain-fp16", False, plain_attention(q, k, v)), ("flashref-hopper", False, hopper.hopper_forward(q, k, v)[0])]
+        outs = [("plain-fp16", False, plain_attention(q, k, v)),
+                ("flashref-hopper", False, hopper.hopper_forward(q, k, v)[0])]
         for incoherent in (False, True):
-            outs.append(("flashref-hopper-fp8", incoherent, hopper.hopper_fp8_forward(q, k, v, incoherent=incoherent)[0]))
+            o = hopper.hopper_fp8_forward(q, k, v, incoherent=incoherent)[0]
+            outs.append(("flashref-hopper-fp8", incoherent, o))
             x = hopper.quantize_fp8(q, k, v, block_n=FP8["block_n"], incoherent=incoherent)
             outs.append(("e4m3-inputs-fp32", incoherent, plain_attention(*hopper.dequantize_fp8(x))))
         for impl, incoherent, o in outs:
@@ -129,7 +132,8 @@ def errors():
 
 PEERS = [("sdpa-flash", "SDPA flash (FlashAttention-2)"), ("sdpa-cudnn", "SDPA cuDNN"),
          ("flashref-triton", "teaching Triton kernel (notebook 7)")]
-FP8_ROWS = [("flashref-hopper-fp8", "FP8, inputs already e4m3"), ("flashref-hopper-fp8+quantize", "FP8, quantizing included")]
+FP8_ROWS = [("flashref-hopper-fp8", "FP8, inputs already e4m3"),
+            ("flashref-hopper-fp8+quantize", "FP8, quantizing included")]
 
 
 def _points(results):
@@ -226,8 +230,9 @@ def plot(data, point=(128, 16384, False)):
     errs = {(r["inputs"], r["impl"], r["incoherent"]): r["rel_rms"] for r in results if r["case"] == "error"}
     fp16 = default_row(results, point)["tflops"]
     fp8 = rows[-2][1]["tflops"]
-    for (impl, inc), speed, marker in ((("flashref-hopper", False), fp16, "o"), (("flashref-hopper-fp8", False), fp8, "s"),
-                                      (("flashref-hopper-fp8", True), fp8, "^")):
+    points = ((("flashref-hopper", False), fp16, "o"), (("flashref-hopper-fp8", False), fp8, "s"),
+              (("flashref-hopper-fp8", True), fp8, "^"))
+    for (impl, inc), speed, marker in points:
         ax2.scatter(speed, errs["outliers", impl, inc], marker=marker, s=60, label=ERROR_LABELS[impl, inc])
     ax2.set_yscale("log")
     ax2.set_xlabel("TFLOP/s (forward)")
