@@ -290,6 +290,31 @@ def test_the_committed_bench_measured_every_step_and_the_shipped_defaults():
             assert errors[kind, "flashref-hopper", False] < errors[kind, "e4m3-inputs-fp32", incoherent] <= fp8 * 1.01
 
 
+def test_the_committed_bench_backs_the_dispatch_of_flash_attention():
+    """The dispatch rows: both forwards at every length and head dim of the sweep; kernel="auto" takes the Hopper
+    forward wherever it can run, so wherever a launch is long enough to time (the teaching kernel's 0.5 ms or more)
+    it measured no slower than 0.95x the teaching kernel. The forward + backward rows: flash_attention with
+    kernel="auto" ran the Hopper forward at every point of the grid, beside the peers."""
+    from flashref.bench import hopper_bench
+
+    results = hopper_bench.load_results()["results"]
+    rows = {(r["d"], r["N"], r["causal"], r["impl"]): r for r in results if r["case"] == "dispatch"}
+    for d in hopper_bench.DISPATCH_D:
+        for N in hopper_bench.DISPATCH_N:
+            for causal in (False, True):
+                triton_, hopper_ = (rows[d, N, causal, f"flashref-{k}"] for k in ("triton", "hopper"))
+                assert triton_["B"] * N == 65536 and triton_["H"] * d == 2048
+                if triton_["ms"] >= 0.5:
+                    assert hopper_["ms"] <= triton_["ms"] / 0.95, (d, N, causal, triton_["ms"], hopper_["ms"])
+    training = {(r["d"], r["N"], r["causal"], r["impl"]): r for r in results if r["case"] == "fwd+bwd"}
+    points = {key[:3] for key in training}
+    assert {(d, N, c) for d, N, c in hopper_bench.GRID} | {(256, 4096, False), (256, 4096, True)} <= points
+    for point in points:
+        assert training[(*point, "flashref-auto")]["forward"] == "hopper"
+        assert training[(*point, "flashref-triton")]["forward"] == "triton"
+        assert all((*point, impl) in training for impl in ("sdpa-flash", "sdpa-cudnn"))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_the_fused_quantizer_gives_the_torch_operations_bits(d):

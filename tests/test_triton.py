@@ -254,6 +254,29 @@ def test_rejects_wrong_device():
             flash_attention(q.to("meta"), k.to("meta"), v.to("meta"))
 
 
+def test_kernel_picks_the_forward_and_refuses_what_it_cannot_run():
+    """kernel="auto" runs the teaching kernel wherever the Hopper forward cannot (here: no sm_90 GPU, or fp32), with
+    the same result as kernel="triton"; kernel="hopper" there is a ValueError saying why; a bad name is refused."""
+    from flashref.triton import forward_kernel
+
+    q, k, v, do = make_qkv(1, 2, 33, 47, 64, torch.float32, DEVICE)
+    assert forward_kernel(q, k, v, True) == "triton"
+    assert forward_kernel(q, k, v, kernel="triton") == "triton"
+    for a, b in zip(flash_attention_forward(q, k, v, True), flash_attention_forward(q, k, v, True, kernel="triton")):
+        assert torch.equal(a, b)
+    auto = flash_forward_backward(flash_attention, q, k, v, do, True)
+    teaching = flash_forward_backward(functools.partial(flash_attention, kernel="triton"), q, k, v, do, True)
+    assert all(torch.equal(a, b) for a, b in zip(auto, teaching))
+    with pytest.raises(ValueError, match="kernel='hopper': the Hopper forward"):
+        flash_attention(q, k, v, kernel="hopper")
+    with pytest.raises(ValueError, match="kernel='hopper'"):
+        flash_attention_forward(q, k, v, kernel="hopper")
+    with pytest.raises(ValueError, match="kernel must be one of 'auto', 'triton', 'hopper', got 'gluon'"):
+        flash_attention(q, k, v, kernel="gluon")
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        forward_kernel(q, k, v, kernel=None)
+
+
 def test_backward_rejects_bad_lse_and_do():
     q, k, v, do = make_qkv(1, 1, 8, 8, 16, torch.float32, DEVICE)
     o, lse = flash_attention_forward(q, k, v)

@@ -4,6 +4,8 @@ backward deterministic. Run on the GPU machine (marker ``gpu``), also with ``FLA
 
 Autotuning is off here (``FLASHREF_TRITON_AUTOTUNE=0``: the first config that fits the GPU) to keep
 compile time short; ``test_every_config_is_correct`` pins each config the autotuner may choose in turn.
+The method runs on both forwards ``flash_attention`` can take: ``kernel="triton"`` (the teaching kernel, which
+the config and autotuning tests pin) and ``kernel="auto"`` (on an H100, the Hopper forward for what it supports).
 """
 
 from __future__ import annotations
@@ -31,10 +33,10 @@ def _batch(N_q, N_k):
     return (2, 3) if max(N_q, N_k) <= 1024 else (1, 2)
 
 
-def _check(q, k, v, do, causal, deterministic=True):
+def _check(q, k, v, do, causal, deterministic=True, kernel="triton"):
     from flashref.triton import flash_attention
 
-    fn = functools.partial(flash_attention, deterministic=deterministic)
+    fn = functools.partial(flash_attention, deterministic=deterministic, kernel=kernel)
     got = flash_forward_backward(fn, q, k, v, do, causal)
     ref = plain_forward_backward(*(x.float() for x in (q, k, v, do)), causal)
     base = plain_forward_backward(q, k, v, do, causal)
@@ -43,9 +45,10 @@ def _check(q, k, v, do, causal, deterministic=True):
         assert_within_tolerance(g, r, b, factor=factor, name=f"{name} ({q.dtype}, causal={causal})")
 
 
+@pytest.mark.parametrize("kernel", ["triton", "auto"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d,dtype", CASES, ids=lambda x: str(x).replace("torch.", ""))
-def test_method(d, dtype, causal):
+def test_method(d, dtype, causal, kernel):
     if dtype == torch.bfloat16 and torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("bf16 needs compute capability 8.0")
     for i, (N_q, N_k) in enumerate(LENGTHS):
@@ -53,7 +56,29 @@ def test_method(d, dtype, causal):
             continue
         B, H = _batch(N_q, N_k)
         q, k, v, do = make_qkv(B, H, N_q, N_k, d, dtype, "cuda", seed=i + d)
-        _check(q, k, v, do, causal)
+        _check(q, k, v, do, causal, kernel=kernel)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d,dtype", [(64, torch.float16), (128, torch.float16), (256, torch.float16),
+                                     (128, torch.bfloat16)], ids=lambda x: str(x).replace("torch.", ""))
+def test_method_on_the_hopper_forward(d, dtype, causal):
+    """kernel="hopper" (an H100): the same rule on the uneven shapes, extreme logits too, with its o, lse and row
+    statistics equal to what kernel="auto" computes, and the backward recomputing from them."""
+    from flashref.triton import flash_attention_forward, forward_kernel
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper forward needs an sm_90 GPU")
+    for i, (N_q, N_k) in enumerate(LENGTHS):
+        B, H = _batch(N_q, N_k)
+        q, k, v, do = make_qkv(B, H, N_q, N_k, d, dtype, "cuda", seed=300 + i + d)
+        assert forward_kernel(q, k, v, causal) == "hopper"
+        _check(q, k, v, do, causal, kernel="hopper")
+        o_auto, lse_auto = flash_attention_forward(q, k, v, causal)
+        o_hop, lse_hop = flash_attention_forward(q, k, v, causal, kernel="hopper")
+        assert torch.equal(o_auto, o_hop) and torch.equal(lse_auto, lse_hop)
+    q, k, v, do = make_qkv(1, 2, 300, 517, d, dtype, "cuda", seed=d)
+    _check(q * 30, k, v, do, causal, kernel="hopper")  # extreme logits: scores in the hundreds
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -64,7 +89,7 @@ def test_method_with_t4_configs(monkeypatch, dtype, causal):
     for d in (64, 128):
         for i, (N_q, N_k) in enumerate([(113, 203), (1, 239), (1023, 1024)]):
             q, k, v, do = make_qkv(2, 3, N_q, N_k, d, dtype, "cuda", seed=100 + i)
-            _check(q, k, v, do, causal)
+            _check(q, k, v, do, causal)  # the teaching kernel: what a T4 runs
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -188,3 +213,32 @@ def test_block_sparse_backward_on_two_streams_matches_one_and_captures_in_a_cuda
     graph.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip([qq.grad, kk.grad, vv.grad], one))
+
+
+def test_auto_takes_the_teaching_kernel_where_the_hopper_forward_cannot_run():
+    """On an H100, kernel="auto" falls back for each thing the Hopper forward does not take, and kernel="hopper"
+    refuses it naming it; on any other GPU both say there is no sm_90."""
+    from flashref.triton import flash_attention, forward_kernel
+
+    q, k, v, _ = make_qkv(1, 2, 300, 300, 128, torch.float16, "cuda", seed=5)
+    if torch.cuda.get_device_capability() != (9, 0):
+        assert forward_kernel(q, k, v) == "triton"
+        with pytest.raises(ValueError, match="needs an sm_90"):
+            flash_attention(q, k, v, kernel="hopper")
+        return
+    assert forward_kernel(q, k, v) == "hopper"
+    slopes = torch.ones(2, device="cuda")
+    calls = {"dropout_p": ((q, k, v), dict(dropout_p=0.1)),
+             "block_mask": ((q, k, v), dict(block_mask=torch.ones(1, 1, 3, 3, dtype=torch.bool, device="cuda"))),
+             "window_size": ((q, k, v), dict(window_size=(16, 0))),
+             "bottom_right": ((q, k[:, :, :200], v[:, :, :200]), dict(causal=True, causal_align="bottom_right")),
+             "softcap": ((q, k, v), dict(softcap=30.0)),
+             "alibi_slopes": ((q, k, v), dict(alibi_slopes=slopes)),
+             "contiguous": ((q.transpose(1, 2).contiguous().transpose(1, 2), k, v), {}),
+             "float16 or bfloat16": ((q.float(), k.float(), v.float()), {}),
+             "head dim": (tuple(x[..., :96].contiguous() for x in (q, k, v)), {}),
+             "grouped-query": ((q, k[:, :1], v[:, :1]), {})}
+    for why, (args, kw) in calls.items():
+        assert forward_kernel(*args, **kw) == "triton", why
+        with pytest.raises(ValueError, match=why):
+            flash_attention(*args, **kw, kernel="hopper")

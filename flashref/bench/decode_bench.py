@@ -234,8 +234,8 @@ def implementations(N_q: int, N_k: int, causal: bool, seqlens, impls=IMPLS) -> d
     fns = {"flashref-decode": lambda q, k, v: flash_decode(q, k, v, seqlens, causal=causal, check_finite=False),
            "flashref-decode num_splits=1": lambda q, k, v: flash_decode(q, k, v, seqlens, causal=causal, num_splits=1,
                                                                         check_finite=False),
-           "flashref-triton": lambda q, k, v: flash_attention_forward(q, k, v, window_size=window,
-                                                                      check_finite=False)[0],
+           "flashref-triton": lambda q, k, v: flash_attention_forward(q, k, v, window_size=window, check_finite=False,
+                                                                      kernel="triton")[0],
            **{name: pinned(backend) for name, backend in backends.items()}}
     if causal:
         fns["sdpa causal_lower_right"] = lower_right

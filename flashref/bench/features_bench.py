@@ -103,7 +103,8 @@ def dropout_cases(N=4096, d=64, B=8, H=16, p=0.1):
         work = flops(B, H, N, N, d, causal, "fwd+bwd")
         peers = {"flashref-triton": lambda q, k, v: flash_attention(q, k, v, causal=causal, dropout_p=p, seed=1,
                                                                     check_finite=False),
-                 "flashref-triton no dropout": lambda q, k, v: flash_attention(q, k, v, causal=causal, check_finite=False),
+                 "flashref-triton no dropout": lambda q, k, v: flash_attention(q, k, v, causal=causal,
+                                                                               check_finite=False, kernel="triton"),
                  # atomic dQ, as FlashAttention-2's backward: one backward kernel draws the mask, not two
                  "flashref-triton atomic dQ": lambda q, k, v: flash_attention(
                      q, k, v, causal=causal, dropout_p=p, seed=1, deterministic=False, check_finite=False),
@@ -149,7 +150,7 @@ def sparse_cases(N=16384, d=64, B=1, H=16, block=128):
         for mode in ("fwd", "fwd+bwd"):
             if w == n:  # the dense kernel, causal: the reference time for density 1
                 def dense(q=q, k=k, v=v, mode=mode):
-                    o = flash_attention(q, k, v, causal=True, check_finite=False)
+                    o = flash_attention(q, k, v, causal=True, check_finite=False, kernel="triton")
                     if mode != "fwd":
                         o.backward(do)
                 ms, peak = _time(dense, mode != "fwd", [q, k, v])
@@ -160,7 +161,7 @@ def sparse_cases(N=16384, d=64, B=1, H=16, block=128):
         work = flops(B, H, N, N, d, False, mode)
         for kw in (dict(block_mask=mask, block_size=block), {}):
             def fn(q=q, k=k, v=v, kw=kw, mode=mode):
-                o = flash_attention(q, k, v, check_finite=False, **kw)
+                o = flash_attention(q, k, v, check_finite=False, kernel="triton", **kw)
                 if mode != "fwd":
                     o.backward(do)
             ms, peak = _time(fn, mode != "fwd", [q, k, v])

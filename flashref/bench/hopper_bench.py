@@ -9,8 +9,11 @@ the Gluon kernel of :mod:`flashref.triton.hopper` in the steps of :data:`STEPS`,
 its FP8 forward: on inputs already in e4m3 (``flashref-hopper-fp8``, how FlashAttention-3 reports it) and from
 fp16 inputs, quantization included (``flashref-hopper-fp8+quantize``). Last, FP8's error (:func:`errors`): the
 relative RMS error of O against float32 attention, on Gaussian inputs and on inputs with outliers, with and
-without incoherent processing. Results go to ``book/data/hopper_bench.json`` with the device, versions and
-command (:func:`load_results`).
+without incoherent processing. Then what :func:`flashref.triton.flash_attention` makes of it: its forward with
+``kernel="triton"`` against the Hopper forward over sequence lengths from 128 to 16K (:func:`dispatch_cases`, the
+evidence for where ``kernel="auto"`` takes which), and forward + backward, ``kernel="auto"`` and ``"triton"``, beside
+SDPA's backends on the grid (:func:`training_cases`). Results go to ``book/data/hopper_bench.json`` with the device,
+versions and command (:func:`load_results`).
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ def cases(grid=GRID, d256=True):
         q, k, v = (torch.randn(B, H, N, d, device="cuda", dtype=torch.float16, generator=g) for _ in range(3))
         work = flops(B, H, N, N, d, causal)
         impls = [(name, None, lambda fn=sdpa(name): fn(q, k, v, causal)) for name in ("sdpa-flash", "sdpa-cudnn")]
-        impls.append(("flashref-triton", None, lambda: flash_attention_forward(q, k, v, causal)))
+        impls.append(("flashref-triton", None, lambda: flash_attention_forward(q, k, v, causal, kernel="triton")))
         steps = STEPS if d <= 128 else STEPS_D256
         impls += [("flashref-hopper", (step, sw), lambda sw=sw: hopper.hopper_forward(q, k, v, causal, **sw))
                   for step, sw in steps]
@@ -78,6 +81,66 @@ def cases(grid=GRID, d256=True):
                    "B": B, "H": H, "N": N, "d": d, "causal": causal, "ms": ms, "tflops": work / (ms * 1e-3) / 1e12,
                    "peak_extra_bytes": peak}
         del q, k, v, x
+        torch.cuda.empty_cache()
+
+
+#: The dispatch sweep: head dims and sequence lengths (B x N = 65536 tokens, H x d = 2048, as the grid).
+DISPATCH_D = (64, 128, 256)
+DISPATCH_N = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def dispatch_cases(head_dims=DISPATCH_D, lengths=DISPATCH_N):
+    """Rows ``{case: "dispatch", impl, B, H, N, d, causal, ms, tflops}``: the forward of
+    :func:`flashref.triton.flash_attention_forward` with ``kernel="triton"`` and with ``kernel="hopper"`` (the shipped
+    defaults), causal and not, at every length: where the Hopper forward is faster, ``kernel="auto"`` takes it."""
+    import torch
+
+    from flashref.triton import flash_attention_forward
+
+    for d in head_dims:
+        for N in lengths:
+            B, H = max(1, 65536 // N), 2048 // d
+            g = torch.Generator(device="cuda").manual_seed(0)
+            q, k, v = (torch.randn(B, H, N, d, device="cuda", dtype=torch.float16, generator=g) for _ in range(3))
+            for causal in (False, True):
+                work = flops(B, H, N, N, d, causal)
+                for kernel in ("triton", "hopper"):
+                    ms, _ = _time(lambda: flash_attention_forward(q, k, v, causal, check_finite=False, kernel=kernel),
+                                  False, None)
+                    yield {"case": "dispatch", "impl": f"flashref-{kernel}", "B": B, "H": H, "N": N, "d": d,
+                           "causal": causal, "ms": ms, "tflops": work / (ms * 1e-3) / 1e12}
+            del q, k, v
+            torch.cuda.empty_cache()
+
+
+def training_cases(grid=GRID, d256=True):
+    """Rows ``{case: "fwd+bwd", impl, forward, B, H, N, d, causal, ms, tflops, peak_extra_bytes}`` at the grid's points:
+    SDPA flash and cuDNN, and :func:`flashref.triton.flash_attention` with ``kernel="triton"`` and ``"auto"``
+    (``forward`` names the forward that ran: the backward is the teaching kernel's either way)."""
+    import torch
+
+    from flashref.bench.features_bench import _fwd_bwd
+    from flashref.triton import flash_attention, forward_kernel
+
+    points = [(65536 // N, 2048 // d, N, d, causal) for d, N, causal in grid]
+    if d256:
+        points += [(8, 8, 4096, 256, False), (8, 8, 4096, 256, True)]
+    for B, H, N, d, causal in points:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, do = (torch.randn(B, H, N, d, device="cuda", dtype=torch.float16, generator=g) for _ in range(4))
+        for x in (q, k, v):
+            x.requires_grad_(True)
+        work = flops(B, H, N, N, d, causal, "fwd+bwd")
+        impls = [(name, None, lambda q, k, v, fn=sdpa(name): fn(q, k, v, causal))
+                 for name in ("sdpa-flash", "sdpa-cudnn")]
+        impls += [(f"flashref-{kernel}", forward_kernel(q, k, v, causal, kernel=kernel),
+                   lambda q, k, v, kernel=kernel: flash_attention(q, k, v, causal, check_finite=False, kernel=kernel))
+                  for kernel in ("triton", "auto")]
+        for impl, forward, fn in impls:
+            ms, peak = _time(_fwd_bwd(fn, q, k, v, do), True, [q, k, v])
+            yield {"case": "fwd+bwd", "impl": impl, "forward": forward, "B": B, "H": H, "N": N, "d": d,
+                   "causal": causal, "ms": ms, "tflops": work / (ms * 1e-3) / 1e12, "peak_extra_bytes": peak}
+        del q, k, v, do
         torch.cuda.empty_cache()
 
 
@@ -192,6 +255,37 @@ def goals_table(results) -> str:
     return "\n".join(lines)
 
 
+def dispatch_table(results) -> str:
+    """Per head dim and length: the forward's TFLOP/s with ``kernel="triton"`` and ``"hopper"`` and their ratio, not
+    causal and causal (:func:`dispatch_cases`)."""
+    get = {(r["d"], r["N"], r["causal"], r["impl"]): r["tflops"] for r in results if r["case"] == "dispatch"}
+    lines = [f"{'d':>3s} {'N':>6s} | {'triton':>7s} {'hopper':>7s} {'x':>5s} | {'causal: triton':>14s} {'hopper':>7s} "
+             f"{'x':>5s}"]
+    for d, N in sorted({(d, N) for d, N, _, _ in get}):
+        cells = []
+        for causal in (False, True):
+            t, h = get[d, N, causal, "flashref-triton"], get[d, N, causal, "flashref-hopper"]
+            cells.append(f"{t:{14 if causal else 7}.0f} {h:7.0f} {h / t:5.2f}")
+        lines.append(f"{d:3d} {N:6d} | " + " | ".join(cells))
+    return "\n".join(lines)
+
+
+def training_table(results) -> str:
+    """Forward + backward TFLOP/s per point: SDPA flash and cuDNN, ``flash_attention`` with ``kernel="triton"`` and
+    ``"auto"`` (the forward it ran in brackets), and auto over cuDNN, flash and the teaching kernel."""
+    get = {(r["d"], r["N"], r["causal"], r["impl"]): r for r in results if r["case"] == "fwd+bwd"}
+    lines = [f"{'d':>3s} {'N':>6s} {'causal':>6s} {'flash':>6s} {'cuDNN':>6s} {'triton':>7s} {'auto':>6s} {'':8s} "
+             f"{'x cuDNN':>7s} {'x flash':>7s} {'x triton':>8s}"]
+    for d, N, causal in sorted({key[:3] for key in get}):
+        flash, cudnn, triton_, auto = (get[d, N, causal, i] for i in ("sdpa-flash", "sdpa-cudnn", "flashref-triton",
+                                                                         "flashref-auto"))
+        a = auto["tflops"]
+        lines.append(f"{d:3d} {N:6d} {causal!s:>6s} {flash['tflops']:6.0f} {cudnn['tflops']:6.0f} "
+                     f"{triton_['tflops']:7.0f} {a:6.0f} {'(' + auto['forward'] + ')':8s} {a / cudnn['tflops']:7.2f} "
+                     f"{a / flash['tflops']:7.2f} {a / triton_['tflops']:8.2f}")
+    return "\n".join(lines)
+
+
 ERROR_LABELS = {("plain-fp16", False): "plain attention in fp16", ("flashref-hopper", False): "Gluon kernel, fp16",
                 ("e4m3-inputs-fp32", False): "e4m3 inputs, attention in fp32",
                 ("flashref-hopper-fp8", False): "Gluon kernel, FP8",
@@ -248,7 +342,7 @@ def _print(r):
     if r["case"] == "error":
         print(f"error {r['inputs']:8s} {r['impl']:20s} incoherent={r['incoherent']!s:5s} rel RMS {r['rel_rms']:.2e}")
         return
-    what = r["impl"] + (f" [{r['step']}]" if r["step"] else "")
+    what = f"{r['case']} {r['impl']}" + (f" [{r['step']}]" if r.get("step") else "")
     print(f"d={r['d']:<3d} N={r['N']:<5d} causal={r['causal']!s:5s} {what:62s} {r['ms']:8.3f} ms "
           f"{r['tflops']:6.1f} TFLOP/s", flush=True)
 
@@ -269,6 +363,10 @@ def main(argv=None) -> int:
     for row in cases():
         add(row)
     for row in errors():
+        add(row)
+    for row in dispatch_cases():
+        add(row)
+    for row in training_cases():
         add(row)
     return 0
 

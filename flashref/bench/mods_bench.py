@@ -292,7 +292,8 @@ def window_cases(lengths=None):
             yield from _measure(fields, impl, make, (q, k, v), do, B * pairs)
         dense = {**fields, "window_size": [-1, -1], "pair_fraction": visible_pairs(N, N, causal=True) / (N * N)}
         yield from _measure(dense, "flashref-triton no window",
-                            lambda: lambda q, k, v: flash_attention(q, k, v, causal=True, check_finite=False),
+                            lambda: lambda q, k, v: flash_attention(q, k, v, causal=True, check_finite=False,
+                                                                    kernel="triton"),
                             (q, k, v), do, B * visible_pairs(N, N, causal=True))
         del q, k, v, do
         torch.cuda.empty_cache()
@@ -388,7 +389,8 @@ def varlen_cases(grid=None, docs=None):
 
         impls = {"flashref-triton varlen": (lambda: packed_fn, packed),
                  "flashref-triton padded": (lambda: lambda q, k, v: flash_attention(q, k, v, causal=True,
-                                                                                    check_finite=False), padded),
+                                                                                    check_finite=False,
+                                                                                    kernel="triton"), padded),
                  "sdpa-flash padded": (lambda: lambda q, k, v: sdpa("sdpa-flash")(q, k, v, True), padded)}
         flash_attn = _flash_attn_varlen()
         if flash_attn is not None:

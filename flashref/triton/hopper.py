@@ -37,7 +37,7 @@ Supported: fp16 and bf16, head dims 64, 128 and 256, any N_q and N_k (N = 1 too)
 no other feature (dropout, masks, GQA: those stay on the teaching kernel). Outputs match
 :func:`flashref.triton.flash_attention_forward`: O, the natural-log lse, and the backward's (m2, l2).
 It needs an sm_90 GPU; :func:`supported` says whether a call qualifies. :func:`flashref.triton.flash_attention`
-does not dispatch to it yet. Taught in notebook ``14_flashattention3_on_hopper``; ``python -m flashref.bench
+runs it (``kernel="auto"``, the default, or ``"hopper"``) for the calls it supports, with its contiguous inputs. Taught in notebook ``14_flashattention3_on_hopper``; ``python -m flashref.bench
 hopper`` and ``compile_check hopper`` hold its measurements.
 """
 
@@ -314,6 +314,20 @@ def _give_turn(turns, WG: gl.constexpr, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
+def _issue_pv(acc, alpha, P, v_smem, v_ready, turns, t, row_o: gl.constexpr, p_layout: gl.constexpr,
+              STAGES: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr, FP8: gl.constexpr):
+    """Round t's first product: O rescaled by softmax t-1's alpha, then O += P_{t-1} V_{t-1} issued once V_{t-1}
+    is in and it is this warpgroup's turn. Returns (acc, p): p's registers stay in use until the wait."""
+    prev = (t - 1) % STAGES
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+    p = gl.convert_layout(P.to(v_smem.dtype), p_layout)
+    _take_turn(turns, t, WG, PINGPONG)
+    mbarrier.wait(v_ready.index(prev), ((t - 1) // STAGES) & 1)
+    acc = warpgroup_mma(p, _v_operand(v_smem, prev, FP8), acc, is_async=True)
+    return acc, p
+
+
+@gluon.jit
 def _ws_consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turns, O, LSE, M2, L2,
                  QS, KS, VS, pid_m, bh, N_q, N_k, qk_scale, WG: gl.constexpr, HEAD_D: gl.constexpr,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
@@ -327,7 +341,6 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_em
     (one per head). The scores of tile t are scaled by QS * KS[t] with the softmax scale; P goes to e4m3
     times 2^8, so probabilities down to 2^-17 stay in its normal range, and O = acc * VS / l."""
     ROWS: gl.constexpr = BLOCK_M // 2
-    dtype: gl.constexpr = q_smem.dtype
     INSTR_K: gl.constexpr = 32 if FP8 else 16  # a wgmma reduces 32 bytes a step
     P_SHIFT: gl.constexpr = 8.0 if FP8 else 0.0
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -368,11 +381,7 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_em
     for t in range(1, n_tiles):
         slot = t % STAGES
         prev = (t - 1) % STAGES
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-        p = gl.convert_layout(P.to(dtype), p_layout)
-        _take_turn(turns, t, WG, PINGPONG)
-        mbarrier.wait(v_ready.index(prev), ((t - 1) // STAGES) & 1)
-        acc = warpgroup_mma(p, _v_operand(v_smem, prev, FP8), acc, is_async=True)
+        acc, p = _issue_pv(acc, alpha, P, v_smem, v_ready, turns, t, row_o, p_layout, STAGES, WG, PINGPONG, FP8)
         mbarrier.wait(k_ready.index(slot), (t // STAGES) & 1)
         S = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         _give_turn(turns, WG, PINGPONG)
@@ -386,11 +395,7 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_em
                                            ROWS, BLOCK_N, CAUSAL, s_layout, P_SHIFT)
     # The last round: P V of the last tile alone.
     last = (n_tiles - 1) % STAGES
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-    p = gl.convert_layout(P.to(dtype), p_layout)
-    _take_turn(turns, n_tiles, WG, PINGPONG)
-    mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
-    acc = warpgroup_mma(p, _v_operand(v_smem, last, FP8), acc, is_async=True)
+    acc, p = _issue_pv(acc, alpha, P, v_smem, v_ready, turns, n_tiles, row_o, p_layout, STAGES, WG, PINGPONG, FP8)
     _give_turn(turns, WG, PINGPONG)
     acc, S = _wait_products(acc, p, s_zero, FP8)
     mbarrier.arrive(v_empty.index(last), count=1)

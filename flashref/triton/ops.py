@@ -374,7 +374,67 @@ def _launch_first_fit(kernel, name, grid_rows, bh, args, meta):
         return
 
 
-def _forward(q, k, v, scale: float, feat: Features):
+#: ``kernel=`` of :func:`flash_attention` and :func:`flash_attention_forward`: ``"auto"`` takes the Hopper forward
+#: wherever it can run, ``"triton"`` always the teaching kernel, ``"hopper"`` the Hopper one or a ValueError saying
+#: why it cannot. The Hopper forward measured faster than the teaching one at every length from 128 to 16K, d = 64,
+#: 128 and 256, causal or not (``python -m flashref.bench hopper``'s dispatch rows, H100); it lost only on launches
+#: under a quarter of a millisecond, where the two differ by noise and launch overhead.
+KERNELS = ("auto", "triton", "hopper")
+_HOPPER = []  # flashref.triton.hopper, or the ImportError its import raised: imported once, on first use
+
+
+def _hopper_module():
+    """:mod:`flashref.triton.hopper`, imported on first need: it needs Triton's Gluon, which older Tritons (as a
+    Colab runtime may have) lack. Returns the module, or the ImportError as the reason it cannot run."""
+    if not _HOPPER:
+        try:
+            from flashref.triton import hopper
+        except ImportError as e:  # no Gluon, or an older Gluon without the Hopper ops
+            hopper = e
+        _HOPPER.append(hopper)
+    return _HOPPER[0]
+
+
+def _hopper_refusal(q, k, v, feat: Features) -> str | None:
+    """None when the Hopper forward (notebook ``14_flashattention3_on_hopper``) can take this checked call, else why
+    it cannot: the teaching kernel takes it then."""
+    if INTERPRETED or not q.is_cuda:
+        return "runs on an sm_90 GPU, not in Triton's CPU interpreter"
+    if configs.device_capability(q.device) != 90:  # wgmma and setmaxnreg are sm_90a's
+        return f"needs an sm_90 (Hopper) GPU, got sm_{configs.device_capability(q.device)}"
+    used = (("dropout_p", feat.dropout_p > 0.0), ("block_mask", feat.block_mask is not None),
+            ("window_size or causal_align='bottom_right'", feat.window), ("softcap", feat.softcap),
+            ("alibi_slopes", feat.slopes2 is not None), ("packed batches", feat.varlen is not None))
+    features = [name for name, on in used if on]
+    if features:
+        return f"takes none of {', '.join(features)}"
+    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+        return "needs contiguous q, k and v (its TMA copies read rows of the (B * H * N, d) matrices)"
+    hopper = _hopper_module()
+    if isinstance(hopper, ImportError):
+        return f"needs Triton's Gluon with its Hopper ops, which this Triton {triton.__version__} lacks ({hopper})"
+    return hopper.supported(q, k, v)
+
+
+def _forward_kernel(q, k, v, feat: Features, kernel: str) -> str:
+    """``"hopper"`` or ``"triton"``: which forward runs this checked call with ``kernel=`` (see :data:`KERNELS`)."""
+    if not isinstance(kernel, str) or kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
+    if kernel == "triton":
+        return "triton"
+    why = _hopper_refusal(q, k, v, feat)
+    if kernel == "hopper":
+        if why is not None:
+            raise ValueError(f"kernel='hopper': the Hopper forward {why} (kernel='auto' falls back to the Triton "
+                             f"kernel)")
+        return "hopper"
+    return "hopper" if why is None else "triton"
+
+
+def _forward(q, k, v, scale: float, feat: Features, kernel: str = "triton"):
+    if _forward_kernel(q, k, v, feat, kernel) == "hopper":
+        hopper = _hopper_module()
+        return hopper.launch_forward(q, k, v, feat.causal, scale, hopper.default_config(q.shape[3]))
     B, H, N_q, d = q.shape
     N_k = k.shape[2]
     # A packed batch's o takes q's layout, (total_q, H, d), through the same view the kernel gets.
@@ -509,18 +569,18 @@ _FEATURES_DOC = """
 
 def flash_attention_forward(q, k, v, causal=False, sm_scale=None, *, dropout_p=0.0, seed=None, block_mask=None,
                             block_size=128, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, check_finite=True,
-                            causal_align="top_left"):
-    """FlashAttention forward without autograd: ``(o, lse)``; ``o`` like ``q``, ``lse`` of shape
+                            causal_align="top_left", kernel="auto"):
+    """FlashAttention forward without autograd: ``(o, lse)``; ``o`` like ``q`` (contiguous), ``lse`` of shape
     ``(B, H, N_q)`` in fp32 (natural log; -inf for a row that sees no key). fp32 inputs are computed in full
     fp32 (``input_precision="ieee"``: no TF32). Pass ``seed`` with ``dropout_p`` to replay the same mask in
-    :func:`flash_attention_backward`. ``check_finite`` as in :func:`flash_attention`. Notebook
+    :func:`flash_attention_backward`. ``check_finite`` and ``kernel`` as in :func:`flash_attention`. Notebook
     ``07_triton_forward``."""
     _, scale = _check(q, k, v, causal, sm_scale, check_finite)
     feat = Features(q, k, dropout_p, seed, block_mask, block_size, causal=causal, scale=scale,
                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, check_finite=check_finite,
                     causal_align=causal_align)
     with torch.no_grad():
-        o, lse, _ = _forward(q, k, v, scale, feat)
+        o, lse, _ = _forward(q, k, v, scale, feat, kernel)
     return o, lse
 
 
@@ -578,13 +638,13 @@ class FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal=False, sm_scale=None, deterministic=True, check_finite=True, dropout_p=0.0,
                 seed=None, block_mask=None, block_size=128, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                causal_align="top_left"):
+                causal_align="top_left", kernel="auto"):
         _, scale = _check(q, k, v, causal, sm_scale, check_finite)
         validation.check_bool("deterministic", deterministic)
         feat = Features(q, k, dropout_p, seed, block_mask, block_size, causal=causal, scale=scale,
                         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, check_finite=check_finite,
                         causal_align=causal_align)
-        o, _, (m2, l2) = _forward(q, k, v, scale, feat)
+        o, _, (m2, l2) = _forward(q, k, v, scale, feat, kernel)
         ctx.save_for_backward(q, k, v, o, m2, l2)
         ctx.sm_scale, ctx.deterministic, ctx.check_finite = scale, deterministic, check_finite
         ctx.feat = feat  # the seed, the block mask and the slopes: autograd keeps them for the backward
@@ -596,12 +656,12 @@ class FlashAttentionFunction(torch.autograd.Function):
         if ctx.check_finite:
             validation.check_finite({"do (the gradient of o)": do})
         dq, dk, dv = _backward(q, k, v, o, (m2, l2), do, ctx.sm_scale, ctx.deterministic, ctx.feat)
-        return dq, dk, dv, *(None,) * 12
+        return dq, dk, dv, *(None,) * 13
 
 
 def flash_attention(q, k, v, causal=False, sm_scale=None, deterministic=True, *, dropout_p=0.0, seed=None,
                     block_mask=None, block_size=128, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                    check_finite=True, causal_align="top_left"):
+                    check_finite=True, causal_align="top_left", kernel="auto"):
     """FlashAttention as a differentiable PyTorch op: ``o = flash_attention(q, k, v, causal, sm_scale)``.
 
     ``q``: ``(B, H, N_q, d)``, ``k`` and ``v``: ``(B, H_kv, N_k, d)``, float16, bfloat16 (compute capability
@@ -618,10 +678,29 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, deterministic=True, *,
     ``ValueError`` naming the argument (:mod:`flashref.validation`'s rule); the check reads the inputs once
     and synchronizes with the GPU once per call. False skips it, as the benchmarks do (PyTorch's attention
     does not check either), and non-finite inputs then give non-finite outputs.
+    ``kernel`` (default ``"auto"``): which forward runs. ``"triton"`` is the teaching kernel of notebook
+    ``07_triton_forward``, on every GPU and in the CPU interpreter. ``"hopper"`` is the Gluon forward of notebook
+    ``14_flashattention3_on_hopper`` (:mod:`flashref.triton.hopper`): an sm_90 GPU, fp16 or bf16, d in 64, 128,
+    256, contiguous q, k, v with as many heads, no feature below; a call it cannot take is a ``ValueError`` saying
+    why. ``"auto"`` takes the Hopper forward where it can and the teaching kernel everywhere else
+    (:func:`forward_kernel` says which). Both give the same o, lse and row statistics, and the backward is
+    the teaching kernel's either way.
     Notebooks ``07_triton_forward`` and ``08_triton_backward``.
     """
     return FlashAttentionFunction.apply(q, k, v, causal, sm_scale, deterministic, check_finite, dropout_p, seed,
-                                        block_mask, block_size, window_size, softcap, alibi_slopes, causal_align)
+                                        block_mask, block_size, window_size, softcap, alibi_slopes, causal_align,
+                                        kernel)
+
+
+def forward_kernel(q, k, v, causal=False, sm_scale=None, *, dropout_p=0.0, block_mask=None, block_size=128,
+                   window_size=(-1, -1), softcap=0.0, alibi_slopes=None, causal_align="top_left", kernel="auto") -> str:
+    """Which forward :func:`flash_attention` (and :func:`flash_attention_forward`) would run with these arguments:
+    ``"hopper"`` or ``"triton"`` (see ``kernel`` there). Benchmarks record it beside each row. Checks as they do,
+    without reading the data."""
+    _, scale = _check(q, k, v, causal, sm_scale, check_finite=False)
+    feat = Features(q, k, dropout_p, 0, block_mask, block_size, causal=causal, scale=scale, window_size=window_size,
+                    softcap=softcap, alibi_slopes=alibi_slopes, check_finite=False, causal_align=causal_align)
+    return _forward_kernel(q, k, v, feat, kernel)
 
 
 flash_attention.__doc__ += _FEATURES_DOC
