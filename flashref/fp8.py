@@ -74,11 +74,16 @@ def head_scale(v: torch.Tensor) -> torch.Tensor:
     return block_scale(torch.maximum(-lo, hi)).contiguous()
 
 
+def padded_keys(N: int) -> int:
+    """V^T's row length for N keys: N rounded up to 16 (the rows of a TMA copy are 16-byte aligned)."""
+    return N + -N % 16
+
+
 def quantize_v_transposed(v: torch.Tensor, v_scale: torch.Tensor) -> torch.Tensor:
     """V^T in e4m3, (B, H, d, N rounded up to 16) (the rows of a TMA copy are 16-byte aligned), the padding 0."""
     N = v.shape[2]
     vt = (v.float() / v_scale[..., None, None]).to(torch.float8_e4m3fn).transpose(-1, -2)
-    return torch.nn.functional.pad(vt.view(torch.uint8), (0, -N % 16)).view(torch.float8_e4m3fn).contiguous()
+    return torch.nn.functional.pad(vt.view(torch.uint8), (0, padded_keys(N) - N)).view(torch.float8_e4m3fn).contiguous()
 
 
 def dequantize(x: Fp8Inputs):

@@ -625,7 +625,7 @@ def _quantize_v(v: torch.Tensor):
     B, H, N_k, d = v.shape
     v_scale = fp8.head_scale(v)
     if v.is_cuda:
-        N_pad = N_k + -N_k % 16
+        N_pad = fp8.padded_keys(N_k)
         vt = torch.empty((B, H, d, N_pad), dtype=torch.float8_e4m3fn, device=v.device)
         _fp8_launch(v, vt, v_scale, triton.cdiv(N_pad, 64), N_k, N_pad, (d * N_pad, 1, N_pad), 64, per_head=True)
         return vt, v_scale
