@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+import flashref.triton  # noqa: F401  (before triton: the interpreter switch)
 from tests._triton_helpers import make_qkv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -60,6 +61,20 @@ def test_compiles_for_the_h100_without_spills():
     for d, causal, shared, spills, wgmma, tma, waits in lines:
         assert int(shared) <= 227 * 1024 and int(spills) == 0, (d, causal, shared, spills)
         assert int(wgmma) > 0 and int(tma) > 0 and int(waits) >= 3, (d, causal, wgmma, tma, waits)
+
+
+def test_supported_says_why_not():
+    """The forward's reasons (here: no sm_90 GPU, or no GPU at all) and the head dims the backward lacks."""
+    pytest.importorskip("triton.experimental.gluon")
+    from flashref.triton import hopper_backward as hb
+
+    q = torch.zeros(1, 2, 8, 64)
+    assert "needs an sm_90" in hb.supported(q, q, q)
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+        q256 = torch.zeros(1, 2, 8, 256, device="cuda", dtype=torch.float16)
+        assert hb.supported(q256, q256, q256) == "needs a head dim in (64, 128), got 256"
+        q64 = q256[..., :64].contiguous()
+        assert hb.supported(q64, q64, q64) is None
 
 
 def _grads(q, k, v, do, causal):

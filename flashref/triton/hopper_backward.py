@@ -24,6 +24,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from flashref.triton import hopper
 from flashref.triton.forward import LOG2E
 
 HEAD_DIMS = (64, 128)
@@ -145,16 +146,12 @@ def default_config(head_dim: int) -> dict:
 
 
 def supported(q, k, v) -> str | None:
-    """None when :func:`hopper_backward` can take these (checked) q, k, v, else why not."""
-    if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
-        return f"needs an sm_90 (Hopper) GPU, got device {q.device}"
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return f"needs float16 or bfloat16 q, k, v, got {q.dtype}"
-    if k.shape[1] != q.shape[1]:
-        return f"has no grouped-query attention: k and v need q's {q.shape[1]} heads, got {k.shape[1]}"
-    if q.shape[3] not in HEAD_DIMS:
-        return f"needs a head dim in {HEAD_DIMS}, got {q.shape[3]}"
-    return None
+    """None when :func:`hopper_dkdv` can take these (checked) q, k, v, else why not: the forward's conditions
+    (:func:`flashref.triton.hopper.supported`) with head dims 64 and 128 only."""
+    why = hopper.supported(q, k, v)
+    if why is None and q.shape[3] not in HEAD_DIMS:
+        why = f"needs a head dim in {HEAD_DIMS}, got {q.shape[3]}"
+    return why
 
 
 def hopper_dkdv(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dict | None = None):
