@@ -1,6 +1,6 @@
-"""The Gluon dK/dV kernel (flashref.triton.hopper_backward): compiled for the H100 on any machine (no spills at the
-shipped tiles), and on an H100 its dK and dV within the course's tolerance rule against float32 on uneven shapes,
-causal and not, fp16 and bf16 (marker ``gpu``)."""
+"""The Gluon backward (flashref.triton.hopper_backward): both kernels compiled for the H100 on any machine (no spills
+at the shipped tiles), and on an H100 dQ, dK and dV within the course's tolerance rule against float32 on uneven
+shapes, causal and not, fp16 and bf16 (marker ``gpu``)."""
 
 from __future__ import annotations
 
@@ -27,40 +27,45 @@ from triton.experimental.gluon import language as gl
 from flashref.triton import hopper_backward as hb
 from flashref.triton.compile_check import ptxas_usage
 
-for d in hb.HEAD_DIMS:
-    for causal in (False, True):
-        cfg = hb.default_config(d)
-        bm, bn = cfg["block_m"], cfg["block_n"]
-        ql = gl.NVMMASharedLayout.get_default_for([bm, d], gl.float16)
-        kl = gl.NVMMASharedLayout.get_default_for([bn, d], gl.float16)
-        sig = {"q_desc": f"tensordesc<fp16[{bm}, {d}],{ql!r}>", "k_desc": f"tensordesc<fp16[{bn}, {d}],{kl!r}>",
-               "v_desc": f"tensordesc<fp16[{bn}, {d}],{kl!r}>", "do_desc": f"tensordesc<fp16[{bm}, {d}],{ql!r}>",
-               "DK": "*fp16", "DV": "*fp16", "M2": "*fp32", "L2": "*fp32", "Delta": "*fp32",
-               "N_q": "i32", "N_k": "i32", "sm_scale": "fp32", "qk_scale": "fp32"}
-        cx = dict(HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=cfg["stages"], CAUSAL=causal, num_warps=cfg["num_warps"])
-        sig.update({k: "constexpr" for k in cx})
-        k = triton.compile(GluonASTSource(hb.hopper_bwd_dkdv_kernel, sig, cx, {}), target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": cfg["num_warps"]})
-        ptx = k.asm["ptx"]
-        use = ptxas_usage(k)
-        print(d, causal, k.metadata.shared, use["spill_stores"], ptx.count("wgmma.mma_async"),
-              ptx.count("cp.async.bulk.tensor"), len(re.findall(r"wgmma\.wait_group", ptx)))
+OUTPUTS = {"dkdv": {"DK": "*fp16", "DV": "*fp16"}, "dq": {"DQ": "*fp16"}}
+KERNELS = {"dkdv": hb.hopper_bwd_dkdv_kernel, "dq": hb.hopper_bwd_dq_kernel}
+for part in ("dkdv", "dq"):
+    for d in hb.HEAD_DIMS:
+        for causal in (False, True):
+            cfg = hb.default_config(d, part)
+            bm, bn = cfg["block_m"], cfg["block_n"]
+            ql = gl.NVMMASharedLayout.get_default_for([bm, d], gl.float16)
+            kl = gl.NVMMASharedLayout.get_default_for([bn, d], gl.float16)
+            sig = {"q_desc": f"tensordesc<fp16[{bm}, {d}],{ql!r}>", "k_desc": f"tensordesc<fp16[{bn}, {d}],{kl!r}>",
+                   "v_desc": f"tensordesc<fp16[{bn}, {d}],{kl!r}>", "do_desc": f"tensordesc<fp16[{bm}, {d}],{ql!r}>",
+                   **OUTPUTS[part], "M2": "*fp32", "L2": "*fp32", "Delta": "*fp32",
+                   "N_q": "i32", "N_k": "i32", "sm_scale": "fp32", "qk_scale": "fp32"}
+            cx = dict(HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=cfg["stages"], CAUSAL=causal,
+                      num_warps=cfg["num_warps"])
+            sig.update({k: "constexpr" for k in cx})
+            k = triton.compile(GluonASTSource(KERNELS[part], sig, cx, {}), target=GPUTarget("cuda", 90, 32),
+                               options={"num_warps": cfg["num_warps"]})
+            ptx = k.asm["ptx"]
+            use = ptxas_usage(k)
+            print(part, d, causal, k.metadata.shared, use["spill_stores"], ptx.count("wgmma.mma_async"),
+                  ptx.count("cp.async.bulk.tensor"), len(re.findall(r"wgmma\.wait_group", ptx)))
 """
 
 
 def test_compiles_for_the_h100_without_spills():
-    """Each head dim, causal and not, at the shipped tiles: TMA copies and wgmma products in the PTX, shared memory
-    within the H100's 227 KB, and no register spills (in a child process: compiling needs the interpreter off)."""
+    """Both kernels, each head dim, causal and not, at the shipped tiles: TMA copies and wgmma products in the PTX,
+    shared memory within the H100's 227 KB, and no register spills (in a child process: compiling needs the
+    interpreter off)."""
     pytest.importorskip("triton.experimental.gluon")
     env = dict(os.environ, PYTHONPATH=ROOT)
     out = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, cwd=ROOT,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [line.split() for line in out.stdout.strip().splitlines()]
-    assert len(lines) == 4
-    for d, causal, shared, spills, wgmma, tma, waits in lines:
-        assert int(shared) <= 227 * 1024 and int(spills) == 0, (d, causal, shared, spills)
-        assert int(wgmma) > 0 and int(tma) > 0 and int(waits) >= 3, (d, causal, wgmma, tma, waits)
+    assert [line[0] for line in lines] == ["dkdv"] * 4 + ["dq"] * 4
+    for part, d, causal, shared, spills, wgmma, tma, waits in lines:
+        assert int(shared) <= 227 * 1024 and int(spills) == 0, (part, d, causal, shared, spills)
+        assert int(wgmma) > 0 and int(tma) > 0 and int(waits) >= 3, (part, d, causal, wgmma, tma, waits)
 
 
 def test_supported_says_why_not():
@@ -82,21 +87,22 @@ def _grads(q, k, v, do, causal):
 
     qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
     plain_attention(qq, kk, vv, causal).backward(do)
-    return kk.grad, vv.grad
+    return qq.grad, kk.grad, vv.grad
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d,dtype", [(64, torch.float16), (128, torch.float16), (64, torch.bfloat16),
                                      (128, torch.bfloat16)], ids=lambda x: str(x).replace("torch.", ""))
-def test_dk_dv_within_the_rule_on_uneven_shapes(d, dtype, causal):
-    """dK and dV from the forward's statistics, within 3x the error of plain attention's in the same precision
-    (the rule the teaching backward meets), on lengths no tile divides, one query, one key, N_q != N_k."""
+def test_gradients_within_the_rule_on_uneven_shapes(d, dtype, causal):
+    """dQ, dK and dV from the forward's statistics (:func:`hopper_backward`), within 3x the error of plain
+    attention's in the same precision (the rule the teaching backward meets), on lengths no tile divides, one query,
+    one key, N_q != N_k."""
     from flashref.tolerance import assert_within_tolerance
     from flashref.triton import flash_attention_forward, ops
 
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Gluon dK/dV kernel needs an sm_90 GPU")
+        pytest.skip("the Gluon backward needs an sm_90 GPU")
     from flashref.triton import hopper_backward as hb
 
     for i, (N_q, N_k) in enumerate([(113, 203), (1, 239), (239, 1), (300, 97), (1023, 1024), (2048, 2048)]):
@@ -104,8 +110,8 @@ def test_dk_dv_within_the_rule_on_uneven_shapes(d, dtype, causal):
         o, lse = flash_attention_forward(q, k, v, causal, kernel="triton")
         m2, l2 = ops._stats_from_lse(lse)
         delta = (o.float() * do.float()).sum(-1).contiguous()
-        dk, dv = hb.hopper_dkdv(q, k, v, do, m2, l2, delta, causal, d ** -0.5)
+        got = hb.hopper_backward(q, k, v, do, m2, l2, delta, causal, d ** -0.5)
         ref, base = _grads(*(x.float() for x in (q, k, v, do)), causal), _grads(q, k, v, do, causal)
-        for name, got, r, b in zip(("dk", "dv"), (dk, dv), ref, base):
+        for name, got, r, b in zip(("dq", "dk", "dv"), got, ref, base):
             assert got.dtype == dtype and got.shape == b.shape
             assert_within_tolerance(got, r, b, factor=3.0, name=f"{name} ({N_q}, {N_k}, causal={causal})")

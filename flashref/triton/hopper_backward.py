@@ -1,18 +1,22 @@
-"""The backward pass on Hopper, in Gluon: a dK/dV kernel built from the forward's parts (first step).
+"""The backward pass on Hopper, in Gluon: a dK/dV kernel and a dQ kernel built from the forward's parts.
 
-The teaching backward (:mod:`flashref.triton.backward`) leaves its schedule to Triton's compiler. This kernel
-does for dK and dV what :mod:`flashref.triton.hopper` does for the forward: TMA copies of the Q and dO tiles into
-a ring of shared-memory slots guarded by mbarriers, and the four products of a tile pair as asynchronous
-warpgroup products (wgmma). A program owns ``BLOCK_N`` keys of one head; with K_j and V_j resident in shared
-memory it walks the query tiles i that see them, in the transposed orientation (keys are the rows, so each
-product's accumulator rows are this program's keys):
+The teaching backward (:mod:`flashref.triton.backward`) leaves its schedule to Triton's compiler. These kernels do
+for the gradients what :mod:`flashref.triton.hopper` does for the forward: TMA copies of the streamed tiles into a
+ring of shared-memory slots guarded by mbarriers, and the products of a tile pair as asynchronous warpgroup
+products (wgmma), the first two issued back to back so the second runs while the first one's exponentials wait.
+
+dK/dV: a program owns ``BLOCK_N`` keys of one head; with K_j and V_j resident in shared memory it walks the query
+tiles i that see them, in the transposed orientation (keys are the rows, so each product's accumulator rows are
+this program's keys):
 
     S^T = K_j Q_i^T,  P^T = exp2(S^T * scale * log2 e - m2_i - l2_i),  dV_j += P^T dO_i,
     dP^T = V_j dO_i^T,  dS^T = P^T * (dP^T - D_i),  dK_j += dS^T Q_i
 
-with the forward's row statistics (m2, l2) and D = rowsum(dO * O) from the teaching preprocess kernel; dQ stays
-with the teaching dQ kernel. fp16 and bf16, head dims 64 and 128, top-left causal or not, no other feature.
-:func:`hopper_dkdv` launches it. Not yet part of :func:`flashref.triton.flash_attention`'s backward.
+dQ: a program owns ``BLOCK_M`` queries, Q_i and dO_i resident, and walks the key tiles they see (three products a
+tile: S, dP, then dQ_i += dS K_j). Both use the forward's row statistics (m2, l2) and D = rowsum(dO * O) from the
+teaching preprocess kernel; neither adds anything atomically, so the gradients are bitwise reproducible. fp16 and
+bf16, head dims 64 and 128, top-left causal or not, no other feature. :func:`hopper_backward` runs both. Not yet
+part of :func:`flashref.triton.flash_attention`'s backward (the branch ``hopper-backward-dispatch`` wires it in).
 """
 
 from __future__ import annotations
@@ -31,17 +35,16 @@ HEAD_DIMS = (64, 128)
 
 
 @gluon.jit
-def _load_q_do(q_desc, do_desc, q_smem, do_smem, bars, q_row, n, n_tiles, BLOCK_M: gl.constexpr,
-               STAGES: gl.constexpr):
-    """Start the TMA copies of the program's n-th Q and dO tile (rows q_row + n * BLOCK_M on) into slot
-    n % STAGES, one barrier for both (nothing from n_tiles on). n counts from the program's first tile, as the
-    loop's waits do."""
+def _load_pair(a_desc, b_desc, a_smem, b_smem, bars, row0, n, n_tiles, BLOCK: gl.constexpr, STAGES: gl.constexpr):
+    """Start the TMA copies of the program's n-th pair of streamed tiles (Q and dO in the dK/dV kernel, K and V in
+    the dQ kernel; rows row0 + n * BLOCK on) into slot n % STAGES, one barrier for both (nothing from n_tiles on).
+    n counts from the program's first tile, as the loop's waits do."""
     slot = n % STAGES
     go = n < n_tiles
-    row = q_row + n * BLOCK_M
-    mbarrier.expect(bars.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes, pred=go)
-    tma.async_copy_global_to_shared(q_desc, [row, 0], bars.index(slot), q_smem.index(slot), pred=go)
-    tma.async_copy_global_to_shared(do_desc, [row, 0], bars.index(slot), do_smem.index(slot), pred=go)
+    row = row0 + n * BLOCK
+    mbarrier.expect(bars.index(slot), a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=go)
+    tma.async_copy_global_to_shared(a_desc, [row, 0], bars.index(slot), a_smem.index(slot), pred=go)
+    tma.async_copy_global_to_shared(b_desc, [row, 0], bars.index(slot), b_smem.index(slot), pred=go)
 
 
 @gluon.jit
@@ -86,7 +89,7 @@ def hopper_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, M2, L2, Delt
     tma.async_copy_global_to_shared(k_desc, [bh * N_k + start_n, 0], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [bh * N_k + start_n, 0], kv_bar, v_smem)
     for s in gl.static_range(STAGES):
-        _load_q_do(q_desc, do_desc, q_smem, do_smem, bars, q_row, s, n_tiles, BLOCK_M, STAGES)
+        _load_pair(q_desc, do_desc, q_smem, do_smem, bars, q_row, s, n_tiles, BLOCK_M, STAGES)
 
     dk = gl.zeros([BLOCK_N, HEAD_D], gl.float32, a_layout)
     dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, a_layout)
@@ -119,9 +122,11 @@ def hopper_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, M2, L2, Delt
         dSt = Pt * (dPt - gl.expand_dims(D, 0))
         ds = gl.convert_layout(dSt.to(dtype), p_layout)
         dk = warpgroup_mma(ds, q_t, dk, is_async=True)
+        # Waiting here for dK's product costs a gap on the tensor cores before the next S^T, but leaving it in
+        # flight (the next S^T queued behind it) measured 0.91-0.98x this at d = 128: it keeps more registers live.
         dv, dk, p, ds = warpgroup_mma_wait(0, deps=[dv, dk, p, ds])
         # Slot free: start the copies of the tile STAGES ahead.
-        _load_q_do(q_desc, do_desc, q_smem, do_smem, bars, q_row, n + STAGES, n_tiles, BLOCK_M, STAGES)
+        _load_pair(q_desc, do_desc, q_smem, do_smem, bars, q_row, n + STAGES, n_tiles, BLOCK_M, STAGES)
 
     mbarrier.invalidate(kv_bar)
     for s in gl.static_range(STAGES):
@@ -135,18 +140,114 @@ def hopper_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, M2, L2, Delt
     gl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=in_range)
 
 
-def default_config(head_dim: int) -> dict:
-    """The tiles :func:`hopper_dkdv` launches with, the best of three on an H100 (fp16, B x N = 65536, H x d = 2048,
-    N = 4K and 16K, causal and not): 64 keys a program in one warpgroup; 64 queries a step at d = 64, 32 at d = 128
-    (64 spill there: dK and dV's fp32 accumulators alone take 128 registers a thread), Q and dO in a ring of 2 or 3
-    slots. Measured 1.13-1.33x the teaching dK/dV kernel's time at d = 64 and 1.07-1.16x at d = 128."""
+@gluon.jit
+def hopper_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, DQ, M2, L2, Delta, N_q, N_k, sm_scale, qk_scale,
+                         HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                         CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+    """Program (pid_m, bh) writes dQ of queries [pid_m * BLOCK_M, +BLOCK_M) of head bh: Q_i and dO_i resident, K_j
+    and V_j streamed through the ring, in the forward's orientation (queries are the rows):
+
+        S = Q_i K_j^T,  P = exp2(S * scale * log2 e - m2 - l2),  dP = dO_i V_j^T,  dS = P * (dP - D),  dQ_i += dS K_j
+
+    Key rows past N_k (the next head's, or TMA's zeros) get P = 0 and so dS = 0: they add nothing."""
+    pid_m = gl.program_id(0)
+    if CAUSAL:  # the last query tiles see the most keys: launch them first, so the short ones fill the tail
+        pid_m = gl.num_programs(0) - 1 - pid_m
+    bh = gl.program_id(1)
+    start_m = pid_m * BLOCK_M
+    dtype: gl.constexpr = q_desc.dtype
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    a_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_D], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(bars.index(s), count=1)
+
+    # Key tiles [0, n_tiles) hold keys these queries see: causal (key j visible from query i for j <= i) stops
+    # after the diagonal.
+    n_tiles = gl.cdiv(N_k, BLOCK_N)
+    if CAUSAL:
+        n_tiles = gl.minimum(n_tiles, gl.cdiv(start_m + BLOCK_M, BLOCK_N))
+    kv_row = bh * N_k
+
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [bh * N_q + start_m, 0], q_bar, q_smem)
+    tma.async_copy_global_to_shared(do_desc, [bh * N_q + start_m, 0], q_bar, do_smem)
+    for s in gl.static_range(STAGES):
+        _load_pair(k_desc, v_desc, k_smem, v_smem, bars, kv_row, s, n_tiles, BLOCK_N, STAGES)
+
+    queries = start_m + gl.arange(0, BLOCK_M, layout=row_s)
+    live = queries < N_q
+    stat = bh.to(gl.int64) * N_q + queries
+    lse2 = gl.load(M2 + stat, mask=live, other=0.0) + gl.load(L2 + stat, mask=live, other=0.0)
+    D = gl.load(Delta + stat, mask=live, other=0.0)
+    dq = gl.zeros([BLOCK_M, HEAD_D], gl.float32, a_layout)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    mbarrier.wait(q_bar, 0)
+
+    for n in range(0, n_tiles):
+        slot = n % STAGES
+        mbarrier.wait(bars.index(slot), (n // STAGES) & 1)
+        k_t = k_smem.index(slot)
+        v_t = v_smem.index(slot)
+        S = warpgroup_mma(q_smem, k_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dP = warpgroup_mma(do_smem, v_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        keys = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
+        S = warpgroup_mma_wait(1, deps=[S])
+        keep = gl.expand_dims(keys < N_k, 0)
+        if CAUSAL:
+            keep = keep & (gl.expand_dims(keys, 0) <= gl.expand_dims(queries, 1))
+        P = gl.exp2(gl.where(keep, S * qk_scale - gl.expand_dims(lse2, 1), float("-inf")))
+        dP = warpgroup_mma_wait(0, deps=[dP])
+        ds = gl.convert_layout((P * (dP - gl.expand_dims(D, 1))).to(dtype), ds_layout)
+        dq = warpgroup_mma(ds, k_t, dq, is_async=True)
+        dq, ds = warpgroup_mma_wait(0, deps=[dq, ds])  # (in flight on into the next tile measured slower)
+        _load_pair(k_desc, v_desc, k_smem, v_smem, bars, kv_row, n + STAGES, n_tiles, BLOCK_N, STAGES)
+
+    mbarrier.invalidate(q_bar)
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(s))
+
+    rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, a_layout))
+    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, a_layout))
+    offs = gl.expand_dims((bh.to(gl.int64) * N_q + rows) * HEAD_D, 1) + gl.expand_dims(cols, 0)
+    gl.store(DQ + offs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=gl.expand_dims(rows < N_q, 1))
+
+
+def default_config(head_dim: int, part: str = "dkdv") -> dict:
+    """The tiles the ``part`` kernel ("dkdv" or "dq") launches with.
+
+    dK/dV, the best of three on an H100 (fp16, B x N = 65536, H x d = 2048, N = 4K and 16K, causal and not): 64
+    keys a program in one warpgroup; 64 queries a step at d = 64, 32 at d = 128 (64 spill there: dK and dV's fp32
+    accumulators alone take 128 registers a thread), Q and dO in a ring of 2 or 3 slots. Measured 1.13-1.33x the
+    teaching dK/dV kernel's time at d = 64 and 1.07-1.16x at d = 128.
+    dQ: 64 queries a program in one warpgroup (one fp32 accumulator), 64 keys a step, K and V in a ring of 2, the
+    best of four (or within 2% of it) at each head dim. Measured (profiler, same shapes) 1.15-1.20x the teaching dQ kernel's time
+    without causal masking, 0.91-1.09x with it (the slowest at N = 16K, d = 64), before the causal launch order
+    was reversed."""
+    if part not in ("dkdv", "dq"):
+        raise ValueError(f"part must be 'dkdv' or 'dq', got {part!r}")
+    if part == "dq":
+        return dict(block_m=64, block_n=64, num_warps=4, stages=2)
     if head_dim <= 64:
         return dict(block_m=64, block_n=64, num_warps=4, stages=2)
     return dict(block_m=32, block_n=64, num_warps=4, stages=3)
 
 
 def supported(q, k, v) -> str | None:
-    """None when :func:`hopper_dkdv` can take these (checked) q, k, v, else why not: the forward's conditions
+    """None when :func:`hopper_backward` can take these (checked) q, k, v, else why not: the forward's conditions
     (:func:`flashref.triton.hopper.supported`) with head dims 64 and 128 only."""
     why = hopper.supported(q, k, v)
     if why is None and q.shape[3] not in HEAD_DIMS:
@@ -154,25 +255,50 @@ def supported(q, k, v) -> str | None:
     return why
 
 
+def _descriptors(q, k, v, do, cfg: dict):
+    """TMA descriptors of Q, K, V and dO viewed as (B * H * N, d) rows: Q and dO in tiles of block_m rows, K and V
+    of block_n."""
+    d = q.shape[3]
+    gdt = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
+    descs = []
+    for x, rows in ((q, cfg["block_m"]), (k, cfg["block_n"]), (v, cfg["block_n"]), (do, cfg["block_m"])):
+        lay = gl.NVMMASharedLayout.get_default_for([rows, d], gdt)
+        descs.append(TensorDescriptor.from_tensor(x.contiguous().view(-1, d), [rows, d], lay))
+    return descs
+
+
+def _meta(d: int, causal: bool, cfg: dict) -> dict:
+    return dict(HEAD_D=d, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"],
+                CAUSAL=bool(causal), num_warps=cfg["num_warps"])
+
+
 def hopper_dkdv(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dict | None = None):
     """(dk, dv) from the Gluon kernel, for checked, :func:`supported` inputs; m2, l2, delta: (B, H, N_q) fp32."""
     B, H, N_q, d = q.shape
     N_k = k.shape[2]
-    cfg = cfg or default_config(d)
-    gdt = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
-    q_block, kv_block = [cfg["block_m"], d], [cfg["block_n"], d]
-    q_lay = gl.NVMMASharedLayout.get_default_for(q_block, gdt)
-    kv_lay = gl.NVMMASharedLayout.get_default_for(kv_block, gdt)
-    q2, k2, v2, do2 = (x.contiguous().view(-1, d) for x in (q, k, v, do))
-    q_desc = TensorDescriptor.from_tensor(q2, q_block, q_lay)
-    do_desc = TensorDescriptor.from_tensor(do2, q_block, q_lay)
-    k_desc = TensorDescriptor.from_tensor(k2, kv_block, kv_lay)
-    v_desc = TensorDescriptor.from_tensor(v2, kv_block, kv_lay)
+    cfg = cfg or default_config(d, "dkdv")
     dk = torch.empty((B, H, N_k, d), dtype=q.dtype, device=q.device)
     dv = torch.empty_like(dk)
     grid = (triton.cdiv(N_k, cfg["block_n"]), B * H)
-    hopper_bwd_dkdv_kernel[grid](q_desc, k_desc, v_desc, do_desc, dk, dv, m2.contiguous(), l2.contiguous(),
-                                 delta, N_q, N_k, scale, scale * LOG2E, HEAD_D=d, BLOCK_M=cfg["block_m"],
-                                 BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], CAUSAL=bool(causal),
-                                 num_warps=cfg["num_warps"])
+    hopper_bwd_dkdv_kernel[grid](*_descriptors(q, k, v, do, cfg), dk, dv, m2.contiguous(), l2.contiguous(),
+                                 delta, N_q, N_k, scale, scale * LOG2E, **_meta(d, causal, cfg))
     return dk, dv
+
+
+def hopper_dq(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dict | None = None):
+    """dq from the Gluon kernel, for checked, :func:`supported` inputs; m2, l2, delta: (B, H, N_q) fp32."""
+    B, H, N_q, d = q.shape
+    cfg = cfg or default_config(d, "dq")
+    dq = torch.empty((B, H, N_q, d), dtype=q.dtype, device=q.device)
+    grid = (triton.cdiv(N_q, cfg["block_m"]), B * H)
+    hopper_bwd_dq_kernel[grid](*_descriptors(q, k, v, do, cfg), dq, m2.contiguous(), l2.contiguous(), delta, N_q,
+                               k.shape[2], scale, scale * LOG2E, **_meta(d, causal, cfg))
+    return dq
+
+
+def hopper_backward(q, k, v, do, m2, l2, delta, causal: bool, scale: float):
+    """(dq, dk, dv) from the two Gluon kernels at their default tiles, for checked, :func:`supported` inputs
+    (``delta`` = rowsum(dO * O), as the teaching preprocess kernel computes it). Deterministic: each gradient
+    element is written by one program."""
+    dk, dv = hopper_dkdv(q, k, v, do, m2, l2, delta, causal, scale)
+    return hopper_dq(q, k, v, do, m2, l2, delta, causal, scale), dk, dv
