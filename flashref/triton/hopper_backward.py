@@ -234,9 +234,9 @@ def default_config(head_dim: int, part: str = "dkdv") -> dict:
     accumulators alone take 128 registers a thread), Q and dO in a ring of 2 or 3 slots. Measured 1.13-1.33x the
     teaching dK/dV kernel's time at d = 64 and 1.07-1.16x at d = 128.
     dQ: 64 queries a program in one warpgroup (one fp32 accumulator), 64 keys a step, K and V in a ring of 2, the
-    best of four (or within 2% of it) at each head dim. Measured (profiler, same shapes) 1.15-1.20x the teaching dQ kernel's time
-    without causal masking, 0.91-1.09x with it (the slowest at N = 16K, d = 64), before the causal launch order
-    was reversed."""
+    best of four (or within 2% of it) at each head dim. Measured (profiler, same shapes) 1.15-1.20x the teaching
+    dQ kernel's time without causal masking, 0.91-1.09x with it (the slowest at N = 16K, d = 64), before the
+    causal launch order was reversed."""
     if part not in ("dkdv", "dq"):
         raise ValueError(f"part must be 'dkdv' or 'dq', got {part!r}")
     if part == "dq":
