@@ -47,6 +47,30 @@ def _load_pair(a_desc, b_desc, a_smem, b_smem, bars, row0, n, n_tiles, BLOCK: gl
     tma.async_copy_global_to_shared(b_desc, [row, 0], bars.index(slot), b_smem.index(slot), pred=go)
 
 
+@gluon.constexpr_function
+def _wgmma_layout(num_warps, cols):
+    """The register layout of a wgmma result with ``cols`` columns: each of the num_warps warps holds 16 rows."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, cols, 16])
+
+
+@gluon.jit
+def _backward_smem(res_a_desc, res_b_desc, ring_a_desc, ring_b_desc, STAGES: gl.constexpr):
+    """A backward program's shared memory: two resident tiles (K and V in the dK/dV kernel, Q and dO in the dQ
+    kernel) with one barrier, and a ring of STAGES slots for the two streamed tiles, one barrier a slot. Each tile
+    takes its descriptor's box and layout."""
+    dtype: gl.constexpr = res_a_desc.dtype
+    res_a = gl.allocate_shared_memory(dtype, res_a_desc.block_type.shape, res_a_desc.layout)
+    res_b = gl.allocate_shared_memory(dtype, res_b_desc.block_type.shape, res_b_desc.layout)
+    ring_a = gl.allocate_shared_memory(dtype, [STAGES] + ring_a_desc.block_type.shape, ring_a_desc.layout)
+    ring_b = gl.allocate_shared_memory(dtype, [STAGES] + ring_b_desc.block_type.shape, ring_b_desc.layout)
+    res_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(res_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(bars.index(s), count=1)
+    return res_a, res_b, ring_a, ring_b, res_bar, bars
+
+
 @gluon.jit
 def hopper_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, M2, L2, Delta, N_q, N_k, sm_scale, qk_scale,
                            HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -60,23 +84,13 @@ def hopper_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, M2, L2, Delt
     dtype: gl.constexpr = q_desc.dtype
 
     # Scores tile: (keys x queries); accumulators: (keys x d). wgmma gives each warp 16 rows (keys).
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_M, 16])
-    a_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, HEAD_D, 16])
+    s_layout: gl.constexpr = _wgmma_layout(num_warps, BLOCK_M)
+    a_layout: gl.constexpr = _wgmma_layout(num_warps, HEAD_D)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], v_desc.layout)
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], do_desc.layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(bars.index(s), count=1)
+    k_smem, v_smem, q_smem, do_smem, kv_bar, bars = _backward_smem(k_desc, v_desc, q_desc, do_desc, STAGES)
 
     # Query tiles [i_lo, i_end) see this key tile: causal (query i sees key j <= i) starts at the diagonal.
     i_lo = 0
@@ -157,23 +171,13 @@ def hopper_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, DQ, M2, L2, Delta, N_q
     start_m = pid_m * BLOCK_M
     dtype: gl.constexpr = q_desc.dtype
 
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    a_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, HEAD_D, 16])
+    s_layout: gl.constexpr = _wgmma_layout(num_warps, BLOCK_N)
+    a_layout: gl.constexpr = _wgmma_layout(num_warps, HEAD_D)
     ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_D], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_D], do_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(bars.index(s), count=1)
+    q_smem, do_smem, k_smem, v_smem, q_bar, bars = _backward_smem(q_desc, do_desc, k_desc, v_desc, STAGES)
 
     # Key tiles [0, n_tiles) hold keys these queries see: causal (key j visible from query i for j <= i) stops
     # after the diagonal.
