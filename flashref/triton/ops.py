@@ -788,7 +788,7 @@ class FlashAttentionVarlenFunction(torch.autograd.Function):
                         alibi_slopes=alibi_slopes, varlen=varlen, check_finite=check_finite)
         o4, lse, (m2, l2) = _forward(q4, k4, v4, scale, feat)
         ctx.save_for_backward(q, k, v, o4, m2, l2)
-        ctx.sm_scale, ctx.deterministic, ctx.check_finite, ctx.kernel = scale, deterministic, check_finite, kernel
+        ctx.sm_scale, ctx.deterministic, ctx.check_finite = scale, deterministic, check_finite
         ctx.feat = feat
         lse = lse[0]  # (H, total_q), as FlashAttention returns it
         ctx.mark_non_differentiable(lse)
