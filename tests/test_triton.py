@@ -255,13 +255,18 @@ def test_rejects_wrong_device():
 
 
 def test_kernel_picks_the_forward_and_refuses_what_it_cannot_run():
-    """kernel="auto" runs the teaching kernel wherever the Hopper forward cannot (here: no sm_90 GPU, or fp32), with
+    """kernel="auto" runs the teaching kernels wherever the Hopper ones cannot (here: no sm_90 GPU, or fp32), with
     the same result as kernel="triton"; kernel="hopper" there is a ValueError saying why; a bad name is refused."""
-    from flashref.triton import forward_kernel
+    from flashref.triton import backward_kernel, forward_kernel
 
     q, k, v, do = make_qkv(1, 2, 33, 47, 64, torch.float32, DEVICE)
     assert forward_kernel(q, k, v, True) == "triton"
     assert forward_kernel(q, k, v, kernel="triton") == "triton"
+    assert backward_kernel(q, k, v, True) == backward_kernel(q, k, v, True, kernel="hopper") == "triton"
+    o, lse = flash_attention_forward(q, k, v, True)
+    for a, b in zip(flash_attention_backward(q, k, v, o, lse, do, True),
+                    flash_attention_backward(q, k, v, o, lse, do, True, kernel="triton")):
+        assert torch.equal(a, b)
     for a, b in zip(flash_attention_forward(q, k, v, True), flash_attention_forward(q, k, v, True, kernel="triton")):
         assert torch.equal(a, b)
     auto = flash_forward_backward(flash_attention, q, k, v, do, True)
@@ -275,6 +280,10 @@ def test_kernel_picks_the_forward_and_refuses_what_it_cannot_run():
         flash_attention(q, k, v, kernel="gluon")
     with pytest.raises(ValueError, match="kernel must be one of"):
         forward_kernel(q, k, v, kernel=None)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        backward_kernel(q, k, v, kernel="gluon")
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        flash_attention_backward(q, k, v, o, lse, do, kernel=1)
 
 
 def test_backward_rejects_bad_lse_and_do():

@@ -64,8 +64,9 @@ def test_method(d, dtype, causal, kernel):
                                      (128, torch.bfloat16)], ids=lambda x: str(x).replace("torch.", ""))
 def test_method_on_the_hopper_forward(d, dtype, causal):
     """kernel="hopper" (an H100): the same rule on the uneven shapes, extreme logits too, with its o, lse and row
-    statistics equal to what kernel="auto" computes, and the backward recomputing from them."""
-    from flashref.triton import flash_attention_forward, forward_kernel
+    statistics equal to what kernel="auto" computes, and the backward recomputing from them: the Gluon backward
+    at d = 64 and 128, the teaching one at d = 256."""
+    from flashref.triton import backward_kernel, flash_attention_forward, forward_kernel
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper forward needs an sm_90 GPU")
@@ -73,6 +74,7 @@ def test_method_on_the_hopper_forward(d, dtype, causal):
         B, H = _batch(N_q, N_k)
         q, k, v, do = make_qkv(B, H, N_q, N_k, d, dtype, "cuda", seed=300 + i + d)
         assert forward_kernel(q, k, v, causal) == "hopper"
+        assert backward_kernel(q, k, v, causal, kernel="hopper") == ("triton" if d == 256 else "hopper")
         _check(q, k, v, do, causal, kernel="hopper")
         o_auto, lse_auto = flash_attention_forward(q, k, v, causal)
         o_hop, lse_hop = flash_attention_forward(q, k, v, causal, kernel="hopper")
@@ -105,13 +107,17 @@ def test_method_atomic_dq(d, dtype, causal):
         _check(q, k, v, do, causal, deterministic=False)
 
 
-def test_deterministic():
+@pytest.mark.parametrize("kernel", ["triton", "auto"])
+def test_deterministic(kernel):
+    """Two runs agree bit for bit, on the teaching kernels and on what "auto" takes (on an H100: the Gluon forward
+    and backward)."""
     from flashref.triton import flash_attention
 
+    fn = functools.partial(flash_attention, kernel=kernel)
     q, k, v, do = make_qkv(2, 4, 1000, 1000, 64, torch.float16, "cuda", seed=1)
     for causal in (False, True):
-        first = flash_forward_backward(flash_attention, q, k, v, do, causal)
-        second = flash_forward_backward(flash_attention, q, k, v, do, causal)
+        first = flash_forward_backward(fn, q, k, v, do, causal)
+        second = flash_forward_backward(fn, q, k, v, do, causal)
         for a, b in zip(first, second):
             assert torch.equal(a, b)
 
@@ -217,16 +223,21 @@ def test_block_sparse_backward_on_two_streams_matches_one_and_captures_in_a_cuda
 
 def test_auto_takes_the_teaching_kernel_where_the_hopper_forward_cannot_run():
     """On an H100, kernel="auto" falls back for each thing the Hopper forward does not take, and kernel="hopper"
-    refuses it naming it; on any other GPU both say there is no sm_90."""
-    from flashref.triton import flash_attention, forward_kernel
+    refuses it naming it; the backward falls back with it, and for d = 256 and deterministic=False too. On any
+    other GPU both say there is no sm_90."""
+    from flashref.triton import backward_kernel, flash_attention, forward_kernel
 
     q, k, v, _ = make_qkv(1, 2, 300, 300, 128, torch.float16, "cuda", seed=5)
     if torch.cuda.get_device_capability() != (9, 0):
-        assert forward_kernel(q, k, v) == "triton"
+        assert forward_kernel(q, k, v) == "triton" and backward_kernel(q, k, v) == "triton"
         with pytest.raises(ValueError, match="needs an sm_90"):
             flash_attention(q, k, v, kernel="hopper")
         return
-    assert forward_kernel(q, k, v) == "hopper"
+    assert forward_kernel(q, k, v) == "hopper" and backward_kernel(q, k, v) == "hopper"
+    assert backward_kernel(q, k, v, deterministic=False) == "triton"
+    assert backward_kernel(q, k, v, kernel="triton") == "triton"
+    q256 = torch.cat([q, q], -1)
+    assert forward_kernel(q256, q256, q256) == "hopper" and backward_kernel(q256, q256, q256) == "triton"
     slopes = torch.ones(2, device="cuda")
     calls = {"dropout_p": ((q, k, v), dict(dropout_p=0.1)),
              "block_mask": ((q, k, v), dict(block_mask=torch.ones(1, 1, 3, 3, dtype=torch.bool, device="cuda"))),
@@ -240,5 +251,6 @@ def test_auto_takes_the_teaching_kernel_where_the_hopper_forward_cannot_run():
              "grouped-query": ((q, k[:, :1], v[:, :1]), {})}
     for why, (args, kw) in calls.items():
         assert forward_kernel(*args, **kw) == "triton", why
+        assert backward_kernel(*args, **kw) == "triton", why
         with pytest.raises(ValueError, match=why):
             flash_attention(*args, **kw, kernel="hopper")

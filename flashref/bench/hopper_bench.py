@@ -114,13 +114,13 @@ def dispatch_cases(head_dims=DISPATCH_D, lengths=DISPATCH_N):
 
 
 def training_cases(grid=GRID, d256=True):
-    """Rows ``{case: "fwd+bwd", impl, forward, B, H, N, d, causal, ms, tflops, peak_extra_bytes}`` at the grid's points:
-    SDPA flash and cuDNN, and :func:`flashref.triton.flash_attention` with ``kernel="triton"`` and ``"auto"``
-    (``forward`` names the forward that ran: the backward is the teaching kernel's either way)."""
+    """Rows ``{case: "fwd+bwd", impl, forward, backward, B, H, N, d, causal, ms, tflops, peak_extra_bytes}`` at the
+    grid's points: SDPA flash and cuDNN, and :func:`flashref.triton.flash_attention` with ``kernel="triton"`` and
+    ``"auto"`` (``forward`` and ``backward`` name the kernels that ran: "hopper" or "triton")."""
     import torch
 
     from flashref.bench.features_bench import _fwd_bwd
-    from flashref.triton import flash_attention, forward_kernel
+    from flashref.triton import backward_kernel, flash_attention, forward_kernel
 
     points = [(65536 // N, 2048 // d, N, d, causal) for d, N, causal in grid]
     if d256:
@@ -131,15 +131,16 @@ def training_cases(grid=GRID, d256=True):
         for x in (q, k, v):
             x.requires_grad_(True)
         work = flops(B, H, N, N, d, causal, "fwd+bwd")
-        impls = [(name, None, lambda q, k, v, fn=sdpa(name): fn(q, k, v, causal))
+        impls = [(name, None, None, lambda q, k, v, fn=sdpa(name): fn(q, k, v, causal))
                  for name in ("sdpa-flash", "sdpa-cudnn")]
         impls += [(f"flashref-{kernel}", forward_kernel(q, k, v, causal, kernel=kernel),
+                   backward_kernel(q, k, v, causal, kernel=kernel),
                    lambda q, k, v, kernel=kernel: flash_attention(q, k, v, causal, check_finite=False, kernel=kernel))
                   for kernel in ("triton", "auto")]
-        for impl, forward, fn in impls:
+        for impl, forward, backward, fn in impls:
             ms, peak = _time(_fwd_bwd(fn, q, k, v, do), True, [q, k, v])
-            yield {"case": "fwd+bwd", "impl": impl, "forward": forward, "B": B, "H": H, "N": N, "d": d,
-                   "causal": causal, "ms": ms, "tflops": work / (ms * 1e-3) / 1e12, "peak_extra_bytes": peak}
+            yield {"case": "fwd+bwd", "impl": impl, "forward": forward, "backward": backward, "B": B, "H": H, "N": N,
+                   "d": d, "causal": causal, "ms": ms, "tflops": work / (ms * 1e-3) / 1e12, "peak_extra_bytes": peak}
         del q, k, v, do
         torch.cuda.empty_cache()
 
@@ -272,16 +273,17 @@ def dispatch_table(results) -> str:
 
 def training_table(results) -> str:
     """Forward + backward TFLOP/s per point: SDPA flash and cuDNN, ``flash_attention`` with ``kernel="triton"`` and
-    ``"auto"`` (the forward it ran in brackets), and auto over cuDNN, flash and the teaching kernel."""
+    ``"auto"`` (the forward / backward it ran in brackets), and auto over cuDNN, flash and the teaching kernels."""
     get = {(r["d"], r["N"], r["causal"], r["impl"]): r for r in results if r["case"] == "fwd+bwd"}
-    lines = [f"{'d':>3s} {'N':>6s} {'causal':>6s} {'flash':>6s} {'cuDNN':>6s} {'triton':>7s} {'auto':>6s} {'':8s} "
+    lines = [f"{'d':>3s} {'N':>6s} {'causal':>6s} {'flash':>6s} {'cuDNN':>6s} {'triton':>7s} {'auto':>6s} {'':17s} "
              f"{'x cuDNN':>7s} {'x flash':>7s} {'x triton':>8s}"]
     for d, N, causal in sorted({key[:3] for key in get}):
         flash, cudnn, triton_, auto = (get[d, N, causal, i] for i in ("sdpa-flash", "sdpa-cudnn", "flashref-triton",
                                                                          "flashref-auto"))
         a = auto["tflops"]
         lines.append(f"{d:3d} {N:6d} {causal!s:>6s} {flash['tflops']:6.0f} {cudnn['tflops']:6.0f} "
-                     f"{triton_['tflops']:7.0f} {a:6.0f} {'(' + auto['forward'] + ')':8s} {a / cudnn['tflops']:7.2f} "
+                     f"{triton_['tflops']:7.0f} {a:6.0f} {'(' + auto['forward'] + ' / ' + auto['backward'] + ')':17s} "
+                     f"{a / cudnn['tflops']:7.2f} "
                      f"{a / flash['tflops']:7.2f} {a / triton_['tflops']:8.2f}")
     return "\n".join(lines)
 
@@ -347,10 +349,17 @@ def _print(r):
           f"{r['tflops']:6.1f} TFLOP/s", flush=True)
 
 
+PARTS = {"steps": lambda: cases(), "errors": lambda: errors(), "dispatch": lambda: dispatch_cases(),
+         "training": lambda: training_cases()}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m flashref.bench hopper", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="book/data/hopper_bench.json")
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+                   help="which row types to measure (default: all): the forward steps with FP8, the error table, the "
+                        "dispatch sweep, forward + backward through flash_attention")
     args = p.parse_args(argv)
     import torch
 
@@ -360,14 +369,10 @@ def main(argv=None) -> int:
     data = results.start(None, torch.cuda.get_device_name(), results.versions(), results.command("hopper", argv),
                          dtype="float16")
     add = results.recorder(data, args.out, show=_print)  # saved after each row: a run cut short keeps what it measured
-    for row in cases():
-        add(row)
-    for row in errors():
-        add(row)
-    for row in dispatch_cases():
-        add(row)
-    for row in training_cases():
-        add(row)
+    for part, rows in PARTS.items():
+        if part in args.parts:
+            for row in rows():
+                add(row)
     return 0
 
 

@@ -9,9 +9,10 @@ in ``13_beyond_one_gpu_and_decoding``.
     o = flash_decode(q, k_cache, v_cache, cache_seqlens)  # few queries against a KV cache, keys split
 
 On a machine with a CUDA device the kernels are compiled and autotuned over configs pruned to the GPU's
-shared memory (:mod:`flashref.triton.configs`). On an H100 (sm_90) the forward of plain attention runs the Gluon
-kernel of :mod:`flashref.triton.hopper` instead (notebook ``14_flashattention3_on_hopper``; ``kernel="triton"``
-keeps the teaching one, :func:`forward_kernel` says which runs). Without one, the very same kernels run in Triton's CPU
+shared memory (:mod:`flashref.triton.configs`). On an H100 (sm_90) plain attention runs the Gluon kernels of
+:mod:`flashref.triton.hopper` (forward) and :mod:`flashref.triton.hopper_backward` instead (notebook
+``14_flashattention3_on_hopper``; ``kernel="triton"`` keeps the teaching ones, :func:`forward_kernel` and
+:func:`backward_kernel` say which run). Without one, the very same kernels run in Triton's CPU
 interpreter on CPU tensors (slowly: use small shapes); for that ``TRITON_INTERPRET=1`` must be set before
 any kernel is defined, which this module does on import.
 """
@@ -63,6 +64,7 @@ from flashref.triton.ops import (  # noqa: E402  (the environment must be set fi
     flash_attention_backward,
     flash_attention_forward,
     flash_attention_varlen,
+    backward_kernel,
     forward_kernel,
 )
 from flashref.triton.decode import KVCache, flash_decode  # noqa: E402
@@ -70,4 +72,4 @@ from flashref.triton.decode import KVCache, flash_decode  # noqa: E402
 
 __all__ = ["flash_attention", "flash_attention_forward", "flash_attention_backward", "flash_attention_varlen",
            "FlashAttentionFunction", "FlashAttentionVarlenFunction", "dropout_mask", "flash_decode", "KVCache",
-           "forward_kernel", "INTERPRETED"]
+           "forward_kernel", "backward_kernel", "INTERPRETED"]

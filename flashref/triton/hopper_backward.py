@@ -15,8 +15,8 @@ this program's keys):
 dQ: a program owns ``BLOCK_M`` queries, Q_i and dO_i resident, and walks the key tiles they see (three products a
 tile: S, dP, then dQ_i += dS K_j). Both use the forward's row statistics (m2, l2) and D = rowsum(dO * O) from the
 teaching preprocess kernel; neither adds anything atomically, so the gradients are bitwise reproducible. fp16 and
-bf16, head dims 64 and 128, top-left causal or not, no other feature. :func:`hopper_backward` runs both. Not yet
-part of :func:`flashref.triton.flash_attention`'s backward (the branch ``hopper-backward-dispatch`` wires it in).
+bf16, head dims 64 and 128, top-left causal or not, no other feature. :func:`hopper_backward` runs both; it is
+what :func:`flashref.triton.flash_attention`'s backward runs on an H100 (notebook ``14_flashattention3_on_hopper``).
 """
 
 from __future__ import annotations
@@ -303,7 +303,8 @@ def hopper_dq(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dict 
 
 def hopper_backward(q, k, v, do, m2, l2, delta, causal: bool, scale: float):
     """(dq, dk, dv) from the two Gluon kernels at their default tiles, for checked, :func:`supported` inputs
-    (``delta`` = rowsum(dO * O), as the teaching preprocess kernel computes it). Deterministic: each gradient
-    element is written by one program."""
+    (``delta`` = rowsum(dO * O), as the teaching preprocess kernel computes it): what
+    :func:`flashref.triton.flash_attention`'s backward runs on an H100. Deterministic: each gradient element is
+    written by one program."""
     dk, dv = hopper_dkdv(q, k, v, do, m2, l2, delta, causal, scale)
     return hopper_dq(q, k, v, do, m2, l2, delta, causal, scale), dk, dv

@@ -5,6 +5,8 @@ Taught in notebooks ``07_triton_forward`` (the forward wrapper) and ``08_triton_
 
 from __future__ import annotations
 
+import functools
+import importlib
 import os
 import weakref
 
@@ -377,21 +379,20 @@ def _launch_first_fit(kernel, name, grid_rows, bh, args, meta):
 #: ``kernel=`` of :func:`flash_attention` and :func:`flash_attention_forward`: ``"auto"`` takes the Hopper forward
 #: wherever it can run, ``"triton"`` always the teaching kernel, ``"hopper"`` the Hopper one or a ValueError saying
 #: why it cannot. Over lengths 128 to 16K, causal or not, the Hopper forward measured 1.06-1.54x the teaching one at
-#: d = 128 and 256 and 0.96-1.20x at d = 64 (``python -m flashref.bench hopper``'s dispatch table, H100).
+#: d = 128 and 256 and 0.96-1.20x at d = 64 (``python -m flashref.bench hopper``'s dispatch table, H100). The
+#: backward follows (:func:`_backward_kernel`).
 KERNELS = ("auto", "triton", "hopper")
-_HOPPER = []  # flashref.triton.hopper, or the ImportError its import raised: imported once, on first use
 
 
-def _hopper_module():
-    """:mod:`flashref.triton.hopper`, imported on first need: it needs Triton's Gluon, which older Tritons (as a
-    Colab runtime may have) lack. Returns the module, or the ImportError as the reason it cannot run."""
-    if not _HOPPER:
-        try:
-            from flashref.triton import hopper
-        except ImportError as e:  # no Gluon, or an older Gluon without the Hopper ops
-            hopper = e
-        _HOPPER.append(hopper)
-    return _HOPPER[0]
+@functools.cache
+def _gluon_module(name: str):
+    """``flashref.triton.<name>`` (``hopper`` or ``hopper_backward``), imported on first need: it needs Triton's
+    Gluon, which older Tritons (as a Colab runtime may have) lack. Returns the module, or the ImportError as the
+    reason it cannot run."""
+    try:
+        return importlib.import_module(f"flashref.triton.{name}")
+    except ImportError as e:  # no Gluon, or an older Gluon without the Hopper ops
+        return e
 
 
 def _hopper_refusal(q, k, v, feat: Features) -> str | None:
@@ -409,7 +410,7 @@ def _hopper_refusal(q, k, v, feat: Features) -> str | None:
         return f"takes none of {', '.join(features)}"
     if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
         return "needs contiguous q, k and v (its TMA copies read rows of the (B * H * N, d) matrices)"
-    hopper = _hopper_module()
+    hopper = _gluon_module("hopper")
     if isinstance(hopper, ImportError):
         return f"needs Triton's Gluon with its Hopper ops, which this Triton {triton.__version__} lacks ({hopper})"
     return hopper.supported(q, k, v)
@@ -430,9 +431,24 @@ def _forward_kernel(q, k, v, feat: Features, kernel: str) -> str:
     return "hopper" if why is None else "triton"
 
 
+def _backward_kernel(q, k, v, feat: Features, kernel: str, deterministic: bool) -> str:
+    """``"hopper"`` or ``"triton"``: which backward runs this checked call. ``"triton"`` keeps the teaching kernels;
+    ``"auto"`` and ``"hopper"`` take the Gluon dK/dV and dQ kernels (:mod:`flashref.triton.hopper_backward`)
+    wherever the Hopper forward could run, d is 64 or 128 and the gradients are to be deterministic (theirs are:
+    ``deterministic=False`` asks for the teaching kernel's atomic dQ)."""
+    if not isinstance(kernel, str) or kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
+    if kernel == "triton" or not deterministic or _hopper_refusal(q, k, v, feat) is not None:
+        return "triton"
+    backward = _gluon_module("hopper_backward")
+    if isinstance(backward, ImportError) or backward.supported(q, k, v) is not None:
+        return "triton"
+    return "hopper"
+
+
 def _forward(q, k, v, scale: float, feat: Features, kernel: str = "triton"):
     if _forward_kernel(q, k, v, feat, kernel) == "hopper":
-        hopper = _hopper_module()
+        hopper = _gluon_module("hopper")
         return hopper.launch_forward(q, k, v, feat.causal, scale, hopper.default_config(q.shape[3]))
     B, H, N_q, d = q.shape
     N_k = k.shape[2]
@@ -466,9 +482,10 @@ def _group_split(group: int, programs: int, device) -> int:
 PRE_M = 16 if INTERPRETED else 64  # rows of D per program of the preprocess kernel
 
 
-def _backward(q, k, v, o, stats, do, scale: float, deterministic: bool, feat: Features):
+def _backward(q, k, v, o, stats, do, scale: float, deterministic: bool, feat: Features, kernel: str = "triton"):
     """``stats`` = (m2, l2) from :func:`_forward` (base-2 row max and log2 of the row sum). ``deterministic``:
-    dQ from its own kernel (bitwise reproducible); otherwise added atomically by the dK/dV kernel."""
+    dQ from its own kernel (bitwise reproducible); otherwise added atomically by the dK/dV kernel. ``kernel`` as
+    in :func:`_backward_kernel`."""
     m2, l2 = stats
     B, H, N_q, d = q.shape
     H_kv, N_k = k.shape[1], k.shape[2]
@@ -476,6 +493,8 @@ def _backward(q, k, v, o, stats, do, scale: float, deterministic: bool, feat: Fe
     delta = torch.empty((B, H, N_q), dtype=torch.float32, device=q.device)
     flash_bwd_preprocess_kernel[(_cdiv(N_q, PRE_M), B * H)](
         o, do, delta, *_strides(o), *_strides(do), H, N_q, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=PRE_M)
+    if _backward_kernel(q, k, v, feat, kernel, deterministic) == "hopper":
+        return _gluon_module("hopper_backward").hopper_backward(q, k, v, do, m2, l2, delta, feat.causal, scale)
     # Multi-query attention leaves few K/V tiles: SPLIT programs then share each one (partial sums in fp32).
     split = _group_split(H // H_kv, feat.batch * H_kv * _cdiv(feat.rows_k, 128), q.device)
     if split == 1:
@@ -598,12 +617,13 @@ def _stats_from_lse(lse):
 
 def flash_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, deterministic=True, *,
                              dropout_p=0.0, seed=None, block_mask=None, block_size=128, window_size=(-1, -1),
-                             softcap=0.0, alibi_slopes=None, check_finite=True, causal_align="top_left"):
+                             softcap=0.0, alibi_slopes=None, check_finite=True, causal_align="top_left",
+                             kernel="auto"):
     """Gradients ``(dq, dk, dv)`` from the forward's ``o`` and ``lse``, recomputing P tile by tile.
     ``deterministic=False`` adds dQ atomically and skips the dQ kernel (measured slower on the H100; the last
     bits vary run to run). With ``dropout_p`` the ``seed`` the forward used is required. ``check_finite`` as
-    in :func:`flash_attention`, for ``o``, ``lse`` (which may be -inf) and ``do`` too. Notebook
-    ``08_triton_backward``."""
+    in :func:`flash_attention`, for ``o``, ``lse`` (which may be -inf) and ``do`` too; ``kernel`` as there, for
+    the backward (:func:`backward_kernel` says which runs). Notebook ``08_triton_backward``."""
     _, scale = _check(q, k, v, causal, sm_scale, check_finite)
     validation.check_bool("deterministic", deterministic)
     if validation.check_dropout_p(dropout_p) > 0.0 and seed is None:
@@ -622,7 +642,7 @@ def flash_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, d
         validation.check_finite({"o": o, "do": do})
         validation.check_finite({"lse": lse}, allow_neg_inf=True)
     with torch.no_grad():
-        return _backward(q, k, v, o, _stats_from_lse(lse), do, scale, deterministic, feat)
+        return _backward(q, k, v, o, _stats_from_lse(lse), do, scale, deterministic, feat, kernel)
 
 
 flash_attention_backward.__doc__ += _FEATURES_DOC
@@ -645,7 +665,7 @@ class FlashAttentionFunction(torch.autograd.Function):
                         causal_align=causal_align)
         o, _, (m2, l2) = _forward(q, k, v, scale, feat, kernel)
         ctx.save_for_backward(q, k, v, o, m2, l2)
-        ctx.sm_scale, ctx.deterministic, ctx.check_finite = scale, deterministic, check_finite
+        ctx.sm_scale, ctx.deterministic, ctx.check_finite, ctx.kernel = scale, deterministic, check_finite, kernel
         ctx.feat = feat  # the seed, the block mask and the slopes: autograd keeps them for the backward
         return o
 
@@ -654,7 +674,7 @@ class FlashAttentionFunction(torch.autograd.Function):
         q, k, v, o, m2, l2 = ctx.saved_tensors
         if ctx.check_finite:
             validation.check_finite({"do (the gradient of o)": do})
-        dq, dk, dv = _backward(q, k, v, o, (m2, l2), do, ctx.sm_scale, ctx.deterministic, ctx.feat)
+        dq, dk, dv = _backward(q, k, v, o, (m2, l2), do, ctx.sm_scale, ctx.deterministic, ctx.feat, ctx.kernel)
         return dq, dk, dv, *(None,) * 13
 
 
@@ -682,8 +702,10 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, deterministic=True, *,
     ``14_flashattention3_on_hopper`` (:mod:`flashref.triton.hopper`): an sm_90 GPU, fp16 or bf16, d in 64, 128,
     256, contiguous q, k, v with as many heads, no feature below; a call it cannot take is a ``ValueError`` saying
     why. ``"auto"`` takes the Hopper forward where it can and the teaching kernel everywhere else
-    (:func:`forward_kernel` says which). Both give the same o, lse and row statistics, and the backward is
-    the teaching kernel's either way.
+    (:func:`forward_kernel` says which). Both give the same o, lse and row statistics. The backward follows:
+    under ``"auto"`` and ``"hopper"`` the Gluon dK/dV and dQ kernels of :mod:`flashref.triton.hopper_backward` run
+    wherever they can (the Hopper forward's conditions, d = 64 or 128, ``deterministic=True``), the teaching
+    backward everywhere else (:func:`backward_kernel` says which).
     Notebooks ``07_triton_forward`` and ``08_triton_backward``.
     """
     return FlashAttentionFunction.apply(q, k, v, causal, sm_scale, deterministic, check_finite, dropout_p, seed,
@@ -700,6 +722,18 @@ def forward_kernel(q, k, v, causal=False, sm_scale=None, *, dropout_p=0.0, block
     feat = Features(q, k, dropout_p, 0, block_mask, block_size, causal=causal, scale=scale, window_size=window_size,
                     softcap=softcap, alibi_slopes=alibi_slopes, check_finite=False, causal_align=causal_align)
     return _forward_kernel(q, k, v, feat, kernel)
+
+
+def backward_kernel(q, k, v, causal=False, sm_scale=None, deterministic=True, *, dropout_p=0.0, block_mask=None,
+                    block_size=128, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, causal_align="top_left",
+                    kernel="auto") -> str:
+    """Which backward :func:`flash_attention` (and :func:`flash_attention_backward`) would run with these
+    arguments: ``"hopper"`` or ``"triton"`` (see ``kernel`` there). Checks as they do, without reading the data."""
+    _, scale = _check(q, k, v, causal, sm_scale, check_finite=False)
+    validation.check_bool("deterministic", deterministic)
+    feat = Features(q, k, dropout_p, 0, block_mask, block_size, causal=causal, scale=scale, window_size=window_size,
+                    softcap=softcap, alibi_slopes=alibi_slopes, check_finite=False, causal_align=causal_align)
+    return _backward_kernel(q, k, v, feat, kernel, deterministic)
 
 
 flash_attention.__doc__ += _FEATURES_DOC
