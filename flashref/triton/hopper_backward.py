@@ -260,10 +260,8 @@ def _ws_dkdv_consumer(q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, DK,
     :func:`hopper_bwd_dkdv_kernel` on every tile pair of the ring, which it then hands back (empty barrier)."""
     ROWS: gl.constexpr = BLOCK_N // 2
     dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_M, 16])
-    a_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_D, 16])
+    s_layout: gl.constexpr = _wgmma_layout(4, BLOCK_M)
+    a_layout: gl.constexpr = _wgmma_layout(4, HEAD_D)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
