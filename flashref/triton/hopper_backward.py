@@ -395,31 +395,22 @@ def _meta(d: int, causal: bool, cfg: dict) -> dict:
 
 
 def hopper_dkdv(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dict | None = None):
-    """(dk, dv) from the Gluon kernel, for checked, :func:`supported` inputs; m2, l2, delta: (B, H, N_q) fp32."""
+    """(dk, dv) from the Gluon kernel, for checked, :func:`supported` inputs; m2, l2, delta: (B, H, N_q) fp32.
+    ``cfg`` as :func:`default_config` gives it; with ``warp_specialize=True``, the warp-specialized kernel
+    (:func:`hopper_ws_bwd_dkdv_kernel`: block_n keys a program, two consumers' worth, num_warps 4)."""
     B, H, N_q, d = q.shape
     N_k = k.shape[2]
     cfg = cfg or default_config(d, "dkdv")
     dk = torch.empty((B, H, N_k, d), dtype=q.dtype, device=q.device)
     dv = torch.empty_like(dk)
     grid = (triton.cdiv(N_k, cfg["block_n"]), B * H)
-    hopper_bwd_dkdv_kernel[grid](*_descriptors(q, k, v, do, cfg), dk, dv, m2.contiguous(), l2.contiguous(),
-                                 delta, N_q, N_k, scale, scale * LOG2E, **_meta(d, causal, cfg))
-    return dk, dv
-
-
-def hopper_ws_dkdv(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dict):
-    """(dk, dv) from the warp-specialized kernel; ``cfg``: block_m (queries a step), block_n (keys a program, two
-    consumers' worth), stages."""
-    B, H, N_q, d = q.shape
-    N_k = k.shape[2]
-    dk = torch.empty((B, H, N_k, d), dtype=q.dtype, device=q.device)
-    dv = torch.empty_like(dk)
-    halves = dict(cfg, block_n=cfg["block_n"] // 2)  # each TMA copy of K or V is one consumer's rows
-    grid = (triton.cdiv(N_k, cfg["block_n"]), B * H)
-    hopper_ws_bwd_dkdv_kernel[grid](*_descriptors(q, k, v, do, halves), dk, dv, m2.contiguous(), l2.contiguous(),
-                                    delta, N_q, N_k, scale, scale * LOG2E, HEAD_D=d, BLOCK_M=cfg["block_m"],
-                                    BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], CAUSAL=bool(causal), num_warps=4,
-                                    maxnreg=hopper.WS_MAXNREG)
+    args = (dk, dv, m2.contiguous(), l2.contiguous(), delta, N_q, N_k, scale, scale * LOG2E)
+    if cfg.get("warp_specialize"):
+        halves = dict(cfg, block_n=cfg["block_n"] // 2)  # each TMA copy of K or V is one consumer's rows
+        hopper_ws_bwd_dkdv_kernel[grid](*_descriptors(q, k, v, do, halves), *args, **_meta(d, causal, cfg),
+                                        maxnreg=hopper.WS_MAXNREG)
+    else:
+        hopper_bwd_dkdv_kernel[grid](*_descriptors(q, k, v, do, cfg), *args, **_meta(d, causal, cfg))
     return dk, dv
 
 
