@@ -115,3 +115,30 @@ def test_gradients_within_the_rule_on_uneven_shapes(d, dtype, causal):
         for name, got, r, b in zip(("dq", "dk", "dv"), got, ref, base):
             assert got.dtype == dtype and got.shape == b.shape
             assert_within_tolerance(got, r, b, factor=3.0, name=f"{name} ({N_q}, {N_k}, causal={causal})")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d,cfg", [(64, dict(block_m=64, block_n=128, num_warps=4, stages=2, warp_specialize=True)),
+                                   (128, dict(block_m=32, block_n=128, num_warps=4, stages=3, warp_specialize=True))],
+                         ids=["d64", "d128"])
+def test_warp_specialized_dk_dv_within_the_rule(d, cfg, causal):
+    """The warp-specialized dK/dV kernel (a producer warp, two consumer warpgroups of 64 keys each): dK and dV
+    within the rule on the uneven shapes, fp16 and bf16."""
+    from flashref.tolerance import assert_within_tolerance
+    from flashref.triton import flash_attention_forward, ops
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon backward needs an sm_90 GPU")
+    from flashref.triton import hopper_backward as hb
+
+    for dtype in (torch.float16, torch.bfloat16):
+        for i, (N_q, N_k) in enumerate([(113, 203), (1, 239), (239, 1), (300, 97), (1023, 1024), (2048, 2048)]):
+            q, k, v, do = make_qkv(2, 3, N_q, N_k, d, dtype, "cuda", seed=i + d)
+            o, lse = flash_attention_forward(q, k, v, causal, kernel="triton")
+            m2, l2 = ops._stats_from_lse(lse)
+            delta = (o.float() * do.float()).sum(-1).contiguous()
+            dk, dv = hb.hopper_dkdv(q, k, v, do, m2, l2, delta, causal, d ** -0.5, cfg)
+            ref, base = _grads(*(x.float() for x in (q, k, v, do)), causal), _grads(q, k, v, do, causal)
+            for name, got, r, b in zip(("dk", "dv"), (dk, dv), ref[1:], base[1:]):
+                assert_within_tolerance(got, r, b, factor=3.0, name=f"{name} ({N_q}, {N_k}, {dtype}, causal={causal})")

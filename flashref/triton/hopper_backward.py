@@ -231,6 +231,124 @@ def hopper_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, DQ, M2, L2, Delta, N_q
     gl.store(DQ + offs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=gl.expand_dims(rows < N_q, 1))
 
 
+@gluon.jit
+def _ws_dkdv_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty,
+                      bh, start_n, i_lo, n_tiles, N_q, N_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      STAGES: gl.constexpr):
+    """One warp with few registers: the K and V rows of both consumers once, then every Q, dO tile pair into the
+    ring. A slot is refilled once both consumers have arrived on its empty barrier."""
+    ROWS: gl.constexpr = BLOCK_N // 2
+    mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+    for wg in gl.static_range(2):
+        row = bh * N_k + start_n + wg * ROWS
+        tma.async_copy_global_to_shared(k_desc, [row, 0], kv_bar, k_smem.index(wg))
+        tma.async_copy_global_to_shared(v_desc, [row, 0], kv_bar, v_smem.index(wg))
+    q_row = bh * N_q + i_lo * BLOCK_M
+    for n in range(0, n_tiles):
+        slot = n % STAGES
+        # A fresh mbarrier counts as having completed the phase before its first, so round 0 passes at once.
+        mbarrier.wait(empty.index(slot), ((n // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row + n * BLOCK_M, 0], ready.index(slot), q_smem.index(slot))
+        tma.async_copy_global_to_shared(do_desc, [q_row + n * BLOCK_M, 0], ready.index(slot), do_smem.index(slot))
+
+
+@gluon.jit
+def _ws_dkdv_consumer(q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, M2, L2, Delta, bh, start_n,
+                      i_lo, n_tiles, N_q, N_k, sm_scale, qk_scale, WG: gl.constexpr, HEAD_D: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """Consumer warpgroup WG (4 warps) owns keys [start_n + WG * BLOCK_N/2, +BLOCK_N/2): the loop of
+    :func:`hopper_bwd_dkdv_kernel` on every tile pair of the ring, which it then hands back (empty barrier)."""
+    ROWS: gl.constexpr = BLOCK_N // 2
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = _wgmma_layout(4, BLOCK_M)
+    a_layout: gl.constexpr = _wgmma_layout(4, HEAD_D)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    k_t = k_smem.index(WG)
+    v_t = v_smem.index(WG)
+    first_key = start_n + WG * ROWS
+    keys = first_key + gl.arange(0, ROWS, layout=row_s)
+    dk = gl.zeros([ROWS, HEAD_D], gl.float32, a_layout)
+    dv = gl.zeros([ROWS, HEAD_D], gl.float32, a_layout)
+    s_zero = gl.zeros([ROWS, BLOCK_M], gl.float32, s_layout)
+    mbarrier.wait(kv_bar, 0)
+    for n in range(0, n_tiles):
+        i = i_lo + n
+        slot = n % STAGES
+        mbarrier.wait(ready.index(slot), (n // STAGES) & 1)
+        q_t = q_smem.index(slot)
+        do_t = do_smem.index(slot)
+        St = warpgroup_mma(k_t, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dPt = warpgroup_mma(v_t, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        queries = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_s)
+        live = queries < N_q
+        stat = bh.to(gl.int64) * N_q + queries
+        lse2 = gl.load(M2 + stat, mask=live, other=0.0) + gl.load(L2 + stat, mask=live, other=0.0)
+        D = gl.load(Delta + stat, mask=live, other=0.0)
+        St = warpgroup_mma_wait(1, deps=[St])
+        keep = gl.expand_dims(live, 0)
+        if CAUSAL:
+            keep = keep & (gl.expand_dims(queries, 0) >= gl.expand_dims(keys, 1))
+        Pt = gl.exp2(gl.where(keep, St * qk_scale - gl.expand_dims(lse2, 0), float("-inf")))
+        p = gl.convert_layout(Pt.to(dtype), p_layout)
+        dv = warpgroup_mma(p, do_t, dv, is_async=True)
+        dPt = warpgroup_mma_wait(1, deps=[dPt])
+        ds = gl.convert_layout((Pt * (dPt - gl.expand_dims(D, 0))).to(dtype), p_layout)
+        dk = warpgroup_mma(ds, q_t, dk, is_async=True)
+        dv, dk, p, ds = warpgroup_mma_wait(0, deps=[dv, dk, p, ds])
+        mbarrier.arrive(empty.index(slot), count=1)
+    rows = first_key + gl.arange(0, ROWS, layout=gl.SliceLayout(1, a_layout))
+    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, a_layout))
+    offs = gl.expand_dims((bh.to(gl.int64) * N_k + rows) * HEAD_D, 1) + gl.expand_dims(cols, 0)
+    in_range = gl.expand_dims(rows < N_k, 1)
+    gl.store(DK + offs, (dk * sm_scale).to(DK.dtype.element_ty), mask=in_range)
+    gl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=in_range)
+
+
+@gluon.jit
+def hopper_ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, M2, L2, Delta, N_q, N_k, sm_scale, qk_scale,
+                              HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                              STAGES: gl.constexpr, CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+    """The warp-specialized dK/dV kernel: program (pid_n, bh) owns BLOCK_N keys of head bh, split between two
+    consumer warpgroups (the kernel's own 4 warps and a worker warpgroup), each with the K and V rows of its half;
+    one worker warp copies every Q, dO tile pair once for both. As the forward's warp-specialized kernel, the
+    launch caps registers at 168 a thread so that 12 warps fit an SM, and the partitions move them: 24 for the
+    producer, 240 for each consumer (two fp32 accumulators of BLOCK_N/2 x d)."""
+    gl.static_assert(num_warps == 4, "the kernel's own warps are one consumer warpgroup")
+    pid_n = gl.program_id(0)
+    bh = gl.program_id(1)
+    start_n = pid_n * BLOCK_N
+    ROWS: gl.constexpr = BLOCK_N // 2
+    dtype: gl.constexpr = q_desc.dtype
+    k_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_D], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], do_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)  # both consumers must be done with a slot
+    i_lo = 0
+    if CAUSAL:
+        i_lo = start_n // BLOCK_M
+    n_tiles = gl.cdiv(N_q, BLOCK_M) - i_lo  # may be <= 0: no query sees these keys, dK = dV = 0
+    gl.warp_specialize([
+        (_ws_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, M2, L2, Delta, bh,
+                             start_n, i_lo, n_tiles, N_q, N_k, sm_scale, qk_scale, 0, HEAD_D, BLOCK_M, BLOCK_N,
+                             STAGES, CAUSAL)),
+        (_ws_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty,
+                             bh, start_n, i_lo, n_tiles, N_q, N_k, BLOCK_M, BLOCK_N, STAGES)),
+        (_ws_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, M2, L2, Delta, bh,
+                             start_n, i_lo, n_tiles, N_q, N_k, sm_scale, qk_scale, 1, HEAD_D, BLOCK_M, BLOCK_N,
+                             STAGES, CAUSAL)),
+    ], [1, 4], [24, 240])
+
+
 def default_config(head_dim: int, part: str = "dkdv") -> dict:
     """The tiles the ``part`` kernel ("dkdv" or "dq") launches with.
 
@@ -278,15 +396,22 @@ def _meta(d: int, causal: bool, cfg: dict) -> dict:
 
 
 def hopper_dkdv(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dict | None = None):
-    """(dk, dv) from the Gluon kernel, for checked, :func:`supported` inputs; m2, l2, delta: (B, H, N_q) fp32."""
+    """(dk, dv) from the Gluon kernel, for checked, :func:`supported` inputs; m2, l2, delta: (B, H, N_q) fp32.
+    ``cfg`` as :func:`default_config` gives it; with ``warp_specialize=True``, the warp-specialized kernel
+    (:func:`hopper_ws_bwd_dkdv_kernel`: block_n keys a program, two consumers' worth, num_warps 4)."""
     B, H, N_q, d = q.shape
     N_k = k.shape[2]
     cfg = cfg or default_config(d, "dkdv")
     dk = torch.empty((B, H, N_k, d), dtype=q.dtype, device=q.device)
     dv = torch.empty_like(dk)
     grid = (triton.cdiv(N_k, cfg["block_n"]), B * H)
-    hopper_bwd_dkdv_kernel[grid](*_descriptors(q, k, v, do, cfg), dk, dv, m2.contiguous(), l2.contiguous(),
-                                 delta, N_q, N_k, scale, scale * LOG2E, **_meta(d, causal, cfg))
+    args = (dk, dv, m2.contiguous(), l2.contiguous(), delta, N_q, N_k, scale, scale * LOG2E)
+    if cfg.get("warp_specialize"):
+        halves = dict(cfg, block_n=cfg["block_n"] // 2)  # each TMA copy of K or V is one consumer's rows
+        hopper_ws_bwd_dkdv_kernel[grid](*_descriptors(q, k, v, do, halves), *args, **_meta(d, causal, cfg),
+                                        maxnreg=hopper.WS_MAXNREG)
+    else:
+        hopper_bwd_dkdv_kernel[grid](*_descriptors(q, k, v, do, cfg), *args, **_meta(d, causal, cfg))
     return dk, dv
 
 
