@@ -24,7 +24,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon import language as gl
-from flashref.triton import hopper_backward as hb
+from flashref.triton import hopper_backward as hb, hopper
 from flashref.triton.compile_check import ptxas_usage
 
 OUTPUTS = {"dkdv": {"DK": "*fp16", "DV": "*fp16"}, "dq": {"DQ": "*fp16"}}
@@ -33,21 +33,24 @@ for part in ("dkdv", "dq"):
     for d in hb.HEAD_DIMS:
         for causal in (False, True):
             cfg = hb.default_config(d, part)
-            bm, bn = cfg["block_m"], cfg["block_n"]
+            ws = cfg.get("warp_specialize", False)  # then each K, V copy is one consumer's half of block_n
+            kernel = hb.hopper_ws_bwd_dkdv_kernel if ws else KERNELS[part]
+            bm, bn = cfg["block_m"], cfg["block_n"] // (2 if ws else 1)
             ql = gl.NVMMASharedLayout.get_default_for([bm, d], gl.float16)
             kl = gl.NVMMASharedLayout.get_default_for([bn, d], gl.float16)
             sig = {"q_desc": f"tensordesc<fp16[{bm}, {d}],{ql!r}>", "k_desc": f"tensordesc<fp16[{bn}, {d}],{kl!r}>",
                    "v_desc": f"tensordesc<fp16[{bn}, {d}],{kl!r}>", "do_desc": f"tensordesc<fp16[{bm}, {d}],{ql!r}>",
                    **OUTPUTS[part], "M2": "*fp32", "L2": "*fp32", "Delta": "*fp32",
                    "N_q": "i32", "N_k": "i32", "sm_scale": "fp32", "qk_scale": "fp32"}
-            cx = dict(HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=cfg["stages"], CAUSAL=causal,
+            cx = dict(HEAD_D=d, BLOCK_M=bm, BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], CAUSAL=causal,
                       num_warps=cfg["num_warps"])
             sig.update({k: "constexpr" for k in cx})
-            k = triton.compile(GluonASTSource(KERNELS[part], sig, cx, {}), target=GPUTarget("cuda", 90, 32),
-                               options={"num_warps": cfg["num_warps"]})
+            options = dict(num_warps=cfg["num_warps"], **(dict(maxnreg=hopper.WS_MAXNREG) if ws else {}))
+            k = triton.compile(GluonASTSource(kernel, sig, cx, {}), target=GPUTarget("cuda", 90, 32),
+                               options=options)
             ptx = k.asm["ptx"]
             use = ptxas_usage(k)
-            print(part, d, causal, k.metadata.shared, use["spill_stores"], ptx.count("wgmma.mma_async"),
+            print(part, d, causal, int(ws), k.metadata.shared, use["spill_stores"], ptx.count("wgmma.mma_async"),
                   ptx.count("cp.async.bulk.tensor"), len(re.findall(r"wgmma\.wait_group", ptx)))
 """
 
@@ -55,7 +58,9 @@ for part in ("dkdv", "dq"):
 def test_compiles_for_the_h100_without_spills():
     """Both kernels, each head dim, causal and not, at the shipped tiles: TMA copies and wgmma products in the PTX,
     shared memory within the H100's 227 KB, and no register spills (in a child process: compiling needs the
-    interpreter off)."""
+    interpreter off). The one exception is measured and bounded: the warp-specialized dK/dV kernel shipped at
+    d = 128 (64 queries a step) spills 260-330 bytes a thread (Triton 3.6 and 3.7) and is still 5-13% faster on
+    the H100 than the one-warpgroup kernel that does not spill (default_config's docstring)."""
     pytest.importorskip("triton.experimental.gluon")
     env = dict(os.environ, PYTHONPATH=ROOT)
     out = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, cwd=ROOT,
@@ -63,8 +68,8 @@ def test_compiles_for_the_h100_without_spills():
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [line.split() for line in out.stdout.strip().splitlines()]
     assert [line[0] for line in lines] == ["dkdv"] * 4 + ["dq"] * 4
-    for part, d, causal, shared, spills, wgmma, tma, waits in lines:
-        assert int(shared) <= 227 * 1024 and int(spills) == 0, (part, d, causal, shared, spills)
+    for part, d, causal, ws, shared, spills, wgmma, tma, waits in lines:
+        assert int(shared) <= 227 * 1024 and int(spills) <= (512 if ws == "1" else 0), (part, d, causal, shared, spills)
         assert int(wgmma) > 0 and int(tma) > 0 and int(waits) >= 3, (part, d, causal, wgmma, tma, waits)
 
 
@@ -121,7 +126,7 @@ def test_gradients_within_the_rule_on_uneven_shapes(d, dtype, causal):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d,cfg", [(64, dict(block_m=64, block_n=128, num_warps=4, stages=2, warp_specialize=True)),
                                    (128, dict(block_m=32, block_n=128, num_warps=4, stages=3, warp_specialize=True))],
-                         ids=["d64", "d128"])
+                         ids=["d64", "d128-32"])
 def test_warp_specialized_dk_dv_within_the_rule(d, cfg, causal):
     """The warp-specialized dK/dV kernel (a producer warp, two consumer warpgroups of 64 keys each): dK and dV
     within the rule on the uneven shapes, fp16 and bf16."""

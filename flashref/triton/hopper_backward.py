@@ -352,10 +352,13 @@ def hopper_ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, M2, L2, D
 def default_config(head_dim: int, part: str = "dkdv") -> dict:
     """The tiles the ``part`` kernel ("dkdv" or "dq") launches with.
 
-    dK/dV, the best of three on an H100 (fp16, B x N = 65536, H x d = 2048, N = 4K and 16K, causal and not): 64
-    keys a program in one warpgroup; 64 queries a step at d = 64, 32 at d = 128 (64 spill there: dK and dV's fp32
-    accumulators alone take 128 registers a thread), Q and dO in a ring of 2 or 3 slots. Measured 1.13-1.33x the
-    teaching dK/dV kernel's time at d = 64 and 1.07-1.16x at d = 128.
+    dK/dV, the best of three on an H100 (fp16, B x N = 65536, H x d = 2048, N = 4K and 16K, causal and not): at
+    d = 64, 64 keys a program in one warpgroup, 64 queries a step, Q and dO in a ring of 2 (measured 1.13-1.33x
+    the teaching dK/dV kernel's speed); the warp-specialized kernel is no faster there (405-462 against 418-461
+    TFLOP/s). At d = 128 one warpgroup must step 32 queries (64 spill: dK and dV's fp32 accumulators alone take
+    128 registers a thread), so the warp-specialized kernel wins: two consumer warpgroups of 64 keys each step 64
+    queries with 240 registers a thread, a producer warp copying Q and dO once for both (520-552 TFLOP/s against
+    466-509 for one warpgroup of 64 keys, 32 queries a step, a ring of 3).
     dQ: 64 queries a program in one warpgroup (one fp32 accumulator), 64 keys a step, K and V in a ring of 2, the
     best of four (or within 2% of it) at each head dim. Measured (profiler, same shapes) 1.15-1.20x the teaching
     dQ kernel's time without causal masking, 0.91-1.09x with it (the slowest at N = 16K, d = 64), before the
@@ -366,7 +369,7 @@ def default_config(head_dim: int, part: str = "dkdv") -> dict:
         return dict(block_m=64, block_n=64, num_warps=4, stages=2)
     if head_dim <= 64:
         return dict(block_m=64, block_n=64, num_warps=4, stages=2)
-    return dict(block_m=32, block_n=64, num_warps=4, stages=3)
+    return dict(block_m=64, block_n=128, num_warps=4, stages=2, warp_specialize=True)
 
 
 def supported(q, k, v) -> str | None:
