@@ -72,6 +72,55 @@ def _backward_smem(res_a_desc, res_b_desc, ring_a_desc, ring_b_desc, STAGES: gl.
 
 
 @gluon.jit
+def _dkdv_tile(k_t, v_t, q_t, do_t, dk, dv, s_zero, keys, i, bh, M2, L2, Delta, N_q, qk_scale, BLOCK_M: gl.constexpr,
+               CAUSAL: gl.constexpr, col_s: gl.constexpr, p_layout: gl.constexpr):
+    """dK_j and dV_j (fp32, in registers) after query tile i, whose Q_i and dO_i are in shared memory, in the
+    transposed orientation (the rows are keys)::
+
+        S^T = K_j Q_i^T,  P^T = exp2(S^T * scale * log2 e - m2 - l2),  dV_j += P^T dO_i,
+        dP^T = V_j dO_i^T,  dS^T = P^T * (dP^T - D),  dK_j += dS^T Q_i
+
+    Query columns past N_q (the next head's rows, or TMA's zeros) get P = 0, so they add nothing."""
+    dtype: gl.constexpr = q_t.dtype
+    # S^T and dP^T issued back to back: the second runs while the first's exponentials wait.
+    St = warpgroup_mma(k_t, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    dPt = warpgroup_mma(v_t, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    queries = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_s)
+    live = queries < N_q
+    stat = bh.to(gl.int64) * N_q + queries
+    lse2 = gl.load(M2 + stat, mask=live, other=0.0) + gl.load(L2 + stat, mask=live, other=0.0)
+    D = gl.load(Delta + stat, mask=live, other=0.0)
+    St = warpgroup_mma_wait(1, deps=[St])
+    keep = gl.expand_dims(live, 0)
+    if CAUSAL:
+        keep = keep & (gl.expand_dims(queries, 0) >= gl.expand_dims(keys, 1))
+    Pt = gl.exp2(gl.where(keep, St * qk_scale - gl.expand_dims(lse2, 0), float("-inf")))
+    p = gl.convert_layout(Pt.to(dtype), p_layout)
+    dv = warpgroup_mma(p, do_t, dv, is_async=True)
+    dPt = warpgroup_mma_wait(1, deps=[dPt])
+    dSt = Pt * (dPt - gl.expand_dims(D, 0))
+    ds = gl.convert_layout(dSt.to(dtype), p_layout)
+    dk = warpgroup_mma(ds, q_t, dk, is_async=True)
+    # Waiting here for dK's product costs a gap on the tensor cores before the next S^T, but leaving it in
+    # flight (the next S^T queued behind it) measured slower, 41-45 ms against 39 at d = 128, N = 16K: it
+    # keeps more registers live.
+    dv, dk, p, ds = warpgroup_mma_wait(0, deps=[dv, dk, p, ds])
+    return dk, dv
+
+
+@gluon.jit
+def _store_dkdv(DK, DV, dk, dv, first_key, bh, N_k, sm_scale, ROWS: gl.constexpr, HEAD_D: gl.constexpr,
+                a_layout: gl.constexpr):
+    """dK (scaled by sm_scale) and dV of keys [first_key, +ROWS) of head bh; rows past N_k are not stored."""
+    rows = first_key + gl.arange(0, ROWS, layout=gl.SliceLayout(1, a_layout))
+    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, a_layout))
+    offs = gl.expand_dims((bh.to(gl.int64) * N_k + rows) * HEAD_D, 1) + gl.expand_dims(cols, 0)
+    in_range = gl.expand_dims(rows < N_k, 1)
+    gl.store(DK + offs, (dk * sm_scale).to(DK.dtype.element_ty), mask=in_range)
+    gl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=in_range)
+
+
+@gluon.jit
 def hopper_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, M2, L2, Delta, N_q, N_k, sm_scale, qk_scale,
                            HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                            STAGES: gl.constexpr, CAUSAL: gl.constexpr, num_warps: gl.constexpr):
@@ -81,7 +130,6 @@ def hopper_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, M2, L2, Delt
     pid_n = gl.program_id(0)
     bh = gl.program_id(1)
     start_n = pid_n * BLOCK_N
-    dtype: gl.constexpr = q_desc.dtype
 
     # Scores tile: (keys x queries); accumulators: (keys x d). wgmma gives each warp 16 rows (keys).
     s_layout: gl.constexpr = _wgmma_layout(num_warps, BLOCK_M)
@@ -115,31 +163,8 @@ def hopper_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, M2, L2, Delt
         i = i_lo + n
         slot = n % STAGES
         mbarrier.wait(bars.index(slot), (n // STAGES) & 1)
-        q_t = q_smem.index(slot)
-        do_t = do_smem.index(slot)
-        # S^T and dP^T issued back to back: the second runs while the first's exponentials wait.
-        St = warpgroup_mma(k_smem, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        dPt = warpgroup_mma(v_smem, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        queries = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_s)
-        live = queries < N_q
-        stat = bh.to(gl.int64) * N_q + queries
-        lse2 = gl.load(M2 + stat, mask=live, other=0.0) + gl.load(L2 + stat, mask=live, other=0.0)
-        D = gl.load(Delta + stat, mask=live, other=0.0)
-        St = warpgroup_mma_wait(1, deps=[St])
-        keep = gl.expand_dims(live, 0)
-        if CAUSAL:
-            keep = keep & (gl.expand_dims(queries, 0) >= gl.expand_dims(keys, 1))
-        Pt = gl.exp2(gl.where(keep, St * qk_scale - gl.expand_dims(lse2, 0), float("-inf")))
-        p = gl.convert_layout(Pt.to(dtype), p_layout)
-        dv = warpgroup_mma(p, do_t, dv, is_async=True)
-        dPt = warpgroup_mma_wait(1, deps=[dPt])
-        dSt = Pt * (dPt - gl.expand_dims(D, 0))
-        ds = gl.convert_layout(dSt.to(dtype), p_layout)
-        dk = warpgroup_mma(ds, q_t, dk, is_async=True)
-        # Waiting here for dK's product costs a gap on the tensor cores before the next S^T, but leaving it in
-        # flight (the next S^T queued behind it) measured slower, 41-45 ms against 39 at d = 128, N = 16K: it
-        # keeps more registers live.
-        dv, dk, p, ds = warpgroup_mma_wait(0, deps=[dv, dk, p, ds])
+        dk, dv = _dkdv_tile(k_smem, v_smem, q_smem.index(slot), do_smem.index(slot), dk, dv, s_zero, keys, i, bh, M2,
+                            L2, Delta, N_q, qk_scale, BLOCK_M, CAUSAL, col_s, p_layout)
         # Slot free: start the copies of the tile STAGES ahead.
         _load_pair(q_desc, do_desc, q_smem, do_smem, bars, q_row, n + STAGES, n_tiles, BLOCK_M, STAGES)
 
@@ -147,12 +172,7 @@ def hopper_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, M2, L2, Delt
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
 
-    rows = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout))
-    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, a_layout))
-    offs = gl.expand_dims((bh.to(gl.int64) * N_k + rows) * HEAD_D, 1) + gl.expand_dims(cols, 0)
-    in_range = gl.expand_dims(rows < N_k, 1)
-    gl.store(DK + offs, (dk * sm_scale).to(DK.dtype.element_ty), mask=in_range)
-    gl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=in_range)
+    _store_dkdv(DK, DV, dk, dv, start_n, bh, N_k, sm_scale, BLOCK_N, HEAD_D, a_layout)
 
 
 @gluon.jit
@@ -260,7 +280,6 @@ def _ws_dkdv_consumer(q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, DK,
     """Consumer warpgroup WG (4 warps) owns keys [start_n + WG * BLOCK_N/2, +BLOCK_N/2): the loop of
     :func:`hopper_bwd_dkdv_kernel` on every tile pair of the ring, which it then hands back (empty barrier)."""
     ROWS: gl.constexpr = BLOCK_N // 2
-    dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = _wgmma_layout(4, BLOCK_M)
     a_layout: gl.constexpr = _wgmma_layout(4, HEAD_D)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
@@ -278,33 +297,10 @@ def _ws_dkdv_consumer(q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, DK,
         i = i_lo + n
         slot = n % STAGES
         mbarrier.wait(ready.index(slot), (n // STAGES) & 1)
-        q_t = q_smem.index(slot)
-        do_t = do_smem.index(slot)
-        St = warpgroup_mma(k_t, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        dPt = warpgroup_mma(v_t, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        queries = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_s)
-        live = queries < N_q
-        stat = bh.to(gl.int64) * N_q + queries
-        lse2 = gl.load(M2 + stat, mask=live, other=0.0) + gl.load(L2 + stat, mask=live, other=0.0)
-        D = gl.load(Delta + stat, mask=live, other=0.0)
-        St = warpgroup_mma_wait(1, deps=[St])
-        keep = gl.expand_dims(live, 0)
-        if CAUSAL:
-            keep = keep & (gl.expand_dims(queries, 0) >= gl.expand_dims(keys, 1))
-        Pt = gl.exp2(gl.where(keep, St * qk_scale - gl.expand_dims(lse2, 0), float("-inf")))
-        p = gl.convert_layout(Pt.to(dtype), p_layout)
-        dv = warpgroup_mma(p, do_t, dv, is_async=True)
-        dPt = warpgroup_mma_wait(1, deps=[dPt])
-        ds = gl.convert_layout((Pt * (dPt - gl.expand_dims(D, 0))).to(dtype), p_layout)
-        dk = warpgroup_mma(ds, q_t, dk, is_async=True)
-        dv, dk, p, ds = warpgroup_mma_wait(0, deps=[dv, dk, p, ds])
+        dk, dv = _dkdv_tile(k_t, v_t, q_smem.index(slot), do_smem.index(slot), dk, dv, s_zero, keys, i, bh, M2, L2,
+                            Delta, N_q, qk_scale, BLOCK_M, CAUSAL, col_s, p_layout)
         mbarrier.arrive(empty.index(slot), count=1)
-    rows = first_key + gl.arange(0, ROWS, layout=gl.SliceLayout(1, a_layout))
-    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, a_layout))
-    offs = gl.expand_dims((bh.to(gl.int64) * N_k + rows) * HEAD_D, 1) + gl.expand_dims(cols, 0)
-    in_range = gl.expand_dims(rows < N_k, 1)
-    gl.store(DK + offs, (dk * sm_scale).to(DK.dtype.element_ty), mask=in_range)
-    gl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=in_range)
+    _store_dkdv(DK, DV, dk, dv, first_key, bh, N_k, sm_scale, ROWS, HEAD_D, a_layout)
 
 
 @gluon.jit
