@@ -17,7 +17,7 @@ from tests._triton_helpers import make_qkv
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _COMPILE = r"""
-import os, re, sys
+import itertools, os, re, sys
 os.environ["FLASHREF_TRITON_COMPILE_ONLY"] = "1"
 os.environ.pop("TRITON_INTERPRET", None)
 import triton
@@ -29,46 +29,46 @@ from flashref.triton.compile_check import ptxas_usage
 
 OUTPUTS = {"dkdv": {"DK": "*fp16", "DV": "*fp16"}, "dq": {"DQ": "*fp16"}}
 KERNELS = {"dkdv": hb.hopper_bwd_dkdv_kernel, "dq": hb.hopper_bwd_dq_kernel}
-for part in ("dkdv", "dq"):
-    for d in hb.HEAD_DIMS:
-        for causal in (False, True):
-            cfg = hb.default_config(d, part)
-            ws = cfg.get("warp_specialize", False)  # then each K, V copy is one consumer's half of block_n
-            kernel = hb.hopper_ws_bwd_dkdv_kernel if ws else KERNELS[part]
-            bm, bn = cfg["block_m"], cfg["block_n"] // (2 if ws else 1)
-            ql = gl.NVMMASharedLayout.get_default_for([bm, d], gl.float16)
-            kl = gl.NVMMASharedLayout.get_default_for([bn, d], gl.float16)
-            sig = {"q_desc": f"tensordesc<fp16[{bm}, {d}],{ql!r}>", "k_desc": f"tensordesc<fp16[{bn}, {d}],{kl!r}>",
-                   "v_desc": f"tensordesc<fp16[{bn}, {d}],{kl!r}>", "do_desc": f"tensordesc<fp16[{bm}, {d}],{ql!r}>",
-                   **OUTPUTS[part], "M2": "*fp32", "L2": "*fp32", "Delta": "*fp32",
-                   "N_q": "i32", "N_k": "i32", "sm_scale": "fp32", "qk_scale": "fp32"}
-            cx = dict(HEAD_D=d, BLOCK_M=bm, BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], CAUSAL=causal,
-                      num_warps=cfg["num_warps"])
-            sig.update({k: "constexpr" for k in cx})
-            options = dict(num_warps=cfg["num_warps"], **(dict(maxnreg=hopper.WS_MAXNREG) if ws else {}))
-            k = triton.compile(GluonASTSource(kernel, sig, cx, {}), target=GPUTarget("cuda", 90, 32),
-                               options=options)
-            ptx = k.asm["ptx"]
-            use = ptxas_usage(k)
-            print(part, d, causal, int(ws), k.metadata.shared, use["spill_stores"], ptx.count("wgmma.mma_async"),
-                  ptx.count("cp.async.bulk.tensor"), len(re.findall(r"wgmma\.wait_group", ptx)))
+for part, d, causal, mods in itertools.product(("dkdv", "dq"), hb.HEAD_DIMS, (False, True), (False, True)):
+    cfg = hb.default_config(d, part)
+    ws = cfg.get("warp_specialize", False)  # then each K, V copy is one consumer's half of block_n
+    kernel = hb.hopper_ws_bwd_dkdv_kernel if ws else KERNELS[part]
+    bm, bn = cfg["block_m"], cfg["block_n"] // (2 if ws else 1)
+    ql = gl.NVMMASharedLayout.get_default_for([bm, d], gl.float16)
+    kl = gl.NVMMASharedLayout.get_default_for([bn, d], gl.float16)
+    sig = {"q_desc": f"tensordesc<fp16[{bm}, {d}],{ql!r}>", "k_desc": f"tensordesc<fp16[{bn}, {d}],{kl!r}>",
+           "v_desc": f"tensordesc<fp16[{bn}, {d}],{kl!r}>", "do_desc": f"tensordesc<fp16[{bm}, {d}],{ql!r}>",
+           **OUTPUTS[part], "M2": "*fp32", "L2": "*fp32", "Delta": "*fp32",
+           "N_q": "i32", "N_k": "i32", "sm_scale": "fp32", "qk_scale": "fp32", "SLOPES": "*fp32",
+           "win_left": "i32", "win_right": "i32"}
+    cx = dict(HEAD_D=d, BLOCK_M=bm, BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], CAUSAL=causal,
+              WINDOW=mods, ALIBI=mods, num_warps=cfg["num_warps"])
+    sig.update({k: "constexpr" for k in cx})
+    options = dict(num_warps=cfg["num_warps"], **(dict(maxnreg=hopper.WS_MAXNREG) if ws else {}))
+    k = triton.compile(GluonASTSource(kernel, sig, cx, {}), target=GPUTarget("cuda", 90, 32),
+                       options=options)
+    ptx = k.asm["ptx"]
+    use = ptxas_usage(k)
+    print(part, d, causal, int(mods), int(ws), k.metadata.shared, use["spill_stores"],
+          ptx.count("wgmma.mma_async"), ptx.count("cp.async.bulk.tensor"), len(re.findall(r"wgmma\.wait_group", ptx)))
 """
 
 
 def test_compiles_for_the_h100_without_spills():
-    """Both kernels, each head dim, causal and not, at the shipped tiles: TMA copies and wgmma products in the PTX,
-    shared memory within the H100's 227 KB, and no register spills (in a child process: compiling needs the
-    interpreter off). The one exception is measured and bounded: the warp-specialized dK/dV kernel shipped at
-    d = 128 (64 queries a step) spills 260-330 bytes a thread (Triton 3.6 and 3.7) and is still 5-13% faster on
-    the H100 than the one-warpgroup kernel that does not spill (default_config's docstring)."""
+    """Both kernels, each head dim, causal and not, with and without a window and ALiBi, at the shipped tiles: TMA
+    copies and wgmma products in the PTX, shared memory within the H100's 227 KB, and no register spills (in a
+    child process: compiling needs the interpreter off). The one exception is measured and bounded: the
+    warp-specialized dK/dV kernel shipped at d = 128 (64 queries a step) spills 260-330 bytes a thread (Triton 3.6
+    and 3.7) and is still 5-13% faster on the H100 than the one-warpgroup kernel that does not spill
+    (default_config's docstring)."""
     pytest.importorskip("triton.experimental.gluon")
     env = dict(os.environ, PYTHONPATH=ROOT)
     out = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, cwd=ROOT,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [line.split() for line in out.stdout.strip().splitlines()]
-    assert [line[0] for line in lines] == ["dkdv"] * 4 + ["dq"] * 4
-    for part, d, causal, ws, shared, spills, wgmma, tma, waits in lines:
+    assert [line[0] for line in lines] == ["dkdv"] * 8 + ["dq"] * 8
+    for part, d, causal, mods, ws, shared, spills, wgmma, tma, waits in lines:
         assert int(shared) <= 227 * 1024 and int(spills) <= (512 if ws == "1" else 0), (part, d, causal, shared, spills)
         assert int(wgmma) > 0 and int(tma) > 0 and int(waits) >= 3, (part, d, causal, wgmma, tma, waits)
 
@@ -147,3 +147,51 @@ def test_warp_specialized_dk_dv_within_the_rule(d, cfg, causal):
             ref, base = _grads(*(x.float() for x in (q, k, v, do)), causal), _grads(q, k, v, do, causal)
             for name, got, r, b in zip(("dk", "dv"), (dk, dv), ref[1:], base[1:]):
                 assert_within_tolerance(got, r, b, factor=3.0, name=f"{name} ({N_q}, {N_k}, {dtype}, causal={causal})")
+
+
+# (causal, window, alibi, causal_align): windows both sides, one side unbounded, rows that see no key (N_q > N_k
+# with a window), ALiBi per head and per (batch, head), and bottom-right causal (a window's right side N_k - N_q).
+MODS = [(True, (100, 0), None, "top_left"), (False, (37, 90), None, "top_left"), (False, (-1, 20), None, "top_left"),
+        (False, (5, 5), None, "top_left"), (True, (-1, -1), "H", "top_left"), (False, (-1, -1), "BH", "top_left"),
+        (True, (50, 0), "H", "top_left"), (True, (-1, -1), None, "bottom_right")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,dtype", [(64, torch.float16), (128, torch.bfloat16)], ids=["d64-fp16", "d128-bf16"])
+@pytest.mark.parametrize("causal,window,alibi,align", MODS, ids=lambda x: str(x).replace(" ", ""))
+def test_window_and_alibi_gradients_against_the_reference(d, dtype, causal, window, alibi, align):
+    """A window, bottom-right causal and ALiBi in the Gluon backward, through flash_attention (its forward is then
+    the teaching kernel's, which feeds the same statistics): dQ, dK, dV within the rule against the float64
+    reference with the same keywords, on lengths no tile divides; rows that see no key get zero dQ."""
+    import numpy as np
+
+    from flashref import reference
+    from flashref.tolerance import assert_within_tolerance
+    from flashref.triton import backward_kernel, flash_attention
+    from tests._triton_helpers import feature_inputs, np64, plain_with_features
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon backward needs an sm_90 GPU")
+    for i, (N_q, N_k) in enumerate([(113, 203), (300, 97), (1, 239), (1023, 1024)]):
+        B, H = 2, 3
+        q, k, v, do = feature_inputs(B, H, H, N_q, N_k, d, dtype, seed=i)
+        slopes = None
+        if alibi is not None:
+            gen = torch.Generator().manual_seed(i + 1)
+            slopes = torch.rand((H,) if alibi == "H" else (B, H), generator=gen).cuda()
+        kw = dict(causal=causal, window_size=window, alibi_slopes=slopes, causal_align=align)
+        assert backward_kernel(q, k, v, **kw) == "hopper"
+        qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
+        flash_attention(qq, kk, vv, **kw).backward(do)
+        ref_kw = dict(kw, alibi_slopes=None if slopes is None else slopes.cpu().numpy())
+        refs = reference.attention_backward(*(np64(x) for x in (q, k, v, do)), **ref_kw)
+        visible = None
+        if align == "bottom_right":  # query i sees key j <= i + N_k - N_q
+            visible = (torch.arange(N_k)[None, :] <= torch.arange(N_q)[:, None] + N_k - N_q).cuda()
+        base = plain_with_features(q, k, v, do, causal and visible is None, visible=visible, window=window,
+                                   slopes=slopes)[1:]
+        for name, got, r, b in zip(("dq", "dk", "dv"), (qq.grad, kk.grad, vv.grad), refs, base):
+            assert torch.isfinite(got).all(), f"{name}: non-finite values ({N_q}, {N_k})"
+            assert_within_tolerance(got, r, b, factor=3.0, name=f"{name} ({N_q}, {N_k})")
+        blind = np.all(refs[0] == 0, axis=-1)  # rows that see no key: the reference's dq is exactly 0
+        assert np.all(np64(qq.grad)[blind] == 0)

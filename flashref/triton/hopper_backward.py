@@ -72,15 +72,33 @@ def _backward_smem(res_a_desc, res_b_desc, ring_a_desc, ring_b_desc, STAGES: gl.
 
 
 @gluon.jit
-def _dkdv_tile(k_t, v_t, q_t, do_t, dk, dv, s_zero, keys, i, bh, M2, L2, Delta, N_q, qk_scale, BLOCK_M: gl.constexpr,
-               CAUSAL: gl.constexpr, col_s: gl.constexpr, p_layout: gl.constexpr):
+def _modified_scores(S, keep, rows, cols, qk_scale, slope2, win_left, win_right, WINDOW: gl.constexpr,
+                     ALIBI: gl.constexpr):
+    """The base-2 scores of a raw tile S and which entries count, for query ``rows`` and key ``cols`` (broadcast
+    to S's shape, either orientation): slope2 is the head's ALiBi slope times log2(e), and query i sees key j
+    for ``i - win_left <= j <= i + win_right``, as the teaching kernels take them. ALiBi's bias is one FMA,
+    ``S * scale - slope2 |i - j|``, as theirs (``forward._modified``)."""
+    if ALIBI:
+        S = gl.fma(S, qk_scale, -(slope2 * gl.abs(cols - rows).to(gl.float32)))
+    else:
+        S = S * qk_scale
+    if WINDOW:
+        keep = keep & (cols >= rows - win_left) & (cols <= rows + win_right)
+    return S, keep
+
+
+@gluon.jit
+def _dkdv_tile(k_t, v_t, q_t, do_t, dk, dv, s_zero, keys, i, bh, M2, L2, Delta, N_q, qk_scale, slope2,
+               win_left, win_right, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+               ALIBI: gl.constexpr, col_s: gl.constexpr, p_layout: gl.constexpr):
     """dK_j and dV_j (fp32, in registers) after query tile i, whose Q_i and dO_i are in shared memory, in the
     transposed orientation (the rows are keys)::
 
         S^T = K_j Q_i^T,  P^T = exp2(S^T * scale * log2 e - m2 - l2),  dV_j += P^T dO_i,
         dP^T = V_j dO_i^T,  dS^T = P^T * (dP^T - D),  dK_j += dS^T Q_i
 
-    Query columns past N_q (the next head's rows, or TMA's zeros) get P = 0, so they add nothing."""
+    Query columns past N_q (the next head's rows, or TMA's zeros) get P = 0, so they add nothing. slope2,
+    win_left and win_right: as :func:`_modified_scores` takes them."""
     dtype: gl.constexpr = q_t.dtype
     # S^T and dP^T issued back to back: the second runs while the first's exponentials wait.
     St = warpgroup_mma(k_t, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -94,7 +112,9 @@ def _dkdv_tile(k_t, v_t, q_t, do_t, dk, dv, s_zero, keys, i, bh, M2, L2, Delta, 
     keep = gl.expand_dims(live, 0)
     if CAUSAL:
         keep = keep & (gl.expand_dims(queries, 0) >= gl.expand_dims(keys, 1))
-    Pt = gl.exp2(gl.where(keep, St * qk_scale - gl.expand_dims(lse2, 0), float("-inf")))
+    St, keep = _modified_scores(St, keep, gl.expand_dims(queries, 0), gl.expand_dims(keys, 1), qk_scale, slope2,
+                                win_left, win_right, WINDOW, ALIBI)
+    Pt = gl.exp2(gl.where(keep, St - gl.expand_dims(lse2, 0), float("-inf")))
     p = gl.convert_layout(Pt.to(dtype), p_layout)
     dv = warpgroup_mma(p, do_t, dv, is_async=True)
     dPt = warpgroup_mma_wait(1, deps=[dPt])
@@ -121,9 +141,26 @@ def _store_dkdv(DK, DV, dk, dv, first_key, bh, N_k, sm_scale, ROWS: gl.constexpr
 
 
 @gluon.jit
+def _query_tiles(start_n, N_q, win_left, win_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
+    """(i_lo, n_tiles): query tiles [i_lo, i_lo + n_tiles) see key tile [start_n, +BLOCK_N). Causal (query i sees
+    key j <= i) starts at the diagonal; a window (j - win_right <= i <= j + win_left) bounds both ends. n_tiles
+    may be <= 0: no query sees these keys, and dK = dV = 0."""
+    i_lo = 0
+    i_end = gl.cdiv(N_q, BLOCK_M)
+    if CAUSAL:
+        i_lo = start_n // BLOCK_M
+    if WINDOW:  # (causal has made win_right 0)
+        i_lo = gl.maximum(start_n - win_right, 0) // BLOCK_M
+        i_end = gl.minimum(i_end, gl.cdiv(gl.maximum(start_n + BLOCK_N + win_left, 0), BLOCK_M))
+    return i_lo, i_end - i_lo
+
+
+@gluon.jit
 def hopper_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, M2, L2, Delta, N_q, N_k, sm_scale, qk_scale,
-                           HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                           STAGES: gl.constexpr, CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+                           SLOPES, win_left, win_right, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+                           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                           ALIBI: gl.constexpr, num_warps: gl.constexpr):
     """Program (pid_n, bh) writes dK and dV of keys [pid_n * BLOCK_N, +BLOCK_N) of head bh. The descriptors view
     Q, dO (B * H * N_q, d) and K, V (B * H * N_k, d); query columns past N_q (the next head's rows, or TMA's
     zeros) get P = 0, so they add nothing; key rows past N_k are never stored."""
@@ -140,11 +177,7 @@ def hopper_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, M2, L2, Delt
 
     k_smem, v_smem, q_smem, do_smem, kv_bar, bars = _backward_smem(k_desc, v_desc, q_desc, do_desc, STAGES)
 
-    # Query tiles [i_lo, i_end) see this key tile: causal (query i sees key j <= i) starts at the diagonal.
-    i_lo = 0
-    if CAUSAL:
-        i_lo = start_n // BLOCK_M
-    n_tiles = gl.cdiv(N_q, BLOCK_M) - i_lo  # may be <= 0: no query sees these keys, dK = dV = 0
+    i_lo, n_tiles = _query_tiles(start_n, N_q, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     q_row = bh * N_q + i_lo * BLOCK_M
 
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
@@ -159,12 +192,16 @@ def hopper_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, M2, L2, Delt
     keys = start_n + gl.arange(0, BLOCK_N, layout=row_s)
     mbarrier.wait(kv_bar, 0)
 
+    slope2 = 0.0
+    if ALIBI:
+        slope2 = gl.load(SLOPES + bh)
     for n in range(0, n_tiles):
         i = i_lo + n
         slot = n % STAGES
         mbarrier.wait(bars.index(slot), (n // STAGES) & 1)
         dk, dv = _dkdv_tile(k_smem, v_smem, q_smem.index(slot), do_smem.index(slot), dk, dv, s_zero, keys, i, bh, M2,
-                            L2, Delta, N_q, qk_scale, BLOCK_M, CAUSAL, col_s, p_layout)
+                            L2, Delta, N_q, qk_scale, slope2, win_left, win_right, BLOCK_M, CAUSAL, WINDOW, ALIBI,
+                            col_s, p_layout)
         # Slot free: start the copies of the tile STAGES ahead.
         _load_pair(q_desc, do_desc, q_smem, do_smem, bars, q_row, n + STAGES, n_tiles, BLOCK_M, STAGES)
 
@@ -177,8 +214,9 @@ def hopper_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, M2, L2, Delt
 
 @gluon.jit
 def hopper_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, DQ, M2, L2, Delta, N_q, N_k, sm_scale, qk_scale,
-                         HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                         CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+                         SLOPES, win_left, win_right, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                         ALIBI: gl.constexpr, num_warps: gl.constexpr):
     """Program (pid_m, bh) writes dQ of queries [pid_m * BLOCK_M, +BLOCK_M) of head bh: Q_i and dO_i resident, K_j
     and V_j streamed through the ring, in the forward's orientation (queries are the rows):
 
@@ -200,12 +238,17 @@ def hopper_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, DQ, M2, L2, Delta, N_q
 
     q_smem, do_smem, k_smem, v_smem, q_bar, bars = _backward_smem(q_desc, do_desc, k_desc, v_desc, STAGES)
 
-    # Key tiles [0, n_tiles) hold keys these queries see: causal (key j visible from query i for j <= i) stops
-    # after the diagonal.
-    n_tiles = gl.cdiv(N_k, BLOCK_N)
+    # Key tiles [j_lo, j_end) hold keys these queries see: causal (key j visible from query i for j <= i) stops
+    # after the diagonal; a window (i - win_left <= j <= i + win_right) bounds both ends.
+    j_lo = 0
+    j_end = gl.cdiv(N_k, BLOCK_N)
     if CAUSAL:
-        n_tiles = gl.minimum(n_tiles, gl.cdiv(start_m + BLOCK_M, BLOCK_N))
-    kv_row = bh * N_k
+        j_end = gl.minimum(j_end, gl.cdiv(start_m + BLOCK_M, BLOCK_N))
+    if WINDOW:
+        j_lo = gl.maximum(start_m - win_left, 0) // BLOCK_N
+        j_end = gl.minimum(j_end, gl.cdiv(gl.maximum(start_m + BLOCK_M + win_right, 0), BLOCK_N))
+    n_tiles = j_end - j_lo  # may be <= 0: these queries see no key, dQ = 0
+    kv_row = bh * N_k + j_lo * BLOCK_N
 
     mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [bh * N_q + start_m, 0], q_bar, q_smem)
@@ -220,6 +263,9 @@ def hopper_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, DQ, M2, L2, Delta, N_q
     D = gl.load(Delta + stat, mask=live, other=0.0)
     dq = gl.zeros([BLOCK_M, HEAD_D], gl.float32, a_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    slope2 = 0.0
+    if ALIBI:
+        slope2 = gl.load(SLOPES + bh)
     mbarrier.wait(q_bar, 0)
 
     for n in range(0, n_tiles):
@@ -229,12 +275,14 @@ def hopper_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, DQ, M2, L2, Delta, N_q
         v_t = v_smem.index(slot)
         S = warpgroup_mma(q_smem, k_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dP = warpgroup_mma(do_smem, v_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        keys = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
+        keys = (j_lo + n) * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
         S = warpgroup_mma_wait(1, deps=[S])
         keep = gl.expand_dims(keys < N_k, 0)
         if CAUSAL:
             keep = keep & (gl.expand_dims(keys, 0) <= gl.expand_dims(queries, 1))
-        P = gl.exp2(gl.where(keep, S * qk_scale - gl.expand_dims(lse2, 1), float("-inf")))
+        S, keep = _modified_scores(S, keep, gl.expand_dims(queries, 1), gl.expand_dims(keys, 0), qk_scale, slope2,
+                                   win_left, win_right, WINDOW, ALIBI)
+        P = gl.exp2(gl.where(keep, S - gl.expand_dims(lse2, 1), float("-inf")))
         dP = warpgroup_mma_wait(0, deps=[dP])
         ds = gl.convert_layout((P * (dP - gl.expand_dims(D, 1))).to(dtype), ds_layout)
         dq = warpgroup_mma(ds, k_t, dq, is_async=True)
@@ -275,8 +323,9 @@ def _ws_dkdv_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, 
 
 @gluon.jit
 def _ws_dkdv_consumer(q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, M2, L2, Delta, bh, start_n,
-                      i_lo, n_tiles, N_q, N_k, sm_scale, qk_scale, WG: gl.constexpr, HEAD_D: gl.constexpr,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+                      i_lo, n_tiles, N_q, N_k, sm_scale, qk_scale, SLOPES, win_left, win_right, WG: gl.constexpr,
+                      HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                      CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr):
     """Consumer warpgroup WG (4 warps) owns keys [start_n + WG * BLOCK_N/2, +BLOCK_N/2): the loop of
     :func:`hopper_bwd_dkdv_kernel` on every tile pair of the ring, which it then hands back (empty barrier)."""
     ROWS: gl.constexpr = BLOCK_N // 2
@@ -292,21 +341,26 @@ def _ws_dkdv_consumer(q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, DK,
     dk = gl.zeros([ROWS, HEAD_D], gl.float32, a_layout)
     dv = gl.zeros([ROWS, HEAD_D], gl.float32, a_layout)
     s_zero = gl.zeros([ROWS, BLOCK_M], gl.float32, s_layout)
+    slope2 = 0.0
+    if ALIBI:
+        slope2 = gl.load(SLOPES + bh)
     mbarrier.wait(kv_bar, 0)
     for n in range(0, n_tiles):
         i = i_lo + n
         slot = n % STAGES
         mbarrier.wait(ready.index(slot), (n // STAGES) & 1)
         dk, dv = _dkdv_tile(k_t, v_t, q_smem.index(slot), do_smem.index(slot), dk, dv, s_zero, keys, i, bh, M2, L2,
-                            Delta, N_q, qk_scale, BLOCK_M, CAUSAL, col_s, p_layout)
+                            Delta, N_q, qk_scale, slope2, win_left, win_right, BLOCK_M, CAUSAL, WINDOW, ALIBI, col_s,
+                            p_layout)
         mbarrier.arrive(empty.index(slot), count=1)
     _store_dkdv(DK, DV, dk, dv, first_key, bh, N_k, sm_scale, ROWS, HEAD_D, a_layout)
 
 
 @gluon.jit
 def hopper_ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, M2, L2, Delta, N_q, N_k, sm_scale, qk_scale,
-                              HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                              STAGES: gl.constexpr, CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+                              SLOPES, win_left, win_right, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                              WINDOW: gl.constexpr, ALIBI: gl.constexpr, num_warps: gl.constexpr):
     """The warp-specialized dK/dV kernel: program (pid_n, bh) owns BLOCK_N keys of head bh, split between two
     consumer warpgroups (the kernel's own 4 warps and a worker warpgroup), each with the K and V rows of its half;
     one worker warp copies every Q, dO tile pair once for both. As the forward's warp-specialized kernel, the
@@ -329,19 +383,16 @@ def hopper_ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, M2, L2, D
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)  # both consumers must be done with a slot
-    i_lo = 0
-    if CAUSAL:
-        i_lo = start_n // BLOCK_M
-    n_tiles = gl.cdiv(N_q, BLOCK_M) - i_lo  # may be <= 0: no query sees these keys, dK = dV = 0
+    i_lo, n_tiles = _query_tiles(start_n, N_q, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     gl.warp_specialize([
         (_ws_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, M2, L2, Delta, bh,
-                             start_n, i_lo, n_tiles, N_q, N_k, sm_scale, qk_scale, 0, HEAD_D, BLOCK_M, BLOCK_N,
-                             STAGES, CAUSAL)),
+                             start_n, i_lo, n_tiles, N_q, N_k, sm_scale, qk_scale, SLOPES, win_left, win_right, 0,
+                             HEAD_D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, ALIBI)),
         (_ws_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty,
                              bh, start_n, i_lo, n_tiles, N_q, N_k, BLOCK_M, BLOCK_N, STAGES)),
         (_ws_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, M2, L2, Delta, bh,
-                             start_n, i_lo, n_tiles, N_q, N_k, sm_scale, qk_scale, 1, HEAD_D, BLOCK_M, BLOCK_N,
-                             STAGES, CAUSAL)),
+                             start_n, i_lo, n_tiles, N_q, N_k, sm_scale, qk_scale, SLOPES, win_left, win_right, 1,
+                             HEAD_D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, ALIBI)),
     ], [1, 4], [24, 240])
 
 
@@ -389,46 +440,66 @@ def _descriptors(q, k, v, do, cfg: dict):
     return descs
 
 
-def _meta(d: int, causal: bool, cfg: dict) -> dict:
+def _meta(d: int, causal: bool, cfg: dict, window, slopes2) -> dict:
     return dict(HEAD_D=d, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"],
-                CAUSAL=bool(causal), num_warps=cfg["num_warps"])
+                CAUSAL=bool(causal), WINDOW=window is not None, ALIBI=slopes2 is not None, num_warps=cfg["num_warps"])
 
 
-def hopper_dkdv(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dict | None = None):
+def _mod_args(q, window, slopes2) -> tuple:
+    """(SLOPES, win_left, win_right): the score modifications as the kernels take them. ``window`` = (win_left,
+    win_right) as :class:`flashref.triton.ops.Features` holds it (query i sees key j for ``i - win_left <= j <= i
+    + win_right``), or None; ``slopes2``: ALiBi slopes times log2(e), fp32 (B, H) (any strides), or None. The
+    kernels read one slope a head at program bh = b * H + h."""
+    B, H = q.shape[:2]
+    slopes = torch.zeros(1, dtype=torch.float32, device=q.device)
+    if slopes2 is not None:
+        slopes = slopes2.float().expand(B, H).contiguous()
+    win_left, win_right = window if window is not None else (0, 0)
+    return slopes, int(win_left), int(win_right)
+
+
+def hopper_dkdv(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dict | None = None, *, window=None,
+                slopes2=None):
     """(dk, dv) from the Gluon kernel, for checked, :func:`supported` inputs; m2, l2, delta: (B, H, N_q) fp32.
     ``cfg`` as :func:`default_config` gives it; with ``warp_specialize=True``, the warp-specialized kernel
-    (:func:`hopper_ws_bwd_dkdv_kernel`: block_n keys a program, two consumers' worth, num_warps 4)."""
+    (:func:`hopper_ws_bwd_dkdv_kernel`: block_n keys a program, two consumers' worth, num_warps 4). ``window``
+    and ``slopes2`` as :func:`_mod_args` takes them."""
     B, H, N_q, d = q.shape
     N_k = k.shape[2]
     cfg = cfg or default_config(d, "dkdv")
     dk = torch.empty((B, H, N_k, d), dtype=q.dtype, device=q.device)
     dv = torch.empty_like(dk)
     grid = (triton.cdiv(N_k, cfg["block_n"]), B * H)
-    args = (dk, dv, m2.contiguous(), l2.contiguous(), delta, N_q, N_k, scale, scale * LOG2E)
+    args = (dk, dv, m2.contiguous(), l2.contiguous(), delta, N_q, N_k, scale, scale * LOG2E,
+            *_mod_args(q, window, slopes2))
+    meta = _meta(d, causal, cfg, window, slopes2)
     if cfg.get("warp_specialize"):
         halves = dict(cfg, block_n=cfg["block_n"] // 2)  # each TMA copy of K or V is one consumer's rows
-        hopper_ws_bwd_dkdv_kernel[grid](*_descriptors(q, k, v, do, halves), *args, **_meta(d, causal, cfg),
-                                        maxnreg=hopper.WS_MAXNREG)
+        hopper_ws_bwd_dkdv_kernel[grid](*_descriptors(q, k, v, do, halves), *args, **meta, maxnreg=hopper.WS_MAXNREG)
     else:
-        hopper_bwd_dkdv_kernel[grid](*_descriptors(q, k, v, do, cfg), *args, **_meta(d, causal, cfg))
+        hopper_bwd_dkdv_kernel[grid](*_descriptors(q, k, v, do, cfg), *args, **meta)
     return dk, dv
 
 
-def hopper_dq(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dict | None = None):
-    """dq from the Gluon kernel, for checked, :func:`supported` inputs; m2, l2, delta: (B, H, N_q) fp32."""
+def hopper_dq(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dict | None = None, *, window=None,
+              slopes2=None):
+    """dq from the Gluon kernel, for checked, :func:`supported` inputs; m2, l2, delta: (B, H, N_q) fp32;
+    ``window`` and ``slopes2`` as :func:`_mod_args` takes them."""
     B, H, N_q, d = q.shape
     cfg = cfg or default_config(d, "dq")
     dq = torch.empty((B, H, N_q, d), dtype=q.dtype, device=q.device)
     grid = (triton.cdiv(N_q, cfg["block_m"]), B * H)
     hopper_bwd_dq_kernel[grid](*_descriptors(q, k, v, do, cfg), dq, m2.contiguous(), l2.contiguous(), delta, N_q,
-                               k.shape[2], scale, scale * LOG2E, **_meta(d, causal, cfg))
+                               k.shape[2], scale, scale * LOG2E, *_mod_args(q, window, slopes2),
+                               **_meta(d, causal, cfg, window, slopes2))
     return dq
 
 
-def hopper_backward(q, k, v, do, m2, l2, delta, causal: bool, scale: float):
+def hopper_backward(q, k, v, do, m2, l2, delta, causal: bool, scale: float, *, window=None, slopes2=None):
     """(dq, dk, dv) from the two Gluon kernels at their default tiles, for checked, :func:`supported` inputs
     (``delta`` = rowsum(dO * O), as the teaching preprocess kernel computes it): what
     :func:`flashref.triton.flash_attention`'s backward runs on an H100. Deterministic: each gradient element is
-    written by one program."""
-    dk, dv = hopper_dkdv(q, k, v, do, m2, l2, delta, causal, scale)
-    return hopper_dq(q, k, v, do, m2, l2, delta, causal, scale), dk, dv
+    written by one program. A sliding window (``window``) and ALiBi (``slopes2``), as :func:`_mod_args` takes
+    them, change the scores as the teaching kernels do, so either forward's statistics feed this backward."""
+    dk, dv = hopper_dkdv(q, k, v, do, m2, l2, delta, causal, scale, window=window, slopes2=slopes2)
+    return hopper_dq(q, k, v, do, m2, l2, delta, causal, scale, window=window, slopes2=slopes2), dk, dv
