@@ -160,18 +160,20 @@ MODS = [(True, (100, 0), None, "top_left"), (False, (37, 90), None, "top_left"),
 @pytest.mark.parametrize("d,dtype", [(64, torch.float16), (128, torch.bfloat16)], ids=["d64-fp16", "d128-bf16"])
 @pytest.mark.parametrize("causal,window,alibi,align", MODS, ids=lambda x: str(x).replace(" ", ""))
 def test_window_and_alibi_gradients_against_the_reference(d, dtype, causal, window, alibi, align):
-    """A window, bottom-right causal and ALiBi in the Gluon backward, through flash_attention (its forward is then
-    the teaching kernel's, which feeds the same statistics): dQ, dK, dV within the rule against the float64
-    reference with the same keywords, on lengths no tile divides; rows that see no key get zero dQ."""
+    """A window, bottom-right causal and ALiBi in the Gluon backward (:func:`hopper_backward`, fed by the teaching
+    forward's statistics): dQ, dK, dV within the rule against the float64 reference with the same keywords, on
+    lengths no tile divides; rows that see no key get zero dQ. flash_attention takes this backward for ALiBi."""
     import numpy as np
 
     from flashref import reference
     from flashref.tolerance import assert_within_tolerance
-    from flashref.triton import backward_kernel, flash_attention
+    from flashref.triton import backward_kernel, flash_attention_forward, ops
     from tests._triton_helpers import feature_inputs, np64, plain_with_features
 
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon backward needs an sm_90 GPU")
+    from flashref.triton import hopper_backward as hb
+
     for i, (N_q, N_k) in enumerate([(113, 203), (300, 97), (1, 239), (1023, 1024)]):
         B, H = 2, 3
         q, k, v, do = feature_inputs(B, H, H, N_q, N_k, d, dtype, seed=i)
@@ -180,18 +182,24 @@ def test_window_and_alibi_gradients_against_the_reference(d, dtype, causal, wind
             gen = torch.Generator().manual_seed(i + 1)
             slopes = torch.rand((H,) if alibi == "H" else (B, H), generator=gen).cuda()
         kw = dict(causal=causal, window_size=window, alibi_slopes=slopes, causal_align=align)
-        assert backward_kernel(q, k, v, **kw) == "hopper"
-        qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
-        flash_attention(qq, kk, vv, **kw).backward(do)
+        feat = ops.Features(q, k, 0.0, 0, None, 128, causal=causal, scale=d ** -0.5, window_size=window,
+                            alibi_slopes=slopes, check_finite=False, causal_align=align)
+        assert backward_kernel(q, k, v, **kw) == ("triton" if feat.window else "hopper")
+        o, lse = flash_attention_forward(q, k, v, **kw, kernel="triton")
+        m2, l2 = ops._stats_from_lse(lse)
+        delta = (o.float() * do.float()).sum(-1).contiguous()
+        got = hb.hopper_backward(q, k, v, do, m2, l2, delta, feat.causal, d ** -0.5, slopes2=feat.slopes2,
+                                 window=(feat.win_left, feat.win_right) if feat.window else None)
         ref_kw = dict(kw, alibi_slopes=None if slopes is None else slopes.cpu().numpy())
-        refs = reference.attention_backward(*(np64(x) for x in (q, k, v, do)), **ref_kw)
+        q64, k64, v64, do64 = (np64(x) for x in (q, k, v, do))
+        refs = reference.attention_backward(q64, k64, v64, do64, **ref_kw)
         visible = None
         if align == "bottom_right":  # query i sees key j <= i + N_k - N_q
             visible = (torch.arange(N_k)[None, :] <= torch.arange(N_q)[:, None] + N_k - N_q).cuda()
         base = plain_with_features(q, k, v, do, causal and visible is None, visible=visible, window=window,
                                    slopes=slopes)[1:]
-        for name, got, r, b in zip(("dq", "dk", "dv"), (qq.grad, kk.grad, vv.grad), refs, base):
-            assert torch.isfinite(got).all(), f"{name}: non-finite values ({N_q}, {N_k})"
-            assert_within_tolerance(got, r, b, factor=3.0, name=f"{name} ({N_q}, {N_k})")
-        blind = np.all(refs[0] == 0, axis=-1)  # rows that see no key: the reference's dq is exactly 0
-        assert np.all(np64(qq.grad)[blind] == 0)
+        for name, x, r, b in zip(("dq", "dk", "dv"), got, refs, base):
+            assert torch.isfinite(x).all(), f"{name}: non-finite values ({N_q}, {N_k})"
+            assert_within_tolerance(x, r, b, factor=3.0, name=f"{name} ({N_q}, {N_k})")
+        blind = np.isneginf(reference.attention(q64, k64, v64, return_lse=True, **ref_kw)[1])
+        assert np.all(np64(got[0])[blind] == 0), "rows that see no key: dq = 0"

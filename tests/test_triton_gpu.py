@@ -223,8 +223,8 @@ def test_block_sparse_backward_on_two_streams_matches_one_and_captures_in_a_cuda
 
 def test_auto_takes_the_teaching_kernel_where_the_hopper_forward_cannot_run():
     """On an H100, kernel="auto" falls back for each thing the Hopper forward does not take, and kernel="hopper"
-    refuses it naming it; the backward falls back with it (except for a window, bottom-right causal and ALiBi, which
-    the Gluon backward takes), and for d = 256 and deterministic=False too. On any other GPU both say there is no
+    refuses it naming it; the backward falls back with it (except for ALiBi, which the Gluon backward
+    takes), and for d = 256 and deterministic=False too. On any other GPU both say there is no
     sm_90."""
     from flashref.triton import backward_kernel, flash_attention, forward_kernel
 
@@ -250,7 +250,7 @@ def test_auto_takes_the_teaching_kernel_where_the_hopper_forward_cannot_run():
              "float16 or bfloat16": ((q.float(), k.float(), v.float()), {}),
              "head dim": (tuple(x[..., :96].contiguous() for x in (q, k, v)), {}),
              "grouped-query": ((q, k[:, :1], v[:, :1]), {})}
-    gluon_backward_takes = ("window_size", "bottom_right", "alibi_slopes")  # with the teaching forward's statistics
+    gluon_backward_takes = ("alibi_slopes",)  # with the teaching forward's statistics
     for why, (args, kw) in calls.items():
         assert forward_kernel(*args, **kw) == "triton", why
         assert backward_kernel(*args, **kw) == ("hopper" if why in gluon_backward_takes else "triton"), why

@@ -397,14 +397,16 @@ def _gluon_module(name: str):
 
 def _hopper_refusal(q, k, v, feat: Features, backward: bool = False) -> str | None:
     """None when the Hopper forward (notebook ``14_flashattention3_on_hopper``) can take this checked call, else why
-    it cannot: the teaching kernel takes it then. ``backward``: the same for the Gluon backward's kernels, which
-    also take a window and ALiBi (their statistics come from either forward)."""
+    it cannot: the teaching kernel takes it then. ``backward``: the same for the Gluon backward, which also takes
+    ALiBi (its statistics come from either forward). Its kernels take a window too (``hopper_backward(window=)``),
+    but a sliding window measured slower there than in the teaching backward (forward + backward 0.84-0.91x
+    FlexAttention against 0.91-1.00x, H100, d = 128, 1024 keys), so windows keep the teaching backward."""
     if INTERPRETED or not q.is_cuda:
         return "runs on an sm_90 GPU, not in Triton's CPU interpreter"
     if configs.device_capability(q.device) != 90:  # wgmma and setmaxnreg are sm_90a's
         return f"needs an sm_90 (Hopper) GPU, got sm_{configs.device_capability(q.device)}"
     used = (("dropout_p", feat.dropout_p > 0.0), ("block_mask", feat.block_mask is not None),
-            ("window_size or causal_align='bottom_right'", feat.window and not backward), ("softcap", feat.softcap),
+            ("window_size or causal_align='bottom_right'", feat.window), ("softcap", feat.softcap),
             ("alibi_slopes", feat.slopes2 is not None and not backward), ("packed batches", feat.varlen is not None))
     features = [name for name, on in used if on]
     if features:
@@ -435,9 +437,8 @@ def _forward_kernel(q, k, v, feat: Features, kernel: str) -> str:
 def _backward_kernel(q, k, v, feat: Features, kernel: str, deterministic: bool) -> str:
     """``"hopper"`` or ``"triton"``: which backward runs this checked call. ``"triton"`` keeps the teaching kernels;
     ``"auto"`` and ``"hopper"`` take the Gluon dK/dV and dQ kernels (:mod:`flashref.triton.hopper_backward`)
-    wherever the Hopper forward could run, and also with a window (or bottom-right causal) or ALiBi, d is 64 or 128
-    and the gradients are to be deterministic (theirs are: ``deterministic=False`` asks for the teaching kernel's
-    atomic dQ)."""
+    wherever the Hopper forward could run, and also with ALiBi, d is 64 or 128 and the gradients are to be
+    deterministic (theirs are: ``deterministic=False`` asks for the teaching kernel's atomic dQ)."""
     if not isinstance(kernel, str) or kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
     if kernel == "triton" or not deterministic or _hopper_refusal(q, k, v, feat, backward=True) is not None:
@@ -709,8 +710,7 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, deterministic=True, *,
     (:func:`forward_kernel` says which). Both give the same o, lse and row statistics. The backward follows:
     under ``"auto"`` and ``"hopper"`` the Gluon dK/dV and dQ kernels of :mod:`flashref.triton.hopper_backward` run
     wherever they can (the Hopper forward's conditions, d = 64 or 128, ``deterministic=True``; unlike the forward,
-    they also take ``window_size``, bottom-right causal and ``alibi_slopes``), the teaching backward everywhere
-    else (:func:`backward_kernel` says which).
+    they also take ``alibi_slopes``), the teaching backward everywhere else (:func:`backward_kernel` says which).
     Notebooks ``07_triton_forward`` and ``08_triton_backward``.
     """
     return FlashAttentionFunction.apply(q, k, v, causal, sm_scale, deterministic, check_finite, dropout_p, seed,
