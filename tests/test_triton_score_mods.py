@@ -117,6 +117,33 @@ def test_everything_together(causal):
            block_shape=(2, 1, 3, 3), block_size=32)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_alibi_at_the_edge_of_a_window(dtype):
+    """Causal, a window of 50, ALiBi, N_q > N_k: rows past the last key see only keys 40 to 50 away, whose
+    bias puts every score far below 0, after a masked tile in which they saw nothing. The running max must
+    stay -inf through that tile: a stand-in max of 0 carried on rounds their P to 0 in the fp16 P V product."""
+    _check(1, 3, 3, 150, 97, 16, dtype, True, window=(50, 0), alibi="H", seed=1)
+
+
+def test_window_with_every_score_far_below_zero():
+    """Every score below -150 (q.k < 0 everywhere, logits scaled by 100), windowed so that rows see nothing in
+    their first key tile: exp2 of a score against a stand-in max of 0 would be 0 in fp32, and the rows would
+    come out empty (o = 0, lse = -inf) instead of averaging their keys."""
+    q, k, v, do = _inputs(1, 2, 1, 70, 95, 16, torch.float32)
+    q, k = 100 * (q.abs() + 0.5), -(k.abs() + 0.5)
+    qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    o = flash_attention(qq, kk, vv, window_size=(5, 20))
+    o.backward(do)
+    _, lse = flash_attention_forward(q, k, v, window_size=(5, 20))
+    q64, k64, v64, do64 = (_np64(x) for x in (q, k, v, do))
+    ref_o, ref_lse = reference.attention(q64, k64, v64, return_lse=True, window_size=(5, 20))
+    refs = [ref_o, *reference.attention_backward(q64, k64, v64, do64, window_size=(5, 20))]
+    assert ref_lse.max() < -150, "the case needs every score far below 0 (exp2 of -216 is 0 in fp32)"
+    base = _plain(q, k, v, do, False, window=(5, 20))
+    _assert_close([o.detach(), qq.grad, kk.grad, vv.grad], refs, base, torch.float32)
+    np.testing.assert_allclose(_np64(lse), ref_lse, rtol=1e-6)
+
+
 def test_window_rows_that_see_no_key_are_zero():
     """With N_q > N_k and a window, the last queries see no key: o = 0, lse = -inf, zero gradients."""
     q, k, v, do = _inputs(1, 2, 1, 80, 30, 16, torch.float32)

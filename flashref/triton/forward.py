@@ -316,14 +316,18 @@ def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn,
     # scale > 0 and rounding is monotone, so max(qk) * scale is exactly the largest rounded score: the
     # max needs no scaled copy of the tile, and only one score tile stays live.
     m_new = tl.maximum(m_i, tl.max(qk, 1) * scale)
-    if HAS_BM or (WINDOW and MASKED):  # a row that has seen no key yet keeps m = -inf; exponents are taken against 0 then
-        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_new)  # rescales what was summed under the old max
+    m_sub = m_new  # the max the exponents subtract
+    if HAS_BM or (WINDOW and MASKED):
+        # A row that has seen no key yet keeps m = -inf, and its exponents are taken against 0 (not NaN). Only
+        # the exponents: carrying 0 on as the max would make a later tile's scores far below 0 (ALiBi's bias
+        # at the window's edge) round P to 0 in the fp16 P V product while l still counts them.
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_sub)  # rescales what was summed under the old max
     # One explicit fused multiply-add, here and in both backward kernels: left to itself the compiler
     # contracts qk * qk_scale - m into an FMA in some kernels and tiles and not in others, and then the
     # backward's recomputed exponent differs from the forward's by a rounding of the score (3e-4 in P for
     # logits of 1e3 in fp32; see _exponent in backward.py).
-    p = tl.exp2(tl.fma(qk, scale, -m_new[:, None]))
+    p = tl.exp2(tl.fma(qk, scale, -m_sub[:, None]))
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     if DROPOUT:  # l sums P before dropout; O sums the kept entries, and is scaled by 1 / (1 - p) at the end
@@ -490,7 +494,7 @@ def flash_fwd_kernel(Q, K, V, O, LSE, M2, L2, BM, LISTS,
                                LISTED=False, WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
 
     # Without a block mask or a window every row sees key 0 (top-left causal), so l_i > 0 for real rows;
-    # padded rows are never stored. With one, a row may see nothing: l_i = 0, m_i = -inf (or 0).
+    # padded rows are never stored. With one, a row may see nothing: l_i = 0, m_i = -inf.
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     acc = acc / l_safe[:, None]
