@@ -419,10 +419,14 @@ def _hopper_refusal(q, k, v, feat: Features, backward: bool = False) -> str | No
     return hopper.supported(q, k, v)
 
 
-def _forward_kernel(q, k, v, feat: Features, kernel: str) -> str:
-    """``"hopper"`` or ``"triton"``: which forward runs this checked call with ``kernel=`` (see :data:`KERNELS`)."""
+def _check_kernel(kernel) -> None:
     if not isinstance(kernel, str) or kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
+
+
+def _forward_kernel(q, k, v, feat: Features, kernel: str) -> str:
+    """``"hopper"`` or ``"triton"``: which forward runs this checked call with ``kernel=`` (see :data:`KERNELS`)."""
+    _check_kernel(kernel)
     if kernel == "triton":
         return "triton"
     why = _hopper_refusal(q, k, v, feat)
@@ -439,8 +443,7 @@ def _backward_kernel(q, k, v, feat: Features, kernel: str, deterministic: bool) 
     ``"auto"`` and ``"hopper"`` take the Gluon dK/dV and dQ kernels (:mod:`flashref.triton.hopper_backward`)
     wherever the Hopper forward could run, and also with ALiBi, d is 64 or 128 and the gradients are to be
     deterministic (theirs are: ``deterministic=False`` asks for the teaching kernel's atomic dQ)."""
-    if not isinstance(kernel, str) or kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
+    _check_kernel(kernel)
     if kernel == "triton" or not deterministic or _hopper_refusal(q, k, v, feat, backward=True) is not None:
         return "triton"
     backward = _gluon_module("hopper_backward")
