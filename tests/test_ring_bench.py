@@ -1,6 +1,6 @@
 """The ring benchmark's pure-Python parts, on the CPU, from a synthetic result: its tables, the longest fit,
-the trace's reduction, overlap and timeline plot, and its command line. (The measurements themselves need
-several GPUs: python -m flashref.bench ring.)"""
+the trace's reduction, overlap and timeline plot, and its command line; then the whole run rehearsed on two CPU
+ranks (python -m flashref.bench ring --device cpu). The measurements themselves need several GPUs."""
 
 from __future__ import annotations
 
@@ -105,6 +105,42 @@ def test_command_line():
     assert ring_bench.parse_args(["--n", "65536", "--parts", "trace"]).n == [65536]
     with pytest.raises(SystemExit):
         ring_bench.parse_args(["--n", "1000"])
+
+
+def test_the_whole_run_rehearses_on_cpus(tmp_path):
+    """Every step of the GPU run (the 1-GPU worker, autotuning and pinning, the ring's workers and their gloo
+    agreement, the trace, the longest probes, the speedups, the file) on two CPU ranks, tiny shapes."""
+    out = tmp_path / "ring.json"
+    assert ring_bench.main(["--device", "cpu", "--out", str(out)]) == 0
+    data = ring_bench.load_results(str(out))
+    assert "rehearsal" in data["device"] and data["gpus"] == 2 and data["pinned_configs"] == {}
+    rows = data["results"]
+    assert all(r["status"] == "ok" for r in rows), rows
+    N = ring_bench.REHEARSAL["lengths"][0]
+    scaling = {(r["gpus"], r["causal"]): r for r in rows if r["part"] == "scaling"}
+    assert sorted(scaling) == [(1, False), (1, True), (2, False), (2, True)]
+    for causal in (False, True):
+        one, ring = scaling[(1, causal)], scaling[(2, causal)]
+        assert one["N"] == ring["N"] == N and one["H"] == ring_bench.REHEARSAL["H"]
+        assert ring["speedup"] == pytest.approx(one["ms"] / ring["ms"])
+        assert one["peak_bytes"] is None  # no allocator to ask on the CPU
+    fits = ring_bench.longest_fit(rows)
+    assert {g: n for g, (n, _) in fits.items()} == {1: 256, 2: 256}
+    trace = data["trace"]
+    assert (trace["N"], trace["gpus"], trace["causal"]) == (ring_bench.REHEARSAL["trace_n"], 2, True)
+    assert trace["events"] == []  # the interpreter launches no GPU kernels
+    assert "2 GPUs ms" in scaling_table(rows)
+
+
+def test_plan_of_the_command_line():
+    plan = ring_bench.plan_of(ring_bench.parse_args([]))
+    assert (plan.device, plan.H, plan.d, plan.lengths) == ("cuda", 16, 128, tuple(ring_bench.LENGTHS))
+    cpu = ring_bench.parse_args(["--device", "cpu", "--n", "256", "--parts", "scaling"])
+    assert cpu.out.endswith("flashref_ring_rehearsal.json")
+    plan = ring_bench.plan_of(cpu)
+    assert (plan.H, plan.d, plan.lengths, plan.parts) == (2, 16, (256,), ("scaling",))
+    with pytest.raises(SystemExit):
+        ring_bench.parse_args(["--gpus", "0"])
 
 
 def test_needs_cuda(capsys):

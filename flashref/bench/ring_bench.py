@@ -1,6 +1,7 @@
 """Ring attention over the GPUs of one machine against FlashAttention on one GPU, in one run.
 
     python -m flashref.bench ring                # the points below, on every visible GPU
+    python -m flashref.bench ring --device cpu   # a rehearsal of every step on CPUs (gloo, tiny shapes)
 
 It spawns its own processes: first one on GPU 0 for the baseline (:func:`flashref.triton.flash_attention` on
 the whole sequence), then one per visible GPU joined by NCCL for :func:`flashref.ring_attention.ring_attention`
@@ -199,15 +200,97 @@ def reduce_chrome_trace(trace_json: dict, device: int | None = None, max_name: i
     return sorted(out, key=lambda e: e[2])
 
 
-# ---- measuring (GPU workers) -----------------------------------------------------------------------------------
+# ---- measuring (the workers) ------------------------------------------------------------------------------------
 
-def _inputs(n, H_kv, seed):
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What a run measures, handed to every worker. ``device="cuda"``: the GPUs, NCCL (the measurement).
+    ``device="cpu"``: a rehearsal of the whole run on CPUs (gloo, the kernels in Triton's interpreter, the
+    shapes of :data:`REHEARSAL`): its numbers mean nothing, but every step of the GPU run is taken, so a
+    machine with several GPUs is not spent finding a mistake in the bench itself."""
+
+    device: str = "cuda"
+    parts: tuple = PARTS
+    H: int = H
+    d: int = D
+    lengths: tuple = tuple(LENGTHS)
+    tune_n: int = TUNE_N
+    trace_n: int = TRACE_N
+    longest_from: int = LONGEST_FROM
+    longest_max: int = LONGEST_MAX
+
+
+#: The rehearsal's shapes: small enough for Triton's interpreter, the zigzag layout's chunks still uneven tiles.
+REHEARSAL = dict(H=2, d=16, lengths=(192,), tune_n=128, trace_n=128, longest_from=128, longest_max=256)
+
+
+class _Device:
+    """One worker's device: a GPU (CUDA events, the allocator's peak, NCCL) or, for a rehearsal, the CPU
+    (wall-clock time, no peak memory, gloo)."""
+
+    def __init__(self, kind: str, index: int = 0):
+        import torch
+
+        self.kind, self.index = kind, index
+        if kind == "cuda":
+            torch.cuda.set_device(index)
+            self.torch = torch.device("cuda", index)
+        else:
+            torch.set_num_threads(1)  # the ranks share the machine's cores
+            self.torch = torch.device("cpu")
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.kind == "cuda" else "gloo"
+
+    def name(self) -> str:
+        import torch
+
+        return torch.cuda.get_device_name(self.index) if self.kind == "cuda" else "cpu (rehearsal: Triton's interpreter, gloo)"
+
+    def sync(self):
+        import torch
+
+        if self.kind == "cuda":
+            torch.cuda.synchronize()
+
+    def fresh(self):
+        """Memory released and the peak counter reset, before a point."""
+        import torch
+
+        if self.kind == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+
+    def peak(self) -> int | None:
+        import torch
+
+        return int(torch.cuda.max_memory_allocated()) if self.kind == "cuda" else None
+
+    def elapsed_ms(self, step, reps: int) -> float:
+        """Milliseconds per call of ``reps`` calls of ``step``: CUDA events on a GPU, the wall clock on the CPU."""
+        import torch
+
+        if self.kind != "cuda":
+            start = time.perf_counter()
+            for _ in range(reps):
+                step()
+            return (time.perf_counter() - start) * 1e3 / reps
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            step()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / reps
+
+
+def _inputs(dev: _Device, plan: Plan, n, seed):
     import torch
 
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(B, H, n, D, device="cuda", dtype=torch.float16, generator=g)
-    k, v = (torch.randn(B, H_kv, n, D, device="cuda", dtype=torch.float16, generator=g) for _ in range(2))
-    do = torch.randn(B, H, n, D, device="cuda", dtype=torch.float16, generator=g)
+    g = torch.Generator(device=dev.torch).manual_seed(seed)
+    q, k, v, do = (torch.randn(B, plan.H, n, plan.d, device=dev.torch, dtype=torch.float16, generator=g)
+                   for _ in range(4))
     for x in (q, k, v):
         x.requires_grad_(True)
     return q, k, v, do
@@ -232,8 +315,9 @@ class _Ranks:
     def __init__(self, group=None, world=1):
         self.group, self.world = group, world
 
-    def reduce(self, value: float, op: str) -> float:
-        if self.world == 1:
+    def reduce(self, value, op: str):
+        """``value`` reduced over the ranks (``op``: "MAX", "MIN", "SUM"); None stays None (no peak on CPUs)."""
+        if self.world == 1 or value is None:
             return value
         import torch
         import torch.distributed as dist
@@ -249,152 +333,138 @@ class _Ranks:
             dist.barrier(group=self.group)
 
 
-def _time_ms(step, ranks: _Ranks):
+def _time_ms(step, dev: _Device, ranks: _Ranks):
     """(ms per call, peak bytes of the busiest GPU): a warm-up, one timed call, then up to MAX_REPS within
     BUDGET_S; every rank runs as many, and the slowest rank's time counts."""
-    import torch
-
     step()
-    torch.cuda.synchronize()
+    dev.sync()
 
     def timed(reps):
         ranks.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            step()
-        end.record()
-        torch.cuda.synchronize()
-        return ranks.reduce(start.elapsed_time(end) / reps, "MAX")
+        return ranks.reduce(dev.elapsed_ms(step, reps), "MAX")
 
-    torch.cuda.reset_peak_memory_stats()
+    dev.fresh()
     ms = timed(1)
     reps = int(ranks.reduce(max(1, min(MAX_REPS, int(BUDGET_S * 1e3 / max(ms, 1e-3)))), "MIN"))
     if reps > 1:
         ms = timed(reps)
-    return ms, int(ranks.reduce(torch.cuda.max_memory_allocated(), "MAX"))
+    peak = ranks.reduce(dev.peak(), "MAX")
+    return ms, None if peak is None else int(peak)
 
 
-def _scaling_row(impl, gpus, N, causal, ms, peak):
-    return {"part": "scaling", "impl": impl, "gpus": gpus, "B": B, "H": H, "H_kv": H, "N": N, "d": D,
+def _scaling_row(impl, gpus, N, causal, ms, peak, H=H, d=D):
+    return {"part": "scaling", "impl": impl, "gpus": gpus, "B": B, "H": H, "H_kv": H, "N": N, "d": d,
             "causal": causal, "status": "ok", "ms": ms, "tokens_per_s": B * N / (ms * 1e-3),
-            "tflops": flops(B, H, N, N, D, causal, "fwd+bwd") / (ms * 1e-3) / 1e12,
-            "tflops_per_gpu": flops(B, H, N, N, D, causal, "fwd+bwd") / (ms * 1e-3) / 1e12 / gpus,
+            "tflops": flops(B, H, N, N, d, causal, "fwd+bwd") / (ms * 1e-3) / 1e12,
+            "tflops_per_gpu": flops(B, H, N, N, d, causal, "fwd+bwd") / (ms * 1e-3) / 1e12 / gpus,
             "peak_bytes": peak}
 
 
-def _tune():
-    """Autotune the three kernels once at TUNE_N (non-causal) and return the configs they chose, to pin."""
-    import torch
+def _failed_row(part, impl, gpus, N, causal, status):
+    return {"part": part, "impl": impl, "gpus": gpus, "N": N, "causal": causal, "status": status}
 
+
+def _tune(dev: _Device, plan: Plan):
+    """The teaching kernels' tile configs, autotuned once at ``plan.tune_n`` (non-causal), to pin: calls the
+    Hopper kernels cannot take (a window, strided slices) run the teaching ones, and autotuning those at 256K
+    tokens would time each config for seconds. Under the interpreter nothing is tuned: ``{}``."""
     from flashref.triton import flash_attention, ops
 
-    q, k, v, do = _inputs(TUNE_N, H, 0)
-    flash_attention(q, k, v, check_finite=False).backward(do)
-    torch.cuda.synchronize()
-    chosen = {}
-    for key, cfg in ops._CHOSEN.items():
-        chosen[key[0]] = cfg
-    return chosen
+    q, k, v, do = _inputs(dev, plan, plan.tune_n, 0)
+    flash_attention(q, k, v, check_finite=False, kernel="triton").backward(do)
+    dev.sync()
+    return {key[0]: cfg for key, cfg in ops._CHOSEN.items()}
 
 
-def _one_gpu_worker(args: dict, out):
+def _one_gpu_worker(plan: Plan, out):
     """GPU 0: the device name, the pinned configs, then flash_attention on the whole sequence."""
     try:
-        import torch
-
-        torch.cuda.set_device(0)
+        dev = _Device(plan.device, 0)
         from flashref.triton import flash_attention
         from flashref.triton.ops import fixed_configs
 
-        out.put(("device", torch.cuda.get_device_name(0)))
-        pinned = _tune()
+        out.put(("device", dev.name()))
+        pinned = _tune(dev, plan)
         out.put(("pinned", pinned))
         ranks = _Ranks()
         with fixed_configs(**pinned):
-            if "scaling" in args["parts"]:
+            if "scaling" in plan.parts:
                 for causal in (False, True):
-                    for N in args["lengths"]:
-                        out.put(("row", _one_gpu_point(flash_attention, N, causal, ranks)))
-            if "longest" in args["parts"]:
-                for row in _longest_one_gpu(flash_attention, args["longest_max"]):
+                    for N in plan.lengths:
+                        out.put(("row", _one_gpu_point(flash_attention, N, causal, dev, plan, ranks)))
+            if "longest" in plan.parts:
+                for row in _longest_one_gpu(flash_attention, dev, plan):
                     out.put(("row", row))
         out.put(("done", 0))
     except BaseException:  # noqa: BLE001 (the parent shows it)
         out.put(("error", 0, traceback.format_exc()))
 
 
-def _one_gpu_point(flash_attention, N, causal, ranks):
-    import torch
-
+def _one_gpu_point(flash_attention, N, causal, dev, plan, ranks):
+    impl = "flashref-triton 1 GPU"
     try:
-        q, k, v, do = _inputs(N, H, 1)
+        q, k, v, do = _inputs(dev, plan, N, 1)
         ms, peak = _time_ms(_fwd_bwd(lambda q, k, v: flash_attention(q, k, v, causal=causal, check_finite=False),
-                                     q, k, v, do), ranks)
-        row = _scaling_row("flashref-triton 1 GPU", 1, N, causal, ms, peak)
+                                     q, k, v, do), dev, ranks)
+        row = _scaling_row(impl, 1, N, causal, ms, peak, plan.H, plan.d)
     except Exception as exc:  # noqa: BLE001 (recorded)
-        row = {"part": "scaling", "impl": "flashref-triton 1 GPU", "gpus": 1, "N": N, "causal": causal,
-               "status": _status(exc)}
+        row = _failed_row("scaling", impl, 1, N, causal, _status(exc))
     q = k = v = do = None
-    torch.cuda.empty_cache()
+    dev.fresh()
     return row
 
 
-def _probe_row(impl, gpus, N, status, peak=None):
-    return {"part": "longest", "impl": impl, "gpus": gpus, "B": B, "H": H, "H_kv": H, "N": N, "d": D,
+def _probe_row(impl, gpus, N, status, peak=None, H=H, d=D):
+    return {"part": "longest", "impl": impl, "gpus": gpus, "B": B, "H": H, "H_kv": H, "N": N, "d": d,
             "probe": f"fwd+bwd, window_size={list(PROBE_WINDOW)}", "status": status, "peak_bytes": peak}
 
 
-def _longest_one_gpu(flash_attention, longest_max):
-    import torch
-
-    N = LONGEST_FROM
-    while N <= longest_max:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+def _longest_one_gpu(flash_attention, dev, plan):
+    N = plan.longest_from
+    while N <= plan.longest_max:
+        dev.fresh()
         try:
-            q, k, v, do = _inputs(N, H, 2)
+            q, k, v, do = _inputs(dev, plan, N, 2)
             flash_attention(q, k, v, causal=True, window_size=PROBE_WINDOW, check_finite=False).backward(do)
-            torch.cuda.synchronize()
-            status, peak = "ok", int(torch.cuda.max_memory_allocated())
+            dev.sync()
+            status, peak = "ok", dev.peak()
         except Exception as exc:  # noqa: BLE001 (out of memory is the result)
             status, peak = _status(exc), None
         q = k = v = do = None
-        yield _probe_row("flashref-triton 1 GPU", 1, N, status, peak)
+        yield _probe_row("flashref-triton 1 GPU", 1, N, status, peak, plan.H, plan.d)
         if status != "ok":
             return
         N *= 2
 
 
-def _ring_worker(rank, world, port, args: dict, pinned, out):
+def _ring_worker(rank, world, port, plan: Plan, pinned, out):
     """One GPU of the ring: NCCL for the attention, a gloo group beside it for agreeing on counts and times."""
     exit_hard = False
     try:
         import datetime
 
-        import torch
         import torch.distributed as dist
 
-        torch.cuda.set_device(rank)
+        dev = _Device(plan.device, rank)
         import flashref.triton  # noqa: F401
         from flashref.triton.ops import fixed_configs
 
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        dist.init_process_group(dev.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=180))
         ranks = _Ranks(dist.new_group(backend="gloo"), world)
         with fixed_configs(**pinned):
-            if "scaling" in args["parts"]:
+            if "scaling" in plan.parts:
                 for causal in (False, True):
-                    for N in args["lengths"]:
-                        row = _ring_point(N, causal, rank, world, ranks)
+                    for N in plan.lengths:
+                        row = _ring_point(N, causal, rank, world, dev, plan, ranks)
                         if rank == 0:
                             out.put(("row", row))
-            if "trace" in args["parts"]:
-                trace = _ring_trace(args["trace_n"], True, rank, world, ranks)
+            if "trace" in plan.parts:
+                trace = _ring_trace(plan.trace_n, True, rank, world, dev, plan, ranks)
                 if rank == 0:
                     out.put(("trace", trace))
-            if "longest" in args["parts"]:
-                for row in _longest_ring(rank, world, ranks, args["longest_max"]):
+            if "longest" in plan.parts:
+                for row in _longest_ring(rank, world, dev, plan, ranks):
                     if rank == 0:
                         out.put(("row", row))
                     if row["status"] != "ok":
@@ -420,53 +490,49 @@ def _ring_fn(causal):
     return lambda q, k, v: ring_attention(q, k, v, causal=causal, check_finite=False)
 
 
-def _ring_point(N, causal, rank, world, ranks):
-    import torch
-
+def _ring_point(N, causal, rank, world, dev, plan, ranks):
     impl = f"ring {world} GPUs"
     try:
-        q, k, v, do = _inputs(N // world, H, 100 + rank)  # this rank's shard (values: random; layout: any)
-        ms, peak = _time_ms(_fwd_bwd(_ring_fn(causal), q, k, v, do), ranks)
-        row = _scaling_row(impl, world, N, causal, ms, peak)
+        q, k, v, do = _inputs(dev, plan, N // world, 100 + rank)  # this rank's shard (values: random; layout: any)
+        ms, peak = _time_ms(_fwd_bwd(_ring_fn(causal), q, k, v, do), dev, ranks)
+        row = _scaling_row(impl, world, N, causal, ms, peak, plan.H, plan.d)
     except Exception as exc:  # noqa: BLE001 (recorded; a failure in one rank only would hang: it is not expected)
-        row = {"part": "scaling", "impl": impl, "gpus": world, "N": N, "causal": causal, "status": _status(exc)}
+        row = _failed_row("scaling", impl, world, N, causal, _status(exc))
     q = k = v = do = None
-    torch.cuda.empty_cache()
+    dev.fresh()
     return row
 
 
-def _ring_trace(N, causal, rank, world, ranks):
-    """One ring forward + backward after a warm-up, profiled on rank 0: its GPU kernels."""
-    import torch
-
-    q, k, v, do = _inputs(N // world, H, 200 + rank)
+def _ring_trace(N, causal, rank, world, dev, plan, ranks):
+    """One ring forward + backward after a warm-up, profiled on rank 0: its GPU kernels (none on the CPU)."""
+    q, k, v, do = _inputs(dev, plan, N // world, 200 + rank)
     step = _fwd_bwd(_ring_fn(causal), q, k, v, do)
     step()
-    torch.cuda.synchronize()
+    dev.sync()
     ranks.barrier()
     if rank != 0:
         step()
-        torch.cuda.synchronize()
+        dev.sync()
         return None
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.kind == "cuda" else [])
+    with profile(activities=activities) as prof:
         step()
-        torch.cuda.synchronize()
+        dev.sync()
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
-            events = reduce_chrome_trace(json.load(f), device=torch.cuda.current_device())
+            events = reduce_chrome_trace(json.load(f), device=dev.index if dev.kind == "cuda" else None)
     span = max((e[2] + e[3] for e in events), default=0.0)
-    return {"N": N, "causal": causal, "gpus": world, "rank": 0, "B": B, "H": H, "d": D, "span_us": span,
+    return {"N": N, "causal": causal, "gpus": world, "rank": 0, "B": B, "H": plan.H, "d": plan.d, "span_us": span,
             "events": events}
 
 
-def _longest_ring(rank, world, ranks, longest_max):
-    """N doubled from LONGEST_FROM; every rank learns whether all ranks fit before anything synchronizes."""
-    import torch
-
+def _longest_ring(rank, world, dev, plan, ranks):
+    """N doubled from ``plan.longest_from``; every rank learns whether all ranks fit before anything
+    synchronizes."""
     import flashref.ring_attention as ring_module
     from functools import partial
 
@@ -476,12 +542,11 @@ def _longest_ring(rank, world, ranks, longest_max):
     ring_module.flash_attention_backward = partial(saved[1], window_size=PROBE_WINDOW)
     impl = f"ring {world} GPUs"
     try:
-        N = LONGEST_FROM
-        while N <= longest_max:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
+        N = plan.longest_from
+        while N <= plan.longest_max:
+            dev.fresh()
             try:
-                q, k, v, do = _inputs(N // world, H, 300 + rank)
+                q, k, v, do = _inputs(dev, plan, N // world, 300 + rank)
                 _fwd_bwd(_ring_fn(True), q, k, v, do)()
                 status = "ok"
             except Exception as exc:  # noqa: BLE001 (out of memory is the result)
@@ -489,11 +554,13 @@ def _longest_ring(rank, world, ranks, longest_max):
             q = k = v = do = None
             failed = ranks.reduce(0.0 if status == "ok" else 1.0, "SUM")
             if failed == 0:
-                torch.cuda.synchronize()
-                yield _probe_row(impl, world, N, "ok", int(ranks.reduce(torch.cuda.max_memory_allocated(), "MAX")))
+                dev.sync()
+                peak = ranks.reduce(dev.peak(), "MAX")
+                yield _probe_row(impl, world, N, "ok", None if peak is None else int(peak), plan.H, plan.d)
                 N *= 2
                 continue
-            yield _probe_row(impl, world, N, status if status != "ok" else f"OOM on {int(failed)} of {world} ranks")
+            yield _probe_row(impl, world, N, status if status != "ok" else f"OOM on {int(failed)} of {world} ranks",
+                             None, plan.H, plan.d)
             return
     finally:
         ring_module.flash_attention_forward, ring_module.flash_attention_backward = saved
@@ -558,32 +625,51 @@ def _print(r):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m flashref.bench ring", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="book/data/ring_bench.json")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cpu: rehearse the whole run on CPUs (gloo, Triton's interpreter, tiny shapes; its numbers "
+                        "mean nothing) before spending GPUs on it")
+    p.add_argument("--out", default=None,
+                   help="default book/data/ring_bench.json; with --device cpu a file in the temporary folder")
     p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
     p.add_argument("--n", nargs="+", type=int, default=None, metavar="N",
                    help=f"sequence lengths of the scaling part (default {' '.join(map(str, LENGTHS))})")
-    p.add_argument("--gpus", type=int, default=None, help="GPUs in the ring (default: every visible one)")
-    p.add_argument("--trace-n", type=int, default=TRACE_N)
-    p.add_argument("--longest-max", type=int, default=LONGEST_MAX, help="stop doubling N past this")
+    p.add_argument("--gpus", type=int, default=None,
+                   help="ranks in the ring (default: every visible GPU; 2 with --device cpu)")
+    p.add_argument("--trace-n", type=int, default=None, help=f"default {TRACE_N}")
+    p.add_argument("--longest-max", type=int, default=None, help=f"stop doubling N past this (default {LONGEST_MAX})")
     p.add_argument("--append", action="store_true",
                    help="add to the rows already in --out (a run split over several calls; same GPU and versions)")
     args = p.parse_args(argv)
-    for N in (args.n or []) + [args.trace_n]:
+    for N in (args.n or []) + ([args.trace_n] if args.trace_n is not None else []):
         if N <= 0 or N % 64:
             p.error(f"sequence lengths must be positive multiples of 64 (the zigzag layout's 2R chunks), got {N}")
+    if args.gpus is not None and args.gpus < 1:
+        p.error(f"--gpus must be at least 1, got {args.gpus}")
+    if args.out is None:
+        args.out = ("book/data/ring_bench.json" if args.device == "cuda"
+                    else os.path.join(tempfile.gettempdir(), "flashref_ring_rehearsal.json"))
     return args
+
+
+def plan_of(args) -> Plan:
+    """The :class:`Plan` of parsed arguments: the defaults of the device (the rehearsal's shapes on the CPU),
+    then what the command line gave."""
+    given = {"parts": tuple(args.parts), "lengths": tuple(args.n) if args.n else None, "trace_n": args.trace_n,
+             "longest_max": args.longest_max}
+    base = dict(REHEARSAL) if args.device == "cpu" else {}
+    base.update({k: v for k, v in given.items() if v is not None})
+    return Plan(device=args.device, **base)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    plan = plan_of(args)
     import torch
 
-    if not torch.cuda.is_available():  # no CUDA context here: the workers have the GPUs to themselves
-        print("flashref.bench ring needs CUDA devices", file=sys.stderr)
+    if plan.device == "cuda" and not torch.cuda.is_available():  # no CUDA context here: the workers own the GPUs
+        print("flashref.bench ring needs CUDA devices (--device cpu rehearses the run on CPUs)", file=sys.stderr)
         return 2
-    gpus = args.gpus or torch.cuda.device_count()
-    lengths = args.n or LENGTHS
-    work = {"parts": args.parts, "lengths": lengths, "trace_n": args.trace_n, "longest_max": args.longest_max}
+    gpus = args.gpus or (torch.cuda.device_count() if plan.device == "cuda" else 2)
     command = results.command("ring", argv)
     state = {"data": None, "add": None, "pinned": None, "base": {}}
 
@@ -596,7 +682,7 @@ def main(argv=None) -> int:
         elif kind == "pinned":
             state["pinned"] = msg[1]
             state["data"]["pinned_configs"] = {k: dataclasses.asdict(v) for k, v in msg[1].items()}
-            state["data"]["tuned_at_N"] = TUNE_N
+            state["data"]["tuned_at_N"] = plan.tune_n
         elif kind == "row":
             row = msg[1]
             if row["part"] == "scaling" and row.get("status") == "ok":
@@ -611,10 +697,10 @@ def main(argv=None) -> int:
             print(f"trace    {len(msg[1]['events'])} kernels over {msg[1]['span_us'] / 1e3:.1f} ms, "
                   f"{overlap_fraction(msg[1]):.0%} of NCCL time overlapping compute", flush=True)
 
-    failures = _run([(_one_gpu_worker, (work,))], on_message)
+    failures = _run([(_one_gpu_worker, (plan,))], on_message)
     if not failures and gpus > 1 and state["pinned"] is not None:
         port = _free_port()
-        failures = _run([(_ring_worker, (r, gpus, port, work, state["pinned"])) for r in range(gpus)], on_message)
+        failures = _run([(_ring_worker, (r, gpus, port, plan, state["pinned"])) for r in range(gpus)], on_message)
     elif gpus < 2:
         print("one GPU visible: the ring's parts are skipped", file=sys.stderr)
     if state["data"] is not None:
