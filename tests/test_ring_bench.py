@@ -85,6 +85,18 @@ def test_plot_timeline_draws_one_row_per_stream():
     plt.close(fig)
 
 
+def test_plot_scaling_draws_both_sides_and_the_ideal():
+    import matplotlib.pyplot as plt
+
+    fig = ring_bench.plot_scaling(_data())
+    assert [ax.get_title() for ax in fig.axes] == ["non-causal", "causal (zigzag layout)"]
+    labels = [line.get_label() for line in fig.axes[0].get_lines()]
+    assert labels == ["1 GPU", "ring, 2 GPUs", "2 x one GPU"]
+    speedups = [t.get_text() for t in fig.axes[1].texts]
+    assert speedups == ["1.82x", "1.82x"]  # the OOM point draws nothing
+    plt.close(fig)
+
+
 def test_reduce_chrome_trace():
     raw = {"traceEvents": [
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 5, "dur": 3},

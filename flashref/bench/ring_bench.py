@@ -121,6 +121,44 @@ def longest_table(rows) -> str:
     return "\n".join(lines)
 
 
+def plot_scaling(data, axes=None):
+    """Forward + backward tokens/s against N, one panel for non-causal and one for causal attention: one GPU,
+    the ring, and the ring's ideal (R times one GPU), each ring point labelled with its speedup. ``data``: the
+    results dict. Returns the figure."""
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in data["results"] if r.get("part") == "scaling" and r.get("status") == "ok"]
+    if axes is None:
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    fig = axes[0].figure
+    for ax, causal in zip(axes, (False, True)):
+        sel = [r for r in rows if r["causal"] == causal]
+        one = {r["N"]: r["tokens_per_s"] / 1e6 for r in sel if r["gpus"] == 1}
+        for g in sorted({r["gpus"] for r in sel}):
+            pts = sorted((r["N"], r["tokens_per_s"] / 1e6, r.get("speedup")) for r in sel if r["gpus"] == g)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label="1 GPU" if g == 1 else f"ring, {g} GPUs")
+            if g > 1:
+                ideal = [(n, g * one[n]) for n, _, _ in pts if n in one]
+                ax.plot([p[0] for p in ideal], [p[1] for p in ideal], ":", color="gray",
+                        label=f"{g} x one GPU" if ideal else None)
+                for n, y, speedup in pts:
+                    if speedup:
+                        ax.annotate(f"{speedup:.2f}x", (n, y), textcoords="offset points", xytext=(0, 6),
+                                    ha="center", fontsize=8)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")  # tokens/s falls as 1/N: attention's work per token grows with N
+        ticks = sorted({r["N"] for r in sel})
+        ax.set_xticks(ticks, [f"{n // 1024}K" for n in ticks])
+        ax.set_xlabel("sequence length N (tokens)")
+        ax.set_title("causal (zigzag layout)" if causal else "non-causal", fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("forward + backward, M tokens/s")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"ring attention against one GPU, {data.get('device', '?')}", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 def _intervals(events, communication: bool):
     spans = sorted((e[2], e[2] + e[3]) for e in events if is_communication(e[1]) == communication)
     merged = []
