@@ -308,6 +308,14 @@ def _prepare(q, k, v, causal, sm_scale, group, check_finite, extra=None):
 # Forward and backward around the ring
 # --------------------------------------------------------------------------------------------------
 
+def _rows(x, rows: slice):
+    """``x[:, :, rows]`` as a contiguous tensor. A causal step sees half of a block (:func:`block_visibility`),
+    a strided slice that the Hopper kernels' TMA copies cannot read (``flashref.triton.forward_kernel`` would
+    say so and run the teaching kernel). The copy moves N_local / 2 rows; the step then computes on
+    (N_local / 2) x N_local pairs. A whole block is returned as it is."""
+    return x[:, :, rows].contiguous()
+
+
 def _forward(q, k, v, causal: bool, scale: float, ring: _Ring):
     """(O in q's dtype, lse fp32) of this rank's queries against every rank's keys."""
     n = q.shape[2]
@@ -318,8 +326,8 @@ def _forward(q, k, v, causal: bool, scale: float, ring: _Ring):
         # The next block's transfer first, so it runs while this block is computed.
         incoming = ring.exchange([k_cur, v_cur], _TAG_KV) if step < ring.size - 1 else None
         rows, cols, blk_causal = block_visibility(ring.rank, source, n, causal)
-        O_b, lse_b = flash_attention_forward(q[:, :, rows], k_cur[:, :, cols], v_cur[:, :, cols], causal=blk_causal,
-                                             sm_scale=scale, check_finite=False)
+        O_b, lse_b = flash_attention_forward(_rows(q, rows), _rows(k_cur, cols), _rows(v_cur, cols),
+                                             causal=blk_causal, sm_scale=scale, check_finite=False)
         if O is None:  # step 0 is the own block, which every local query sees
             O, lse = O_b.float(), lse_b
         else:  # exact: notebook 02's merge of two partial softmaxes over disjoint key sets, in fp32
@@ -341,7 +349,7 @@ def _backward(q, k, v, O, lse, dO, causal: bool, scale: float, ring: _Ring):
         incoming = ring.exchange([k_cur, v_cur], _TAG_KV) if step < ring.size - 1 else None
         rows, cols, blk_causal = block_visibility(ring.rank, source, n, causal)
         # The global O and lse: the recomputed P is this block's slice of the whole row's softmax.
-        dQ_b, dK_b, dV_b = flash_attention_backward(q[:, :, rows], k_cur[:, :, cols], v_cur[:, :, cols],
+        dQ_b, dK_b, dV_b = flash_attention_backward(_rows(q, rows), _rows(k_cur, cols), _rows(v_cur, cols),
                                                     O[:, :, rows], lse[:, :, rows], dO[:, :, rows],
                                                     causal=blk_causal, sm_scale=scale, check_finite=False)
         dQ[:, :, rows] += dQ_b
