@@ -126,6 +126,7 @@ def test_the_whole_run_rehearses_on_cpus(tmp_path):
     assert ring_bench.main(["--device", "cpu", "--out", str(out)]) == 0
     data = ring_bench.load_results(str(out))
     assert "rehearsal" in data["device"] and data["gpus"] == 2 and data["pinned_configs"] == {}
+    assert data["nccl"] is None  # gloo
     rows = data["results"]
     assert all(r["status"] == "ok" for r in rows), rows
     N = ring_bench.REHEARSAL["lengths"][0]

@@ -286,6 +286,12 @@ class _Device:
 
         return torch.cuda.get_device_name(self.index) if self.kind == "cuda" else "cpu (rehearsal: Triton's interpreter, gloo)"
 
+    def nccl(self) -> str | None:
+        """NCCL's version, where the ring runs over it."""
+        import torch
+
+        return ".".join(map(str, torch.cuda.nccl.version())) if self.kind == "cuda" else None
+
     def sync(self):
         import torch
 
@@ -421,7 +427,7 @@ def _one_gpu_worker(plan: Plan, out):
         from flashref.triton import flash_attention
         from flashref.triton.ops import fixed_configs
 
-        out.put(("device", dev.name()))
+        out.put(("device", dev.name(), dev.nccl()))
         pinned = _tune(dev, plan)
         out.put(("pinned", pinned))
         ranks = _Ranks()
@@ -715,7 +721,7 @@ def main(argv=None) -> int:
         kind = msg[0]
         if kind == "device":
             state["data"] = results.start(args.out if args.append else None, msg[1], results.versions(), command,
-                                          dtype="float16", gpus=gpus)
+                                          dtype="float16", gpus=gpus, nccl=msg[2])
             state["add"] = results.recorder(state["data"], args.out, show=_print)
         elif kind == "pinned":
             state["pinned"] = msg[1]
