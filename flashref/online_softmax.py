@@ -141,7 +141,9 @@ def merge_outputs(o_a, lse_a, o_b, lse_b):
 
         o = exp(lse_a - lse) o_a + exp(lse_b - lse) o_b.
 
-    A part that saw no key (``lse = -inf``) weighs 0; two such parts give ``o = 0``, ``lse = -inf``.
+    A part that saw no key (``lse = -inf``) weighs 0; two such parts give ``o = 0``, ``lse = -inf``. The
+    weights are taken in lse's precision and o keeps its own: an lse in float64 beside an fp32 o (as ring
+    attention keeps them) gives float64 weights and an fp32 o.
     Works on NumPy arrays and on torch tensors alike (no copy to the host): the merge that tiles, GPUs of a
     ring (:mod:`flashref.ring_attention`) and key splits in decoding share."""
     if type(o_a) is not type(o_b) or type(lse_a) is not type(lse_b) or type(o_a) is not type(lse_a):
@@ -162,6 +164,12 @@ def merge_outputs(o_a, lse_a, o_b, lse_b):
     safe = xp.where(xp.isneginf(lse), xp.zeros_like(lse), lse)  # both empty: weights exp(-inf) = 0, not NaN
     w_a = xp.exp(lse_a - safe)[..., None]
     w_b = xp.exp(lse_b - safe)[..., None]
+    if xp is np:
+        out = np.result_type(o_a, o_b)
+        w_a, w_b = w_a.astype(out, copy=False), w_b.astype(out, copy=False)
+    else:
+        out = xp.promote_types(o_a.dtype, o_b.dtype)
+        w_a, w_b = w_a.to(out), w_b.to(out)
     return w_a * o_a + w_b * o_b, lse
 
 

@@ -19,7 +19,9 @@ CPUs (the tests) the same code runs, the kernels in Triton's interpreter.
 log-sum-exp lse_b = m_b + log l_b (the running max m and sum l of notebook ``02_online_softmax``). Two partial
 attentions over disjoint key sets combine exactly (:func:`flashref.online_softmax.merge_outputs`):
 ``lse = logaddexp(lse_a, lse_b)``, ``O = exp(lse_a - lse) O_a + exp(lse_b - lse) O_b``, the merge tiles use
-inside one kernel, here between GPUs. O is accumulated in fp32 and rounded once at the end.
+inside one kernel, here between GPUs. O is accumulated in fp32 and rounded once at the end; lse is kept in
+float64, from the kernel's own m and l added in float64 (:func:`_block_forward`): rounded to fp32 at scores
+near 1e3, an lse would be off by ~1e-4, and the merge's weights would carry that into O.
 
 **Causal, balanced ("zigzag").** Cut a causal sequence into R contiguous shards and rank 0 sees almost
 nothing while rank R-1 sees everything: the ring would wait on its slowest rank. Instead the sequence is cut
@@ -34,7 +36,8 @@ the own block's triangle as many: each rank does the same work at each step.
 ``05_backward_recomputation``) recomputes P = exp(S - lse) tile by tile; with the lse of the *whole* row
 (saved by the forward after the last merge), the P it recomputes for one key block is exactly that block's
 slice of the global softmax, not a softmax of the block alone, and D = rowsum(dO * O) uses the global O.
-So the per-block backward :func:`flashref.triton.flash_attention_backward` with the global O and lse gives
+So the per-block backward (the kernels of :func:`flashref.triton.flash_attention_backward`, handed the global
+lse as an fp32 pair that keeps its float64 precision: :func:`_block_backward`) with the global O and lse gives
 each block's exact share of dQ (summed on the rank that owns Q) and of dK, dV. Those partial sums travel
 around the ring with their K/V block, each rank adding its share, and one more hop brings them home to the
 block's owner. They travel in fp32 and are rounded once at the end.
@@ -56,7 +59,8 @@ import torch.distributed as dist
 import flashref.triton  # noqa: F401  (first: switches Triton's interpreter on where there is no CUDA device)
 from flashref import validation
 from flashref.online_softmax import merge_outputs
-from flashref.triton import flash_attention_backward, flash_attention_forward
+from flashref.triton import ops
+from flashref.triton.forward import LN2, LOG2E
 from flashref.triton.ops import _check
 
 __all__ = ["ring_attention", "ring_attention_forward", "ring_attention_backward", "RingAttentionFunction",
@@ -308,6 +312,31 @@ def _prepare(q, k, v, causal, sm_scale, group, check_finite, extra=None):
 # Forward and backward around the ring
 # --------------------------------------------------------------------------------------------------
 
+def _block_forward(q, k, v, causal: bool, scale: float, **features):
+    """One step's partial attention, ``(O_b, lse_b)``: the FlashAttention forward kernel's normalized output, and
+    its log-sum-exp in float64, added from the kernel's own base-2 row max m2 and log2 row sum l2. The kernel's
+    fp32 lse rounds m + log l once more: with scores near 1e3 that is ~1e-4, which the merge's weights would carry
+    into O, and D = rowsum(dO O) into the gradients, where a single kernel (which keeps m and l apart) has none.
+    ``features``: keywords of :func:`flashref.triton.flash_attention` (the ring bench's probe takes a window)."""
+    feat = ops.Features(q, k, causal=causal, scale=scale, check_finite=False, **features)
+    O_b, _, (m2, l2) = ops._forward(q, k, v, scale, feat, "auto")
+    seen = torch.isfinite(l2)  # a row that saw no key has m2 = 0, l2 = +inf
+    return O_b, torch.where(seen, (m2.double() + l2.double()) * LN2, float("-inf"))
+
+
+def _block_backward(q, k, v, O, lse, dO, causal: bool, scale: float, **features):
+    """One step's shares ``(dQ_b, dK_b, dV_b)`` from the global O and the global float64 lse, handed to the
+    backward kernels as fp32 (m2, l2): m2 the base-2 lse rounded to fp32, l2 what the rounding left (the kernels
+    take ``s * scale - m2 - l2`` in that order, so the pair keeps float64's precision where one fp32 lse would
+    not). A row that saw no key: m2 = 0, l2 = +inf, so its P is 0."""
+    feat = ops.Features(q, k, causal=causal, scale=scale, check_finite=False, **features)
+    lse2 = lse * LOG2E
+    empty = torch.isneginf(lse)
+    m2 = torch.where(empty, 0.0, lse2).float()
+    l2 = torch.where(empty, float("inf"), lse2 - m2.double()).float()
+    return ops._backward(q, k, v, O, (m2.contiguous(), l2.contiguous()), dO, scale, True, feat, "auto")
+
+
 def _rows(x, rows: slice):
     """``x[:, :, rows]`` as a contiguous tensor. A causal step sees half of a block (:func:`block_visibility`),
     a strided slice that the Hopper kernels' TMA copies cannot read (``flashref.triton.forward_kernel`` would
@@ -317,7 +346,7 @@ def _rows(x, rows: slice):
 
 
 def _forward(q, k, v, causal: bool, scale: float, ring: _Ring):
-    """(O in q's dtype, lse fp32) of this rank's queries against every rank's keys."""
+    """(O in q's dtype, lse in float64) of this rank's queries against every rank's keys."""
     n = q.shape[2]
     k_cur, v_cur = k.contiguous(), v.contiguous()  # what is sent must be contiguous
     O = lse = None
@@ -326,11 +355,10 @@ def _forward(q, k, v, causal: bool, scale: float, ring: _Ring):
         # The next block's transfer first, so it runs while this block is computed.
         incoming = ring.exchange([k_cur, v_cur], _TAG_KV) if step < ring.size - 1 else None
         rows, cols, blk_causal = block_visibility(ring.rank, source, n, causal)
-        O_b, lse_b = flash_attention_forward(_rows(q, rows), _rows(k_cur, cols), _rows(v_cur, cols),
-                                             causal=blk_causal, sm_scale=scale, check_finite=False)
+        O_b, lse_b = _block_forward(_rows(q, rows), _rows(k_cur, cols), _rows(v_cur, cols), blk_causal, scale)
         if O is None:  # step 0 is the own block, which every local query sees
             O, lse = O_b.float(), lse_b
-        else:  # exact: notebook 02's merge of two partial softmaxes over disjoint key sets, in fp32
+        else:  # exact: notebook 02's merge of two partial softmaxes over disjoint key sets (O in fp32)
             O[:, :, rows], lse[:, :, rows] = merge_outputs(O[:, :, rows], lse[:, :, rows], O_b, lse_b)
         if incoming is not None:
             k_cur, v_cur = incoming.wait()
@@ -349,9 +377,8 @@ def _backward(q, k, v, O, lse, dO, causal: bool, scale: float, ring: _Ring):
         incoming = ring.exchange([k_cur, v_cur], _TAG_KV) if step < ring.size - 1 else None
         rows, cols, blk_causal = block_visibility(ring.rank, source, n, causal)
         # The global O and lse: the recomputed P is this block's slice of the whole row's softmax.
-        dQ_b, dK_b, dV_b = flash_attention_backward(_rows(q, rows), _rows(k_cur, cols), _rows(v_cur, cols),
-                                                    O[:, :, rows], lse[:, :, rows], dO[:, :, rows],
-                                                    causal=blk_causal, sm_scale=scale, check_finite=False)
+        dQ_b, dK_b, dV_b = _block_backward(_rows(q, rows), _rows(k_cur, cols), _rows(v_cur, cols), O[:, :, rows],
+                                           lse[:, :, rows], dO[:, :, rows], blk_causal, scale)
         dQ[:, :, rows] += dQ_b
         if partial is None:  # the own block, first visit: its sums start here
             dK, dV = dK_b.float(), dV_b.float()
@@ -370,8 +397,9 @@ def _backward(q, k, v, O, lse, dO, causal: bool, scale: float, ring: _Ring):
 
 def ring_attention_forward(q, k, v, causal=False, sm_scale=None, group=None, *, check_finite=True):
     """Ring attention forward without autograd: ``(o, lse)`` of this rank's queries, ``o`` like ``q``, ``lse``
-    ``(B, H, N_local)`` fp32 (natural log), the whole row's. Arguments as :func:`ring_attention`. Notebook
-    ``13_beyond_one_gpu_and_decoding``."""
+    ``(B, H, N_local)`` in float64 (natural log), the whole row's: the kernels' row max and sum added in float64,
+    so that :func:`ring_attention_backward` given it recomputes P as exactly as the autograd path does.
+    Arguments as :func:`ring_attention`. Notebook ``13_beyond_one_gpu_and_decoding``."""
     ring, scale = _prepare(q, k, v, causal, sm_scale, group, check_finite)
     with torch.no_grad():
         return _forward(q, k, v, causal, scale, ring)
@@ -394,7 +422,7 @@ def ring_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, gr
 
     ring, scale = _prepare(q, k, v, causal, sm_scale, group, check_finite, extra)
     with torch.no_grad():
-        return _backward(q, k, v, o.to(q.dtype), lse.float(), do.to(q.dtype), causal, scale, ring)
+        return _backward(q, k, v, o.to(q.dtype), lse.double(), do.to(q.dtype), causal, scale, ring)
 
 
 class RingAttentionFunction(torch.autograd.Function):

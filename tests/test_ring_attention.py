@@ -389,8 +389,8 @@ class _Boom(RuntimeError):
 
 
 def _failing_on_rank(monkeypatch, rank, before=None):
-    """flash_attention_forward that raises _Boom on simulated rank ``rank`` (after ``before()``, if given)."""
-    real = ring_module.flash_attention_forward
+    """The ring's block forward, raising _Boom on simulated rank ``rank`` (after ``before()``, if given)."""
+    real = ring_module._block_forward
 
     def forward(*args, **kwargs):
         if threading.current_thread().name == f"flashref-simulated-rank-{rank}":
@@ -399,7 +399,7 @@ def _failing_on_rank(monkeypatch, rank, before=None):
             raise _Boom(f"rank {rank} fails")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(ring_module, "flash_attention_forward", forward)
+    monkeypatch.setattr(ring_module, "_block_forward", forward)
 
 
 @pytest.mark.parametrize("with_backward", [False, True])
