@@ -284,7 +284,9 @@ class _Device:
     def name(self) -> str:
         import torch
 
-        return torch.cuda.get_device_name(self.index) if self.kind == "cuda" else "cpu (rehearsal: Triton's interpreter, gloo)"
+        if self.kind == "cuda":
+            return torch.cuda.get_device_name(self.index)
+        return "cpu (rehearsal: Triton's interpreter, gloo)"
 
     def nccl(self) -> str | None:
         """NCCL's version, where the ring runs over it."""
@@ -304,6 +306,13 @@ class _Device:
 
         if self.kind == "cuda":
             torch.cuda.empty_cache()
+        self.reset_peak()
+
+    def reset_peak(self):
+        """The peak counter reset, the allocator's cache kept (the timed calls reuse the warm-up's blocks)."""
+        import torch
+
+        if self.kind == "cuda":
             torch.cuda.reset_peak_memory_stats()
 
     def peak(self) -> int | None:
@@ -387,7 +396,7 @@ def _time_ms(step, dev: _Device, ranks: _Ranks):
         ranks.barrier()
         return ranks.reduce(dev.elapsed_ms(step, reps), "MAX")
 
-    dev.fresh()
+    dev.reset_peak()
     ms = timed(1)
     reps = int(ranks.reduce(max(1, min(MAX_REPS, int(BUDGET_S * 1e3 / max(ms, 1e-3)))), "MIN"))
     if reps > 1:
