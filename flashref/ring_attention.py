@@ -46,6 +46,7 @@ block's owner. They travel in fp32 and are rounded once at the end.
 from __future__ import annotations
 
 import contextlib
+import math
 import numbers
 import queue
 import threading
@@ -60,7 +61,6 @@ import flashref.triton  # noqa: F401  (first: switches Triton's interpreter on w
 from flashref import validation
 from flashref.online_softmax import merge_outputs
 from flashref.triton import ops
-from flashref.triton.forward import LN2, LOG2E
 from flashref.triton.ops import _check
 
 __all__ = ["ring_attention", "ring_attention_forward", "ring_attention_backward", "RingAttentionFunction",
@@ -69,6 +69,7 @@ __all__ = ["ring_attention", "ring_attention_forward", "ring_attention_backward"
 # Message tags: K/V blocks and the dK/dV partial sums are separate streams of messages between two ranks
 # (gloo matches messages by tag; NCCL by order, which is the same on every rank anyway).
 _TAG_KV, _TAG_DKV = 0, 1
+_LN2, _LOG2E = math.log(2.0), 1.0 / math.log(2.0)  # the kernels' row statistics are base 2
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
 _FACT_NAMES = ("B", "H", "H_kv", "N_local", "d", "dtype", "causal", "sm_scale")  # what every rank must agree on
 _N_FACTS = len(_FACT_NAMES)
@@ -321,7 +322,7 @@ def _block_forward(q, k, v, causal: bool, scale: float, **features):
     feat = ops.Features(q, k, causal=causal, scale=scale, check_finite=False, **features)
     O_b, _, (m2, l2) = ops._forward(q, k, v, scale, feat, "auto")
     seen = torch.isfinite(l2)  # a row that saw no key has m2 = 0, l2 = +inf
-    return O_b, torch.where(seen, (m2.double() + l2.double()) * LN2, float("-inf"))
+    return O_b, torch.where(seen, (m2.double() + l2.double()) * _LN2, float("-inf"))
 
 
 def _block_backward(q, k, v, O, lse, dO, causal: bool, scale: float, **features):
@@ -330,7 +331,7 @@ def _block_backward(q, k, v, O, lse, dO, causal: bool, scale: float, **features)
     take ``s * scale - m2 - l2`` in that order, so the pair keeps float64's precision where one fp32 lse would
     not). A row that saw no key: m2 = 0, l2 = +inf, so its P is 0."""
     feat = ops.Features(q, k, causal=causal, scale=scale, check_finite=False, **features)
-    lse2 = lse * LOG2E
+    lse2 = lse * _LOG2E
     empty = torch.isneginf(lse)
     m2 = torch.where(empty, 0.0, lse2).float()
     l2 = torch.where(empty, float("inf"), lse2 - m2.double()).float()

@@ -337,7 +337,7 @@ def _simulated_threads_alive():
 def test_simulate_ring_matches_the_reference(world_size, B, H, H_kv, N, causal):
     q, k, v, do = feature_inputs(B, H, H_kv, N, N, 16, torch.float32, seed=7 * world_size + N)
     got = simulate_ring(q, k, v, world_size, causal=causal, do=do)
-    lse_like = torch.empty(B, H, N, dtype=torch.float32)
+    lse_like = torch.empty(B, H, N, dtype=torch.float64)  # the ring keeps lse in float64
     _assert_matches(got, _simulated_reference(q, k, v, do, causal), (q, lse_like, q, k, v))
     forward = simulate_ring(q, k, v, world_size, causal=causal)
     assert len(forward) == 2 and all(torch.equal(a, b) for a, b in zip(forward, got[:2])), \
@@ -351,7 +351,7 @@ def test_simulate_ring_takes_sm_scale_and_gradients_that_require_grad():
     got = simulate_ring(qq, k, v, 3, causal=True, sm_scale=0.3, do=do)
     assert not any(x.requires_grad for x in got)
     _assert_matches(got, _simulated_reference(q, k, v, do, True, sm_scale=0.3),
-                    (q, torch.empty(1, 2, 12), q, k, v))
+                    (q, torch.empty(1, 2, 12, dtype=torch.float64), q, k, v))
 
 
 def test_simulate_ring_bad_arguments_name_the_argument():
@@ -413,7 +413,7 @@ def test_simulate_ring_a_failing_rank_raises_its_error_and_nobody_hangs(monkeypa
     assert not _simulated_threads_alive()
     monkeypatch.undo()  # and the next simulated world is a fresh one: nothing left in its mailboxes
     _assert_matches(simulate_ring(q, k, v, 3, causal=True, do=do), _simulated_reference(q, k, v, do, True),
-                    (q, torch.empty(1, 2, 12), q, k, v))
+                    (q, torch.empty(1, 2, 12, dtype=torch.float64), q, k, v))
 
 
 def test_simulate_ring_times_out_instead_of_hanging(monkeypatch):
