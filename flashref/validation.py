@@ -160,6 +160,16 @@ def check_dense(name: str, x) -> None:
         raise TypeError(f"{name} must be a dense (strided) tensor, got layout {layout}")
 
 
+def check_tensor(name: str, x, device=None, *, like: str = "q") -> None:
+    """An argument of the torch (GPU) functions: a dense torch.Tensor, on ``device`` (the device of the
+    argument named ``like``) when given."""
+    if _framework(x) != "torch" or not hasattr(x, "layout"):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    check_dense(name, x)
+    if device is not None and x.device != device:
+        raise ValueError(f"{name} must be on {like}'s device ({device}), got {x.device}")
+
+
 def check_attention_inputs(q, k, v, *, allowed_ndims=(2, 4), allowed_dtypes=None, max_head_dim=None,
                            numpy=False, finite=True, gqa=False):
     """Check q, k, v for attention; return ``(N_q, N_k, d)``.

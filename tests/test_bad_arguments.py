@@ -209,6 +209,30 @@ def test_triton_backward_bad_o_lse_do():
         flash_attention_backward(q, k, v, o, lse, do, window_size=3)
 
 
+@pytest.mark.parametrize("which, make, exc, words", [
+    ("lse", lambda x: x.int(), TypeError, "lse must be a floating tensor (the forward's fp32 lse), got dtype torch.int32"),
+    ("lse", lambda x: x > 0, TypeError, "lse must be a floating tensor"),
+    ("lse", lambda x: x.cpu().numpy(), TypeError, "lse must be a torch.Tensor, got ndarray"),
+    ("lse", lambda x: x.tolist(), TypeError, "lse must be a torch.Tensor, got list"),
+    ("lse", lambda x: None, TypeError, "lse must be a torch.Tensor, got NoneType"),
+    ("lse", lambda x: x.to("meta"), ValueError, "lse must be on q's device"),
+    ("lse", lambda x: x.to_sparse(), TypeError, "lse must be a dense (strided) tensor"),
+    ("o", lambda x: x.cpu().numpy(), TypeError, "o must be a torch.Tensor, got ndarray"),
+    ("o", lambda x: x.to("meta"), ValueError, "o must be on q's device"),
+    ("o", lambda x: x.to_sparse(), TypeError, "o must be a dense (strided) tensor"),
+    ("do", lambda x: x.cpu().numpy(), TypeError, "do must be a torch.Tensor, got ndarray"),
+    ("do", lambda x: x.to("meta"), ValueError, "do must be on q's device"),
+    ("do", lambda x: x.to_sparse(), TypeError, "do must be a dense (strided) tensor"),
+], ids=lambda x: x if isinstance(x, str) and len(x) < 4 else None)
+def test_triton_backward_o_lse_do_must_be_dense_tensors_on_q_device(which, make, exc, words):
+    q, k, v = _qkv()
+    o, lse = flash_attention_forward(q, k, v)
+    args = dict(o=o, lse=lse, do=torch.ones_like(o))
+    args[which] = make(args[which])
+    with pytest.raises(exc, match=re.escape(words)):
+        flash_attention_backward(q, k, v, args["o"], args["lse"], args["do"])
+
+
 # ------------------------------------------------------------------ Triton: dropout_mask
 
 @pytest.mark.parametrize("args, exc, words", [

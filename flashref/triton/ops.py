@@ -642,8 +642,12 @@ def flash_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, d
                     causal_align=causal_align)
     validation.check_same_shape("o", o, "q", q)
     validation.check_same_shape("do", do, "o", o)
+    for name, x in (("o", o), ("do", do), ("lse", lse)):
+        validation.check_tensor(name, x, q.device)
     if do.dtype != q.dtype or o.dtype != q.dtype:
         raise TypeError(f"o and do must have the dtype of q ({q.dtype}), got {o.dtype} and {do.dtype}")
+    if not lse.dtype.is_floating_point:
+        raise TypeError(f"lse must be a floating tensor (the forward's fp32 lse), got dtype {lse.dtype}")
     if tuple(lse.shape) != tuple(q.shape[:3]):
         raise ValueError(f"lse must have shape (B, H, N_q) = {tuple(q.shape[:3])}, got {tuple(lse.shape)}")
     if check_finite:
