@@ -75,10 +75,7 @@ def _masks(q, k, causal, dropout_mask, dropout_p, block_mask, block_size, mods=N
         validation.check_numpy("dropout_mask", dropout_mask)
         if dropout_mask.dtype != np.bool_:
             raise TypeError(f"dropout_mask must be a boolean keep-mask (True = kept), got dtype {dropout_mask.dtype}")
-        try:
-            np.broadcast_shapes(dropout_mask.shape, (*lead, N_q, N_k))
-        except ValueError:
-            raise ValueError(f"dropout_mask must broadcast to {(*lead, N_q, N_k)}, got shape {dropout_mask.shape}") from None
+        validation.check_broadcasts_to("dropout_mask", dropout_mask, (*lead, N_q, N_k))
         keep = dropout_mask
     elif p > 0.0:
         raise ValueError(f"dropout_p = {p} needs the dropout_mask it was drawn with: the reference is "

@@ -239,6 +239,18 @@ def check_same_shape(name: str, x, like_name: str, like) -> None:
         raise ValueError(f"{name} must have the shape of {like_name} {tuple(like.shape)}, got {tuple(x.shape)}")
 
 
+def check_broadcasts_to(name: str, x, shape: tuple) -> None:
+    """``x`` (a mask) must broadcast to ``shape`` itself: NumPy would also broadcast a mask with extra leading
+    dimensions, and the result would silently grow them."""
+    shape = tuple(int(n) for n in shape)
+    try:
+        fits = np.broadcast_shapes(tuple(x.shape), shape) == shape
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(f"{name} must broadcast to {shape}, got shape {tuple(x.shape)}")
+
+
 def check_dropout_p(dropout_p) -> float:
     """``dropout_p`` must be a real number in [0, 1): the probability that an entry of P is dropped."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):

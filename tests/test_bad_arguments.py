@@ -538,6 +538,54 @@ def test_dropout_mask_dtype_and_shape_are_named():
             ref.attention(q, k, v, dropout_p=0.1, dropout_mask=np.ones(shape, bool))
 
 
+DROPOUT_MASK_CALLS = {
+    "reference.attention": lambda q, k, v, m: ref.attention(q, k, v, dropout_p=0.1, dropout_mask=m),
+    "reference.attention_backward": lambda q, k, v, m: ref.attention_backward(q, k, v, q, dropout_p=0.1,
+                                                                              dropout_mask=m),
+    "numpy_flash.flash_attention_forward": lambda q, k, v, m: numpy_flash.flash_attention_forward(
+        q, k, v, block_q=4, block_k=4, dropout_p=0.1, dropout_mask=m),
+    "numpy_flash.flash_attention_backward": lambda q, k, v, m: numpy_flash.flash_attention_backward(
+        q, k, v, q, np.zeros(q.shape[:-1]), q, block_q=4, block_k=4, dropout_p=0.1, dropout_mask=m),
+}
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 4, 10, 12), (1, 1, 1, 10, 12), (3, 4, 10, 12), (2, 2, 10, 12), (10, 11),
+                                   (12, 10)], ids=str)
+@pytest.mark.parametrize("name", list(DROPOUT_MASK_CALLS))
+def test_dropout_mask_must_broadcast_to_the_scores_shape_itself(name, shape):
+    """Extra leading dimensions are refused too (NumPy would broadcast o to them), and the tiled attention
+    names dropout_mask as the reference does (it reached NumPy's own broadcasting error)."""
+    q, k, v = _np_inputs()
+    with pytest.raises(ValueError, match=re.escape(f"dropout_mask must broadcast to (2, 4, 10, 12), got shape {shape}")):
+        DROPOUT_MASK_CALLS[name](q, k, v, np.ones(shape, bool))
+
+
+@pytest.mark.parametrize("shape", [(10, 12), (4, 10, 12), (1, 4, 1, 12), (2, 1, 10, 12), (2, 4, 10, 12)], ids=str)
+def test_dropout_mask_that_broadcasts_gives_the_full_masks_result(shape):
+    """A keep-mask of any shape that broadcasts to (B, H, N_q, N_k) drops what its expansion drops: the
+    reference, the tiled forward and backward against the float64 formula with the expanded mask."""
+    q, k, v = _np_inputs()
+    do = np.random.default_rng(7).standard_normal(q.shape)
+    mask = np.random.default_rng(8).random(shape) > 0.3
+    full = np.broadcast_to(mask, (2, 4, 10, 12))
+    kf, vf = (np.repeat(x, 2, axis=1) for x in (k, v))
+    p = np.exp(q @ np.swapaxes(kf, -1, -2) / np.sqrt(8))
+    p /= p.sum(-1, keepdims=True)
+    expected = np.where(full, p / 0.9, 0) @ vf
+    o = ref.attention(q, k, v, dropout_p=0.1, dropout_mask=mask)
+    np.testing.assert_allclose(o, expected, rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(o, ref.attention(q, k, v, dropout_p=0.1, dropout_mask=full.copy()))
+    o_t, lse = numpy_flash.flash_attention_forward(q, k, v, block_q=4, block_k=4, dropout_p=0.1, dropout_mask=mask)
+    np.testing.assert_allclose(o_t, expected, rtol=1e-12, atol=1e-12)
+    grads = ref.attention_backward(q, k, v, do, dropout_p=0.1, dropout_mask=full.copy())
+    for g, r in zip(ref.attention_backward(q, k, v, do, dropout_p=0.1, dropout_mask=mask), grads):
+        np.testing.assert_array_equal(g, r)
+    tiled = numpy_flash.flash_attention_backward(q, k, v, o_t, lse, do, block_q=4, block_k=4, dropout_p=0.1,
+                                                 dropout_mask=mask)
+    for g, r in zip(tiled, grads):
+        np.testing.assert_allclose(g, r, rtol=1e-11, atol=1e-11)
+
+
 def test_numpy_flash_backward_bad_saved_arrays():
     q, k, v = _np_inputs()
     o, lse = numpy_flash.flash_attention_forward(q, k, v)
