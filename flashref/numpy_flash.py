@@ -22,8 +22,9 @@ import numpy as np
 
 from flashref import varlen
 from flashref.score_mods import ScoreMods
-from flashref.validation import (check_attention_inputs, check_block_mask, check_causal, check_dropout_p, check_finite,
-                                 check_numpy, check_positive_int, check_same_shape, check_sm_scale, split_causal)
+from flashref.validation import (check_attention_inputs, check_block_mask, check_broadcasts_to, check_causal,
+                                 check_dropout_p, check_finite, check_numpy, check_positive_int, check_same_shape,
+                                 check_sm_scale, split_causal)
 
 #: Default tile sizes, tuned for speed on a CPU (``python -m flashref.bench numpy``): a 128 x 1024
 #: float32 score tile is 512 KiB, big enough that NumPy's per-call overhead is amortized, small enough
@@ -120,6 +121,7 @@ class _Extras:
             check_numpy("dropout_mask", dropout_mask)
             if self.p == 0.0 or dropout_mask.dtype != np.bool_:
                 raise ValueError("dropout_mask must be a boolean keep-mask given with the dropout_p it was drawn with")
+            check_broadcasts_to("dropout_mask", dropout_mask, (*q.shape[:-2], N_q, N_k))
             self.keep = np.broadcast_to(dropout_mask, (*q.shape[:-2], N_q, N_k))
         elif self.p > 0.0:
             raise ValueError(f"dropout_p = {self.p} needs the dropout_mask it was drawn with (NumPy draws none)")
