@@ -419,7 +419,8 @@ def flash_attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seql
     for b, (rows, cols) in enumerate(docs):
         o_b, lse_b = flash_attention_forward(
             varlen.unpack(q, rows), varlen.unpack(k, cols), varlen.unpack(v, cols), causal, sm_scale, block_q,
-            block_k, window_size=window_size, softcap=softcap, alibi_slopes=varlen.document_slopes(alibi_slopes, b))
+            block_k, window_size=window_size, softcap=softcap,
+            alibi_slopes=varlen.document_slopes(alibi_slopes, b, len(docs), q.shape[1]))
         varlen.pack(o, o_b, rows)
         varlen.pack(lse, lse_b, rows)
     return o, lse
@@ -442,7 +443,8 @@ def flash_attention_varlen_backward(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlen
         grads = flash_attention_backward(
             varlen.unpack(q, rows), varlen.unpack(k, cols), varlen.unpack(v, cols), varlen.unpack(o, rows),
             lse[None, :, rows[0]:rows[1]], varlen.unpack(do, rows), causal, sm_scale, block_q, block_k,
-            window_size=window_size, softcap=softcap, alibi_slopes=varlen.document_slopes(alibi_slopes, b))
+            window_size=window_size, softcap=softcap,
+            alibi_slopes=varlen.document_slopes(alibi_slopes, b, len(docs), q.shape[1]))
         for packed, g, r in zip((dq, dk, dv), grads, (rows, cols, cols)):
             varlen.pack(packed, g, r)
     return dq, dk, dv

@@ -655,6 +655,77 @@ def test_numpy_varlen_bad_arguments(name, change, exc, words):
         NUMPY_VARLEN[name](**args)
 
 
+NUMPY_VARLEN_ALL = {
+    **NUMPY_VARLEN,
+    "reference.attention_varlen_backward": lambda q, k, v, cu_seqlens_q, cu_seqlens_k, **kw:
+        ref.attention_varlen_backward(q, k, v, q, cu_seqlens_q, cu_seqlens_k, **kw),
+    "numpy_flash.flash_attention_varlen_backward": lambda q, k, v, cu_seqlens_q, cu_seqlens_k, **kw:
+        numpy_flash.flash_attention_varlen_backward(q, k, v, q, np.zeros((2, 10)), q, cu_seqlens_q, cu_seqlens_k, **kw),
+}
+
+
+@pytest.mark.parametrize("rows", [13, 11], ids=["v longer", "v shorter"])
+@pytest.mark.parametrize("name", list(NUMPY_VARLEN_ALL))
+def test_numpy_varlen_v_must_have_the_shape_of_k(name, rows):
+    q, k, _, cu_q, cu_k = _np_packed()
+    v = np.ones((rows, 1, 8))
+    with pytest.raises(ValueError, match=re.escape(f"v must have the shape of k (12, 1, 8), got ({rows}, 1, 8)")):
+        NUMPY_VARLEN_ALL[name](q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+
+
+@pytest.mark.parametrize("shape", [(3, 2), (5, 2), (1, 2), (2, 3), (2, 2, 1), (3,), ()], ids=str)
+@pytest.mark.parametrize("name", list(NUMPY_VARLEN_ALL))
+def test_numpy_varlen_alibi_slopes_one_row_per_document(name, shape):
+    """Two documents, H = 2: (H,) or (number of documents, H); the reference read rows 0 and 1 of a (3, 2) or
+    (5, 2) array silently, indexed a (1, 2) one out of range, and named (B, H) = (1, 2) for (2, 3)."""
+    q, k, v, cu_q, cu_k = _np_packed()
+    with pytest.raises(ValueError, match=re.escape(
+            f"alibi_slopes must have shape (H,) = (2,) or (number of documents, H) = (2, 2), got {shape}")):
+        NUMPY_VARLEN_ALL[name](q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, alibi_slopes=np.ones(shape))
+
+
+@pytest.mark.parametrize("return_lse", [None, 1, "yes", np.bool_(True)], ids=repr)
+def test_reference_varlen_return_lse_must_be_a_bool(return_lse):
+    q, k, v, cu_q, cu_k = _np_packed()
+    with pytest.raises(TypeError, match="return_lse must be a bool"):
+        ref.attention_varlen(q, k, v, cu_q, cu_k, return_lse=return_lse)
+
+
+def test_reference_varlen_checks_before_allocating():
+    """A torch q reached np.empty_like before the checks (an opaque error); now the NumPy rule names it."""
+    q, k, v, cu_q, cu_k = _np_packed()
+    with pytest.raises(TypeError, match="q must be a NumPy array, got a torch.Tensor"):
+        ref.attention_varlen(torch.tensor(q), k, v, cu_q, cu_k)
+    with pytest.raises(TypeError, match="q must be a NumPy array, got list"):
+        ref.attention_varlen(q.tolist(), k, v, cu_q, cu_k)
+
+
+def test_numpy_varlen_gradients_are_each_documents_own():
+    """Valid packed batches (grouped heads, per-document ALiBi slopes): o, lse and every row of dq, dk, dv
+    equal each document's float64 reference, packed back (dv had an uninitialised row when v was longer)."""
+    q, k, v, cu_q, cu_k = _np_packed()
+    do = np.random.default_rng(3).standard_normal(q.shape)
+    slopes = np.array([[0.5, 0.25], [0.125, 1.0]])
+    o, lse = ref.attention_varlen(q, k, v, cu_q, cu_k, causal=True, return_lse=True, alibi_slopes=slopes)
+    grads = ref.attention_varlen_backward(q, k, v, do, cu_q, cu_k, causal=True, alibi_slopes=slopes)
+    o_t, lse_t = numpy_flash.flash_attention_varlen_forward(q, k, v, cu_q, cu_k, causal=True, block_q=4, block_k=4,
+                                                            alibi_slopes=slopes)
+    tiled = numpy_flash.flash_attention_varlen_backward(q, k, v, o_t, lse_t, do, cu_q, cu_k, causal=True, block_q=4,
+                                                        block_k=4, alibi_slopes=slopes)
+    unpack = lambda x, a, b: np.swapaxes(x[a:b], 0, 1)[None]  # noqa: E731
+    for b in range(2):
+        (q0, q1), (k0, k1) = cu_q[b:b + 2], cu_k[b:b + 2]
+        args = (unpack(q, q0, q1), unpack(k, k0, k1), unpack(v, k0, k1))
+        o_b, lse_b = ref.attention(*args, causal=True, return_lse=True, alibi_slopes=slopes[b])
+        grads_b = ref.attention_backward(*args, unpack(do, q0, q1), causal=True, alibi_slopes=slopes[b])
+        np.testing.assert_array_equal(unpack(o, q0, q1), o_b)
+        np.testing.assert_array_equal(lse[:, q0:q1], lse_b[0])
+        np.testing.assert_allclose(unpack(o_t, q0, q1), o_b, rtol=1e-12, atol=1e-12)
+        for g, t, r, (a, c) in zip(grads, tiled, grads_b, ((q0, q1), (k0, k1), (k0, k1))):
+            np.testing.assert_array_equal(unpack(g, a, c), r)
+            np.testing.assert_allclose(unpack(t, a, c), r, rtol=1e-11, atol=1e-11)
+
+
 def test_numpy_varlen_backward_bad_arrays():
     q, k, v, cu_q, cu_k = _np_packed()
     with pytest.raises(ValueError, match=re.escape("do must have the shape of q (10, 2, 8), got (5, 2, 8)")):
