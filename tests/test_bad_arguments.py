@@ -875,3 +875,29 @@ def test_block_mask_helpers_take_extreme_counts():
     assert bool(bmk.bigbird(4, n_global=10).all())
     assert bool(bmk.bigbird(4, n_random=10).all())
     assert int(bmk.visible_pairs(np.ones((1, 1, 3, 3), bool), 40, 40, 16)) == 40 * 40
+
+
+@pytest.mark.parametrize("call, exc, words", [
+    (lambda: bmk.sliding_window(4, causal="no"), TypeError, "causal must be a bool, got str: 'no'"),
+    (lambda: bmk.sliding_window(4, causal=1), TypeError, "causal must be a bool, got int"),
+    (lambda: bmk.sliding_window(4, causal=None), TypeError, "causal must be a bool, got NoneType"),
+    (lambda: bmk.visible_pairs(bmk.causal_blocks(3), 40, 40, 16, causal="no"), TypeError, "causal must be a bool"),
+    (lambda: bmk.visible_pairs(bmk.causal_blocks(3), 40, 40, 16, causal=np.bool_(True)), TypeError,
+     "causal must be a bool"),
+    (lambda: bmk.bigbird(4, seed="1"), TypeError, "seed must be an int, got str"),
+    (lambda: bmk.bigbird(4, seed=None), TypeError, "seed must be an int, got NoneType"),
+    (lambda: bmk.bigbird(4, seed=1.7), TypeError, "seed must be an int, got float: 1.7"),
+    (lambda: bmk.bigbird(4, seed=True), TypeError, "seed must be an int, got bool"),
+    (lambda: bmk.bigbird(4, seed=2**64), ValueError, "seed must be in [-2**63, 2**64)"),
+    (lambda: bmk.density(None), TypeError, "block_mask must be a boolean array or tensor, got NoneType"),
+    (lambda: bmk.density([[True]]), TypeError, "block_mask must be a boolean array or tensor, got list"),
+    (lambda: bmk.density(torch.ones(1, 1, 2, 2)), TypeError, "got Tensor of dtype torch.float32"),
+])
+def test_block_mask_flags_seed_and_density_bad_arguments(call, exc, words):
+    with pytest.raises(exc, match=re.escape(words)):
+        call()
+
+
+def test_block_mask_helpers_take_numpy_ints_and_numpy_masks():
+    assert torch.equal(bmk.bigbird(6, seed=np.int64(3)), bmk.bigbird(6, seed=3))
+    assert bmk.density(np.ones((1, 1, 2, 2), bool)) == 1.0
