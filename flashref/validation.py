@@ -176,7 +176,7 @@ def check_attention_inputs(q, k, v, *, allowed_ndims=(2, 4), allowed_dtypes=None
 
     Expected: q of shape ``(..., N_q, d)``, k of shape ``(..., N_k, d)``, v of shape ``(..., N_k, d)``,
     the same leading (batch, head) dimensions, the same dtype and the same device, and
-    ``N_q, N_k, d >= 1``. With ``gqa``, 4-D k and v may have ``H_kv`` heads where q has H, if
+    ``N_q, N_k, d >= 1`` and ``B, H, H_kv >= 1`` (every axis non-empty). With ``gqa``, 4-D k and v may have ``H_kv`` heads where q has H, if
     ``H % H_kv == 0`` (grouped-query attention). ``allowed_ndims`` is ``(2, 4)`` for NumPy (``(N, d)`` or
     ``(B, H, N, d)``) and ``(4,)`` for the GPU kernels. ``allowed_dtypes`` is a collection of dtype names.
     ``numpy``: only NumPy arrays (:func:`check_numpy`); ``finite``: no NaN or inf (:func:`check_finite`),
@@ -216,6 +216,10 @@ def check_attention_inputs(q, k, v, *, allowed_ndims=(2, 4), allowed_dtypes=None
             raise ValueError(f"{name} is an empty sequence (N = 0, shape {tuple(arrays[name].shape)}); attention needs N >= 1")
     if d < 1:
         raise ValueError(f"head dimension d must be at least 1, got q.shape {tuple(q.shape)}")
+    for name, x in arrays.items():
+        if any(n < 1 for n in x.shape[:-2]):
+            raise ValueError(f"{name} must not be empty: its batch and head axes (B, H) need at least 1 entry each, "
+                             f"got shape {tuple(x.shape)}")
     if max_head_dim is not None and d > max_head_dim:
         raise ValueError(f"head dimension d = {d} is larger than this implementation supports ({max_head_dim})")
     dtypes = [_describe_dtype(x) for x in (q, k, v)]
@@ -327,6 +331,7 @@ def check_alibi_slopes(alibi_slopes, lead: tuple):
     ``()`` or ``(1,)`` for 2-D inputs; finite. Returned as a float64 NumPy array shaped to broadcast against
     the scores, ``(B or 1, H, 1, 1)`` (``(1, 1)`` for 2-D inputs)."""
     if hasattr(alibi_slopes, "detach"):  # a torch tensor
+        check_dense("alibi_slopes", alibi_slopes)
         alibi_slopes = alibi_slopes.detach().cpu().numpy()
     slopes = np.asarray(alibi_slopes)
     if slopes.dtype.kind not in "fiu":

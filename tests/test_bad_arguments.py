@@ -901,3 +901,34 @@ def test_block_mask_flags_seed_and_density_bad_arguments(call, exc, words):
 def test_block_mask_helpers_take_numpy_ints_and_numpy_masks():
     assert torch.equal(bmk.bigbird(6, seed=np.int64(3)), bmk.bigbird(6, seed=3))
     assert bmk.density(np.ones((1, 1, 2, 2), bool)) == 1.0
+
+
+# ------------------------------------------------------------------ empty batch or head axes
+
+EMPTY_AXES = {"B = 0": (slice(0, 0),), "H = 0": (slice(None), slice(0, 0))}
+
+
+@pytest.mark.parametrize("axis", list(EMPTY_AXES))
+@pytest.mark.parametrize("fn", [flash_attention_forward, flash_attention, forward_kernel, backward_kernel,
+                                lambda q, k, v: simulate_ring(q, k, v, 2)], ids=["forward", "autograd", "forward_kernel",
+                                                                                 "backward_kernel", "simulate_ring"])
+def test_triton_empty_batch_or_heads(fn, axis):
+    """Triton gave RuntimeError / ZeroDivisionError; every axis must be non-empty (validation's rule)."""
+    q, k, v = (x[EMPTY_AXES[axis]] for x in _qkv())
+    with pytest.raises(ValueError, match=re.escape("q must not be empty: its batch and head axes (B, H)")):
+        fn(q, k, v)
+
+
+@pytest.mark.parametrize("axis", list(EMPTY_AXES))
+@pytest.mark.parametrize("name", ["reference.attention", "reference.attention_backward",
+                                  "numpy_flash.flash_attention_forward", "online_softmax.attention_by_key_blocks"])
+def test_numpy_empty_batch_or_heads(name, axis):
+    """numpy_flash divided by zero and the reference returned empty arrays."""
+    q, k, v = (x[EMPTY_AXES[axis]] for x in _np_inputs(H=2))
+    fn = {"reference.attention": ref.attention,
+          "reference.attention_backward": lambda q, k, v: ref.attention_backward(q, k, v, q),
+          "numpy_flash.flash_attention_forward": numpy_flash.flash_attention_forward,
+          "online_softmax.attention_by_key_blocks": osm.attention_by_key_blocks}[name]
+    with pytest.raises(ValueError, match=re.escape("q must not be empty")):
+        fn(q, k, v)
+
