@@ -565,7 +565,10 @@ def simulate_ring(q, k, v, world_size, causal=False, sm_scale=None, do=None):
     if do is not None:
         if not isinstance(do, torch.Tensor):
             raise TypeError(f"do must be None or a torch.Tensor, got {type(do).__name__}")
+        validation.check_tensor("do", do, q.device)
         validation.check_same_shape("do", do, "q", q)
+        if do.dtype != q.dtype:
+            raise TypeError(f"do must have the dtype of q ({q.dtype}), got {do.dtype}")
         validation.check_finite({"do": do})
     # Each rank holds its own copy of its shard, as on separate GPUs.
     shards = [[shard_sequence(x, r, world_size, zigzag=causal).contiguous() for r in range(world_size)]

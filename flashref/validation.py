@@ -110,8 +110,9 @@ def check_numpy(name: str, x, *, array_like: bool = False):
 def check_finite(arrays: dict, *, allow_neg_inf: bool = False) -> None:
     """Raise ``ValueError`` naming the first argument in ``{name: array}`` that holds NaN or inf (or, with
     ``allow_neg_inf``, NaN or +inf) and the index of its first such element. NumPy, CuPy or torch arrays;
-    torch tensors are reduced on their device and synchronized once for all of them."""
-    arrays = {name: x for name, x in arrays.items() if x is not None}
+    torch tensors are reduced on their device and synchronized once for all of them. An empty array, and an
+    integer or boolean torch tensor, holds no NaN or inf: it passes (its dtype is the caller's to check)."""
+    arrays = {name: x for name, x in arrays.items() if x is not None and not _cannot_be_non_finite(x)}
     if not arrays:
         return
     kind = _framework(next(iter(arrays.values())))
@@ -130,6 +131,14 @@ def check_finite(arrays: dict, *, allow_neg_inf: bool = False) -> None:
     for (name, x), ok in zip(arrays.items(), finite):
         if not ok:
             _raise_not_finite(name, x, allow_neg_inf)
+
+
+def _cannot_be_non_finite(x) -> bool:
+    """An empty array, or an integer or boolean torch tensor (whose infinity norm torch refuses to take)."""
+    if math.prod(getattr(x, "shape", (1,))) == 0:
+        return True
+    dtype = getattr(x, "dtype", None)
+    return _framework(x) == "torch" and not (dtype.is_floating_point or dtype.is_complex)
 
 
 def _ok(xp, x, allow_neg_inf):
