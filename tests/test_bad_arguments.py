@@ -14,7 +14,7 @@ import torch
 
 import flashref.triton  # noqa: F401  (the interpreter is switched on before triton is imported)
 from flashref import block_masks as bmk
-from flashref import numpy_flash, online_softmax as osm, reference as ref
+from flashref import numpy_flash, online_softmax as osm, reference as ref, validation
 from flashref.ring_attention import gather_sequence, sequence_positions, shard_sequence, simulate_ring
 from flashref.triton import (KVCache, backward_kernel, dropout_mask, flash_attention, flash_attention_backward,
                              flash_attention_forward, flash_attention_varlen, flash_decode, forward_kernel)
@@ -250,6 +250,19 @@ def test_dropout_mask_bad_arguments(args, exc, words):
         dropout_mask(*args, DEVICE)
 
 
+@pytest.mark.parametrize("device", ["meta", "cpu" if torch.cuda.is_available() else "cuda", "cuda:99", "bogus", 1.5,
+                                    [DEVICE]], ids=repr)
+def test_dropout_mask_bad_device(device):
+    """meta gave NotImplementedError, cuda without a GPU an AssertionError, a bogus name a RuntimeError."""
+    with pytest.raises(ValueError, match="device must be"):
+        dropout_mask(1, 1, 1, 8, 8, 0.1, device)
+
+
+def test_dropout_mask_and_kv_cache_take_a_torch_device_or_none():
+    assert torch.equal(dropout_mask(1, 1, 1, 8, 8, 0.1, torch.device(DEVICE)), dropout_mask(1, 1, 1, 8, 8, 0.1, None))
+    assert KVCache(1, 1, 4, 16, device=torch.device(DEVICE)).k_cache.device.type == DEVICE
+
+
 # ------------------------------------------------------------------ Triton: packed batches
 
 def _packed():
@@ -385,6 +398,12 @@ def test_flash_decode_more_splits_than_key_tiles_is_still_exact():
     ((1, 1, 4, True), {}, TypeError, "head_dim must be a positive integer, got bool"),
     ((1, 1, 4, 16), dict(dtype="float16"), TypeError, "dtype must be torch.float16, torch.bfloat16 or torch.float32"),
     ((1, 1, 4, 16), dict(dtype=torch.float64), TypeError, "got torch.float64"),
+    ((1, 1, 4, 300), {}, ValueError, "head_dim = 300 is larger than the kernels support (256)"),
+    ((1, 1, 4, 16), dict(device="bogus"), ValueError, "device must be a torch.device or a device string"),
+    ((1, 1, 4, 16), dict(device=1.5), ValueError, "device must be a torch.device or a device string"),
+    ((1, 1, 4, 16), dict(device="meta"), ValueError, "device must be"),
+    ((1, 1, 4, 16), dict(device="cpu" if torch.cuda.is_available() else "cuda"), ValueError, "device must be"),
+    ((1, 1, 4, 16), dict(device="cuda:99"), ValueError, "device must be"),
 ])
 def test_kv_cache_bad_constructor_arguments(args, kwargs, exc, words):
     with pytest.raises(exc, match=re.escape(words)):
@@ -436,9 +455,14 @@ def test_kv_cache_append_bad_tensors():
 
 
 @pytest.mark.parametrize("make, kwargs, exc, words", [
-    (lambda: _t(2, 3, 1, 16), {}, ValueError, "H_kv that divides q's H = 3"),
-    (lambda: _t(2, 4, 1, 8), {}, ValueError, "q's head dimension d = 8"),
-    (lambda: _t(1, 4, 1, 16), {}, ValueError, "q's batch size B = 1"),
+    # named against the cache's own shape (flash_decode named k_cache, an argument the caller never passed)
+    (lambda: _t(2, 3, 1, 16), {}, ValueError, "q must have a number of heads H that the cache's H_kv = 2 divides "
+                                              "(grouped-query attention) (the cache holds (B, H_kv, max_len, d) = "
+                                              "(2, 2, 8, 16)), got q.shape (2, 3, 1, 16)"),
+    (lambda: _t(2, 4, 1, 8), {}, ValueError, "q must have the cache's head dimension d = 16 (the cache holds"),
+    (lambda: _t(1, 4, 1, 16), {}, ValueError, "q must have the cache's batch size B = 2 (the cache holds (B, H_kv, "
+                                              "max_len, d) = (2, 2, 8, 16)), got q.shape (1, 4, 1, 16)"),
+    (lambda: _t(1, 4, 4, 16), {}, ValueError, "q must have the cache's batch size B = 2"),  # before the lengths
     (lambda: _t(2, 4, 1, 16).cpu().numpy(), {}, TypeError, "q must be a torch.Tensor, got ndarray"),
     (lambda: _t(2, 4, 1, 16, dtype=torch.float16), {}, TypeError, "must have q's dtype torch.float16"),
     (lambda: _t(4, 1, 16), {}, ValueError, "q must have shape (B, H, N_q, d), got 3-d"),
@@ -831,6 +855,44 @@ def test_gather_sequence_bad_shards():
         gather_sequence(x, False)
     with pytest.raises(TypeError, match=re.escape("shards[1] must be a NumPy array or a torch.Tensor, got list")):
         gather_sequence([x, x.tolist()], False)
+
+
+@pytest.mark.parametrize("make, exc, words", [
+    (lambda do: do.long(), TypeError, "do must have the dtype of q (torch.float32), got torch.int64"),
+    (lambda do: do > 0, TypeError, "do must have the dtype of q (torch.float32), got torch.bool"),
+    (lambda do: do.half(), TypeError, "do must have the dtype of q (torch.float32), got torch.float16"),
+    (lambda do: do.to("meta"), ValueError, "do must be on q's device"),
+    (lambda do: do.to_sparse(), TypeError, "do must be a dense (strided) tensor"),
+], ids=["int64", "bool", "float16", "meta", "sparse"])
+def test_simulate_ring_do_must_be_like_q(make, exc, words):
+    """An int64 do crashed check_finite (torch takes no norm of integers); its dtype is checked first now."""
+    q = _t(1, 2, 8, 16)
+    with pytest.raises(exc, match=re.escape(words)):
+        simulate_ring(q, q, q, 2, do=make(torch.ones_like(q)))
+
+
+@pytest.mark.parametrize("x", [torch.empty(0), torch.empty(2, 0, 3), torch.ones(3, dtype=torch.int64),
+                               torch.ones(2, dtype=torch.bool), np.empty((0, 2))],
+                         ids=["empty", "empty 3-d", "int64", "bool", "numpy empty"])
+def test_check_finite_passes_empty_and_integer_arrays(x):
+    validation.check_finite({"x": x})
+    validation.check_finite({"x": x}, allow_neg_inf=True)
+
+
+def test_kv_cache_append_of_zero_tokens_with_check_finite():
+    cache, k = _cache()
+    cache.append(k[:, :, :0], k[:, :, :0], check_finite=True)  # crashed in check_finite
+    assert cache.lengths == [3, 3] and cache.seqlens.tolist() == [3, 3]
+
+
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_kv_cache_append_sparse_tensors_are_named(which):
+    cache, k = _cache()
+    kv = dict(k=k, v=k.clone())
+    kv[which] = kv[which].to_sparse()
+    with pytest.raises(TypeError, match=re.escape(f"{which} must be a dense (strided) tensor")):
+        cache.append(kv["k"], kv["v"])
+    assert cache.lengths == [3, 3]
 
 
 def test_simulate_ring_more_ranks_than_the_sequence_divides():

@@ -250,6 +250,25 @@ def _lists_of(given, bm, transposed: bool) -> torch.Tensor:
     return lists
 
 
+def check_device(device) -> torch.device:
+    """``device`` for tensors the kernels will read (:func:`dropout_mask`, :class:`~flashref.triton.KVCache`):
+    under Triton's CPU interpreter the CPU, otherwise a CUDA device that is present; None is that default."""
+    if device is None:
+        device = "cpu" if INTERPRETED else "cuda"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device must be a torch.device or a device string such as 'cuda' or 'cpu', got "
+                         f"{type(device).__name__}: {device!r}") from None
+    if INTERPRETED and dev.type != "cpu":
+        raise ValueError(f"device must be 'cpu': Triton is running in its CPU interpreter (no CUDA device), got "
+                         f"{str(dev)!r}")
+    if not INTERPRETED and (dev.type != "cuda" or (dev.index or 0) >= torch.cuda.device_count()):
+        raise ValueError(f"device must be a CUDA device of this machine (cuda:0 .. cuda:"
+                         f"{torch.cuda.device_count() - 1}: the kernels are compiled for it), got {str(dev)!r}")
+    return dev
+
+
 def dropout_mask(seed, B, H, N_q, N_k, dropout_p, device):
     """The boolean keep-mask ``(B, H, N_q, N_k)`` the kernels draw for ``seed``, bit for bit: True where an
     entry of P is kept (probability ``1 - dropout_p``). It runs the kernels' own random function, so tests
@@ -263,6 +282,7 @@ def dropout_mask(seed, B, H, N_q, N_k, dropout_p, device):
         raise TypeError(f"seed must be an int in [0, 2**63), got {type(seed).__name__}: {seed!r}")
     for name, n in (("B", B), ("H", H), ("N_q", N_q), ("N_k", N_k)):
         validation.check_positive_int(name, n)
+    device = check_device(device)
     keep = torch.empty((B, H, N_q, N_k), dtype=torch.int8, device=device)
     block = 16 if INTERPRETED else 64
     dropout_mask_kernel[(_cdiv(N_q, block), _cdiv(N_k, block), B * H)](keep, seed, drop_threshold(p), N_q, N_k,
