@@ -12,7 +12,7 @@ import numbers
 
 import torch
 
-from flashref.validation import check_block_mask, check_block_size, check_bool
+from flashref.validation import check_block_mask, check_block_size, check_bool, check_dense
 
 
 def _positive(name: str, n) -> int:
@@ -84,6 +84,7 @@ def density(block_mask: torch.Tensor) -> float:
     if not hasattr(block_mask, "shape") or "bool" not in str(getattr(block_mask, "dtype", "")):
         raise TypeError(f"block_mask must be a boolean array or tensor, got {type(block_mask).__name__}"
                         + (f" of dtype {block_mask.dtype}" if hasattr(block_mask, "dtype") else ""))
+    check_dense("block_mask", block_mask)
     return float(torch.as_tensor(block_mask).float().mean())
 
 
@@ -93,6 +94,7 @@ def visible_pairs(block_mask: torch.Tensor, N_q: int, N_k: int, block_size: int,
     only key <= query (top-left). Benchmark FLOPs are counted on these pairs (4 d per pair forward)."""
     N_q, N_k, bs = _positive("N_q", N_q), _positive("N_k", N_k), check_block_size(block_size)
     check_bool("causal", causal)
+    check_dense("block_mask", block_mask)
     bm = torch.as_tensor(block_mask)
     check_block_mask(bm, tuple(bm.shape[:2]) if bm.dim() == 4 else (1, 1), N_q, N_k, bs)  # the kernels' own rule
     n_q, n_k = bm.shape[2:]

@@ -994,3 +994,37 @@ def test_numpy_empty_batch_or_heads(name, axis):
     with pytest.raises(ValueError, match=re.escape("q must not be empty")):
         fn(q, k, v)
 
+
+
+# ------------------------------------------------------------------ sparse tensors
+
+def _sparse_mask():
+    return torch.ones(1, 1, 3, 3, dtype=torch.bool, device=DEVICE).to_sparse()
+
+
+SPARSE_CASES = {
+    "triton block_mask": (lambda: flash_attention_forward(*_qkv(N_q=40, N_k=40), block_mask=_sparse_mask(),
+                                                          block_size=16), "block_mask"),
+    "forward_kernel block_mask": (lambda: forward_kernel(*_qkv(N_q=40, N_k=40), block_mask=_sparse_mask(),
+                                                         block_size=16), "block_mask"),
+    "triton alibi_slopes": (lambda: flash_attention(*_qkv(), alibi_slopes=torch.ones(2, device=DEVICE).to_sparse()),
+                            "alibi_slopes"),
+    "backward alibi_slopes": (lambda: backward_kernel(*_qkv(), alibi_slopes=torch.ones(2, device=DEVICE).to_sparse()),
+                              "alibi_slopes"),
+    "varlen alibi_slopes": (lambda: flash_attention_varlen(*_packed(), _packed()[3], 5, 5,
+                                                           alibi_slopes=torch.ones(2, device=DEVICE).to_sparse()),
+                            "alibi_slopes"),
+    "reference alibi_slopes": (lambda: ref.attention(*_np_inputs(), alibi_slopes=torch.ones(4).to_sparse()),
+                               "alibi_slopes"),
+    "numpy varlen alibi_slopes": (lambda: ref.attention_varlen(*_np_packed(), alibi_slopes=torch.ones(2).to_sparse()),
+                                  "alibi_slopes"),
+    "visible_pairs": (lambda: bmk.visible_pairs(_sparse_mask(), 40, 40, 16), "block_mask"),
+    "density": (lambda: bmk.density(_sparse_mask()), "block_mask"),
+}
+
+
+@pytest.mark.parametrize("case", list(SPARSE_CASES))
+def test_sparse_tensors_are_refused_by_name(case):
+    call, name = SPARSE_CASES[case]
+    with pytest.raises(TypeError, match=re.escape(f"{name} must be a dense (strided) tensor, got layout torch.sparse")):
+        call()

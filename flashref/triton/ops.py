@@ -118,6 +118,7 @@ class Features:
         else:
             if not isinstance(block_mask, torch.Tensor):
                 raise TypeError(f"block_mask must be a torch.Tensor of dtype bool, got {type(block_mask).__name__}")
+            validation.check_dense("block_mask", block_mask)
             validation.check_block_mask(block_mask, (B, H), N_q, k.shape[2], self.block_size)
             if block_mask.device != q.device:
                 raise ValueError(f"block_mask must be on q's device ({q.device}), got {block_mask.device}")
@@ -154,6 +155,7 @@ class Features:
             if not isinstance(alibi_slopes, torch.Tensor):
                 raise TypeError(f"alibi_slopes must be a torch.Tensor of shape (H,) or (B, H), got "
                                 f"{type(alibi_slopes).__name__}")
+            validation.check_dense("alibi_slopes", alibi_slopes)
             if not alibi_slopes.is_floating_point():
                 raise TypeError(f"alibi_slopes must have a floating dtype, got {alibi_slopes.dtype}")
             if tuple(alibi_slopes.shape) not in ((H,), (self.batch, H)):
