@@ -788,6 +788,58 @@ def test_online_softmax_update_bad_value_rows():
         osm.update(osm.init((2,)), np.ones((2, 3), bool))
 
 
+@pytest.mark.parametrize("call, exc, words", [
+    # v_block's rows and width (raw NumPy errors before), scores whose rows are not the state's (some broadcast)
+    (lambda: osm.update(osm.init((2,), d=4), np.zeros((2, 3)), np.zeros((4, 4))), ValueError,
+     "v_block must have shape (b, d) = (3, 4): the block's b value rows, as wide as state.o (d = 4), got shape (4, 4)"),
+    (lambda: osm.update(osm.init((2,), d=4), np.zeros((2, 3)), np.zeros((3, 5))), ValueError, "got shape (3, 5)"),
+    (lambda: osm.update(osm.init((2,), d=4), np.zeros((2, 3)), np.zeros(3)), ValueError, "v_block must have shape"),
+    (lambda: osm.update(osm.init((2,), d=4), np.zeros((2, 3)), np.zeros((5, 3, 4))), ValueError,
+     "v_block must have shape (b, d) = (3, 4)"),
+    (lambda: osm.update(osm.init((2, 3, 5), d=4), np.zeros((2, 3, 5, 3)), np.zeros((4, 3, 4))), ValueError,
+     "v_block must have shape (b, d) = (3, 4) or (2, 3, 3, 4)"),
+    (lambda: osm.update(osm.init((2,), d=4), np.zeros((3, 3)), np.zeros((3, 4))), ValueError,
+     "scores_block must have shape (2, b): a row of b scores for each row of the state (state.m.shape = (2,)), "
+     "got shape (3, 3)"),
+    (lambda: osm.update(osm.init((2,)), np.zeros((4, 2, 3))), ValueError, "scores_block must have shape (2, b)"),
+    (lambda: osm.update(osm.init(), np.zeros((2, 3))), ValueError, "scores_block must have shape (b,)"),
+    # not a state
+    (lambda: osm.update("state", np.zeros(3)), TypeError, "state must be a SoftmaxState (from init, update or merge), got str"),
+    (lambda: osm.update(None, np.zeros(3)), TypeError, "state must be a SoftmaxState"),
+    (lambda: osm.merge(osm.init(), (np.float64(0), np.float64(1))), TypeError,
+     "b must be a SoftmaxState (from init, update or merge), got tuple"),
+    (lambda: osm.merge(None, osm.init()), TypeError, "a must be a SoftmaxState"),
+    (lambda: osm.finalize({"m": 0}), TypeError, "state must be a SoftmaxState (from init, update or merge), got dict"),
+    (lambda: osm.lse_of(np.zeros(2)), TypeError, "state must be a SoftmaxState (from init, update or merge), got ndarray"),
+    # merge of states of different shapes (they broadcast)
+    (lambda: osm.merge(osm.init((2,)), osm.init((3,))), ValueError, "b must have the shape of a (m, l: (2,), (2,)), got (3,), (3,)"),
+    (lambda: osm.merge(osm.init((2, 1)), osm.init((2,))), ValueError, "b must have the shape of a"),
+    (lambda: osm.merge(osm.init((2,), d=3), osm.init((2,), d=4)), ValueError,
+     "b must have the shape of a (m, l, o: (2,), (2,), (2, 3)), got (2,), (2,), (2, 4)"),
+    # init's d
+    (lambda: osm.init(d=-1), ValueError, "d must be a positive integer, got -1"),
+    (lambda: osm.init(d=0), ValueError, "d must be a positive integer, got 0"),
+    (lambda: osm.init(d="a"), TypeError, "d must be a positive integer, got str"),
+    (lambda: osm.init(d=2.7), TypeError, "d must be a positive integer, got float: 2.7"),
+    # merge_outputs of lists (AttributeError before)
+    (lambda: osm.merge_outputs([[0.0]], [0.0], [[0.0]], [0.0]), TypeError, "o_a must be a NumPy array or a torch.Tensor, got list"),
+    (lambda: osm.merge_outputs(1.0, 1.0, 1.0, 1.0), TypeError, "o_a must be a NumPy array or a torch.Tensor, got float"),
+])
+def test_online_softmax_states_bad_arguments(call, exc, words):
+    with pytest.raises(exc, match=re.escape(words)):
+        call()
+
+
+def test_online_softmax_states_take_broadcast_values_and_numpy_widths():
+    """Valid calls are unchanged: v_block (b, d) shared by every row, or with leading dims that broadcast."""
+    s = osm.update(osm.init((2, 3), d=4), np.zeros((2, 3, 5)), np.ones((2, 5, 4)))
+    s = osm.update(s, np.zeros((2, 3, 5)), np.ones((5, 4)))
+    s = osm.update(s, np.zeros((2, 3, 5)), np.ones((1, 5, 4)))
+    np.testing.assert_allclose(osm.finalize(s)[0], np.ones((2, 3, 4)))
+    assert osm.init(d=np.int64(3)).o.shape == (3,)
+    assert osm.merge(osm.update(osm.init(), [1.0]), osm.init()).m == 1.0
+
+
 @pytest.mark.parametrize("fn", [osm.running_trace, osm.scan, osm.logsumexp], ids=lambda f: f.__name__)
 def test_online_softmax_bad_blocks_and_scores(fn):
     with pytest.raises(ValueError, match="block_size must be at least 1, got 0"):
