@@ -50,6 +50,7 @@ def _check_inputs(q, k, v, causal, sm_scale, block_q, block_k):
 
 def tile_ranges(n: int, block: int) -> list[tuple[int, int]]:
     """``[(start, stop), ...]`` of the blocks of ``block`` rows covering ``n`` rows; the last one may be short."""
+    block = check_positive_int("block", block)
     return [(start, min(start + block, n)) for start in range(0, n, block)]
 
 
@@ -71,7 +72,8 @@ def visited_tiles(N_q: int, N_k: int, block_q: int, block_k: int, causal: bool =
     """
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
-    q_tiles, k_tiles = tile_ranges(N_q, block_q), tile_ranges(N_k, block_k)
+    q_tiles = tile_ranges(N_q, check_positive_int("block_q", block_q))
+    k_tiles = tile_ranges(N_k, check_positive_int("block_k", block_k))
     pairs = ([(i, j) for i in range(len(q_tiles)) for j in range(len(k_tiles))] if order == "fa2"
              else [(i, j) for j in range(len(k_tiles)) for i in range(len(q_tiles))])
     return [(i, j) for i, j in pairs if not tile_is_skipped(q_tiles[i], k_tiles[j], causal)]

@@ -124,6 +124,9 @@ def shard_sequence(x, rank: int, world_size: int, zigzag: bool):
     (two slices joined), a view otherwise. Notebook ``13_beyond_one_gpu_and_decoding``."""
     _seq_tensor("x", x)
     rank, world_size = _check_layout(rank, world_size, zigzag)
+    if x.shape[2] < 1:
+        raise ValueError(f"x must hold at least one token along dim 2 (N >= 1, as sequence_positions needs), got "
+                         f"shape {tuple(x.shape)}")
     c = _chunks_of(x.shape[2], world_size, zigzag, "x")
     if not zigzag:
         return x[:, :, rank * c:(rank + 1) * c]

@@ -1080,3 +1080,40 @@ def test_sparse_tensors_are_refused_by_name(case):
     call, name = SPARSE_CASES[case]
     with pytest.raises(TypeError, match=re.escape(f"{name} must be a dense (strided) tensor, got layout torch.sparse")):
         call()
+
+
+# ------------------------------------------------------------------ smaller ones
+
+@pytest.mark.parametrize("return_lse", [None, 1, "yes", torch.tensor(True)], ids=repr)
+def test_triton_varlen_return_lse_must_be_a_bool(return_lse):
+    q, k, v, cu = _packed()
+    with pytest.raises(TypeError, match="return_lse must be a bool"):
+        flash_attention_varlen(q, k, v, cu, cu, 5, 5, return_lse=return_lse)
+
+
+@pytest.mark.parametrize("zigzag", [False, True])
+@pytest.mark.parametrize("x", [np.zeros((1, 1, 0, 2)), torch.zeros(1, 1, 0), np.zeros((2, 3, 0))],
+                         ids=["numpy 4-d", "torch lse", "numpy lse"])
+def test_shard_sequence_refuses_an_empty_sequence(x, zigzag):
+    """It returned empty shards while sequence_positions refuses N = 0."""
+    with pytest.raises(ValueError, match=re.escape("x must hold at least one token along dim 2 (N >= 1")):
+        shard_sequence(x, 0, 2, zigzag)
+
+
+@pytest.mark.parametrize("call, exc, words", [
+    (lambda: numpy_flash.tile_ranges(10, 0), ValueError, "block must be a positive integer, got 0"),
+    (lambda: numpy_flash.tile_ranges(10, -4), ValueError, "block must be a positive integer, got -4"),
+    (lambda: numpy_flash.tile_ranges(10, 2.0), TypeError, "block must be a positive integer, got float"),
+    (lambda: numpy_flash.visited_tiles(10, 10, 0, 4), ValueError, "block_q must be a positive integer, got 0"),
+    (lambda: numpy_flash.visited_tiles(10, 10, 4, 0, causal=True), ValueError, "block_k must be a positive integer"),
+    (lambda: numpy_flash.visited_tiles(10, 10, 4, None), TypeError, "block_k must be a positive integer, got NoneType"),
+])
+def test_tile_grid_helpers_bad_blocks(call, exc, words):
+    """range() arg 3 must not be zero, before."""
+    with pytest.raises(exc, match=re.escape(words)):
+        call()
+
+
+def test_tile_grid_helpers_take_numpy_ints():
+    assert numpy_flash.tile_ranges(10, np.int64(4)) == [(0, 4), (4, 8), (8, 10)]
+    assert numpy_flash.visited_tiles(8, 8, np.int32(4), 4, causal=True) == [(0, 0), (1, 0), (1, 1)]

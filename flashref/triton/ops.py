@@ -857,6 +857,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     block masks are not taken here. :mod:`flashref.varlen` and :func:`flashref.reference.attention_varlen` hold
     the NumPy side.
     """
+    validation.check_bool("return_lse", return_lse)
     o, lse = FlashAttentionVarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                 causal, sm_scale, deterministic, check_finite, window_size, softcap,
                                                 alibi_slopes)
