@@ -185,11 +185,11 @@ def check_attention_inputs(q, k, v, *, allowed_ndims=(2, 4), allowed_dtypes=None
 
     Expected: q of shape ``(..., N_q, d)``, k of shape ``(..., N_k, d)``, v of shape ``(..., N_k, d)``,
     the same leading (batch, head) dimensions, the same dtype and the same device, and
-    ``N_q, N_k, d >= 1`` and ``B, H, H_kv >= 1`` (every axis non-empty). With ``gqa``, 4-D k and v may have ``H_kv`` heads where q has H, if
-    ``H % H_kv == 0`` (grouped-query attention). ``allowed_ndims`` is ``(2, 4)`` for NumPy (``(N, d)`` or
-    ``(B, H, N, d)``) and ``(4,)`` for the GPU kernels. ``allowed_dtypes`` is a collection of dtype names.
-    ``numpy``: only NumPy arrays (:func:`check_numpy`); ``finite``: no NaN or inf (:func:`check_finite`),
-    checked last.
+    ``N_q, N_k, d >= 1`` and ``B, H, H_kv >= 1`` (every axis non-empty). With ``gqa``, 4-D k and v may have
+    ``H_kv`` heads where q has H, if ``H % H_kv == 0`` (grouped-query attention). ``allowed_ndims`` is
+    ``(2, 4)`` for NumPy (``(N, d)`` or ``(B, H, N, d)``) and ``(4,)`` for the GPU kernels.
+    ``allowed_dtypes`` is a collection of dtype names. ``numpy``: only NumPy arrays (:func:`check_numpy`);
+    ``finite``: no NaN or inf (:func:`check_finite`), checked last.
     """
     arrays = dict(zip(_NAMES, (q, k, v)))
     for name, x in arrays.items():
