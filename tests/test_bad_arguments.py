@@ -15,6 +15,7 @@ import torch
 import flashref.triton  # noqa: F401  (the interpreter is switched on before triton is imported)
 from flashref import block_masks as bmk
 from flashref import numpy_flash, online_softmax as osm, reference as ref, validation
+from flashref.tolerance import assert_within_tolerance
 from flashref.ring_attention import gather_sequence, sequence_positions, shard_sequence, simulate_ring
 from flashref.triton import (KVCache, backward_kernel, dropout_mask, flash_attention, flash_attention_backward,
                              flash_attention_forward, flash_attention_varlen, flash_decode, forward_kernel)
@@ -231,6 +232,39 @@ def test_triton_backward_o_lse_do_must_be_dense_tensors_on_q_device(which, make,
     args[which] = make(args[which])
     with pytest.raises(exc, match=re.escape(words)):
         flash_attention_backward(q, k, v, args["o"], args["lse"], args["do"])
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("dtype, score", [(torch.float32, -1000.0), (torch.float16, -60.0)], ids=str)
+def test_triton_backward_atomic_dq_very_negative_logits_are_valid_input(dtype, score):
+    """Scores ~ score everywhere (lse very negative) with N_k = 37, not a multiple of the key tile: the atomic
+    dQ (deterministic=False) was NaN (the ragged key tile's padded slots had P = exp2(0 - lse) = inf). Now the
+    autograd backward is within the tolerance rule against the float64 reference with either dQ, and
+    flash_attention_backward from (o, lse) gives the deterministic path's dK and dV bit for bit and its dQ up to
+    the order of the additions."""
+    g = torch.Generator().manual_seed(5)  # test_edges_decode_ring_bottom_right's inputs
+    u = torch.ones(16) / 4
+    k = (u + 0.05 * torch.randn(1, 1, 37, 16, generator=g)).to(DEVICE, dtype)
+    q = (4 * score * u + torch.randn(1, 2, 20, 16, generator=g)).to(DEVICE, dtype)
+    v, do = (torch.randn(*shape, generator=g).to(DEVICE, dtype) for shape in ((1, 1, 37, 16), (1, 2, 20, 16)))
+    n64 = lambda x: x.detach().cpu().double().numpy()  # noqa: E731
+    refs = ref.attention_backward(n64(q), n64(k), n64(v), n64(do))
+    qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+    s = qq @ kk.repeat_interleave(2, 1).transpose(-1, -2) / 4.0
+    (torch.softmax(s, -1) @ vv.repeat_interleave(2, 1)).backward(do)  # plain attention in dtype: the baseline
+    baseline = (qq.grad, kk.grad, vv.grad)
+    for det in (True, False):
+        qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+        flash_attention(qq, kk, vv, deterministic=det, kernel="triton").backward(do)
+        for name, x, r, b in zip(("dq", "dk", "dv"), (qq.grad, kk.grad, vv.grad), refs, baseline):
+            atol = 1e-5 * max(1.0, float(np.abs(r).max())) if dtype == torch.float32 else None
+            assert_within_tolerance(x, r, b, factor=3.0, atol=atol, name=f"{name} (deterministic={det})")
+    o, lse = flash_attention_forward(q, k, v, kernel="triton")
+    (dq, dk, dv), (dq_a, dk_a, dv_a) = (flash_attention_backward(q, k, v, o, lse, do, deterministic=det,
+                                                                 kernel="triton") for det in (True, False))
+    assert torch.isfinite(dq_a).all() and torch.equal(dk_a, dk) and torch.equal(dv_a, dv)
+    assert torch.allclose(dq_a.float(), dq.float(), rtol=0, atol=1e-5 * max(1.0, dq.abs().max().item()))
 
 
 # ------------------------------------------------------------------ Triton: dropout_mask
