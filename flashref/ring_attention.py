@@ -129,6 +129,9 @@ def shard_sequence(x, rank: int, world_size: int, zigzag: bool):
     (two slices joined), a view otherwise. Notebook ``13_beyond_one_gpu_and_decoding``."""
     _seq_tensor("x", x)
     rank, world_size = _check_layout(rank, world_size, zigzag)
+    if x.shape[2] < 1:
+        raise ValueError(f"x must hold at least one token along dim 2 (N >= 1, as sequence_positions needs), got "
+                         f"shape {tuple(x.shape)}")
     c = _chunks_of(x.shape[2], world_size, zigzag, "x")
     if not zigzag:
         return x[:, :, rank * c:(rank + 1) * c]
@@ -602,7 +605,10 @@ def simulate_ring(q, k, v, world_size, causal=False, sm_scale=None, do=None):
     if do is not None:
         if not isinstance(do, torch.Tensor):
             raise TypeError(f"do must be None or a torch.Tensor, got {type(do).__name__}")
+        validation.check_tensor("do", do, q.device)
         validation.check_same_shape("do", do, "q", q)
+        if do.dtype != q.dtype:
+            raise TypeError(f"do must have the dtype of q ({q.dtype}), got {do.dtype}")
         validation.check_finite({"do": do})
     # Each rank holds its own copy of its shard, as on separate GPUs.
     shards = [[shard_sequence(x, r, world_size, zigzag=causal).contiguous() for r in range(world_size)]

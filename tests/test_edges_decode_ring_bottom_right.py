@@ -5,7 +5,7 @@ on the CPU (Triton's interpreter, gloo):
   the tiled NumPy attention and the Triton kernels; the tiled NumPy attention with extreme logits (scores
   ~1e3) and N_k = 1; the Triton kernels with extreme logits when N_q > N_k (rows that see no key), N_k = 1,
   N_q = N_k = 1, bfloat16, and the atomic dQ backward (``deterministic=False``); very negative logits (lse
-  ~ -1e3), where the atomic dQ of an unmasked ragged key tile is a known bug (strict xfail);
+  ~ -1e3), the atomic dQ of an unmasked ragged key tile included;
 - flash-decoding: extreme logits with N_q = 16 (causal, GQA) and N_q = 1; rows whose valid length is the
   smallest allowed (L = N_q causal, L = 1 not) beside a long row, with splits that hold no key of theirs;
 - the KV cache: ragged prompts, then chunks of several tokens (and a chunk only some rows take) appended and
@@ -178,15 +178,13 @@ def test_triton_very_negative_logits(dtype):
     _check_negative_logits(40, 37, dtype, False, **BR)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="package bug: the atomic-dQ backward (deterministic=False) gives NaN/inf dQ when a row's "
-                          "lse is very negative and N_k is not a multiple of the dK/dV kernel's key tile: the padded "
-                          "key slots (k = 0) are not masked, their P = exp2(0 - lse) overflows and inf * 0 reaches "
-                          "dQ through tl.atomic_add (flashref/triton/backward.py, _dkdv_tile)")
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-def test_triton_atomic_dq_very_negative_logits():
-    _check_negative_logits(20, 37, torch.float32, False)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_triton_atomic_dq_very_negative_logits(dtype):
+    """The atomic dQ (deterministic=False) with an unmasked ragged key tile (N_k = 37): its padded key slots
+    are masked, so their P = exp2(0 - lse) cannot overflow into dQ (it did, NaN, before the fix)."""
+    _check_negative_logits(20, 37, dtype, False)
 
 
 # ---- flash-decoding -----------------------------------------------------------------------------------------
