@@ -414,8 +414,9 @@ def ring_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, gr
     :func:`ring_attention_forward`) and ``do``. Notebook ``13_beyond_one_gpu_and_decoding``."""
     def extra(check_finite):
         for name, x in (("o", o), ("lse", lse), ("do", do)):
-            if not isinstance(x, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+            validation.check_tensor(name, x, q.device)
+        if not lse.dtype.is_floating_point:
+            raise TypeError(f"lse must be a floating tensor (the forward's float64 lse), got dtype {lse.dtype}")
         validation.check_same_shape("o", o, "q", q)
         validation.check_same_shape("do", do, "q", q)
         if tuple(lse.shape) != tuple(q.shape[:3]):

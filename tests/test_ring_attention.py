@@ -304,6 +304,10 @@ def test_bad_inputs_name_the_argument(one_rank_group):
         ring_attention_backward(q, q, q, o, lse[:, :, :4], o)
     with pytest.raises(ValueError, match="do must be finite"):
         ring_attention_backward(q, q, q, o, lse, torch.full_like(o, math.nan))
+    with pytest.raises(TypeError, match="lse must be a floating tensor"):
+        ring_attention_backward(q, q, q, o, lse.long(), o)
+    with pytest.raises(TypeError, match="lse must be a torch.Tensor"):
+        ring_attention_backward(q, q, q, o, lse.numpy(), o)
     qq = q.clone().requires_grad_()
     out = ring_attention(qq, q, q)
     with pytest.raises(ValueError, match="gradient of o"):
