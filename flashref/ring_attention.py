@@ -12,8 +12,8 @@ rank ``r - t`` (mod R), computes its Q against it with the FlashAttention kernel
 hands the block on to rank ``r + 1`` and receives the next one from ``r - 1``. The transfer of the next block
 is posted (``torch.distributed.batch_isend_irecv``) before the compute on the current one starts, so the
 network works while the kernel does: after R steps every query has met every key, and no GPU ever held more
-than its own K/V shard and two visiting blocks. With NCCL on GPUs the sends run on NCCL's own stream, beside the kernels; with gloo on
-CPUs (the tests) the same code runs, the kernels in Triton's interpreter.
+than its own K/V shard and two visiting blocks. With NCCL on GPUs the sends run on NCCL's own stream, beside
+the kernels; with gloo on CPUs (the tests) the same code runs, the kernels in Triton's interpreter.
 
 **The merge.** Each step gives a partial attention over one key block: its normalized output O_b and its
 log-sum-exp lse_b = m_b + log l_b (the running max m and sum l of notebook ``02_online_softmax``). Two partial
