@@ -19,27 +19,21 @@ Every check is against the float64 reference (:mod:`flashref.reference`): with t
 
 from __future__ import annotations
 
-import datetime
-import os
-import tempfile
-import traceback
-
 import flashref.triton  # noqa: F401  (first: Triton's interpreter is switched on before triton is imported)
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from flashref import numpy_flash, reference
-from flashref.bench import ring_bench
-from flashref.ring_attention import (gather_sequence, ring_attention, ring_attention_backward,
-                                     ring_attention_forward, shard_sequence, simulate_ring)
+from flashref.ring_attention import gather_sequence, simulate_ring
 from flashref.tolerance import assert_within_tolerance
 from flashref.triton import flash_attention, flash_attention_backward, flash_attention_forward
 from flashref.triton.decode import KVCache, flash_decode
 from tests._triton_helpers import DEVICE, no_autotune  # noqa: F401  (an autouse fixture: applies here)
 from tests._triton_helpers import feature_inputs, np64, plain_with_features
 from tests.test_causal_align import _triton_check, _visible
+from tests.test_ring_attention import _inputs as ring_inputs
+from tests.test_ring_attention import spawn_ring
 from tests.test_triton_decode import _check as _decode_check
 from tests.test_triton_decode import _kv, _plain, _reference
 
@@ -254,47 +248,18 @@ def test_kv_cache_chunks_after_ragged_prompts(dtype):
 
 # ---- ring attention: extreme logits -------------------------------------------------------------------------
 
-RING_JOIN_TIMEOUT = 120.0
 RING_SCALE = 300.0  # q scaled: scores up to ~1e3, lse ~1.3e3
-# (B, H, H_kv, N, d, causal, dtype): N a multiple of 2R = 4, shards of 22 (no tile multiple)
-RING_CASES = [(1, 2, 1, 44, 16, True, "float32"), (2, 2, 2, 44, 16, False, "float32"),
-              (1, 2, 1, 44, 16, True, "float16")]
-
-
-def _ring_inputs(case):
-    B, H, H_kv, N, d, causal, dtype = case
-    return feature_inputs(B, H, H_kv, N, N, d, getattr(torch, dtype), seed=N + H_kv + B, scale=RING_SCALE)
-
-
-def _ring_worker(rank, world_size, init_file, cases, results):
-    try:
-        torch.set_num_threads(1)
-        os.environ["FLASHREF_TRITON_AUTOTUNE"] = "0"
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=RING_JOIN_TIMEOUT))
-        for i, case in enumerate(cases):
-            causal = case[5]
-            q, k, v, do = (shard_sequence(x, rank, world_size, causal).contiguous() for x in _ring_inputs(case))
-            qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
-            o = ring_attention(qq, kk, vv, causal=causal)
-            o.backward(do)
-            o2, lse = ring_attention_forward(q, k, v, causal=causal)
-            grads = ring_attention_backward(q, k, v, o2, lse, do, causal=causal)
-            same = bool(torch.equal(o2, o.detach())) and all(torch.equal(a, b.grad)
-                                                             for a, b in zip(grads, (qq, kk, vv)))
-            results.put(("result", rank, i, [np64(x) for x in (o, qq.grad, kk.grad, vv.grad, lse)], same))
-        dist.destroy_process_group()
-        results.put(("done", rank))
-    except BaseException:  # noqa: BLE001 (the parent shows the worker's traceback)
-        results.put(("error", rank, traceback.format_exc()))
+# (B, H, H_kv, N, d, causal, dtype, scale): N a multiple of 2R = 4, shards of 22 (no tile multiple)
+RING_CASES = [(1, 2, 1, 44, 16, True, "float32", RING_SCALE), (2, 2, 2, 44, 16, False, "float32", RING_SCALE),
+              (1, 2, 1, 44, 16, True, "float16", RING_SCALE)]
 
 
 def _assert_ring_matches(case, got, world_size):
     """got: gathered (o, dq, dk, dv, lse) as float64 arrays. The tolerance rule against plain attention in the
     case's dtype; the gradients get, on top, the rounding of the fp32 global lse the backward recomputes P from
     (as test_causal_align's check of flash_attention_backward from (o, lse))."""
-    B, H, H_kv, N, d, causal, dtype = case
-    q, k, v, do = _ring_inputs(case)
+    B, H, H_kv, N, d, causal, dtype, _ = case
+    q, k, v, do = ring_inputs(case)
     q64, k64, v64, do64 = (np64(x) for x in (q, k, v, do))
     ref_o, ref_lse = reference.attention(q64, k64, v64, causal=causal, return_lse=True)
     assert np.abs(ref_lse).max() > 500, "the logits are extreme"
@@ -312,19 +277,10 @@ def _assert_ring_matches(case, got, world_size):
 
 
 def test_ring_extreme_logits_over_gloo():
-    """Two spawned processes joined by gloo: scores ~1e3, causal (zigzag) and not, fp32 and fp16, GQA."""
+    """Two spawned processes joined by gloo (test_ring_attention's workers): scores ~1e3, causal (zigzag) and
+    not, fp32 and fp16, GQA."""
     world_size = 2
-    store = os.path.join(tempfile.mkdtemp(prefix="flashref_ring_"), "store")
-    out = {}
-
-    def on_message(msg):
-        if msg[0] == "result":
-            out[(msg[2], msg[1])] = (msg[3], msg[4])
-
-    failures = ring_bench._run([(_ring_worker, (r, world_size, store, RING_CASES)) for r in range(world_size)],
-                               on_message, timeout=RING_JOIN_TIMEOUT)
-    if failures:
-        pytest.fail("\n".join(failures), pytrace=False)
+    out, _ = spawn_ring(world_size, RING_CASES)
     for i, case in enumerate(RING_CASES):
         assert all(out[(i, r)][1] for r in range(world_size)), \
             "ring_attention_forward/backward give ring_attention's output and gradients bit for bit"
@@ -335,8 +291,9 @@ def test_ring_extreme_logits_over_gloo():
 
 def test_simulated_ring_of_three_extreme_logits():
     """Three ranks (threads, the module's own _forward/_backward), causal zigzag: more merges of partials of
-    lse ~1e3. (The non-causal ring at these logits can fail the rule on dK: see the issue-15 review report.)"""
-    case = (1, 2, 1, 36, 16, True, "float32")
-    q, k, v, do = _ring_inputs(case)
+    lse ~1e3. (The non-causal ring at these logits fails the rule on dK while the blocks' lse is merged in fp32:
+    the branch that keeps it in float64 adds those cases.)"""
+    case = (1, 2, 1, 36, 16, True, "float32", RING_SCALE)
+    q, k, v, do = ring_inputs(case)
     o, lse, dq, dk, dv = simulate_ring(q, k, v, 3, causal=True, do=do)
     _assert_ring_matches(case, [np64(x) for x in (o, dq, dk, dv, lse)], 3)

@@ -44,8 +44,10 @@ CASES = {
 # ---- the spawned side ---------------------------------------------------------------------------------------
 
 def _inputs(case):
-    B, H, H_kv, N, d, causal, dtype = case
-    return feature_inputs(B, H, H_kv, N, N, d, getattr(torch, dtype), seed=N + H_kv + B)
+    """q, k, v, dO of a case; a case may end with a scale for q (larger logits)."""
+    B, H, H_kv, N, d, causal, dtype, *scale = case
+    return feature_inputs(B, H, H_kv, N, N, d, getattr(torch, dtype), seed=N + H_kv + B,
+                          scale=scale[0] if scale else 1.0)
 
 
 def _error_message(fn):
