@@ -69,7 +69,7 @@ __all__ = ["ring_attention", "ring_attention_forward", "ring_attention_backward"
 # Message tags: K/V blocks and the dK/dV partial sums are separate streams of messages between two ranks
 # (gloo matches messages by tag; NCCL by order, which is the same on every rank anyway).
 _TAG_KV, _TAG_DKV = 0, 1
-_LN2, _LOG2E = math.log(2.0), 1.0 / math.log(2.0)  # the kernels' row statistics are base 2
+_LN2 = math.log(2.0)  # the kernels' row statistics are base 2
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
 _FACT_NAMES = ("B", "H", "H_kv", "N_local", "d", "dtype", "causal", "sm_scale")  # what every rank must agree on
 _N_FACTS = len(_FACT_NAMES)
@@ -329,16 +329,10 @@ def _block_forward(q, k, v, causal: bool, scale: float, **features):
 
 
 def _block_backward(q, k, v, O, lse, dO, causal: bool, scale: float, **features):
-    """One step's shares ``(dQ_b, dK_b, dV_b)`` from the global O and the global float64 lse, handed to the
-    backward kernels as fp32 (m2, l2): m2 the base-2 lse rounded to fp32, l2 what the rounding left (the kernels
-    take ``s * scale - m2 - l2`` in that order, so the pair keeps float64's precision where one fp32 lse would
-    not). A row that saw no key: m2 = 0, l2 = +inf, so its P is 0."""
+    """One step's shares ``(dQ_b, dK_b, dV_b)`` from the global O and the global float64 lse, which the backward
+    kernels take as an fp32 pair that keeps its precision (``flashref.triton.ops._stats_from_lse``)."""
     feat = ops.Features(q, k, causal=causal, scale=scale, check_finite=False, **features)
-    lse2 = lse * _LOG2E
-    empty = torch.isneginf(lse)
-    m2 = torch.where(empty, 0.0, lse2).float()
-    l2 = torch.where(empty, float("inf"), lse2 - m2.double()).float()
-    return ops._backward(q, k, v, O, (m2.contiguous(), l2.contiguous()), dO, scale, True, feat, "auto")
+    return ops._backward(q, k, v, O, ops._stats_from_lse(lse), dO, scale, True, feat, "auto")
 
 
 def _rows(x, rows: slice):

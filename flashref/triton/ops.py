@@ -636,13 +636,15 @@ flash_attention_forward.__doc__ += _FEATURES_DOC
 
 
 def _stats_from_lse(lse):
-    """(m2, l2) for the backward from lse alone: P = exp2(s * log2(e) - lse * log2(e)), one rounding more
-    than the autograd path, which keeps the forward's max and sum apart (visible only for huge logits). A
-    row with lse = -inf saw no key: m = 0 and log2 l = +inf make its P exactly 0."""
+    """(m2, l2) for the backward from lse alone (fp32, or float64 as ring attention keeps it): the base-2
+    lse * log2(e), taken in float64, split into m2 rounded to fp32 and l2 what the rounding left. The kernels
+    take ``s * scale - m2 - l2`` in that order, so the pair keeps the precision one fp32 number would lose
+    (at scores near 1e3, ~1e-4). A row with lse = -inf saw no key: m2 = 0 and l2 = +inf make its P exactly 0."""
     empty = torch.isneginf(lse)
-    m2 = torch.where(empty, 0.0, lse.float() * LOG2E).contiguous()
-    l2 = torch.where(empty, float("inf"), 0.0).to(torch.float32).contiguous()
-    return m2, l2
+    lse2 = lse.double() * LOG2E
+    m2 = torch.where(empty, 0.0, lse2).float()
+    l2 = torch.where(empty, float("inf"), lse2 - m2.double()).float()
+    return m2.contiguous(), l2.contiguous()
 
 
 def flash_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, deterministic=True, *,
