@@ -12,7 +12,7 @@ import numbers
 
 import torch
 
-from flashref.validation import check_block_mask, check_block_size
+from flashref.validation import check_block_mask, check_block_size, check_bool, check_dense
 
 
 def _positive(name: str, n) -> int:
@@ -51,6 +51,7 @@ def sliding_window(n_q_blocks: int, n_k_blocks: int | None = None, window: int =
     """A band of ``window`` blocks: causal, block i sees blocks i - window + 1 .. i; otherwise every block
     j with |i - j| < window (2 window - 1 blocks a row)."""
     window = _positive("window", window)
+    check_bool("causal", causal)
     i, j = _grid(n_q_blocks, n_k_blocks, device)
     band = (i - j < window) & (j - i < window)
     return (band & (j <= i) if causal else band)[None, None]
@@ -63,6 +64,10 @@ def bigbird(n_blocks: int, window: int = 3, n_global: int = 1, n_random: int = 2
     seeded CPU generator, so a seed gives the same mask on every device."""
     n = _positive("n_blocks", n_blocks)
     window, n_global, n_random = _positive("window", window), _count("n_global", n_global), _count("n_random", n_random)
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}: {seed!r}")
+    if not -2**63 <= seed < 2**64:
+        raise ValueError(f"seed must be in [-2**63, 2**64) (torch.Generator's range), got {seed}")
     i, j = _grid(n, None, "cpu")
     mask = (i - j < window) & (j - i < window)
     mask[:n_global, :] = True
@@ -76,6 +81,10 @@ def bigbird(n_blocks: int, window: int = 3, n_global: int = 1, n_random: int = 2
 
 def density(block_mask: torch.Tensor) -> float:
     """The fraction of blocks that are visible."""
+    if not hasattr(block_mask, "shape") or "bool" not in str(getattr(block_mask, "dtype", "")):
+        raise TypeError(f"block_mask must be a boolean array or tensor, got {type(block_mask).__name__}"
+                        + (f" of dtype {block_mask.dtype}" if hasattr(block_mask, "dtype") else ""))
+    check_dense("block_mask", block_mask)
     return float(torch.as_tensor(block_mask).float().mean())
 
 
@@ -84,6 +93,8 @@ def visible_pairs(block_mask: torch.Tensor, N_q: int, N_k: int, block_size: int,
     (int64, shape ``block_mask.shape[:2]``): ragged last blocks clipped at N_q and N_k, and with ``causal``
     only key <= query (top-left). Benchmark FLOPs are counted on these pairs (4 d per pair forward)."""
     N_q, N_k, bs = _positive("N_q", N_q), _positive("N_k", N_k), check_block_size(block_size)
+    check_bool("causal", causal)
+    check_dense("block_mask", block_mask)
     bm = torch.as_tensor(block_mask)
     check_block_mask(bm, tuple(bm.shape[:2]) if bm.dim() == 4 else (1, 1), N_q, N_k, bs)  # the kernels' own rule
     n_q, n_k = bm.shape[2:]

@@ -22,8 +22,9 @@ import numpy as np
 
 from flashref import varlen
 from flashref.score_mods import ScoreMods
-from flashref.validation import (check_attention_inputs, check_block_mask, check_causal, check_dropout_p, check_finite,
-                                 check_numpy, check_positive_int, check_same_shape, check_sm_scale, split_causal)
+from flashref.validation import (check_attention_inputs, check_block_mask, check_broadcasts_to, check_causal,
+                                 check_dropout_p, check_finite, check_numpy, check_positive_int, check_same_shape,
+                                 check_sm_scale, split_causal)
 
 #: Default tile sizes, tuned for speed on a CPU (``python -m flashref.bench numpy``): a 128 x 1024
 #: float32 score tile is 512 KiB, big enough that NumPy's per-call overhead is amortized, small enough
@@ -49,6 +50,7 @@ def _check_inputs(q, k, v, causal, sm_scale, block_q, block_k):
 
 def tile_ranges(n: int, block: int) -> list[tuple[int, int]]:
     """``[(start, stop), ...]`` of the blocks of ``block`` rows covering ``n`` rows; the last one may be short."""
+    block = check_positive_int("block", block)
     return [(start, min(start + block, n)) for start in range(0, n, block)]
 
 
@@ -70,7 +72,8 @@ def visited_tiles(N_q: int, N_k: int, block_q: int, block_k: int, causal: bool =
     """
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
-    q_tiles, k_tiles = tile_ranges(N_q, block_q), tile_ranges(N_k, block_k)
+    q_tiles = tile_ranges(N_q, check_positive_int("block_q", block_q))
+    k_tiles = tile_ranges(N_k, check_positive_int("block_k", block_k))
     pairs = ([(i, j) for i in range(len(q_tiles)) for j in range(len(k_tiles))] if order == "fa2"
              else [(i, j) for j in range(len(k_tiles)) for i in range(len(q_tiles))])
     return [(i, j) for i, j in pairs if not tile_is_skipped(q_tiles[i], k_tiles[j], causal)]
@@ -120,6 +123,7 @@ class _Extras:
             check_numpy("dropout_mask", dropout_mask)
             if self.p == 0.0 or dropout_mask.dtype != np.bool_:
                 raise ValueError("dropout_mask must be a boolean keep-mask given with the dropout_p it was drawn with")
+            check_broadcasts_to("dropout_mask", dropout_mask, (*q.shape[:-2], N_q, N_k))
             self.keep = np.broadcast_to(dropout_mask, (*q.shape[:-2], N_q, N_k))
         elif self.p > 0.0:
             raise ValueError(f"dropout_p = {self.p} needs the dropout_mask it was drawn with (NumPy draws none)")
@@ -417,7 +421,8 @@ def flash_attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seql
     for b, (rows, cols) in enumerate(docs):
         o_b, lse_b = flash_attention_forward(
             varlen.unpack(q, rows), varlen.unpack(k, cols), varlen.unpack(v, cols), causal, sm_scale, block_q,
-            block_k, window_size=window_size, softcap=softcap, alibi_slopes=varlen.document_slopes(alibi_slopes, b))
+            block_k, window_size=window_size, softcap=softcap,
+            alibi_slopes=varlen.document_slopes(alibi_slopes, b, len(docs), q.shape[1]))
         varlen.pack(o, o_b, rows)
         varlen.pack(lse, lse_b, rows)
     return o, lse
@@ -440,7 +445,8 @@ def flash_attention_varlen_backward(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlen
         grads = flash_attention_backward(
             varlen.unpack(q, rows), varlen.unpack(k, cols), varlen.unpack(v, cols), varlen.unpack(o, rows),
             lse[None, :, rows[0]:rows[1]], varlen.unpack(do, rows), causal, sm_scale, block_q, block_k,
-            window_size=window_size, softcap=softcap, alibi_slopes=varlen.document_slopes(alibi_slopes, b))
+            window_size=window_size, softcap=softcap,
+            alibi_slopes=varlen.document_slopes(alibi_slopes, b, len(docs), q.shape[1]))
         for packed, g, r in zip((dq, dk, dv), grads, (rows, cols, cols)):
             varlen.pack(packed, g, r)
     return dq, dk, dv

@@ -66,6 +66,19 @@ def _as_scores(x, name: str = "scores", allow_empty: bool = False) -> np.ndarray
     return x
 
 
+def _check_state(name: str, state) -> "SoftmaxState":
+    if not isinstance(state, SoftmaxState):
+        raise TypeError(f"{name} must be a SoftmaxState (from init, update or merge), got {type(state).__name__}")
+    return state
+
+
+def _broadcasts_to(shape: tuple, target: tuple) -> bool:
+    try:
+        return np.broadcast_shapes(shape, target) == target
+    except ValueError:
+        return False
+
+
 def _check_block_size(block_size) -> int:
     if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral):
         raise TypeError(f"block_size must be an int, got {type(block_size).__name__}: {block_size!r}")
@@ -91,9 +104,11 @@ def exp_shift(x, m):
 def init(shape=(), d: int | None = None, dtype=np.float64) -> SoftmaxState:
     """The empty state: ``m = -inf``, ``l = 0`` (and ``o = 0`` of width ``d`` when ``d`` is given)."""
     shape = tuple(shape)
+    if d is not None:
+        d = validation.check_positive_int("d", d)
     m = np.full(shape, -np.inf, dtype=dtype)
     l = np.zeros(shape, dtype=dtype)
-    o = None if d is None else np.zeros(shape + (int(d),), dtype=dtype)
+    o = None if d is None else np.zeros(shape + (d,), dtype=dtype)
     return SoftmaxState(m, l, o)
 
 
@@ -103,7 +118,13 @@ def update(state: SoftmaxState, scores_block, v_block=None) -> SoftmaxState:
     With ``state.o`` set, ``v_block`` (shape ``(..., b, d)`` or ``(b, d)``) is the value rows of the
     block, and ``o`` is rescaled by ``exp(m - m_new)`` before the block's ``P V`` is added.
     """
+    _check_state("state", state)
     x = _as_scores(scores_block, "scores_block", allow_empty=True)
+    rows = np.shape(state.m)
+    if x.shape[:-1] != rows:
+        want = "(" + ", ".join([*map(str, rows), "b"]) + ("," if not rows else "") + ")"
+        raise ValueError(f"scores_block must have shape {want}: a row of b scores for each row of the state "
+                         f"(state.m.shape = {rows}), got shape {x.shape}")
     m_new = np.maximum(state.m, np.max(x, axis=-1, initial=-np.inf))
     alpha = exp_shift(state.m, m_new)           # how much the old terms shrink
     p = exp_shift(x, m_new[..., None])          # the block's terms, on the new scale
@@ -116,6 +137,12 @@ def update(state: SoftmaxState, scores_block, v_block=None) -> SoftmaxState:
         raise ValueError("the state carries o, so update needs v_block (the value rows of the block)")
     validation.check_numpy("v_block", v_block, array_like=True)
     v_block = np.asarray(v_block)
+    b, d = x.shape[-1], state.o.shape[-1]
+    lead = rows[:-1]  # P's rows form a matrix with the last axis of the state's rows
+    if v_block.ndim < 2 or v_block.shape[-2:] != (b, d) or not _broadcasts_to(v_block.shape[:-2], lead):
+        want = f"(b, d) = ({b}, {d})" + (f" or {lead + (b, d)}" if lead else "")
+        raise ValueError(f"v_block must have shape {want}: the block's b value rows, as wide as state.o (d = {d}), "
+                         f"got shape {v_block.shape}")
     validation.check_finite({"v_block": v_block})
     o_new = state.o * alpha[..., None] + np.matmul(p, v_block)
     return SoftmaxState(m_new, l_new, o_new)
@@ -124,8 +151,15 @@ def update(state: SoftmaxState, scores_block, v_block=None) -> SoftmaxState:
 def merge(a: SoftmaxState, b: SoftmaxState) -> SoftmaxState:
     """The state of the union of the two disjoint parts ``a`` and ``b`` summarize; exact and associative
     (up to float rounding): ``m = max(m_a, m_b)``, ``l = l_a exp(m_a - m) + l_b exp(m_b - m)``."""
+    _check_state("a", a)
+    _check_state("b", b)
     if (a.o is None) != (b.o is None):
         raise ValueError("merge needs two states that both carry o or both do not")
+    shapes = [(np.shape(x.m), np.shape(x.l), None if x.o is None else np.shape(x.o)) for x in (a, b)]
+    if shapes[0] != shapes[1]:
+        raise ValueError(f"b must have the shape of a (m, l{', o' if a.o is not None else ''}: "
+                         f"{', '.join(map(str, shapes[0][:2 + (a.o is not None)]))}), got "
+                         f"{', '.join(map(str, shapes[1][:2 + (a.o is not None)]))}")
     m = np.maximum(a.m, b.m)
     wa, wb = exp_shift(a.m, m), exp_shift(b.m, m)
     l = a.l * wa + b.l * wb
@@ -141,13 +175,18 @@ def merge_outputs(o_a, lse_a, o_b, lse_b):
 
         o = exp(lse_a - lse) o_a + exp(lse_b - lse) o_b.
 
-    A part that saw no key (``lse = -inf``) weighs 0; two such parts give ``o = 0``, ``lse = -inf``.
+    A part that saw no key (``lse = -inf``) weighs 0; two such parts give ``o = 0``, ``lse = -inf``. The
+    weights are taken in lse's precision and o keeps its own: an lse in float64 beside an fp32 o (as ring
+    attention keeps them) gives float64 weights and an fp32 o.
     Works on NumPy arrays and on torch tensors alike (no copy to the host): the merge that tiles, GPUs of a
     ring (:mod:`flashref.ring_attention`) and key splits in decoding share."""
     if type(o_a) is not type(o_b) or type(lse_a) is not type(lse_b) or type(o_a) is not type(lse_a):
         raise TypeError("merge_outputs needs o_a, lse_a, o_b and lse_b of one array type (all NumPy or all "
                         f"torch), got {type(o_a).__name__}, {type(lse_a).__name__}, {type(o_b).__name__}, "
                         f"{type(lse_b).__name__}")
+    for name, x in (("o_a", o_a), ("lse_a", lse_a), ("o_b", o_b), ("lse_b", lse_b)):
+        if not (isinstance(x, np.ndarray) or type(x).__module__.startswith("torch") and hasattr(x, "shape")):
+            raise TypeError(f"{name} must be a NumPy array or a torch.Tensor, got {type(x).__name__}")
     if tuple(lse_a.shape) != tuple(lse_b.shape) or tuple(o_a.shape) != tuple(o_b.shape) \
             or tuple(o_a.shape[:-1]) != tuple(lse_a.shape):
         raise ValueError(f"merge_outputs needs o of shape lse.shape + (d,) on both sides, got o_a "
@@ -162,11 +201,18 @@ def merge_outputs(o_a, lse_a, o_b, lse_b):
     safe = xp.where(xp.isneginf(lse), xp.zeros_like(lse), lse)  # both empty: weights exp(-inf) = 0, not NaN
     w_a = xp.exp(lse_a - safe)[..., None]
     w_b = xp.exp(lse_b - safe)[..., None]
+    if xp is np:
+        out = np.result_type(o_a, o_b)
+        w_a, w_b = w_a.astype(out, copy=False), w_b.astype(out, copy=False)
+    else:
+        out = xp.promote_types(o_a.dtype, o_b.dtype)
+        w_a, w_b = w_a.to(out), w_b.to(out)
     return w_a * o_a + w_b * o_b, lse
 
 
 def lse_of(state: SoftmaxState) -> np.ndarray:
     """log-sum-exp of everything the state has seen: ``m + log(l)`` (``-inf`` for an all-masked row)."""
+    _check_state("state", state)
     l = np.asarray(state.l)
     safe_l = np.where(l > 0, l, 1)
     return np.where(l > 0, state.m + np.log(safe_l), -np.inf)
@@ -175,6 +221,7 @@ def lse_of(state: SoftmaxState) -> np.ndarray:
 def finalize(state: SoftmaxState):
     """Finish a state: ``lse`` for a plain softmax state, ``(o / l, lse)`` for an attention state.
     A row that saw only ``-inf`` gets ``lse = -inf`` and an output of zeros, not NaN."""
+    _check_state("state", state)
     lse = lse_of(state)
     if state.o is None:
         return lse

@@ -75,10 +75,7 @@ def _masks(q, k, causal, dropout_mask, dropout_p, block_mask, block_size, mods=N
         validation.check_numpy("dropout_mask", dropout_mask)
         if dropout_mask.dtype != np.bool_:
             raise TypeError(f"dropout_mask must be a boolean keep-mask (True = kept), got dtype {dropout_mask.dtype}")
-        try:
-            np.broadcast_shapes(dropout_mask.shape, (*lead, N_q, N_k))
-        except ValueError:
-            raise ValueError(f"dropout_mask must broadcast to {(*lead, N_q, N_k)}, got shape {dropout_mask.shape}") from None
+        validation.check_broadcasts_to("dropout_mask", dropout_mask, (*lead, N_q, N_k))
         keep = dropout_mask
     elif p > 0.0:
         raise ValueError(f"dropout_p = {p} needs the dropout_mask it was drawn with: the reference is "
@@ -277,12 +274,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     FlashAttention) when ``return_lse``. ``max_seqlen_q`` / ``max_seqlen_k``, when given, are checked against
     the longest document. A document of length 0 is a ``ValueError``.
     """
+    docs = varlen.documents(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)  # first: the checks
+    validation.check_bool("return_lse", return_lse)
     o = np.empty_like(q)
     lse = np.empty((q.shape[1], q.shape[0]), dtype=q.dtype)
-    for b, (rows, cols) in enumerate(varlen.documents(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)):
+    for b, (rows, cols) in enumerate(docs):
         o_b, lse_b = attention(varlen.unpack(q, rows), varlen.unpack(k, cols), varlen.unpack(v, cols), causal,
                                sm_scale, True, window_size=window_size, softcap=softcap,
-                               alibi_slopes=varlen.document_slopes(alibi_slopes, b))
+                               alibi_slopes=varlen.document_slopes(alibi_slopes, b, len(docs), q.shape[1]))
         varlen.pack(o, o_b, rows)
         varlen.pack(lse, lse_b, rows)
     return (o, lse) if return_lse else o
@@ -299,7 +298,8 @@ def attention_varlen_backward(q, k, v, do, cu_seqlens_q, cu_seqlens_k, max_seqle
     for b, (rows, cols) in enumerate(docs):
         grads = attention_backward(varlen.unpack(q, rows), varlen.unpack(k, cols), varlen.unpack(v, cols),
                                    varlen.unpack(do, rows), causal, sm_scale, window_size=window_size,
-                                   softcap=softcap, alibi_slopes=varlen.document_slopes(alibi_slopes, b))
+                                   softcap=softcap,
+                                   alibi_slopes=varlen.document_slopes(alibi_slopes, b, len(docs), q.shape[1]))
         for packed, g, r in zip((dq, dk, dv), grads, (rows, cols, cols)):
             varlen.pack(packed, g, r)
     return dq, dk, dv

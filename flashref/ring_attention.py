@@ -12,14 +12,16 @@ rank ``r - t`` (mod R), computes its Q against it with the FlashAttention kernel
 hands the block on to rank ``r + 1`` and receives the next one from ``r - 1``. The transfer of the next block
 is posted (``torch.distributed.batch_isend_irecv``) before the compute on the current one starts, so the
 network works while the kernel does: after R steps every query has met every key, and no GPU ever held more
-than its own K/V shard and two visiting blocks. With NCCL on GPUs the sends run on NCCL's own stream, beside the kernels; with gloo on
-CPUs (the tests) the same code runs, the kernels in Triton's interpreter.
+than its own K/V shard and two visiting blocks. With NCCL on GPUs the sends run on NCCL's own stream, beside
+the kernels; with gloo on CPUs (the tests) the same code runs, the kernels in Triton's interpreter.
 
 **The merge.** Each step gives a partial attention over one key block: its normalized output O_b and its
 log-sum-exp lse_b = m_b + log l_b (the running max m and sum l of notebook ``02_online_softmax``). Two partial
 attentions over disjoint key sets combine exactly (:func:`flashref.online_softmax.merge_outputs`):
 ``lse = logaddexp(lse_a, lse_b)``, ``O = exp(lse_a - lse) O_a + exp(lse_b - lse) O_b``, the merge tiles use
-inside one kernel, here between GPUs. O is accumulated in fp32 and rounded once at the end.
+inside one kernel, here between GPUs. O is accumulated in fp32 and rounded once at the end; lse is kept in
+float64, from the kernel's own m and l added in float64 (:func:`_block_forward`): rounded to fp32 at scores
+near 1e3, an lse would be off by ~1e-4, and the merge's weights would carry that into O.
 
 **Causal, balanced ("zigzag").** Cut a causal sequence into R contiguous shards and rank 0 sees almost
 nothing while rank R-1 sees everything: the ring would wait on its slowest rank. Instead the sequence is cut
@@ -34,7 +36,8 @@ the own block's triangle as many: each rank does the same work at each step.
 ``05_backward_recomputation``) recomputes P = exp(S - lse) tile by tile; with the lse of the *whole* row
 (saved by the forward after the last merge), the P it recomputes for one key block is exactly that block's
 slice of the global softmax, not a softmax of the block alone, and D = rowsum(dO * O) uses the global O.
-So the per-block backward :func:`flashref.triton.flash_attention_backward` with the global O and lse gives
+So the per-block backward (the kernels of :func:`flashref.triton.flash_attention_backward`, handed the global
+lse as an fp32 pair that keeps its float64 precision: :func:`_block_backward`) with the global O and lse gives
 each block's exact share of dQ (summed on the rank that owns Q) and of dK, dV. Those partial sums travel
 around the ring with their K/V block, each rank adding its share, and one more hop brings them home to the
 block's owner. They travel in fp32 and are rounded once at the end.
@@ -43,6 +46,7 @@ block's owner. They travel in fp32 and are rounded once at the end.
 from __future__ import annotations
 
 import contextlib
+import math
 import numbers
 import queue
 import threading
@@ -56,7 +60,7 @@ import torch.distributed as dist
 import flashref.triton  # noqa: F401  (first: switches Triton's interpreter on where there is no CUDA device)
 from flashref import validation
 from flashref.online_softmax import merge_outputs
-from flashref.triton import flash_attention_backward, flash_attention_forward
+from flashref.triton import ops
 from flashref.triton.ops import _check
 
 __all__ = ["ring_attention", "ring_attention_forward", "ring_attention_backward", "RingAttentionFunction",
@@ -65,6 +69,7 @@ __all__ = ["ring_attention", "ring_attention_forward", "ring_attention_backward"
 # Message tags: K/V blocks and the dK/dV partial sums are separate streams of messages between two ranks
 # (gloo matches messages by tag; NCCL by order, which is the same on every rank anyway).
 _TAG_KV, _TAG_DKV = 0, 1
+_LN2 = math.log(2.0)  # the kernels' row statistics are base 2
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
 _FACT_NAMES = ("B", "H", "H_kv", "N_local", "d", "dtype", "causal", "sm_scale")  # what every rank must agree on
 _N_FACTS = len(_FACT_NAMES)
@@ -124,6 +129,9 @@ def shard_sequence(x, rank: int, world_size: int, zigzag: bool):
     (two slices joined), a view otherwise. Notebook ``13_beyond_one_gpu_and_decoding``."""
     _seq_tensor("x", x)
     rank, world_size = _check_layout(rank, world_size, zigzag)
+    if x.shape[2] < 1:
+        raise ValueError(f"x must hold at least one token along dim 2 (N >= 1, as sequence_positions needs), got "
+                         f"shape {tuple(x.shape)}")
     c = _chunks_of(x.shape[2], world_size, zigzag, "x")
     if not zigzag:
         return x[:, :, rank * c:(rank + 1) * c]
@@ -308,8 +316,35 @@ def _prepare(q, k, v, causal, sm_scale, group, check_finite, extra=None):
 # Forward and backward around the ring
 # --------------------------------------------------------------------------------------------------
 
+def _block_forward(q, k, v, causal: bool, scale: float, **features):
+    """One step's partial attention, ``(O_b, lse_b)``: the FlashAttention forward kernel's normalized output, and
+    its log-sum-exp in float64, added from the kernel's own base-2 row max m2 and log2 row sum l2. The kernel's
+    fp32 lse rounds m + log l once more: with scores near 1e3 that is ~1e-4, which the merge's weights would carry
+    into O, and D = rowsum(dO O) into the gradients, where a single kernel (which keeps m and l apart) has none.
+    ``features``: keywords of :func:`flashref.triton.flash_attention` (the ring bench's probe takes a window)."""
+    feat = ops.Features(q, k, causal=causal, scale=scale, check_finite=False, **features)
+    O_b, _, (m2, l2) = ops._forward(q, k, v, scale, feat, "auto")
+    seen = torch.isfinite(l2)  # a row that saw no key has m2 = 0, l2 = +inf
+    return O_b, torch.where(seen, (m2.double() + l2.double()) * _LN2, float("-inf"))
+
+
+def _block_backward(q, k, v, O, lse, dO, causal: bool, scale: float, **features):
+    """One step's shares ``(dQ_b, dK_b, dV_b)`` from the global O and the global float64 lse, which the backward
+    kernels take as an fp32 pair that keeps its precision (``flashref.triton.ops._stats_from_lse``)."""
+    feat = ops.Features(q, k, causal=causal, scale=scale, check_finite=False, **features)
+    return ops._backward(q, k, v, O, ops._stats_from_lse(lse), dO, scale, True, feat, "auto")
+
+
+def _rows(x, rows: slice):
+    """``x[:, :, rows]`` as a contiguous tensor. A causal step sees half of a block (:func:`block_visibility`),
+    a strided slice that the Hopper kernels' TMA copies cannot read (``flashref.triton.forward_kernel`` would
+    say so and run the teaching kernel). The copy moves N_local / 2 rows; the step then computes on
+    (N_local / 2) x N_local pairs. A whole block is returned as it is."""
+    return x[:, :, rows].contiguous()
+
+
 def _forward(q, k, v, causal: bool, scale: float, ring: _Ring):
-    """(O in q's dtype, lse fp32) of this rank's queries against every rank's keys."""
+    """(O in q's dtype, lse in float64) of this rank's queries against every rank's keys."""
     n = q.shape[2]
     k_cur, v_cur = k.contiguous(), v.contiguous()  # what is sent must be contiguous
     O = lse = None
@@ -318,11 +353,10 @@ def _forward(q, k, v, causal: bool, scale: float, ring: _Ring):
         # The next block's transfer first, so it runs while this block is computed.
         incoming = ring.exchange([k_cur, v_cur], _TAG_KV) if step < ring.size - 1 else None
         rows, cols, blk_causal = block_visibility(ring.rank, source, n, causal)
-        O_b, lse_b = flash_attention_forward(q[:, :, rows], k_cur[:, :, cols], v_cur[:, :, cols], causal=blk_causal,
-                                             sm_scale=scale, check_finite=False)
+        O_b, lse_b = _block_forward(_rows(q, rows), _rows(k_cur, cols), _rows(v_cur, cols), blk_causal, scale)
         if O is None:  # step 0 is the own block, which every local query sees
             O, lse = O_b.float(), lse_b
-        else:  # exact: notebook 02's merge of two partial softmaxes over disjoint key sets, in fp32
+        else:  # exact: notebook 02's merge of two partial softmaxes over disjoint key sets (O in fp32)
             O[:, :, rows], lse[:, :, rows] = merge_outputs(O[:, :, rows], lse[:, :, rows], O_b, lse_b)
         if incoming is not None:
             k_cur, v_cur = incoming.wait()
@@ -341,9 +375,8 @@ def _backward(q, k, v, O, lse, dO, causal: bool, scale: float, ring: _Ring):
         incoming = ring.exchange([k_cur, v_cur], _TAG_KV) if step < ring.size - 1 else None
         rows, cols, blk_causal = block_visibility(ring.rank, source, n, causal)
         # The global O and lse: the recomputed P is this block's slice of the whole row's softmax.
-        dQ_b, dK_b, dV_b = flash_attention_backward(q[:, :, rows], k_cur[:, :, cols], v_cur[:, :, cols],
-                                                    O[:, :, rows], lse[:, :, rows], dO[:, :, rows],
-                                                    causal=blk_causal, sm_scale=scale, check_finite=False)
+        dQ_b, dK_b, dV_b = _block_backward(_rows(q, rows), _rows(k_cur, cols), _rows(v_cur, cols), O[:, :, rows],
+                                           lse[:, :, rows], dO[:, :, rows], blk_causal, scale)
         dQ[:, :, rows] += dQ_b
         if partial is None:  # the own block, first visit: its sums start here
             dK, dV = dK_b.float(), dV_b.float()
@@ -362,8 +395,9 @@ def _backward(q, k, v, O, lse, dO, causal: bool, scale: float, ring: _Ring):
 
 def ring_attention_forward(q, k, v, causal=False, sm_scale=None, group=None, *, check_finite=True):
     """Ring attention forward without autograd: ``(o, lse)`` of this rank's queries, ``o`` like ``q``, ``lse``
-    ``(B, H, N_local)`` fp32 (natural log), the whole row's. Arguments as :func:`ring_attention`. Notebook
-    ``13_beyond_one_gpu_and_decoding``."""
+    ``(B, H, N_local)`` in float64 (natural log), the whole row's: the kernels' row max and sum added in float64,
+    so that :func:`ring_attention_backward` given it recomputes P as exactly as the autograd path does.
+    Arguments as :func:`ring_attention`. Notebook ``13_beyond_one_gpu_and_decoding``."""
     ring, scale = _prepare(q, k, v, causal, sm_scale, group, check_finite)
     with torch.no_grad():
         return _forward(q, k, v, causal, scale, ring)
@@ -374,8 +408,9 @@ def ring_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, gr
     :func:`ring_attention_forward`) and ``do``. Notebook ``13_beyond_one_gpu_and_decoding``."""
     def extra(check_finite):
         for name, x in (("o", o), ("lse", lse), ("do", do)):
-            if not isinstance(x, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+            validation.check_tensor(name, x, q.device)
+        if not lse.dtype.is_floating_point:
+            raise TypeError(f"lse must be a floating tensor (the forward's float64 lse), got dtype {lse.dtype}")
         validation.check_same_shape("o", o, "q", q)
         validation.check_same_shape("do", do, "q", q)
         if tuple(lse.shape) != tuple(q.shape[:3]):
@@ -386,7 +421,7 @@ def ring_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, gr
 
     ring, scale = _prepare(q, k, v, causal, sm_scale, group, check_finite, extra)
     with torch.no_grad():
-        return _backward(q, k, v, o.to(q.dtype), lse.float(), do.to(q.dtype), causal, scale, ring)
+        return _backward(q, k, v, o.to(q.dtype), lse.double(), do.to(q.dtype), causal, scale, ring)
 
 
 class RingAttentionFunction(torch.autograd.Function):
@@ -565,7 +600,10 @@ def simulate_ring(q, k, v, world_size, causal=False, sm_scale=None, do=None):
     if do is not None:
         if not isinstance(do, torch.Tensor):
             raise TypeError(f"do must be None or a torch.Tensor, got {type(do).__name__}")
+        validation.check_tensor("do", do, q.device)
         validation.check_same_shape("do", do, "q", q)
+        if do.dtype != q.dtype:
+            raise TypeError(f"do must have the dtype of q ({q.dtype}), got {do.dtype}")
         validation.check_finite({"do": do})
     # Each rank holds its own copy of its shard, as on separate GPUs.
     shards = [[shard_sequence(x, r, world_size, zigzag=causal).contiguous() for r in range(world_size)]

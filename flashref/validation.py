@@ -110,8 +110,9 @@ def check_numpy(name: str, x, *, array_like: bool = False):
 def check_finite(arrays: dict, *, allow_neg_inf: bool = False) -> None:
     """Raise ``ValueError`` naming the first argument in ``{name: array}`` that holds NaN or inf (or, with
     ``allow_neg_inf``, NaN or +inf) and the index of its first such element. NumPy, CuPy or torch arrays;
-    torch tensors are reduced on their device and synchronized once for all of them."""
-    arrays = {name: x for name, x in arrays.items() if x is not None}
+    torch tensors are reduced on their device and synchronized once for all of them. An empty array, and an
+    integer or boolean torch tensor, holds no NaN or inf: it passes (its dtype is the caller's to check)."""
+    arrays = {name: x for name, x in arrays.items() if x is not None and not _cannot_be_non_finite(x)}
     if not arrays:
         return
     kind = _framework(next(iter(arrays.values())))
@@ -130,6 +131,14 @@ def check_finite(arrays: dict, *, allow_neg_inf: bool = False) -> None:
     for (name, x), ok in zip(arrays.items(), finite):
         if not ok:
             _raise_not_finite(name, x, allow_neg_inf)
+
+
+def _cannot_be_non_finite(x) -> bool:
+    """An empty array, or an integer or boolean torch tensor (whose infinity norm torch refuses to take)."""
+    if math.prod(getattr(x, "shape", (1,))) == 0:
+        return True
+    dtype = getattr(x, "dtype", None)
+    return _framework(x) == "torch" and not (dtype.is_floating_point or dtype.is_complex)
 
 
 def _ok(xp, x, allow_neg_inf):
@@ -160,17 +169,27 @@ def check_dense(name: str, x) -> None:
         raise TypeError(f"{name} must be a dense (strided) tensor, got layout {layout}")
 
 
+def check_tensor(name: str, x, device=None, *, like: str = "q") -> None:
+    """An argument of the torch (GPU) functions: a dense torch.Tensor, on ``device`` (the device of the
+    argument named ``like``) when given."""
+    if _framework(x) != "torch" or not hasattr(x, "layout"):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    check_dense(name, x)
+    if device is not None and x.device != device:
+        raise ValueError(f"{name} must be on {like}'s device ({device}), got {x.device}")
+
+
 def check_attention_inputs(q, k, v, *, allowed_ndims=(2, 4), allowed_dtypes=None, max_head_dim=None,
                            numpy=False, finite=True, gqa=False):
     """Check q, k, v for attention; return ``(N_q, N_k, d)``.
 
     Expected: q of shape ``(..., N_q, d)``, k of shape ``(..., N_k, d)``, v of shape ``(..., N_k, d)``,
     the same leading (batch, head) dimensions, the same dtype and the same device, and
-    ``N_q, N_k, d >= 1``. With ``gqa``, 4-D k and v may have ``H_kv`` heads where q has H, if
-    ``H % H_kv == 0`` (grouped-query attention). ``allowed_ndims`` is ``(2, 4)`` for NumPy (``(N, d)`` or
-    ``(B, H, N, d)``) and ``(4,)`` for the GPU kernels. ``allowed_dtypes`` is a collection of dtype names.
-    ``numpy``: only NumPy arrays (:func:`check_numpy`); ``finite``: no NaN or inf (:func:`check_finite`),
-    checked last.
+    ``N_q, N_k, d >= 1`` and ``B, H, H_kv >= 1`` (every axis non-empty). With ``gqa``, 4-D k and v may have
+    ``H_kv`` heads where q has H, if ``H % H_kv == 0`` (grouped-query attention). ``allowed_ndims`` is
+    ``(2, 4)`` for NumPy (``(N, d)`` or ``(B, H, N, d)``) and ``(4,)`` for the GPU kernels.
+    ``allowed_dtypes`` is a collection of dtype names. ``numpy``: only NumPy arrays (:func:`check_numpy`);
+    ``finite``: no NaN or inf (:func:`check_finite`), checked last.
     """
     arrays = dict(zip(_NAMES, (q, k, v)))
     for name, x in arrays.items():
@@ -206,6 +225,10 @@ def check_attention_inputs(q, k, v, *, allowed_ndims=(2, 4), allowed_dtypes=None
             raise ValueError(f"{name} is an empty sequence (N = 0, shape {tuple(arrays[name].shape)}); attention needs N >= 1")
     if d < 1:
         raise ValueError(f"head dimension d must be at least 1, got q.shape {tuple(q.shape)}")
+    for name, x in arrays.items():
+        if any(n < 1 for n in x.shape[:-2]):
+            raise ValueError(f"{name} must not be empty: its batch and head axes (B, H) need at least 1 entry each, "
+                             f"got shape {tuple(x.shape)}")
     if max_head_dim is not None and d > max_head_dim:
         raise ValueError(f"head dimension d = {d} is larger than this implementation supports ({max_head_dim})")
     dtypes = [_describe_dtype(x) for x in (q, k, v)]
@@ -227,6 +250,18 @@ def check_same_shape(name: str, x, like_name: str, like) -> None:
         raise TypeError(f"{name} must be an array or tensor, got {type(x).__name__}")
     if tuple(x.shape) != tuple(like.shape):
         raise ValueError(f"{name} must have the shape of {like_name} {tuple(like.shape)}, got {tuple(x.shape)}")
+
+
+def check_broadcasts_to(name: str, x, shape: tuple) -> None:
+    """``x`` (a mask) must broadcast to ``shape`` itself: NumPy would also broadcast a mask with extra leading
+    dimensions, and the result would silently grow them."""
+    shape = tuple(int(n) for n in shape)
+    try:
+        fits = np.broadcast_shapes(tuple(x.shape), shape) == shape
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(f"{name} must broadcast to {shape}, got shape {tuple(x.shape)}")
 
 
 def check_dropout_p(dropout_p) -> float:
@@ -305,6 +340,7 @@ def check_alibi_slopes(alibi_slopes, lead: tuple):
     ``()`` or ``(1,)`` for 2-D inputs; finite. Returned as a float64 NumPy array shaped to broadcast against
     the scores, ``(B or 1, H, 1, 1)`` (``(1, 1)`` for 2-D inputs)."""
     if hasattr(alibi_slopes, "detach"):  # a torch tensor
+        check_dense("alibi_slopes", alibi_slopes)
         alibi_slopes = alibi_slopes.detach().cpu().numpy()
     slopes = np.asarray(alibi_slopes)
     if slopes.dtype.kind not in "fiu":

@@ -22,6 +22,7 @@ def documents(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen
         validation.check_numpy(name, x)
         if x.ndim != 3:
             raise ValueError(f"{name} must have shape (total, heads, d) for a packed batch, got {x.ndim}-d shape {x.shape}")
+    validation.check_same_shape("v", v, "k", k)
     cu_q = validation.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
     cu_k = validation.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
     if len(cu_q) != len(cu_k):
@@ -44,9 +45,14 @@ def pack(packed, x, rows) -> None:
         packed[rows[0]:rows[1]] = np.swapaxes(x[0], 0, 1)
 
 
-def document_slopes(alibi_slopes, b):
-    """Document b's ALiBi slopes: a ``(B, H)`` array holds one row per document, an ``(H,)`` array serves all."""
+def document_slopes(alibi_slopes, b, n_docs, H):
+    """Document b's ALiBi slopes: a ``(B, H)`` array (B = ``n_docs``, the number of documents) holds one row per
+    document, an ``(H,)`` array serves all (H: q's heads). Any other shape is refused here, naming B and H."""
     if alibi_slopes is None:
         return None
+    validation.check_dense("alibi_slopes", alibi_slopes)
     slopes = np.asarray(alibi_slopes.detach().cpu() if hasattr(alibi_slopes, "detach") else alibi_slopes)
+    if slopes.shape not in ((H,), (n_docs, H)):
+        raise ValueError(f"alibi_slopes must have shape (H,) = ({H},) or (number of documents, H) = "
+                         f"({n_docs}, {H}), got {slopes.shape}")
     return slopes[b] if slopes.ndim == 2 else slopes

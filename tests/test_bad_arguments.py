@@ -14,7 +14,8 @@ import torch
 
 import flashref.triton  # noqa: F401  (the interpreter is switched on before triton is imported)
 from flashref import block_masks as bmk
-from flashref import numpy_flash, online_softmax as osm, reference as ref
+from flashref import numpy_flash, online_softmax as osm, reference as ref, validation
+from flashref.tolerance import assert_within_tolerance
 from flashref.ring_attention import gather_sequence, sequence_positions, shard_sequence, simulate_ring
 from flashref.triton import (KVCache, backward_kernel, dropout_mask, flash_attention, flash_attention_backward,
                              flash_attention_forward, flash_attention_varlen, flash_decode, forward_kernel)
@@ -209,6 +210,63 @@ def test_triton_backward_bad_o_lse_do():
         flash_attention_backward(q, k, v, o, lse, do, window_size=3)
 
 
+@pytest.mark.parametrize("which, make, exc, words", [
+    ("lse", lambda x: x.int(), TypeError, "lse must be a floating tensor (the forward's fp32 lse), got dtype torch.int32"),
+    ("lse", lambda x: x > 0, TypeError, "lse must be a floating tensor"),
+    ("lse", lambda x: x.cpu().numpy(), TypeError, "lse must be a torch.Tensor, got ndarray"),
+    ("lse", lambda x: x.tolist(), TypeError, "lse must be a torch.Tensor, got list"),
+    ("lse", lambda x: None, TypeError, "lse must be a torch.Tensor, got NoneType"),
+    ("lse", lambda x: x.to("meta"), ValueError, "lse must be on q's device"),
+    ("lse", lambda x: x.to_sparse(), TypeError, "lse must be a dense (strided) tensor"),
+    ("o", lambda x: x.cpu().numpy(), TypeError, "o must be a torch.Tensor, got ndarray"),
+    ("o", lambda x: x.to("meta"), ValueError, "o must be on q's device"),
+    ("o", lambda x: x.to_sparse(), TypeError, "o must be a dense (strided) tensor"),
+    ("do", lambda x: x.cpu().numpy(), TypeError, "do must be a torch.Tensor, got ndarray"),
+    ("do", lambda x: x.to("meta"), ValueError, "do must be on q's device"),
+    ("do", lambda x: x.to_sparse(), TypeError, "do must be a dense (strided) tensor"),
+], ids=lambda x: x if isinstance(x, str) and len(x) < 4 else None)
+def test_triton_backward_o_lse_do_must_be_dense_tensors_on_q_device(which, make, exc, words):
+    q, k, v = _qkv()
+    o, lse = flash_attention_forward(q, k, v)
+    args = dict(o=o, lse=lse, do=torch.ones_like(o))
+    args[which] = make(args[which])
+    with pytest.raises(exc, match=re.escape(words)):
+        flash_attention_backward(q, k, v, args["o"], args["lse"], args["do"])
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("dtype, score", [(torch.float32, -1000.0), (torch.float16, -60.0)], ids=str)
+def test_triton_backward_atomic_dq_very_negative_logits_are_valid_input(dtype, score):
+    """Scores ~ score everywhere (lse very negative) with N_k = 37, not a multiple of the key tile: the atomic
+    dQ (deterministic=False) was NaN (the ragged key tile's padded slots had P = exp2(0 - lse) = inf). Now the
+    autograd backward is within the tolerance rule against the float64 reference with either dQ, and
+    flash_attention_backward from (o, lse) gives the deterministic path's dK and dV bit for bit and its dQ up to
+    the order of the additions."""
+    g = torch.Generator().manual_seed(5)  # test_edges_decode_ring_bottom_right's inputs
+    u = torch.ones(16) / 4
+    k = (u + 0.05 * torch.randn(1, 1, 37, 16, generator=g)).to(DEVICE, dtype)
+    q = (4 * score * u + torch.randn(1, 2, 20, 16, generator=g)).to(DEVICE, dtype)
+    v, do = (torch.randn(*shape, generator=g).to(DEVICE, dtype) for shape in ((1, 1, 37, 16), (1, 2, 20, 16)))
+    n64 = lambda x: x.detach().cpu().double().numpy()  # noqa: E731
+    refs = ref.attention_backward(n64(q), n64(k), n64(v), n64(do))
+    qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+    s = qq @ kk.repeat_interleave(2, 1).transpose(-1, -2) / 4.0
+    (torch.softmax(s, -1) @ vv.repeat_interleave(2, 1)).backward(do)  # plain attention in dtype: the baseline
+    baseline = (qq.grad, kk.grad, vv.grad)
+    for det in (True, False):
+        qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+        flash_attention(qq, kk, vv, deterministic=det, kernel="triton").backward(do)
+        for name, x, r, b in zip(("dq", "dk", "dv"), (qq.grad, kk.grad, vv.grad), refs, baseline):
+            atol = 1e-5 * max(1.0, float(np.abs(r).max())) if dtype == torch.float32 else None
+            assert_within_tolerance(x, r, b, factor=3.0, atol=atol, name=f"{name} (deterministic={det})")
+    o, lse = flash_attention_forward(q, k, v, kernel="triton")
+    (dq, dk, dv), (dq_a, dk_a, dv_a) = (flash_attention_backward(q, k, v, o, lse, do, deterministic=det,
+                                                                 kernel="triton") for det in (True, False))
+    assert torch.isfinite(dq_a).all() and torch.equal(dk_a, dk) and torch.equal(dv_a, dv)
+    assert torch.allclose(dq_a.float(), dq.float(), rtol=0, atol=1e-5 * max(1.0, dq.abs().max().item()))
+
+
 # ------------------------------------------------------------------ Triton: dropout_mask
 
 @pytest.mark.parametrize("args, exc, words", [
@@ -224,6 +282,19 @@ def test_triton_backward_bad_o_lse_do():
 def test_dropout_mask_bad_arguments(args, exc, words):
     with pytest.raises(exc, match=re.escape(words)):
         dropout_mask(*args, DEVICE)
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu" if torch.cuda.is_available() else "cuda", "cuda:99", "bogus", 1.5,
+                                    [DEVICE]], ids=repr)
+def test_dropout_mask_bad_device(device):
+    """meta gave NotImplementedError, cuda without a GPU an AssertionError, a bogus name a RuntimeError."""
+    with pytest.raises(ValueError, match="device must be"):
+        dropout_mask(1, 1, 1, 8, 8, 0.1, device)
+
+
+def test_dropout_mask_and_kv_cache_take_a_torch_device_or_none():
+    assert torch.equal(dropout_mask(1, 1, 1, 8, 8, 0.1, torch.device(DEVICE)), dropout_mask(1, 1, 1, 8, 8, 0.1, None))
+    assert KVCache(1, 1, 4, 16, device=torch.device(DEVICE)).k_cache.device.type == DEVICE
 
 
 # ------------------------------------------------------------------ Triton: packed batches
@@ -361,6 +432,12 @@ def test_flash_decode_more_splits_than_key_tiles_is_still_exact():
     ((1, 1, 4, True), {}, TypeError, "head_dim must be a positive integer, got bool"),
     ((1, 1, 4, 16), dict(dtype="float16"), TypeError, "dtype must be torch.float16, torch.bfloat16 or torch.float32"),
     ((1, 1, 4, 16), dict(dtype=torch.float64), TypeError, "got torch.float64"),
+    ((1, 1, 4, 300), {}, ValueError, "head_dim = 300 is larger than the kernels support (256)"),
+    ((1, 1, 4, 16), dict(device="bogus"), ValueError, "device must be a torch.device or a device string"),
+    ((1, 1, 4, 16), dict(device=1.5), ValueError, "device must be a torch.device or a device string"),
+    ((1, 1, 4, 16), dict(device="meta"), ValueError, "device must be"),
+    ((1, 1, 4, 16), dict(device="cpu" if torch.cuda.is_available() else "cuda"), ValueError, "device must be"),
+    ((1, 1, 4, 16), dict(device="cuda:99"), ValueError, "device must be"),
 ])
 def test_kv_cache_bad_constructor_arguments(args, kwargs, exc, words):
     with pytest.raises(exc, match=re.escape(words)):
@@ -412,9 +489,14 @@ def test_kv_cache_append_bad_tensors():
 
 
 @pytest.mark.parametrize("make, kwargs, exc, words", [
-    (lambda: _t(2, 3, 1, 16), {}, ValueError, "H_kv that divides q's H = 3"),
-    (lambda: _t(2, 4, 1, 8), {}, ValueError, "q's head dimension d = 8"),
-    (lambda: _t(1, 4, 1, 16), {}, ValueError, "q's batch size B = 1"),
+    # named against the cache's own shape (flash_decode named k_cache, an argument the caller never passed)
+    (lambda: _t(2, 3, 1, 16), {}, ValueError, "q must have a number of heads H that the cache's H_kv = 2 divides "
+                                              "(grouped-query attention) (the cache holds (B, H_kv, max_len, d) = "
+                                              "(2, 2, 8, 16)), got q.shape (2, 3, 1, 16)"),
+    (lambda: _t(2, 4, 1, 8), {}, ValueError, "q must have the cache's head dimension d = 16 (the cache holds"),
+    (lambda: _t(1, 4, 1, 16), {}, ValueError, "q must have the cache's batch size B = 2 (the cache holds (B, H_kv, "
+                                              "max_len, d) = (2, 2, 8, 16)), got q.shape (1, 4, 1, 16)"),
+    (lambda: _t(1, 4, 4, 16), {}, ValueError, "q must have the cache's batch size B = 2"),  # before the lengths
     (lambda: _t(2, 4, 1, 16).cpu().numpy(), {}, TypeError, "q must be a torch.Tensor, got ndarray"),
     (lambda: _t(2, 4, 1, 16, dtype=torch.float16), {}, TypeError, "must have q's dtype torch.float16"),
     (lambda: _t(4, 1, 16), {}, ValueError, "q must have shape (B, H, N_q, d), got 3-d"),
@@ -514,6 +596,54 @@ def test_dropout_mask_dtype_and_shape_are_named():
             ref.attention(q, k, v, dropout_p=0.1, dropout_mask=np.ones(shape, bool))
 
 
+DROPOUT_MASK_CALLS = {
+    "reference.attention": lambda q, k, v, m: ref.attention(q, k, v, dropout_p=0.1, dropout_mask=m),
+    "reference.attention_backward": lambda q, k, v, m: ref.attention_backward(q, k, v, q, dropout_p=0.1,
+                                                                              dropout_mask=m),
+    "numpy_flash.flash_attention_forward": lambda q, k, v, m: numpy_flash.flash_attention_forward(
+        q, k, v, block_q=4, block_k=4, dropout_p=0.1, dropout_mask=m),
+    "numpy_flash.flash_attention_backward": lambda q, k, v, m: numpy_flash.flash_attention_backward(
+        q, k, v, q, np.zeros(q.shape[:-1]), q, block_q=4, block_k=4, dropout_p=0.1, dropout_mask=m),
+}
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 4, 10, 12), (1, 1, 1, 10, 12), (3, 4, 10, 12), (2, 2, 10, 12), (10, 11),
+                                   (12, 10)], ids=str)
+@pytest.mark.parametrize("name", list(DROPOUT_MASK_CALLS))
+def test_dropout_mask_must_broadcast_to_the_scores_shape_itself(name, shape):
+    """Extra leading dimensions are refused too (NumPy would broadcast o to them), and the tiled attention
+    names dropout_mask as the reference does (it reached NumPy's own broadcasting error)."""
+    q, k, v = _np_inputs()
+    with pytest.raises(ValueError, match=re.escape(f"dropout_mask must broadcast to (2, 4, 10, 12), got shape {shape}")):
+        DROPOUT_MASK_CALLS[name](q, k, v, np.ones(shape, bool))
+
+
+@pytest.mark.parametrize("shape", [(10, 12), (4, 10, 12), (1, 4, 1, 12), (2, 1, 10, 12), (2, 4, 10, 12)], ids=str)
+def test_dropout_mask_that_broadcasts_gives_the_full_masks_result(shape):
+    """A keep-mask of any shape that broadcasts to (B, H, N_q, N_k) drops what its expansion drops: the
+    reference, the tiled forward and backward against the float64 formula with the expanded mask."""
+    q, k, v = _np_inputs()
+    do = np.random.default_rng(7).standard_normal(q.shape)
+    mask = np.random.default_rng(8).random(shape) > 0.3
+    full = np.broadcast_to(mask, (2, 4, 10, 12))
+    kf, vf = (np.repeat(x, 2, axis=1) for x in (k, v))
+    p = np.exp(q @ np.swapaxes(kf, -1, -2) / np.sqrt(8))
+    p /= p.sum(-1, keepdims=True)
+    expected = np.where(full, p / 0.9, 0) @ vf
+    o = ref.attention(q, k, v, dropout_p=0.1, dropout_mask=mask)
+    np.testing.assert_allclose(o, expected, rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(o, ref.attention(q, k, v, dropout_p=0.1, dropout_mask=full.copy()))
+    o_t, lse = numpy_flash.flash_attention_forward(q, k, v, block_q=4, block_k=4, dropout_p=0.1, dropout_mask=mask)
+    np.testing.assert_allclose(o_t, expected, rtol=1e-12, atol=1e-12)
+    grads = ref.attention_backward(q, k, v, do, dropout_p=0.1, dropout_mask=full.copy())
+    for g, r in zip(ref.attention_backward(q, k, v, do, dropout_p=0.1, dropout_mask=mask), grads):
+        np.testing.assert_array_equal(g, r)
+    tiled = numpy_flash.flash_attention_backward(q, k, v, o_t, lse, do, block_q=4, block_k=4, dropout_p=0.1,
+                                                 dropout_mask=mask)
+    for g, r in zip(tiled, grads):
+        np.testing.assert_allclose(g, r, rtol=1e-11, atol=1e-11)
+
+
 def test_numpy_flash_backward_bad_saved_arrays():
     q, k, v = _np_inputs()
     o, lse = numpy_flash.flash_attention_forward(q, k, v)
@@ -583,6 +713,77 @@ def test_numpy_varlen_bad_arguments(name, change, exc, words):
         NUMPY_VARLEN[name](**args)
 
 
+NUMPY_VARLEN_ALL = {
+    **NUMPY_VARLEN,
+    "reference.attention_varlen_backward": lambda q, k, v, cu_seqlens_q, cu_seqlens_k, **kw:
+        ref.attention_varlen_backward(q, k, v, q, cu_seqlens_q, cu_seqlens_k, **kw),
+    "numpy_flash.flash_attention_varlen_backward": lambda q, k, v, cu_seqlens_q, cu_seqlens_k, **kw:
+        numpy_flash.flash_attention_varlen_backward(q, k, v, q, np.zeros((2, 10)), q, cu_seqlens_q, cu_seqlens_k, **kw),
+}
+
+
+@pytest.mark.parametrize("rows", [13, 11], ids=["v longer", "v shorter"])
+@pytest.mark.parametrize("name", list(NUMPY_VARLEN_ALL))
+def test_numpy_varlen_v_must_have_the_shape_of_k(name, rows):
+    q, k, _, cu_q, cu_k = _np_packed()
+    v = np.ones((rows, 1, 8))
+    with pytest.raises(ValueError, match=re.escape(f"v must have the shape of k (12, 1, 8), got ({rows}, 1, 8)")):
+        NUMPY_VARLEN_ALL[name](q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+
+
+@pytest.mark.parametrize("shape", [(3, 2), (5, 2), (1, 2), (2, 3), (2, 2, 1), (3,), ()], ids=str)
+@pytest.mark.parametrize("name", list(NUMPY_VARLEN_ALL))
+def test_numpy_varlen_alibi_slopes_one_row_per_document(name, shape):
+    """Two documents, H = 2: (H,) or (number of documents, H); the reference read rows 0 and 1 of a (3, 2) or
+    (5, 2) array silently, indexed a (1, 2) one out of range, and named (B, H) = (1, 2) for (2, 3)."""
+    q, k, v, cu_q, cu_k = _np_packed()
+    with pytest.raises(ValueError, match=re.escape(
+            f"alibi_slopes must have shape (H,) = (2,) or (number of documents, H) = (2, 2), got {shape}")):
+        NUMPY_VARLEN_ALL[name](q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, alibi_slopes=np.ones(shape))
+
+
+@pytest.mark.parametrize("return_lse", [None, 1, "yes", np.bool_(True)], ids=repr)
+def test_reference_varlen_return_lse_must_be_a_bool(return_lse):
+    q, k, v, cu_q, cu_k = _np_packed()
+    with pytest.raises(TypeError, match="return_lse must be a bool"):
+        ref.attention_varlen(q, k, v, cu_q, cu_k, return_lse=return_lse)
+
+
+def test_reference_varlen_checks_before_allocating():
+    """A torch q reached np.empty_like before the checks (an opaque error); now the NumPy rule names it."""
+    q, k, v, cu_q, cu_k = _np_packed()
+    with pytest.raises(TypeError, match="q must be a NumPy array, got a torch.Tensor"):
+        ref.attention_varlen(torch.tensor(q), k, v, cu_q, cu_k)
+    with pytest.raises(TypeError, match="q must be a NumPy array, got list"):
+        ref.attention_varlen(q.tolist(), k, v, cu_q, cu_k)
+
+
+def test_numpy_varlen_gradients_are_each_documents_own():
+    """Valid packed batches (grouped heads, per-document ALiBi slopes): o, lse and every row of dq, dk, dv
+    equal each document's float64 reference, packed back (dv had an uninitialised row when v was longer)."""
+    q, k, v, cu_q, cu_k = _np_packed()
+    do = np.random.default_rng(3).standard_normal(q.shape)
+    slopes = np.array([[0.5, 0.25], [0.125, 1.0]])
+    o, lse = ref.attention_varlen(q, k, v, cu_q, cu_k, causal=True, return_lse=True, alibi_slopes=slopes)
+    grads = ref.attention_varlen_backward(q, k, v, do, cu_q, cu_k, causal=True, alibi_slopes=slopes)
+    o_t, lse_t = numpy_flash.flash_attention_varlen_forward(q, k, v, cu_q, cu_k, causal=True, block_q=4, block_k=4,
+                                                            alibi_slopes=slopes)
+    tiled = numpy_flash.flash_attention_varlen_backward(q, k, v, o_t, lse_t, do, cu_q, cu_k, causal=True, block_q=4,
+                                                        block_k=4, alibi_slopes=slopes)
+    unpack = lambda x, a, b: np.swapaxes(x[a:b], 0, 1)[None]  # noqa: E731
+    for b in range(2):
+        (q0, q1), (k0, k1) = cu_q[b:b + 2], cu_k[b:b + 2]
+        args = (unpack(q, q0, q1), unpack(k, k0, k1), unpack(v, k0, k1))
+        o_b, lse_b = ref.attention(*args, causal=True, return_lse=True, alibi_slopes=slopes[b])
+        grads_b = ref.attention_backward(*args, unpack(do, q0, q1), causal=True, alibi_slopes=slopes[b])
+        np.testing.assert_array_equal(unpack(o, q0, q1), o_b)
+        np.testing.assert_array_equal(lse[:, q0:q1], lse_b[0])
+        np.testing.assert_allclose(unpack(o_t, q0, q1), o_b, rtol=1e-12, atol=1e-12)
+        for g, t, r, (a, c) in zip(grads, tiled, grads_b, ((q0, q1), (k0, k1), (k0, k1))):
+            np.testing.assert_array_equal(unpack(g, a, c), r)
+            np.testing.assert_allclose(unpack(t, a, c), r, rtol=1e-11, atol=1e-11)
+
+
 def test_numpy_varlen_backward_bad_arrays():
     q, k, v, cu_q, cu_k = _np_packed()
     with pytest.raises(ValueError, match=re.escape("do must have the shape of q (10, 2, 8), got (5, 2, 8)")):
@@ -619,6 +820,58 @@ def test_online_softmax_update_bad_value_rows():
         osm.update(state, np.array([[0.0, np.inf, 0.0], [0.0, 0.0, 0.0]]), np.zeros((3, 4)))
     with pytest.raises(TypeError, match="scores_block must be real numbers"):
         osm.update(osm.init((2,)), np.ones((2, 3), bool))
+
+
+@pytest.mark.parametrize("call, exc, words", [
+    # v_block's rows and width (raw NumPy errors before), scores whose rows are not the state's (some broadcast)
+    (lambda: osm.update(osm.init((2,), d=4), np.zeros((2, 3)), np.zeros((4, 4))), ValueError,
+     "v_block must have shape (b, d) = (3, 4): the block's b value rows, as wide as state.o (d = 4), got shape (4, 4)"),
+    (lambda: osm.update(osm.init((2,), d=4), np.zeros((2, 3)), np.zeros((3, 5))), ValueError, "got shape (3, 5)"),
+    (lambda: osm.update(osm.init((2,), d=4), np.zeros((2, 3)), np.zeros(3)), ValueError, "v_block must have shape"),
+    (lambda: osm.update(osm.init((2,), d=4), np.zeros((2, 3)), np.zeros((5, 3, 4))), ValueError,
+     "v_block must have shape (b, d) = (3, 4)"),
+    (lambda: osm.update(osm.init((2, 3, 5), d=4), np.zeros((2, 3, 5, 3)), np.zeros((4, 3, 4))), ValueError,
+     "v_block must have shape (b, d) = (3, 4) or (2, 3, 3, 4)"),
+    (lambda: osm.update(osm.init((2,), d=4), np.zeros((3, 3)), np.zeros((3, 4))), ValueError,
+     "scores_block must have shape (2, b): a row of b scores for each row of the state (state.m.shape = (2,)), "
+     "got shape (3, 3)"),
+    (lambda: osm.update(osm.init((2,)), np.zeros((4, 2, 3))), ValueError, "scores_block must have shape (2, b)"),
+    (lambda: osm.update(osm.init(), np.zeros((2, 3))), ValueError, "scores_block must have shape (b,)"),
+    # not a state
+    (lambda: osm.update("state", np.zeros(3)), TypeError, "state must be a SoftmaxState (from init, update or merge), got str"),
+    (lambda: osm.update(None, np.zeros(3)), TypeError, "state must be a SoftmaxState"),
+    (lambda: osm.merge(osm.init(), (np.float64(0), np.float64(1))), TypeError,
+     "b must be a SoftmaxState (from init, update or merge), got tuple"),
+    (lambda: osm.merge(None, osm.init()), TypeError, "a must be a SoftmaxState"),
+    (lambda: osm.finalize({"m": 0}), TypeError, "state must be a SoftmaxState (from init, update or merge), got dict"),
+    (lambda: osm.lse_of(np.zeros(2)), TypeError, "state must be a SoftmaxState (from init, update or merge), got ndarray"),
+    # merge of states of different shapes (they broadcast)
+    (lambda: osm.merge(osm.init((2,)), osm.init((3,))), ValueError, "b must have the shape of a (m, l: (2,), (2,)), got (3,), (3,)"),
+    (lambda: osm.merge(osm.init((2, 1)), osm.init((2,))), ValueError, "b must have the shape of a"),
+    (lambda: osm.merge(osm.init((2,), d=3), osm.init((2,), d=4)), ValueError,
+     "b must have the shape of a (m, l, o: (2,), (2,), (2, 3)), got (2,), (2,), (2, 4)"),
+    # init's d
+    (lambda: osm.init(d=-1), ValueError, "d must be a positive integer, got -1"),
+    (lambda: osm.init(d=0), ValueError, "d must be a positive integer, got 0"),
+    (lambda: osm.init(d="a"), TypeError, "d must be a positive integer, got str"),
+    (lambda: osm.init(d=2.7), TypeError, "d must be a positive integer, got float: 2.7"),
+    # merge_outputs of lists (AttributeError before)
+    (lambda: osm.merge_outputs([[0.0]], [0.0], [[0.0]], [0.0]), TypeError, "o_a must be a NumPy array or a torch.Tensor, got list"),
+    (lambda: osm.merge_outputs(1.0, 1.0, 1.0, 1.0), TypeError, "o_a must be a NumPy array or a torch.Tensor, got float"),
+])
+def test_online_softmax_states_bad_arguments(call, exc, words):
+    with pytest.raises(exc, match=re.escape(words)):
+        call()
+
+
+def test_online_softmax_states_take_broadcast_values_and_numpy_widths():
+    """Valid calls are unchanged: v_block (b, d) shared by every row, or with leading dims that broadcast."""
+    s = osm.update(osm.init((2, 3), d=4), np.zeros((2, 3, 5)), np.ones((2, 5, 4)))
+    s = osm.update(s, np.zeros((2, 3, 5)), np.ones((5, 4)))
+    s = osm.update(s, np.zeros((2, 3, 5)), np.ones((1, 5, 4)))
+    np.testing.assert_allclose(osm.finalize(s)[0], np.ones((2, 3, 4)))
+    assert osm.init(d=np.int64(3)).o.shape == (3,)
+    assert osm.merge(osm.update(osm.init(), [1.0]), osm.init()).m == 1.0
 
 
 @pytest.mark.parametrize("fn", [osm.running_trace, osm.scan, osm.logsumexp], ids=lambda f: f.__name__)
@@ -690,6 +943,44 @@ def test_gather_sequence_bad_shards():
         gather_sequence([x, x.tolist()], False)
 
 
+@pytest.mark.parametrize("make, exc, words", [
+    (lambda do: do.long(), TypeError, "do must have the dtype of q (torch.float32), got torch.int64"),
+    (lambda do: do > 0, TypeError, "do must have the dtype of q (torch.float32), got torch.bool"),
+    (lambda do: do.half(), TypeError, "do must have the dtype of q (torch.float32), got torch.float16"),
+    (lambda do: do.to("meta"), ValueError, "do must be on q's device"),
+    (lambda do: do.to_sparse(), TypeError, "do must be a dense (strided) tensor"),
+], ids=["int64", "bool", "float16", "meta", "sparse"])
+def test_simulate_ring_do_must_be_like_q(make, exc, words):
+    """An int64 do crashed check_finite (torch takes no norm of integers); its dtype is checked first now."""
+    q = _t(1, 2, 8, 16)
+    with pytest.raises(exc, match=re.escape(words)):
+        simulate_ring(q, q, q, 2, do=make(torch.ones_like(q)))
+
+
+@pytest.mark.parametrize("x", [torch.empty(0), torch.empty(2, 0, 3), torch.ones(3, dtype=torch.int64),
+                               torch.ones(2, dtype=torch.bool), np.empty((0, 2))],
+                         ids=["empty", "empty 3-d", "int64", "bool", "numpy empty"])
+def test_check_finite_passes_empty_and_integer_arrays(x):
+    validation.check_finite({"x": x})
+    validation.check_finite({"x": x}, allow_neg_inf=True)
+
+
+def test_kv_cache_append_of_zero_tokens_with_check_finite():
+    cache, k = _cache()
+    cache.append(k[:, :, :0], k[:, :, :0], check_finite=True)  # crashed in check_finite
+    assert cache.lengths == [3, 3] and cache.seqlens.tolist() == [3, 3]
+
+
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_kv_cache_append_sparse_tensors_are_named(which):
+    cache, k = _cache()
+    kv = dict(k=k, v=k.clone())
+    kv[which] = kv[which].to_sparse()
+    with pytest.raises(TypeError, match=re.escape(f"{which} must be a dense (strided) tensor")):
+        cache.append(kv["k"], kv["v"])
+    assert cache.lengths == [3, 3]
+
+
 def test_simulate_ring_more_ranks_than_the_sequence_divides():
     q = _t(1, 2, 8, 16)
     with pytest.raises(ValueError, match="multiple of 16"):
@@ -732,3 +1023,131 @@ def test_block_mask_helpers_take_extreme_counts():
     assert bool(bmk.bigbird(4, n_global=10).all())
     assert bool(bmk.bigbird(4, n_random=10).all())
     assert int(bmk.visible_pairs(np.ones((1, 1, 3, 3), bool), 40, 40, 16)) == 40 * 40
+
+
+@pytest.mark.parametrize("call, exc, words", [
+    (lambda: bmk.sliding_window(4, causal="no"), TypeError, "causal must be a bool, got str: 'no'"),
+    (lambda: bmk.sliding_window(4, causal=1), TypeError, "causal must be a bool, got int"),
+    (lambda: bmk.sliding_window(4, causal=None), TypeError, "causal must be a bool, got NoneType"),
+    (lambda: bmk.visible_pairs(bmk.causal_blocks(3), 40, 40, 16, causal="no"), TypeError, "causal must be a bool"),
+    (lambda: bmk.visible_pairs(bmk.causal_blocks(3), 40, 40, 16, causal=np.bool_(True)), TypeError,
+     "causal must be a bool"),
+    (lambda: bmk.bigbird(4, seed="1"), TypeError, "seed must be an int, got str"),
+    (lambda: bmk.bigbird(4, seed=None), TypeError, "seed must be an int, got NoneType"),
+    (lambda: bmk.bigbird(4, seed=1.7), TypeError, "seed must be an int, got float: 1.7"),
+    (lambda: bmk.bigbird(4, seed=True), TypeError, "seed must be an int, got bool"),
+    (lambda: bmk.bigbird(4, seed=2**64), ValueError, "seed must be in [-2**63, 2**64)"),
+    (lambda: bmk.density(None), TypeError, "block_mask must be a boolean array or tensor, got NoneType"),
+    (lambda: bmk.density([[True]]), TypeError, "block_mask must be a boolean array or tensor, got list"),
+    (lambda: bmk.density(torch.ones(1, 1, 2, 2)), TypeError, "got Tensor of dtype torch.float32"),
+])
+def test_block_mask_flags_seed_and_density_bad_arguments(call, exc, words):
+    with pytest.raises(exc, match=re.escape(words)):
+        call()
+
+
+def test_block_mask_helpers_take_numpy_ints_and_numpy_masks():
+    assert torch.equal(bmk.bigbird(6, seed=np.int64(3)), bmk.bigbird(6, seed=3))
+    assert bmk.density(np.ones((1, 1, 2, 2), bool)) == 1.0
+
+
+# ------------------------------------------------------------------ empty batch or head axes
+
+EMPTY_AXES = {"B = 0": (slice(0, 0),), "H = 0": (slice(None), slice(0, 0))}
+
+
+@pytest.mark.parametrize("axis", list(EMPTY_AXES))
+@pytest.mark.parametrize("fn", [flash_attention_forward, flash_attention, forward_kernel, backward_kernel,
+                                lambda q, k, v: simulate_ring(q, k, v, 2)], ids=["forward", "autograd", "forward_kernel",
+                                                                                 "backward_kernel", "simulate_ring"])
+def test_triton_empty_batch_or_heads(fn, axis):
+    """Triton gave RuntimeError / ZeroDivisionError; every axis must be non-empty (validation's rule)."""
+    q, k, v = (x[EMPTY_AXES[axis]] for x in _qkv())
+    with pytest.raises(ValueError, match=re.escape("q must not be empty: its batch and head axes (B, H)")):
+        fn(q, k, v)
+
+
+@pytest.mark.parametrize("axis", list(EMPTY_AXES))
+@pytest.mark.parametrize("name", ["reference.attention", "reference.attention_backward",
+                                  "numpy_flash.flash_attention_forward", "online_softmax.attention_by_key_blocks"])
+def test_numpy_empty_batch_or_heads(name, axis):
+    """numpy_flash divided by zero and the reference returned empty arrays."""
+    q, k, v = (x[EMPTY_AXES[axis]] for x in _np_inputs(H=2))
+    fn = {"reference.attention": ref.attention,
+          "reference.attention_backward": lambda q, k, v: ref.attention_backward(q, k, v, q),
+          "numpy_flash.flash_attention_forward": numpy_flash.flash_attention_forward,
+          "online_softmax.attention_by_key_blocks": osm.attention_by_key_blocks}[name]
+    with pytest.raises(ValueError, match=re.escape("q must not be empty")):
+        fn(q, k, v)
+
+
+
+# ------------------------------------------------------------------ sparse tensors
+
+def _sparse_mask():
+    return torch.ones(1, 1, 3, 3, dtype=torch.bool, device=DEVICE).to_sparse()
+
+
+SPARSE_CASES = {
+    "triton block_mask": (lambda: flash_attention_forward(*_qkv(N_q=40, N_k=40), block_mask=_sparse_mask(),
+                                                          block_size=16), "block_mask"),
+    "forward_kernel block_mask": (lambda: forward_kernel(*_qkv(N_q=40, N_k=40), block_mask=_sparse_mask(),
+                                                         block_size=16), "block_mask"),
+    "triton alibi_slopes": (lambda: flash_attention(*_qkv(), alibi_slopes=torch.ones(2, device=DEVICE).to_sparse()),
+                            "alibi_slopes"),
+    "backward alibi_slopes": (lambda: backward_kernel(*_qkv(), alibi_slopes=torch.ones(2, device=DEVICE).to_sparse()),
+                              "alibi_slopes"),
+    "varlen alibi_slopes": (lambda: flash_attention_varlen(*_packed(), _packed()[3], 5, 5,
+                                                           alibi_slopes=torch.ones(2, device=DEVICE).to_sparse()),
+                            "alibi_slopes"),
+    "reference alibi_slopes": (lambda: ref.attention(*_np_inputs(), alibi_slopes=torch.ones(4).to_sparse()),
+                               "alibi_slopes"),
+    "numpy varlen alibi_slopes": (lambda: ref.attention_varlen(*_np_packed(), alibi_slopes=torch.ones(2).to_sparse()),
+                                  "alibi_slopes"),
+    "visible_pairs": (lambda: bmk.visible_pairs(_sparse_mask(), 40, 40, 16), "block_mask"),
+    "density": (lambda: bmk.density(_sparse_mask()), "block_mask"),
+}
+
+
+@pytest.mark.parametrize("case", list(SPARSE_CASES))
+def test_sparse_tensors_are_refused_by_name(case):
+    call, name = SPARSE_CASES[case]
+    with pytest.raises(TypeError, match=re.escape(f"{name} must be a dense (strided) tensor, got layout torch.sparse")):
+        call()
+
+
+# ------------------------------------------------------------------ smaller ones
+
+@pytest.mark.parametrize("return_lse", [None, 1, "yes", torch.tensor(True)], ids=repr)
+def test_triton_varlen_return_lse_must_be_a_bool(return_lse):
+    q, k, v, cu = _packed()
+    with pytest.raises(TypeError, match="return_lse must be a bool"):
+        flash_attention_varlen(q, k, v, cu, cu, 5, 5, return_lse=return_lse)
+
+
+@pytest.mark.parametrize("zigzag", [False, True])
+@pytest.mark.parametrize("x", [np.zeros((1, 1, 0, 2)), torch.zeros(1, 1, 0), np.zeros((2, 3, 0))],
+                         ids=["numpy 4-d", "torch lse", "numpy lse"])
+def test_shard_sequence_refuses_an_empty_sequence(x, zigzag):
+    """It returned empty shards while sequence_positions refuses N = 0."""
+    with pytest.raises(ValueError, match=re.escape("x must hold at least one token along dim 2 (N >= 1")):
+        shard_sequence(x, 0, 2, zigzag)
+
+
+@pytest.mark.parametrize("call, exc, words", [
+    (lambda: numpy_flash.tile_ranges(10, 0), ValueError, "block must be a positive integer, got 0"),
+    (lambda: numpy_flash.tile_ranges(10, -4), ValueError, "block must be a positive integer, got -4"),
+    (lambda: numpy_flash.tile_ranges(10, 2.0), TypeError, "block must be a positive integer, got float"),
+    (lambda: numpy_flash.visited_tiles(10, 10, 0, 4), ValueError, "block_q must be a positive integer, got 0"),
+    (lambda: numpy_flash.visited_tiles(10, 10, 4, 0, causal=True), ValueError, "block_k must be a positive integer"),
+    (lambda: numpy_flash.visited_tiles(10, 10, 4, None), TypeError, "block_k must be a positive integer, got NoneType"),
+])
+def test_tile_grid_helpers_bad_blocks(call, exc, words):
+    """range() arg 3 must not be zero, before."""
+    with pytest.raises(exc, match=re.escape(words)):
+        call()
+
+
+def test_tile_grid_helpers_take_numpy_ints():
+    assert numpy_flash.tile_ranges(10, np.int64(4)) == [(0, 4), (4, 8), (8, 10)]
+    assert numpy_flash.visited_tiles(8, 8, np.int32(4), 4, causal=True) == [(0, 0), (1, 0), (1, 1)]

@@ -306,6 +306,10 @@ def test_bad_inputs_name_the_argument(one_rank_group):
         ring_attention_backward(q, q, q, o, lse[:, :, :4], o)
     with pytest.raises(ValueError, match="do must be finite"):
         ring_attention_backward(q, q, q, o, lse, torch.full_like(o, math.nan))
+    with pytest.raises(TypeError, match="lse must be a floating tensor"):
+        ring_attention_backward(q, q, q, o, lse.long(), o)
+    with pytest.raises(TypeError, match="lse must be a torch.Tensor"):
+        ring_attention_backward(q, q, q, o, lse.numpy(), o)
     qq = q.clone().requires_grad_()
     out = ring_attention(qq, q, q)
     with pytest.raises(ValueError, match="gradient of o"):
@@ -339,7 +343,7 @@ def _simulated_threads_alive():
 def test_simulate_ring_matches_the_reference(world_size, B, H, H_kv, N, causal):
     q, k, v, do = feature_inputs(B, H, H_kv, N, N, 16, torch.float32, seed=7 * world_size + N)
     got = simulate_ring(q, k, v, world_size, causal=causal, do=do)
-    lse_like = torch.empty(B, H, N, dtype=torch.float32)
+    lse_like = torch.empty(B, H, N, dtype=torch.float64)  # the ring keeps lse in float64
     _assert_matches(got, _simulated_reference(q, k, v, do, causal), (q, lse_like, q, k, v))
     forward = simulate_ring(q, k, v, world_size, causal=causal)
     assert len(forward) == 2 and all(torch.equal(a, b) for a, b in zip(forward, got[:2])), \
@@ -353,7 +357,7 @@ def test_simulate_ring_takes_sm_scale_and_gradients_that_require_grad():
     got = simulate_ring(qq, k, v, 3, causal=True, sm_scale=0.3, do=do)
     assert not any(x.requires_grad for x in got)
     _assert_matches(got, _simulated_reference(q, k, v, do, True, sm_scale=0.3),
-                    (q, torch.empty(1, 2, 12), q, k, v))
+                    (q, torch.empty(1, 2, 12, dtype=torch.float64), q, k, v))
 
 
 def test_simulate_ring_bad_arguments_name_the_argument():
@@ -391,8 +395,8 @@ class _Boom(RuntimeError):
 
 
 def _failing_on_rank(monkeypatch, rank, before=None):
-    """flash_attention_forward that raises _Boom on simulated rank ``rank`` (after ``before()``, if given)."""
-    real = ring_module.flash_attention_forward
+    """The ring's block forward, raising _Boom on simulated rank ``rank`` (after ``before()``, if given)."""
+    real = ring_module._block_forward
 
     def forward(*args, **kwargs):
         if threading.current_thread().name == f"flashref-simulated-rank-{rank}":
@@ -401,7 +405,7 @@ def _failing_on_rank(monkeypatch, rank, before=None):
             raise _Boom(f"rank {rank} fails")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(ring_module, "flash_attention_forward", forward)
+    monkeypatch.setattr(ring_module, "_block_forward", forward)
 
 
 @pytest.mark.parametrize("with_backward", [False, True])
@@ -415,7 +419,7 @@ def test_simulate_ring_a_failing_rank_raises_its_error_and_nobody_hangs(monkeypa
     assert not _simulated_threads_alive()
     monkeypatch.undo()  # and the next simulated world is a fresh one: nothing left in its mailboxes
     _assert_matches(simulate_ring(q, k, v, 3, causal=True, do=do), _simulated_reference(q, k, v, do, True),
-                    (q, torch.empty(1, 2, 12), q, k, v))
+                    (q, torch.empty(1, 2, 12, dtype=torch.float64), q, k, v))
 
 
 def test_simulate_ring_times_out_instead_of_hanging(monkeypatch):

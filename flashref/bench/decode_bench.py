@@ -4,9 +4,10 @@ forward kernel and PyTorch's attention backends, in one run (notebook ``13_beyon
     python -m flashref.bench decode               # the grid below (an H100: about 3 minutes)
     python -m flashref.bench decode --quick       # a smaller grid
 
-Decoding reads the whole KV cache once per generated token and does 2 FLOPs per byte of it: it is bound by
-memory bandwidth, so the measure is the bandwidth achieved, bytes of K and V read (plus q and o) over the
-time, and its fraction of the GPU's peak (:func:`peak_bandwidth`: 3.35 TB/s for an H100 SXM).
+Decoding reads the whole KV cache once per generated token and does 1 FLOP per byte of it for each query
+head sharing a K/V head (a multiply-add per fp16 number): it is bound by memory bandwidth, so the measure is
+the bandwidth achieved, bytes of K and V read (plus q and o) over the time, and its fraction of the GPU's
+peak (:func:`peak_bandwidth`: 3.35 TB/s for an H100 SXM).
 
 Implementations, on the same inputs in the same run:
 

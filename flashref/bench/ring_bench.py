@@ -589,10 +589,10 @@ def _longest_ring(rank, world, dev, plan, ranks):
     import flashref.ring_attention as ring_module
     from functools import partial
 
-    saved = ring_module.flash_attention_forward, ring_module.flash_attention_backward
+    saved = ring_module._block_forward, ring_module._block_backward
     # The probe's window: the same allocations as the dense kernels, a fraction of their work.
-    ring_module.flash_attention_forward = partial(saved[0], window_size=PROBE_WINDOW)
-    ring_module.flash_attention_backward = partial(saved[1], window_size=PROBE_WINDOW)
+    ring_module._block_forward = partial(saved[0], window_size=PROBE_WINDOW)
+    ring_module._block_backward = partial(saved[1], window_size=PROBE_WINDOW)
     impl = f"ring {world} GPUs"
     try:
         N = plan.longest_from
@@ -616,7 +616,7 @@ def _longest_ring(rank, world, dev, plan, ranks):
                              None, plan.H, plan.d)
             return
     finally:
-        ring_module.flash_attention_forward, ring_module.flash_attention_backward = saved
+        ring_module._block_forward, ring_module._block_backward = saved
 
 
 # ---- the parent: spawns the workers, records what they send --------------------------------------------------------

@@ -102,8 +102,9 @@ def check_decode_time(answer) -> Verdict:
     return check_number(x, want, what="the time in microseconds", rel=0.01,
                         hint="Count the bytes of K and V (fp16: 2 bytes a number), plus q and o, over 3.35e12 "
                              "bytes a second, in microseconds.",
-                        explain=f"{want:.1f} us: no kernel decodes this step faster; FLOPs barely matter (2 per "
-                                "byte read), so decoding is judged by the bandwidth it reaches.")
+                        explain=f"{want:.1f} us: no kernel decodes this step faster; FLOPs barely matter (4 per "
+                                "byte read: a multiply-add per fp16 number for each of the 4 query heads that share "
+                                "it), so decoding is judged by the bandwidth it reaches.")
 
 
 def causal_pairs_contiguous(N: int, R: int) -> list[int]:

@@ -117,6 +117,9 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_b
         if not BM_TILE:
             x_t = tl.where(tl.trans(_block_elements(bm_base, stride_bmi, stride_bmj, offs_m, offs_n, N_q, N_k,
                                                     BLOCK_SIZE)), x_t, float("-inf"))
+    if ATOMIC_DQ:  # key slots past N_k (a ragged last tile) read k = 0, so their exponent is 0 - lse, which
+        # overflows when lse is very negative; their dK/dV rows are never stored, but inf * 0 would reach dQ
+        x_t = tl.where(offs_n[:, None] < N_k, x_t, float("-inf"))
     p_t = tl.exp2(x_t)
     # dV's product before dP's, as FlashAttention-2 orders them: P's fp16 copy dies before dP is live.
     if DROPOUT:  # P~ = P * keep / (1 - p) carries O (dV is scaled at the end); dP = dP~ * keep / (1 - p)

@@ -615,10 +615,11 @@ class KVCache:
     def __init__(self, batch, heads_kv, max_len, head_dim, dtype=torch.float16, device=None):
         for name, n in (("batch", batch), ("heads_kv", heads_kv), ("max_len", max_len), ("head_dim", head_dim)):
             validation.check_positive_int(name, n)
+        if head_dim > MAX_HEAD_DIM:
+            raise ValueError(f"head_dim = {head_dim} is larger than the kernels support ({MAX_HEAD_DIM})")
         if not isinstance(dtype, torch.dtype) or str(dtype).replace("torch.", "") not in DTYPES:
             raise TypeError(f"dtype must be torch.float16, torch.bfloat16 or torch.float32, got {dtype!r}")
-        if device is None:
-            device = "cpu" if INTERPRETED else "cuda"
+        device = ops.check_device(device)
         shape = (int(batch), int(heads_kv), int(max_len), int(head_dim))
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
@@ -652,8 +653,7 @@ class KVCache:
         GPU); a generation loop passes False, and then appending never waits."""
         B, H_kv, _, d = self.k_cache.shape
         for name, x in (("k", k), ("v", v)):
-            if not isinstance(x, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+            validation.check_tensor(name, x)
             if x.ndim != 4 or x.shape[0] != B or x.shape[1] != H_kv or x.shape[3] != d:
                 raise ValueError(f"{name} must have shape (B, H_kv, n, d) = ({B}, {H_kv}, n, {d}), "
                                  f"got {tuple(x.shape)}")
@@ -695,6 +695,17 @@ class KVCache:
         refuses NaN or inf in q, which reads q back (a generation loop passes False); the cached values were
         checked when appended. The whole buffers go to the kernels with the lengths, so every step of a loop
         has the same shapes and reuses :func:`flash_decode`'s launch cache."""
+        if isinstance(q, torch.Tensor) and q.ndim == 4:  # named against the cache (flash_decode would name k_cache)
+            B, H_kv, _, d = self.k_cache.shape
+            cache = f"(the cache holds (B, H_kv, max_len, d) = {tuple(self.k_cache.shape)})"
+            if q.shape[0] != B:
+                raise ValueError(f"q must have the cache's batch size B = {B} {cache}, got q.shape {tuple(q.shape)}")
+            if q.shape[3] != d:
+                raise ValueError(f"q must have the cache's head dimension d = {d} {cache}, got q.shape "
+                                 f"{tuple(q.shape)}")
+            if q.shape[1] % H_kv:
+                raise ValueError(f"q must have a number of heads H that the cache's H_kv = {H_kv} divides "
+                                 f"(grouped-query attention) {cache}, got q.shape {tuple(q.shape)}")
         lowest = q.shape[2] if causal and isinstance(q, torch.Tensor) and q.ndim == 4 else 1
         for b, L in enumerate(self.lengths):
             if L < lowest:

@@ -118,6 +118,7 @@ class Features:
         else:
             if not isinstance(block_mask, torch.Tensor):
                 raise TypeError(f"block_mask must be a torch.Tensor of dtype bool, got {type(block_mask).__name__}")
+            validation.check_dense("block_mask", block_mask)
             validation.check_block_mask(block_mask, (B, H), N_q, k.shape[2], self.block_size)
             if block_mask.device != q.device:
                 raise ValueError(f"block_mask must be on q's device ({q.device}), got {block_mask.device}")
@@ -154,6 +155,7 @@ class Features:
             if not isinstance(alibi_slopes, torch.Tensor):
                 raise TypeError(f"alibi_slopes must be a torch.Tensor of shape (H,) or (B, H), got "
                                 f"{type(alibi_slopes).__name__}")
+            validation.check_dense("alibi_slopes", alibi_slopes)
             if not alibi_slopes.is_floating_point():
                 raise TypeError(f"alibi_slopes must have a floating dtype, got {alibi_slopes.dtype}")
             if tuple(alibi_slopes.shape) not in ((H,), (self.batch, H)):
@@ -250,6 +252,25 @@ def _lists_of(given, bm, transposed: bool) -> torch.Tensor:
     return lists
 
 
+def check_device(device) -> torch.device:
+    """``device`` for tensors the kernels will read (:func:`dropout_mask`, :class:`~flashref.triton.KVCache`):
+    under Triton's CPU interpreter the CPU, otherwise a CUDA device that is present; None is that default."""
+    if device is None:
+        device = "cpu" if INTERPRETED else "cuda"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device must be a torch.device or a device string such as 'cuda' or 'cpu', got "
+                         f"{type(device).__name__}: {device!r}") from None
+    if INTERPRETED and dev.type != "cpu":
+        raise ValueError(f"device must be 'cpu': Triton is running in its CPU interpreter (no CUDA device), got "
+                         f"{str(dev)!r}")
+    if not INTERPRETED and (dev.type != "cuda" or (dev.index or 0) >= torch.cuda.device_count()):
+        raise ValueError(f"device must be a CUDA device of this machine (cuda:0 .. cuda:"
+                         f"{torch.cuda.device_count() - 1}: the kernels are compiled for it), got {str(dev)!r}")
+    return dev
+
+
 def dropout_mask(seed, B, H, N_q, N_k, dropout_p, device):
     """The boolean keep-mask ``(B, H, N_q, N_k)`` the kernels draw for ``seed``, bit for bit: True where an
     entry of P is kept (probability ``1 - dropout_p``). It runs the kernels' own random function, so tests
@@ -263,6 +284,7 @@ def dropout_mask(seed, B, H, N_q, N_k, dropout_p, device):
         raise TypeError(f"seed must be an int in [0, 2**63), got {type(seed).__name__}: {seed!r}")
     for name, n in (("B", B), ("H", H), ("N_q", N_q), ("N_k", N_k)):
         validation.check_positive_int(name, n)
+    device = check_device(device)
     keep = torch.empty((B, H, N_q, N_k), dtype=torch.int8, device=device)
     block = 16 if INTERPRETED else 64
     dropout_mask_kernel[(_cdiv(N_q, block), _cdiv(N_k, block), B * H)](keep, seed, drop_threshold(p), N_q, N_k,
@@ -614,13 +636,15 @@ flash_attention_forward.__doc__ += _FEATURES_DOC
 
 
 def _stats_from_lse(lse):
-    """(m2, l2) for the backward from lse alone: P = exp2(s * log2(e) - lse * log2(e)), one rounding more
-    than the autograd path, which keeps the forward's max and sum apart (visible only for huge logits). A
-    row with lse = -inf saw no key: m = 0 and log2 l = +inf make its P exactly 0."""
+    """(m2, l2) for the backward from lse alone (fp32, or float64 as ring attention keeps it): the base-2
+    lse * log2(e), taken in float64, split into m2 rounded to fp32 and l2 what the rounding left. The kernels
+    take ``s * scale - m2 - l2`` in that order, so the pair keeps the precision one fp32 number would lose
+    (at scores near 1e3, ~1e-4). A row with lse = -inf saw no key: m2 = 0 and l2 = +inf make its P exactly 0."""
     empty = torch.isneginf(lse)
-    m2 = torch.where(empty, 0.0, lse.float() * LOG2E).contiguous()
-    l2 = torch.where(empty, float("inf"), 0.0).to(torch.float32).contiguous()
-    return m2, l2
+    lse2 = lse.double() * LOG2E
+    m2 = torch.where(empty, 0.0, lse2).float()
+    l2 = torch.where(empty, float("inf"), lse2 - m2.double()).float()
+    return m2.contiguous(), l2.contiguous()
 
 
 def flash_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, deterministic=True, *,
@@ -642,8 +666,12 @@ def flash_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, d
                     causal_align=causal_align)
     validation.check_same_shape("o", o, "q", q)
     validation.check_same_shape("do", do, "o", o)
+    for name, x in (("o", o), ("do", do), ("lse", lse)):
+        validation.check_tensor(name, x, q.device)
     if do.dtype != q.dtype or o.dtype != q.dtype:
         raise TypeError(f"o and do must have the dtype of q ({q.dtype}), got {o.dtype} and {do.dtype}")
+    if not lse.dtype.is_floating_point:
+        raise TypeError(f"lse must be a floating tensor (the forward's fp32 lse), got dtype {lse.dtype}")
     if tuple(lse.shape) != tuple(q.shape[:3]):
         raise ValueError(f"lse must have shape (B, H, N_q) = {tuple(q.shape[:3])}, got {tuple(lse.shape)}")
     if check_finite:
@@ -831,6 +859,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     block masks are not taken here. :mod:`flashref.varlen` and :func:`flashref.reference.attention_varlen` hold
     the NumPy side.
     """
+    validation.check_bool("return_lse", return_lse)
     o, lse = FlashAttentionVarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                 causal, sm_scale, deterministic, check_finite, window_size, softcap,
                                                 alibi_slopes)
