@@ -38,9 +38,12 @@ the own block's triangle as many: each rank does the same work at each step.
 slice of the global softmax, not a softmax of the block alone, and D = rowsum(dO * O) uses the global O.
 So the per-block backward (the kernels of :func:`flashref.triton.flash_attention_backward`, handed the global
 lse as an fp32 pair that keeps its float64 precision: :func:`_block_backward`) with the global O and lse gives
-each block's exact share of dQ (summed on the rank that owns Q) and of dK, dV. Those partial sums travel
-around the ring with their K/V block, each rank adding its share, and one more hop brings them home to the
-block's owner. They travel in fp32 and are rounded once at the end.
+each block's exact share of dQ and of dK, dV. The backward's two kernels are separate (one writes dQ, the
+other dK and dV), so the backward runs two rings and no partial sum ever travels: first the K/V blocks go
+round and each rank sums its dQ shares; then the queries go round (Q, dO and the row statistics m2, l2, D, all
+that the dK/dV kernel reads of a query) and each rank sums the dK, dV shares of its own K/V. The sums stay
+in fp32 on their owner and are rounded once at the end. Each ring moves 2 tensors of N/R tokens per step, as
+the forward does, and ends with the last block's compute (no hop home).
 """
 
 from __future__ import annotations
@@ -66,9 +69,9 @@ from flashref.triton.ops import _check
 __all__ = ["ring_attention", "ring_attention_forward", "ring_attention_backward", "RingAttentionFunction",
            "shard_sequence", "gather_sequence", "sequence_positions", "block_visibility", "simulate_ring"]
 
-# Message tags: K/V blocks and the dK/dV partial sums are separate streams of messages between two ranks
+# Message tags: K/V blocks and visiting queries are separate streams of messages between two ranks
 # (gloo matches messages by tag; NCCL by order, which is the same on every rank anyway).
-_TAG_KV, _TAG_DKV = 0, 1
+_TAG_KV, _TAG_Q = 0, 1
 _LN2 = math.log(2.0)  # the kernels' row statistics are base 2
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
 _FACT_NAMES = ("B", "H", "H_kv", "N_local", "d", "dtype", "causal", "sm_scale")  # what every rank must agree on
@@ -328,11 +331,14 @@ def _block_forward(q, k, v, causal: bool, scale: float, **features):
     return O_b, torch.where(seen, (m2.double() + l2.double()) * _LN2, float("-inf"))
 
 
-def _block_backward(q, k, v, O, lse, dO, causal: bool, scale: float, **features):
-    """One step's shares ``(dQ_b, dK_b, dV_b)`` from the global O and the global float64 lse, which the backward
-    kernels take as an fp32 pair that keeps its precision (``flashref.triton.ops._stats_from_lse``)."""
+def _block_backward(q, k, v, stats, delta, dO, causal: bool, scale: float, parts, **features):
+    """One step's share of the gradients the ``parts`` name (``("dq",)`` or ``("dkdv",)``), as
+    ``(dQ_b, dK_b, dV_b)`` with the others ``None``: the backward kernels given the whole row's statistics
+    ``stats`` (``flashref.triton.ops._stats_from_lse`` of the global float64 lse: an fp32 pair that keeps its
+    precision) and ``delta`` = rowsum(dO * O) of the global O, so the recomputed P and dS are this block's slices
+    of the whole row's."""
     feat = ops.Features(q, k, causal=causal, scale=scale, check_finite=False, **features)
-    return ops._backward(q, k, v, O, ops._stats_from_lse(lse), dO, scale, True, feat, "auto")
+    return ops._backward(q, k, v, None, stats, dO, scale, True, feat, "auto", parts=parts, delta=delta)
 
 
 def _rows(x, rows: slice):
@@ -364,33 +370,66 @@ def _forward(q, k, v, causal: bool, scale: float, ring: _Ring):
 
 
 def _backward(q, k, v, O, lse, dO, causal: bool, scale: float, ring: _Ring):
-    """(dQ, dK, dV) of this rank's shards. dQ sums the blocks' shares locally; each block's dK, dV partial sums
-    travel with it and come home to its owner after the last step."""
+    """(dQ, dK, dV) of this rank's shards, in two rings that each run one of the two backward kernels. First the
+    K/V blocks go round and dQ sums its shares locally; then this rank's queries go round (Q, dO and the row
+    statistics m2, l2, D: what the dK/dV kernel reads of a query) and dK, dV sum theirs locally. No partial sum
+    travels, and no float32 buffer is sent or received: the only buffers a step adds are the block in transit."""
+    stats = ops._stats_from_lse(lse)
+    delta = ops._delta(O, dO)
+    dQ = _dq_ring(q, k, v, stats, delta, dO, causal, scale, ring)
+    dK, dV = _dkdv_ring(q, k, v, stats, delta, dO, causal, scale, ring)
+    return dQ, dK, dV
+
+
+def _dq_ring(q, k, v, stats, delta, dO, causal, scale, ring):
+    """dQ: this rank's queries against every rank's K/V block, its shares summed in float32."""
     n = q.shape[2]
     k_cur, v_cur = k.contiguous(), v.contiguous()
-    dQ = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    partial = None  # the pending transfer of the dK/dV sums of the block this rank holds next
+    dQ = None
     for step in range(ring.size):
         source = (ring.rank - step) % ring.size
         incoming = ring.exchange([k_cur, v_cur], _TAG_KV) if step < ring.size - 1 else None
         rows, cols, blk_causal = block_visibility(ring.rank, source, n, causal)
-        # The global O and lse: the recomputed P is this block's slice of the whole row's softmax.
-        dQ_b, dK_b, dV_b = _block_backward(_rows(q, rows), _rows(k_cur, cols), _rows(v_cur, cols), O[:, :, rows],
-                                           lse[:, :, rows], dO[:, :, rows], blk_causal, scale)
-        dQ[:, :, rows] += dQ_b
-        if partial is None:  # the own block, first visit: its sums start here
-            dK, dV = dK_b.float(), dV_b.float()
-        else:  # the sums of the ranks before this one arrived while this step computed
-            dK, dV = partial.wait()
-            dK[:, :, cols] += dK_b
-            dV[:, :, cols] += dV_b
-        # On with the block's sums: the next rank holds this block at the next step (after the last step,
-        # the next rank is the block's owner: the extra hop).
-        partial = ring.exchange([dK, dV], _TAG_DKV)
+        dQ_b = _block_backward(_rows(q, rows), _rows(k_cur, cols), _rows(v_cur, cols),
+                               [_rows(s, rows) for s in stats], _rows(delta, rows), _rows(dO, rows), blk_causal,
+                               scale, ("dq",))[0]
+        if dQ is None:  # step 0 is the own block, which every local query sees
+            dQ = dQ_b.float()
+        else:
+            dQ[:, :, rows] += dQ_b
+        del dQ_b  # before the next step allocates its own
         if incoming is not None:
             k_cur, v_cur = incoming.wait()
-    dK, dV = partial.wait()
-    return dQ.to(q.dtype), dK.to(k.dtype), dV.to(v.dtype)
+    del k_cur, v_cur
+    return dQ.to(q.dtype)
+
+
+def _dkdv_ring(q, k, v, stats, delta, dO, causal, scale, ring):
+    """(dK, dV): every rank's queries (Q, dO, m2, l2, D) against this rank's K/V, the shares summed in float32.
+    At step t this rank holds the queries of rank ``rank - t``, so the visible part is
+    ``block_visibility(source, rank)``: rows of the visiting queries, columns of the own keys."""
+    n = q.shape[2]
+    visiting = [x.contiguous() for x in (q, dO, *stats, delta)]
+    dK = dV = None
+    for step in range(ring.size):
+        source = (ring.rank - step) % ring.size
+        incoming = ring.exchange(visiting, _TAG_Q) if step < ring.size - 1 else None
+        rows, cols, blk_causal = block_visibility(source, ring.rank, n, causal)
+        q_s, dO_s, m2_s, l2_s, delta_s = (_rows(x, rows) for x in visiting)
+        _, dK_b, dV_b = _block_backward(q_s, _rows(k, cols), _rows(v, cols), (m2_s, l2_s), delta_s, dO_s,
+                                        blk_causal, scale, ("dkdv",))
+        del q_s, dO_s, m2_s, l2_s, delta_s
+        if dK is None:  # step 0: the own queries, which see every own key
+            dK, dV = dK_b.float(), dV_b.float()
+        else:
+            dK[:, :, cols] += dK_b
+            dV[:, :, cols] += dV_b
+        del dK_b, dV_b
+        if incoming is not None:
+            visiting = incoming.wait()
+    del visiting
+    dK = dK.to(k.dtype)  # one float32 sum freed before the other is cast
+    return dK, dV.to(v.dtype)
 
 
 def ring_attention_forward(q, k, v, causal=False, sm_scale=None, group=None, *, check_finite=True):
@@ -426,7 +465,7 @@ def ring_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, gr
 
 class RingAttentionFunction(torch.autograd.Function):
     """:func:`ring_attention` as an autograd Function: saves this rank's Q, K, V, its O and the global lse;
-    the backward runs the ring again (K/V around once more, dK/dV partial sums with them)."""
+    the backward runs two rings (K/V around for dQ, then the queries around for dK and dV)."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal=False, sm_scale=None, group=None, check_finite=True):

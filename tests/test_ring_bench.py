@@ -163,3 +163,15 @@ def test_needs_cuda(capsys):
         pytest.skip("a CUDA device is present")
     assert ring_bench.main([]) == 2
     assert "needs CUDA" in capsys.readouterr().err
+
+
+def test_probe_lengths_grow_by_quarter_doublings():
+    from flashref.bench.ring_bench import probe_lengths
+
+    Ns = probe_lengths(262144, 1 << 21, 4)
+    assert Ns[0] == 262144 and Ns[-1] == 1 << 21 and (1 << 19) in Ns and (1 << 20) in Ns
+    assert len(Ns) == 13 and all(b > a for a, b in zip(Ns, Ns[1:]))
+    assert all(N % 16384 == 0 for N in Ns)  # whole zigzag chunks for up to 8 ranks at every N
+    assert all(b / a < 2 ** 0.3 for a, b in zip(Ns, Ns[1:]))  # a step is a quarter doubling, rounded
+    assert probe_lengths(128, 256, 4) == [128, 192, 256]  # the rehearsal's: multiples of 64, no repeats
+    assert probe_lengths(128, 256, 1) == [128, 256]
