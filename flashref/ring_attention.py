@@ -38,12 +38,13 @@ the own block's triangle as many: each rank does the same work at each step.
 slice of the global softmax, not a softmax of the block alone, and D = rowsum(dO * O) uses the global O.
 So the per-block backward (the kernels of :func:`flashref.triton.flash_attention_backward`, handed the global
 lse as an fp32 pair that keeps its float64 precision: :func:`_block_backward`) with the global O and lse gives
-each block's exact share of dQ and of dK, dV. The backward's two kernels are separate (one writes dQ, the
-other dK and dV), so the backward runs two rings and no partial sum ever travels: first the K/V blocks go
-round and each rank sums its dQ shares; then the queries go round (Q, dO and the row statistics m2, l2, D, all
-that the dK/dV kernel reads of a query) and each rank sums the dK, dV shares of its own K/V. The sums stay
-in fp32 on their owner and are rounded once at the end. Each ring moves 2 tensors of N/R tokens per step, as
-the forward does, and ends with the last block's compute (no hop home).
+each block's exact share of dQ and of dK, dV. The backward's two kernels are separate (one writes dK and dV,
+the other dQ), so the backward runs two rings and no partial sum ever travels. First the queries go round (Q,
+dO and the row statistics m2, l2, D: all that the dK/dV kernel reads of a query) and each rank sums the dK, dV
+shares of its own K/V; then the K/V blocks go round and each rank sums the dQ shares of its own queries. The
+sums stay on their owner in float32, rounded once at the end (on two ranks, in the gradients' own dtype: one
+addition, rounded once, gives the same bits). Each ring moves two tensors of N/R tokens per step, as the
+forward does, and ends with its last block's compute: there is no hop home.
 """
 
 from __future__ import annotations
@@ -362,27 +363,38 @@ def _forward(q, k, v, causal: bool, scale: float, ring: _Ring):
         O_b, lse_b = _block_forward(_rows(q, rows), _rows(k_cur, cols), _rows(v_cur, cols), blk_causal, scale)
         if O is None:  # step 0 is the own block, which every local query sees
             O, lse = O_b.float(), lse_b
-        else:  # exact: notebook 02's merge of two partial softmaxes over disjoint key sets (O in fp32)
-            O[:, :, rows], lse[:, :, rows] = merge_outputs(O[:, :, rows], lse[:, :, rows], O_b, lse_b)
+        else:  # exact: notebook 02's merge of two partial softmaxes over disjoint key sets (O in fp32), in place
+            merge_outputs(O[:, :, rows], lse[:, :, rows], O_b, lse_b, inplace=True)
+        del O_b, lse_b  # before the next step allocates its own
         if incoming is not None:
             k_cur, v_cur = incoming.wait()
     return O.to(q.dtype), lse
 
 
 def _backward(q, k, v, O, lse, dO, causal: bool, scale: float, ring: _Ring):
-    """(dQ, dK, dV) of this rank's shards, in two rings that each run one of the two backward kernels. First the
-    K/V blocks go round and dQ sums its shares locally; then this rank's queries go round (Q, dO and the row
-    statistics m2, l2, D: what the dK/dV kernel reads of a query) and dK, dV sum theirs locally. No partial sum
-    travels, and no float32 buffer is sent or received: the only buffers a step adds are the block in transit."""
+    """(dQ, dK, dV) of this rank's shards, in two rings that each run one of the two backward kernels. First this
+    rank's queries go round (Q, dO and the row statistics m2, l2, D: what the dK/dV kernel reads of a query) and
+    dK, dV sum their shares locally; then the K/V blocks go round and dQ sums its own. (In this order the step
+    outputs of the second ring are one tensor, dQ's, not two.) No partial sum
+    travels, and no float32 buffer is sent or received: the buffers a step adds are the block in transit and the
+    step's share of the gradients."""
     stats = ops._stats_from_lse(lse)
     delta = ops._delta(O, dO)
-    dQ = _dq_ring(q, k, v, stats, delta, dO, causal, scale, ring)
     dK, dV = _dkdv_ring(q, k, v, stats, delta, dO, causal, scale, ring)
+    dQ = _dq_ring(q, k, v, stats, delta, dO, causal, scale, ring)
     return dQ, dK, dV
 
 
+def _first_share(x_b, ring):
+    """A gradient's running sum, started from its first share: float32 when more than two shares are added
+    (each addition in fp16 or bf16 would round once more). With two, the gradient's own dtype: one addition of
+    two fp16 (or bf16) numbers is exact in float32 and rounded once, the very bits a float32 sum rounded at the
+    end gives, without the float32 copy (on two GPUs, 2 tensors of N/R tokens less per rank)."""
+    return x_b.float() if ring.size > 2 else x_b
+
+
 def _dq_ring(q, k, v, stats, delta, dO, causal, scale, ring):
-    """dQ: this rank's queries against every rank's K/V block, its shares summed in float32."""
+    """dQ: this rank's queries against every rank's K/V block, its shares summed (:func:`_first_share`)."""
     n = q.shape[2]
     k_cur, v_cur = k.contiguous(), v.contiguous()
     dQ = None
@@ -394,7 +406,7 @@ def _dq_ring(q, k, v, stats, delta, dO, causal, scale, ring):
                                [_rows(s, rows) for s in stats], _rows(delta, rows), _rows(dO, rows), blk_causal,
                                scale, ("dq",))[0]
         if dQ is None:  # step 0 is the own block, which every local query sees
-            dQ = dQ_b.float()
+            dQ = _first_share(dQ_b, ring)
         else:
             dQ[:, :, rows] += dQ_b
         del dQ_b  # before the next step allocates its own
@@ -405,7 +417,7 @@ def _dq_ring(q, k, v, stats, delta, dO, causal, scale, ring):
 
 
 def _dkdv_ring(q, k, v, stats, delta, dO, causal, scale, ring):
-    """(dK, dV): every rank's queries (Q, dO, m2, l2, D) against this rank's K/V, the shares summed in float32.
+    """(dK, dV): every rank's queries (Q, dO, m2, l2, D) against this rank's K/V, the shares summed as dQ's are.
     At step t this rank holds the queries of rank ``rank - t``, so the visible part is
     ``block_visibility(source, rank)``: rows of the visiting queries, columns of the own keys."""
     n = q.shape[2]
@@ -420,7 +432,7 @@ def _dkdv_ring(q, k, v, stats, delta, dO, causal, scale, ring):
                                         blk_causal, scale, ("dkdv",))
         del q_s, dO_s, m2_s, l2_s, delta_s
         if dK is None:  # step 0: the own queries, which see every own key
-            dK, dV = dK_b.float(), dV_b.float()
+            dK, dV = _first_share(dK_b, ring), _first_share(dV_b, ring)
         else:
             dK[:, :, cols] += dK_b
             dV[:, :, cols] += dV_b
@@ -428,7 +440,7 @@ def _dkdv_ring(q, k, v, stats, delta, dO, causal, scale, ring):
         if incoming is not None:
             visiting = incoming.wait()
     del visiting
-    dK = dK.to(k.dtype)  # one float32 sum freed before the other is cast
+    dK = dK.to(k.dtype)  # one float32 sum (R > 2) freed before the other is cast
     return dK, dV.to(v.dtype)
 
 
