@@ -436,19 +436,20 @@ def test_simulate_ring_times_out_instead_of_hanging(monkeypatch):
 
 # ---- the backward's two kernels, one at a time (what the ring's two backward rings run) -------------------------
 
-@pytest.mark.parametrize("H_kv,causal", [(2, False), (1, True)])
-def test_backward_parts_are_the_whole_backwards_parts(H_kv, causal):
+@pytest.mark.parametrize("H_kv,causal,d,dtype", [(2, False, 16, "float32"), (1, True, 64, "float16")])
+def test_backward_parts_are_the_whole_backwards_parts(H_kv, causal, d, dtype):
     """``ops._backward`` with ``parts=("dq",)`` or ``("dkdv",)`` and a given D gives bitwise the gradients the
-    whole deterministic backward gives, and ``None`` for the others."""
+    whole deterministic backward gives, and ``None`` for the others (on an H100, the fp16 case runs the Gluon
+    kernels; on the CPU, the teaching kernels in the interpreter)."""
     from flashref.triton import ops
 
-    q, k, v, do = feature_inputs(1, 2, H_kv, 37, 29, 16, torch.float32, seed=5)
+    q, k, v, do = feature_inputs(1, 2, H_kv, 37 * 5, 29 * 5, d, getattr(torch, dtype), seed=5)
     feat = ops.Features(q, k, causal=causal, scale=0.25, check_finite=False)
-    o, _, stats = ops._forward(q, k, v, 0.25, feat)
-    whole = ops._backward(q, k, v, o, stats, do, 0.25, True, feat)
+    o, _, stats = ops._forward(q, k, v, 0.25, feat, "auto")
+    whole = ops._backward(q, k, v, o, stats, do, 0.25, True, feat, "auto")
     delta = ops._delta(o, do)
-    dq_only = ops._backward(q, k, v, None, stats, do, 0.25, True, feat, parts=("dq",), delta=delta)
-    dkdv_only = ops._backward(q, k, v, None, stats, do, 0.25, True, feat, parts=("dkdv",), delta=delta)
+    dq_only = ops._backward(q, k, v, None, stats, do, 0.25, True, feat, "auto", parts=("dq",), delta=delta)
+    dkdv_only = ops._backward(q, k, v, None, stats, do, 0.25, True, feat, "auto", parts=("dkdv",), delta=delta)
     assert dq_only[1] is None and dq_only[2] is None and dkdv_only[0] is None
     assert torch.equal(dq_only[0], whole[0])
     assert torch.equal(dkdv_only[1], whole[1]) and torch.equal(dkdv_only[2], whole[2])
