@@ -42,6 +42,7 @@ import sys
 import tempfile
 import time
 import traceback
+from functools import partial
 
 from flashref.bench import results
 from flashref.bench.results import flops
@@ -113,13 +114,21 @@ def longest_fit(rows) -> dict:
 
 
 def longest_table(rows) -> str:
-    """Each probed N and what happened, per number of GPUs, then the longest that fit."""
+    """Each probed N and what happened, per number of GPUs, with the peak per GPU and, where the run saved them,
+    the forward's and the backward's peaks counted in tensors of the GPU's shard (``shard_bytes``); then the
+    longest that fit."""
     sel = sorted((r for r in rows if r.get("part") == "longest"), key=lambda r: (r["gpus"], r["N"]))
-    lines = [f"{'GPUs':>4s} {'N':>9s} {'status':>10s} {'peak GiB/GPU':>12s}"]
-    lines += [f"{r['gpus']:>4d} {r['N']:>9d} {r['status'][:10]:>10s} {_gib(r.get('peak_bytes')):>12s}" for r in sel]
+    lines = [f"{'GPUs':>4s} {'N':>9s} {'status':>10s} {'peak GiB/GPU':>12s} {'fwd, bwd peak in shard tensors':>31s}"]
+    lines += [f"{r['gpus']:>4d} {r['N']:>9d} {r['status'][:10]:>10s} {_gib(r.get('peak_bytes')):>12s} "
+              f"{_in_shards(r):>31s}" for r in sel]
     for g, (N, peak) in sorted(longest_fit(rows).items()):
         lines.append(f"longest on {g} GPU{'s' if g > 1 else ''}: N = {N} ({N // 1024}K tokens), {_gib(peak)} GiB per GPU")
     return "\n".join(lines)
+
+
+def _in_shards(row) -> str:
+    fwd, bwd, unit = (row.get(k) for k in ("forward_peak_bytes", "backward_peak_bytes", "shard_bytes"))
+    return "-" if None in (fwd, bwd, unit) else f"{fwd / unit:.1f}, {bwd / unit:.1f}"
 
 
 def plot_scaling(data, axes=None):
@@ -470,9 +479,27 @@ def _one_gpu_point(flash_attention, N, causal, dev, plan, ranks):
     return row
 
 
-def _probe_row(impl, gpus, N, status, peak=None, H=H, d=D):
+def _probe_row(impl, gpus, N, status, peaks=(None, None), H=H, d=D):
+    """A ``longest`` row. ``peaks``: the forward's and the backward's peak bytes (the busiest GPU's);
+    ``shard_bytes`` is one fp16 tensor of a GPU's N / gpus tokens, the unit in which :func:`longest_table`
+    counts them (one GPU holds 8 at its backward's end: Q, K, V, O, dO, dQ, dK, dV)."""
+    fwd, bwd = peaks
+    peak = None if fwd is None or bwd is None else max(fwd, bwd)
     return {"part": "longest", "impl": impl, "gpus": gpus, "B": B, "H": H, "H_kv": H, "N": N, "d": d,
-            "probe": f"fwd+bwd, window_size={list(PROBE_WINDOW)}", "status": status, "peak_bytes": peak}
+            "probe": f"fwd+bwd, window_size={list(PROBE_WINDOW)}", "status": status, "peak_bytes": peak,
+            "forward_peak_bytes": fwd, "backward_peak_bytes": bwd, "shard_bytes": B * H * (N // gpus) * d * 2}
+
+
+def _probe_peaks(fn, q, k, v, do, dev):
+    """(forward peak, backward peak) in bytes of one forward + backward of ``fn`` (``None`` on the CPU): the
+    allocator's peak read after the forward, reset, and read again after the backward."""
+    o = fn(q, k, v)
+    dev.sync()
+    fwd = dev.peak()
+    dev.reset_peak()
+    o.backward(do)
+    dev.sync()
+    return fwd, dev.peak()
 
 
 def probe_lengths(start: int, stop: int, steps: int) -> list:
@@ -492,13 +519,12 @@ def _longest_one_gpu(flash_attention, dev, plan):
         dev.fresh()
         try:
             q, k, v, do = _inputs(dev, plan, N, 2)
-            flash_attention(q, k, v, causal=True, window_size=PROBE_WINDOW, check_finite=False).backward(do)
-            dev.sync()
-            status, peak = "ok", dev.peak()
+            fn = partial(flash_attention, causal=True, window_size=PROBE_WINDOW, check_finite=False)
+            status, peaks = "ok", _probe_peaks(fn, q, k, v, do, dev)
         except Exception as exc:  # noqa: BLE001 (out of memory is the result)
-            status, peak = _status(exc), None
+            status, peaks = _status(exc), (None, None)
         q = k = v = do = None
-        yield _probe_row("flashref-triton 1 GPU", 1, N, status, peak, plan.H, plan.d)
+        yield _probe_row("flashref-triton 1 GPU", 1, N, status, peaks, plan.H, plan.d)
         if status != "ok":
             return
 
@@ -600,7 +626,6 @@ def _longest_ring(rank, world, dev, plan, ranks):
     """N from ``plan.longest_from`` as :func:`probe_lengths` grows it; every rank learns whether all ranks fit
     before anything synchronizes."""
     import flashref.ring_attention as ring_module
-    from functools import partial
 
     saved = ring_module._block_forward, ring_module._block_backward
     # The probe's window: the same allocations as the dense kernels, a fraction of their work.
@@ -612,19 +637,18 @@ def _longest_ring(rank, world, dev, plan, ranks):
             dev.fresh()
             try:
                 q, k, v, do = _inputs(dev, plan, N // world, 300 + rank)
-                _fwd_bwd(_ring_fn(True), q, k, v, do)()
+                peaks = _probe_peaks(_ring_fn(True), q, k, v, do, dev)
                 status = "ok"
             except Exception as exc:  # noqa: BLE001 (out of memory is the result)
                 status = _status(exc)
             q = k = v = do = None
             failed = ranks.reduce(0.0 if status == "ok" else 1.0, "SUM")
             if failed == 0:
-                dev.sync()
-                peak = ranks.reduce(dev.peak(), "MAX")
-                yield _probe_row(impl, world, N, "ok", None if peak is None else int(peak), plan.H, plan.d)
+                peaks = tuple(None if p is None else int(ranks.reduce(p, "MAX")) for p in peaks)
+                yield _probe_row(impl, world, N, "ok", peaks, plan.H, plan.d)
                 continue
             yield _probe_row(impl, world, N, status if status != "ok" else f"OOM on {int(failed)} of {world} ranks",
-                             None, plan.H, plan.d)
+                             (None, None), plan.H, plan.d)
             return
     finally:
         ring_module._block_forward, ring_module._block_backward = saved
