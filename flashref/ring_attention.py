@@ -374,10 +374,10 @@ def _forward(q, k, v, causal: bool, scale: float, ring: _Ring):
 def _backward(q, k, v, O, lse, dO, causal: bool, scale: float, ring: _Ring):
     """(dQ, dK, dV) of this rank's shards, in two rings that each run one of the two backward kernels. First this
     rank's queries go round (Q, dO and the row statistics m2, l2, D: what the dK/dV kernel reads of a query) and
-    dK, dV sum their shares locally; then the K/V blocks go round and dQ sums its own. (In this order the step
-    outputs of the second ring are one tensor, dQ's, not two.) No partial sum
-    travels, and no float32 buffer is sent or received: the buffers a step adds are the block in transit and the
-    step's share of the gradients."""
+    dK, dV sum their shares locally; then the K/V blocks go round and dQ sums its own (in this order the second
+    ring's step outputs are one tensor, dQ's, beside the finished dK and dV). No partial sum travels and no
+    float32 buffer is sent or received: what a step adds is the block in transit and its share of the
+    gradients."""
     stats = ops._stats_from_lse(lse)
     delta = ops._delta(O, dO)
     dK, dV = _dkdv_ring(q, k, v, stats, delta, dO, causal, scale, ring)
@@ -477,7 +477,7 @@ def ring_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, gr
 
 class RingAttentionFunction(torch.autograd.Function):
     """:func:`ring_attention` as an autograd Function: saves this rank's Q, K, V, its O and the global lse;
-    the backward runs two rings (K/V around for dQ, then the queries around for dK and dV)."""
+    the backward runs two rings (the queries around for dK and dV, then K/V around for dQ)."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal=False, sm_scale=None, group=None, check_finite=True):

@@ -14,9 +14,10 @@ each worker has its GPU's whole memory.
   ring's figure is all GPUs together) and the peak memory of the busiest GPU; the ring's rows carry
   ``speedup`` = 1-GPU time / ring time (the ratio of tokens/s).
 - ``longest``: N from 256K, four steps per doubling (:func:`probe_lengths`), until out of memory, for 1 GPU and
-  for the ring, with the peak memory per GPU. The probe runs one forward + backward with a causal window of 128 keys (``window_size=(127, 0)``):
-  the kernels allocate exactly what the dense ones do (the window only skips tiles), so what fits is the
-  same, and a probe takes seconds rather than the minutes of dense attention at millions of tokens.
+  for the ring, with the peak memory per GPU, the forward's and the backward's apart. The probe runs one
+  forward + backward with a causal window of 128 keys (``window_size=(127, 0)``): the kernels allocate exactly
+  what the dense ones do (the window only skips tiles), so what fits is the same, and a probe takes seconds
+  rather than the minutes of dense attention at millions of tokens.
 - ``trace``: a ``torch.profiler`` trace of one ring forward + backward at N = 128K, causal, on rank 0, reduced
   to its GPU kernels ``[stream, name, start_us, dur_us]``: the attention kernels on the compute stream and
   NCCL's send/receive kernels on its own, to see whether communication hides behind compute
