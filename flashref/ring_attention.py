@@ -377,7 +377,7 @@ def _backward(q, k, v, O, lse, dO, causal: bool, scale: float, ring: _Ring):
     dK, dV sum their shares locally; then the K/V blocks go round and dQ sums its own (in this order the second
     ring's step outputs are one tensor, dQ's, beside the finished dK and dV). No partial sum travels and no
     float32 buffer is sent or received: what a step adds is the block in transit and its share of the
-    gradients."""
+    gradients, computed in pieces of at most :data:`_CHUNK` tokens where the block is a whole rectangle."""
     stats = ops._stats_from_lse(lse)
     delta = ops._delta(O, dO)
     dK, dV = _dkdv_ring(q, k, v, stats, delta, dO, causal, scale, ring)
@@ -393,8 +393,36 @@ def _first_share(x_b, ring):
     return x_b.float() if ring.size > 2 else x_b
 
 
+def _add_share(total, share, index: slice, like, ring):
+    """``total[:, :, index] += share``, the running sum of a gradient (shaped ``like``). The first share starts
+    it (:func:`_first_share`) when it covers every token; a first share of some tokens only starts it from
+    zeros in the sum's dtype (adding to 0 is exact, so the bits are the same)."""
+    if total is None:
+        if tuple(share.shape) == tuple(like.shape):
+            return _first_share(share, ring)
+        total = torch.zeros(like.shape, dtype=torch.float32 if ring.size > 2 else like.dtype, device=like.device)
+    total[:, :, index] += share
+    return total
+
+
+#: A step of the backward computes the shares of at most this many keys (dK/dV ring) or queries (dQ ring) at a
+#: time where its block is a whole rectangle (not a causal diagonal block): each piece's output is then at most
+#: this long, not the shard's length, which is what the longest sequence that fits is made of.
+_CHUNK = 1 << 17
+
+
+def _chunks(index: slice, n: int, causal: bool) -> list:
+    """``index`` (a slice of a shard of n tokens) cut into pieces of at most :data:`_CHUNK` tokens; a causal
+    (diagonal) block stays whole, since its mask is aligned to the block's corner."""
+    start, stop, _ = index.indices(n)
+    if causal or stop - start <= _CHUNK:
+        return [index]
+    return [slice(a, min(a + _CHUNK, stop)) for a in range(start, stop, _CHUNK)]
+
+
 def _dq_ring(q, k, v, stats, delta, dO, causal, scale, ring):
-    """dQ: this rank's queries against every rank's K/V block, its shares summed (:func:`_first_share`)."""
+    """dQ: this rank's queries against every rank's K/V block, its shares summed (:func:`_add_share`), a
+    whole block's rows in pieces (:func:`_chunks`)."""
     n = q.shape[2]
     k_cur, v_cur = k.contiguous(), v.contiguous()
     dQ = None
@@ -402,14 +430,13 @@ def _dq_ring(q, k, v, stats, delta, dO, causal, scale, ring):
         source = (ring.rank - step) % ring.size
         incoming = ring.exchange([k_cur, v_cur], _TAG_KV) if step < ring.size - 1 else None
         rows, cols, blk_causal = block_visibility(ring.rank, source, n, causal)
-        dQ_b = _block_backward(_rows(q, rows), _rows(k_cur, cols), _rows(v_cur, cols),
-                               [_rows(s, rows) for s in stats], _rows(delta, rows), _rows(dO, rows), blk_causal,
-                               scale, ("dq",))[0]
-        if dQ is None:  # step 0 is the own block, which every local query sees
-            dQ = _first_share(dQ_b, ring)
-        else:
-            dQ[:, :, rows] += dQ_b
-        del dQ_b  # before the next step allocates its own
+        k_s, v_s = _rows(k_cur, cols), _rows(v_cur, cols)
+        for sub in _chunks(rows, n, blk_causal):
+            dQ_b = _block_backward(_rows(q, sub), k_s, v_s, [_rows(s, sub) for s in stats], _rows(delta, sub),
+                                   _rows(dO, sub), blk_causal, scale, ("dq",))[0]
+            dQ = _add_share(dQ, dQ_b, sub, q, ring)
+            del dQ_b  # before the next piece allocates its own
+        del k_s, v_s
         if incoming is not None:
             k_cur, v_cur = incoming.wait()
     del k_cur, v_cur
@@ -417,9 +444,9 @@ def _dq_ring(q, k, v, stats, delta, dO, causal, scale, ring):
 
 
 def _dkdv_ring(q, k, v, stats, delta, dO, causal, scale, ring):
-    """(dK, dV): every rank's queries (Q, dO, m2, l2, D) against this rank's K/V, the shares summed as dQ's are.
-    At step t this rank holds the queries of rank ``rank - t``, so the visible part is
-    ``block_visibility(source, rank)``: rows of the visiting queries, columns of the own keys."""
+    """(dK, dV): every rank's queries (Q, dO, m2, l2, D) against this rank's K/V, the shares summed as dQ's are,
+    a whole block's columns in pieces. At step t this rank holds the queries of rank ``rank - t``, so the
+    visible part is ``block_visibility(source, rank)``: rows of the visiting queries, columns of the own keys."""
     n = q.shape[2]
     visiting = [x.contiguous() for x in (q, dO, *stats, delta)]
     dK = dV = None
@@ -428,15 +455,12 @@ def _dkdv_ring(q, k, v, stats, delta, dO, causal, scale, ring):
         incoming = ring.exchange(visiting, _TAG_Q) if step < ring.size - 1 else None
         rows, cols, blk_causal = block_visibility(source, ring.rank, n, causal)
         q_s, dO_s, m2_s, l2_s, delta_s = (_rows(x, rows) for x in visiting)
-        _, dK_b, dV_b = _block_backward(q_s, _rows(k, cols), _rows(v, cols), (m2_s, l2_s), delta_s, dO_s,
-                                        blk_causal, scale, ("dkdv",))
+        for sub in _chunks(cols, n, blk_causal):
+            _, dK_b, dV_b = _block_backward(q_s, _rows(k, sub), _rows(v, sub), (m2_s, l2_s), delta_s, dO_s,
+                                            blk_causal, scale, ("dkdv",))
+            dK, dV = _add_share(dK, dK_b, sub, k, ring), _add_share(dV, dV_b, sub, v, ring)
+            del dK_b, dV_b
         del q_s, dO_s, m2_s, l2_s, delta_s
-        if dK is None:  # step 0: the own queries, which see every own key
-            dK, dV = _first_share(dK_b, ring), _first_share(dV_b, ring)
-        else:
-            dK[:, :, cols] += dK_b
-            dV[:, :, cols] += dV_b
-        del dK_b, dV_b
         if incoming is not None:
             visiting = incoming.wait()
     del visiting
