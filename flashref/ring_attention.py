@@ -368,6 +368,7 @@ def _forward(q, k, v, causal: bool, scale: float, ring: _Ring):
         del O_b, lse_b  # before the next step allocates its own
         if incoming is not None:
             k_cur, v_cur = incoming.wait()
+    del k_cur, v_cur  # the last visiting block, before O's cast allocates
     return O.to(q.dtype), lse
 
 
