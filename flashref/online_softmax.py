@@ -72,13 +72,6 @@ def _check_state(name: str, state) -> "SoftmaxState":
     return state
 
 
-def _broadcasts_to(shape: tuple, target: tuple) -> bool:
-    try:
-        return np.broadcast_shapes(shape, target) == target
-    except ValueError:
-        return False
-
-
 def _check_block_size(block_size) -> int:
     if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral):
         raise TypeError(f"block_size must be an int, got {type(block_size).__name__}: {block_size!r}")
@@ -139,7 +132,7 @@ def update(state: SoftmaxState, scores_block, v_block=None) -> SoftmaxState:
     v_block = np.asarray(v_block)
     b, d = x.shape[-1], state.o.shape[-1]
     lead = rows[:-1]  # P's rows form a matrix with the last axis of the state's rows
-    if v_block.ndim < 2 or v_block.shape[-2:] != (b, d) or not _broadcasts_to(v_block.shape[:-2], lead):
+    if v_block.ndim < 2 or v_block.shape[-2:] != (b, d) or not validation.broadcasts_to(v_block.shape[:-2], lead):
         want = f"(b, d) = ({b}, {d})" + (f" or {lead + (b, d)}" if lead else "")
         raise ValueError(f"v_block must have shape {want}: the block's b value rows, as wide as state.o (d = {d}), "
                          f"got shape {v_block.shape}")
