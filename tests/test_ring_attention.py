@@ -27,7 +27,7 @@ from flashref import reference
 from flashref.ring_attention import (block_visibility, gather_sequence, ring_attention, ring_attention_backward,
                                      ring_attention_forward, sequence_positions, shard_sequence, simulate_ring)
 from flashref.tolerance import assert_within_tolerance
-from tests._triton_helpers import feature_inputs, np64, plain_with_features
+from tests._triton_helpers import DEVICE, feature_inputs, np64, plain_with_features
 
 JOIN_TIMEOUT = 120.0  # seconds for one spawned run; a hang fails the test instead of stalling the suite
 
@@ -103,7 +103,10 @@ def _worker(rank, world_size, init_file, cases, results):
 def spawn_ring(world_size, cases, timeout=JOIN_TIMEOUT):
     """Run :func:`_worker` on ``world_size`` spawned processes (the ring benchmark's launcher); returns
     ``{(case, rank): arrays}``, ``{rank: errors}``. A worker's exception fails with its traceback; a hang fails
-    after ``timeout`` seconds."""
+    after ``timeout`` seconds. Skipped where CUDA is visible: gloo carries CPU tensors, which only Triton's
+    interpreter runs (CI's machine); on a GPU, tests/test_ring_gpu.py runs the ring over NCCL."""
+    if DEVICE != "cpu":
+        pytest.skip("the gloo ring runs on CPU tensors under Triton's interpreter; tests/test_ring_gpu.py is the GPU's")
     store = os.path.join(tempfile.mkdtemp(prefix="flashref_ring_"), "store")
     out, errors = {}, {}
 
@@ -257,6 +260,9 @@ def test_needs_an_initialized_process_group():
 
 @pytest.fixture
 def one_rank_group():
+    """A gloo group of one rank in this process; gloo carries CPU tensors, which a machine with CUDA refuses."""
+    if DEVICE != "cpu":
+        pytest.skip("the gloo ring runs on CPU tensors under Triton's interpreter; tests/test_ring_gpu.py is the GPU's")
     store = os.path.join(tempfile.mkdtemp(prefix="flashref_ring_"), "store")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     try:
@@ -367,7 +373,7 @@ def test_simulate_ring_bad_arguments_name_the_argument():
     with pytest.raises(TypeError, match="world_size must be a positive integer"):
         simulate_ring(q, k, v, 2.0)
     with pytest.raises(TypeError, match="q must be a torch.Tensor"):
-        simulate_ring(q.numpy(), k, v, 2)
+        simulate_ring(q.cpu().numpy(), k, v, 2)
     with pytest.raises(TypeError, match="causal must be a bool"):
         simulate_ring(q, k, v, 2, causal=1)
     with pytest.raises(ValueError, match="sm_scale must be a finite number > 0"):
@@ -381,7 +387,7 @@ def test_simulate_ring_bad_arguments_name_the_argument():
     with pytest.raises(ValueError, match=r"do must have the shape of q \(1, 2, 8, 16\)"):
         simulate_ring(q, k, v, 2, do=do[:, :, :4])
     with pytest.raises(TypeError, match="do must be None or a torch.Tensor"):
-        simulate_ring(q, k, v, 2, do=do.numpy())
+        simulate_ring(q, k, v, 2, do=do.cpu().numpy())
     with pytest.raises(ValueError, match="do must be finite"):
         simulate_ring(q, k, v, 2, do=torch.full_like(do, math.nan))
     nan_v = v.clone()
