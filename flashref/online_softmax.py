@@ -72,13 +72,6 @@ def _check_state(name: str, state) -> "SoftmaxState":
     return state
 
 
-def _broadcasts_to(shape: tuple, target: tuple) -> bool:
-    try:
-        return np.broadcast_shapes(shape, target) == target
-    except ValueError:
-        return False
-
-
 def _check_block_size(block_size) -> int:
     if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral):
         raise TypeError(f"block_size must be an int, got {type(block_size).__name__}: {block_size!r}")
@@ -139,7 +132,7 @@ def update(state: SoftmaxState, scores_block, v_block=None) -> SoftmaxState:
     v_block = np.asarray(v_block)
     b, d = x.shape[-1], state.o.shape[-1]
     lead = rows[:-1]  # P's rows form a matrix with the last axis of the state's rows
-    if v_block.ndim < 2 or v_block.shape[-2:] != (b, d) or not _broadcasts_to(v_block.shape[:-2], lead):
+    if v_block.ndim < 2 or v_block.shape[-2:] != (b, d) or not validation.broadcasts_to(v_block.shape[:-2], lead):
         want = f"(b, d) = ({b}, {d})" + (f" or {lead + (b, d)}" if lead else "")
         raise ValueError(f"v_block must have shape {want}: the block's b value rows, as wide as state.o (d = {d}), "
                          f"got shape {v_block.shape}")
@@ -168,7 +161,7 @@ def merge(a: SoftmaxState, b: SoftmaxState) -> SoftmaxState:
     return SoftmaxState(m, l, a.o * wa[..., None] + b.o * wb[..., None])
 
 
-def merge_outputs(o_a, lse_a, o_b, lse_b):
+def merge_outputs(o_a, lse_a, o_b, lse_b, *, inplace=False):
     """Merge two finished partial attentions over disjoint key sets, each given as its normalized output
     ``o`` (shape ``(..., d)``) and its log-sum-exp ``lse`` (shape ``(...)``): the same merge as
     :func:`merge`, in the form kernels return. With ``lse = logaddexp(lse_a, lse_b)``,
@@ -179,7 +172,9 @@ def merge_outputs(o_a, lse_a, o_b, lse_b):
     weights are taken in lse's precision and o keeps its own: an lse in float64 beside an fp32 o (as ring
     attention keeps them) gives float64 weights and an fp32 o.
     Works on NumPy arrays and on torch tensors alike (no copy to the host): the merge that tiles, GPUs of a
-    ring (:mod:`flashref.ring_attention`) and key splits in decoding share."""
+    ring (:mod:`flashref.ring_attention`) and key splits in decoding share. ``inplace=True`` writes the result
+    into ``o_a`` and ``lse_a`` (which may be views) and returns them: no temporary as large as o, which matters
+    when o is a GPU's whole shard of a long sequence."""
     if type(o_a) is not type(o_b) or type(lse_a) is not type(lse_b) or type(o_a) is not type(lse_a):
         raise TypeError("merge_outputs needs o_a, lse_a, o_b and lse_b of one array type (all NumPy or all "
                         f"torch), got {type(o_a).__name__}, {type(lse_a).__name__}, {type(o_b).__name__}, "
@@ -205,8 +200,16 @@ def merge_outputs(o_a, lse_a, o_b, lse_b):
         out = np.result_type(o_a, o_b)
         w_a, w_b = w_a.astype(out, copy=False), w_b.astype(out, copy=False)
     else:
-        out = xp.promote_types(o_a.dtype, o_b.dtype)
+        out = o_a.dtype if inplace else xp.promote_types(o_a.dtype, o_b.dtype)
         w_a, w_b = w_a.to(out), w_b.to(out)
+    if inplace:
+        if xp is np:
+            np.multiply(o_a, w_a, out=o_a)
+            o_a += w_b * o_b
+        else:
+            o_a.mul_(w_a).addcmul_(o_b, w_b)
+        lse_a[...] = lse
+        return o_a, lse_a
     return w_a * o_a + w_b * o_b, lse
 
 

@@ -38,9 +38,13 @@ the own block's triangle as many: each rank does the same work at each step.
 slice of the global softmax, not a softmax of the block alone, and D = rowsum(dO * O) uses the global O.
 So the per-block backward (the kernels of :func:`flashref.triton.flash_attention_backward`, handed the global
 lse as an fp32 pair that keeps its float64 precision: :func:`_block_backward`) with the global O and lse gives
-each block's exact share of dQ (summed on the rank that owns Q) and of dK, dV. Those partial sums travel
-around the ring with their K/V block, each rank adding its share, and one more hop brings them home to the
-block's owner. They travel in fp32 and are rounded once at the end.
+each block's exact share of dQ and of dK, dV. The backward's two kernels are separate (one writes dK and dV,
+the other dQ), so the backward runs two rings and no partial sum ever travels. First the queries go round (Q,
+dO and the row statistics m2, l2, D: all that the dK/dV kernel reads of a query) and each rank sums the dK, dV
+shares of its own K/V; then the K/V blocks go round and each rank sums the dQ shares of its own queries. The
+sums stay on their owner in float32, rounded once at the end (on two ranks, in the gradients' own dtype: one
+addition, rounded once, gives the same bits). Each ring moves two tensors of N/R tokens per step, as the
+forward does, and ends with its last block's compute: there is no hop home.
 """
 
 from __future__ import annotations
@@ -66,9 +70,9 @@ from flashref.triton.ops import _check
 __all__ = ["ring_attention", "ring_attention_forward", "ring_attention_backward", "RingAttentionFunction",
            "shard_sequence", "gather_sequence", "sequence_positions", "block_visibility", "simulate_ring"]
 
-# Message tags: K/V blocks and the dK/dV partial sums are separate streams of messages between two ranks
+# Message tags: K/V blocks and visiting queries are separate streams of messages between two ranks
 # (gloo matches messages by tag; NCCL by order, which is the same on every rank anyway).
-_TAG_KV, _TAG_DKV = 0, 1
+_TAG_KV, _TAG_Q = 0, 1
 _LN2 = math.log(2.0)  # the kernels' row statistics are base 2
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
 _FACT_NAMES = ("B", "H", "H_kv", "N_local", "d", "dtype", "causal", "sm_scale")  # what every rank must agree on
@@ -328,11 +332,14 @@ def _block_forward(q, k, v, causal: bool, scale: float, **features):
     return O_b, torch.where(seen, (m2.double() + l2.double()) * _LN2, float("-inf"))
 
 
-def _block_backward(q, k, v, O, lse, dO, causal: bool, scale: float, **features):
-    """One step's shares ``(dQ_b, dK_b, dV_b)`` from the global O and the global float64 lse, which the backward
-    kernels take as an fp32 pair that keeps its precision (``flashref.triton.ops._stats_from_lse``)."""
+def _block_backward(q, k, v, stats, delta, dO, causal: bool, scale: float, parts, **features):
+    """One step's share of the gradients the ``parts`` name (``("dq",)`` or ``("dkdv",)``), as
+    ``(dQ_b, dK_b, dV_b)`` with the others ``None``: the backward kernels given the whole row's statistics
+    ``stats`` (``flashref.triton.ops._stats_from_lse`` of the global float64 lse: an fp32 pair that keeps its
+    precision) and ``delta`` = rowsum(dO * O) of the global O, so the recomputed P and dS are this block's slices
+    of the whole row's."""
     feat = ops.Features(q, k, causal=causal, scale=scale, check_finite=False, **features)
-    return ops._backward(q, k, v, O, ops._stats_from_lse(lse), dO, scale, True, feat, "auto")
+    return ops._backward(q, k, v, None, stats, dO, scale, True, feat, "auto", parts=parts, delta=delta)
 
 
 def _rows(x, rows: slice):
@@ -356,41 +363,110 @@ def _forward(q, k, v, causal: bool, scale: float, ring: _Ring):
         O_b, lse_b = _block_forward(_rows(q, rows), _rows(k_cur, cols), _rows(v_cur, cols), blk_causal, scale)
         if O is None:  # step 0 is the own block, which every local query sees
             O, lse = O_b.float(), lse_b
-        else:  # exact: notebook 02's merge of two partial softmaxes over disjoint key sets (O in fp32)
-            O[:, :, rows], lse[:, :, rows] = merge_outputs(O[:, :, rows], lse[:, :, rows], O_b, lse_b)
+        else:  # exact: notebook 02's merge of two partial softmaxes over disjoint key sets (O in fp32), in place
+            merge_outputs(O[:, :, rows], lse[:, :, rows], O_b, lse_b, inplace=True)
+        del O_b, lse_b  # before the next step allocates its own
         if incoming is not None:
             k_cur, v_cur = incoming.wait()
+    del k_cur, v_cur  # the last visiting block, before O's cast allocates
     return O.to(q.dtype), lse
 
 
 def _backward(q, k, v, O, lse, dO, causal: bool, scale: float, ring: _Ring):
-    """(dQ, dK, dV) of this rank's shards. dQ sums the blocks' shares locally; each block's dK, dV partial sums
-    travel with it and come home to its owner after the last step."""
+    """(dQ, dK, dV) of this rank's shards, in two rings that each run one of the two backward kernels. First this
+    rank's queries go round (Q, dO and the row statistics m2, l2, D: what the dK/dV kernel reads of a query) and
+    dK, dV sum their shares locally; then the K/V blocks go round and dQ sums its own (in this order the second
+    ring's step outputs are one tensor, dQ's, beside the finished dK and dV). No partial sum travels and no
+    float32 buffer is sent or received: what a step adds is the block in transit and its share of the
+    gradients, computed in pieces of at most :data:`_CHUNK` tokens where the block is a whole rectangle."""
+    stats = ops._stats_from_lse(lse)
+    delta = ops._delta(O, dO)
+    dK, dV = _dkdv_ring(q, k, v, stats, delta, dO, causal, scale, ring)
+    dQ = _dq_ring(q, k, v, stats, delta, dO, causal, scale, ring)
+    return dQ, dK, dV
+
+
+def _first_share(x_b, ring):
+    """A gradient's running sum, started from its first share: float32 when more than two shares are added
+    (each addition in fp16 or bf16 would round once more). With two, the gradient's own dtype: one addition of
+    two fp16 (or bf16) numbers is exact in float32 and rounded once, the very bits a float32 sum rounded at the
+    end gives, without the float32 copy (on two GPUs, 2 tensors of N/R tokens less per rank)."""
+    return x_b.float() if ring.size > 2 else x_b
+
+
+def _add_share(total, share, index: slice, like, ring):
+    """``total[:, :, index] += share``, the running sum of a gradient (shaped ``like``). The first share starts
+    it (:func:`_first_share`) when it covers every token; a first share of some tokens only starts it from
+    zeros in the sum's dtype (adding to 0 is exact, so the bits are the same)."""
+    if total is None:
+        if tuple(share.shape) == tuple(like.shape):
+            return _first_share(share, ring)
+        total = torch.zeros(like.shape, dtype=torch.float32 if ring.size > 2 else like.dtype, device=like.device)
+    total[:, :, index] += share
+    return total
+
+
+#: A step of the backward computes the shares of at most this many keys (dK/dV ring) or queries (dQ ring) at a
+#: time where its block is a whole rectangle (not a causal diagonal block): each piece's output is then at most
+#: this long, not the shard's length, which is what the longest sequence that fits is made of.
+_CHUNK = 1 << 17
+
+
+def _chunks(index: slice, n: int, causal: bool) -> list:
+    """``index`` (a slice of a shard of n tokens) cut into pieces of at most :data:`_CHUNK` tokens; a causal
+    (diagonal) block stays whole, since its mask is aligned to the block's corner."""
+    start, stop, _ = index.indices(n)
+    if causal or stop - start <= _CHUNK:
+        return [index]
+    return [slice(a, min(a + _CHUNK, stop)) for a in range(start, stop, _CHUNK)]
+
+
+def _dq_ring(q, k, v, stats, delta, dO, causal, scale, ring):
+    """dQ: this rank's queries against every rank's K/V block, its shares summed (:func:`_add_share`), a
+    whole block's rows in pieces (:func:`_chunks`)."""
     n = q.shape[2]
     k_cur, v_cur = k.contiguous(), v.contiguous()
-    dQ = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    partial = None  # the pending transfer of the dK/dV sums of the block this rank holds next
+    dQ = None
     for step in range(ring.size):
         source = (ring.rank - step) % ring.size
         incoming = ring.exchange([k_cur, v_cur], _TAG_KV) if step < ring.size - 1 else None
         rows, cols, blk_causal = block_visibility(ring.rank, source, n, causal)
-        # The global O and lse: the recomputed P is this block's slice of the whole row's softmax.
-        dQ_b, dK_b, dV_b = _block_backward(_rows(q, rows), _rows(k_cur, cols), _rows(v_cur, cols), O[:, :, rows],
-                                           lse[:, :, rows], dO[:, :, rows], blk_causal, scale)
-        dQ[:, :, rows] += dQ_b
-        if partial is None:  # the own block, first visit: its sums start here
-            dK, dV = dK_b.float(), dV_b.float()
-        else:  # the sums of the ranks before this one arrived while this step computed
-            dK, dV = partial.wait()
-            dK[:, :, cols] += dK_b
-            dV[:, :, cols] += dV_b
-        # On with the block's sums: the next rank holds this block at the next step (after the last step,
-        # the next rank is the block's owner: the extra hop).
-        partial = ring.exchange([dK, dV], _TAG_DKV)
+        k_s, v_s = _rows(k_cur, cols), _rows(v_cur, cols)
+        for sub in _chunks(rows, n, blk_causal):
+            dQ_b = _block_backward(_rows(q, sub), k_s, v_s, [_rows(s, sub) for s in stats], _rows(delta, sub),
+                                   _rows(dO, sub), blk_causal, scale, ("dq",))[0]
+            dQ = _add_share(dQ, dQ_b, sub, q, ring)
+            del dQ_b  # before the next piece allocates its own
+        del k_s, v_s
         if incoming is not None:
             k_cur, v_cur = incoming.wait()
-    dK, dV = partial.wait()
-    return dQ.to(q.dtype), dK.to(k.dtype), dV.to(v.dtype)
+    del k_cur, v_cur
+    return dQ.to(q.dtype)
+
+
+def _dkdv_ring(q, k, v, stats, delta, dO, causal, scale, ring):
+    """(dK, dV): every rank's queries (Q, dO, m2, l2, D) against this rank's K/V, the shares summed as dQ's are,
+    a whole block's columns in pieces. At step t this rank holds the queries of rank ``rank - t``, so the
+    visible part is ``block_visibility(source, rank)``: rows of the visiting queries, columns of the own keys."""
+    n = q.shape[2]
+    visiting = [x.contiguous() for x in (q, dO, *stats, delta)]
+    dK = dV = None
+    for step in range(ring.size):
+        source = (ring.rank - step) % ring.size
+        incoming = ring.exchange(visiting, _TAG_Q) if step < ring.size - 1 else None
+        rows, cols, blk_causal = block_visibility(source, ring.rank, n, causal)
+        q_s, dO_s, m2_s, l2_s, delta_s = (_rows(x, rows) for x in visiting)
+        for sub in _chunks(cols, n, blk_causal):
+            _, dK_b, dV_b = _block_backward(q_s, _rows(k, sub), _rows(v, sub), (m2_s, l2_s), delta_s, dO_s,
+                                            blk_causal, scale, ("dkdv",))
+            dK, dV = _add_share(dK, dK_b, sub, k, ring), _add_share(dV, dV_b, sub, v, ring)
+            del dK_b, dV_b
+        del q_s, dO_s, m2_s, l2_s, delta_s
+        if incoming is not None:
+            visiting = incoming.wait()
+    del visiting
+    dK = dK.to(k.dtype)  # one float32 sum (R > 2) freed before the other is cast
+    return dK, dV.to(v.dtype)
 
 
 def ring_attention_forward(q, k, v, causal=False, sm_scale=None, group=None, *, check_finite=True):
@@ -426,7 +502,7 @@ def ring_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, gr
 
 class RingAttentionFunction(torch.autograd.Function):
     """:func:`ring_attention` as an autograd Function: saves this rank's Q, K, V, its O and the global lse;
-    the backward runs the ring again (K/V around once more, dK/dV partial sums with them)."""
+    the backward runs two rings (the queries around for dK and dV, then K/V around for dQ)."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal=False, sm_scale=None, group=None, check_finite=True):

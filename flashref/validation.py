@@ -252,16 +252,20 @@ def check_same_shape(name: str, x, like_name: str, like) -> None:
         raise ValueError(f"{name} must have the shape of {like_name} {tuple(like.shape)}, got {tuple(x.shape)}")
 
 
-def check_broadcasts_to(name: str, x, shape: tuple) -> None:
-    """``x`` (a mask) must broadcast to ``shape`` itself: NumPy would also broadcast a mask with extra leading
-    dimensions, and the result would silently grow them."""
-    shape = tuple(int(n) for n in shape)
+def broadcasts_to(shape: tuple, target: tuple) -> bool:
+    """Whether an array of ``shape`` broadcasts to ``target`` itself (not to something larger: NumPy would also
+    broadcast extra leading dimensions, and the result would silently grow them)."""
+    target = tuple(int(n) for n in target)
     try:
-        fits = np.broadcast_shapes(tuple(x.shape), shape) == shape
+        return np.broadcast_shapes(tuple(shape), target) == target
     except ValueError:
-        fits = False
-    if not fits:
-        raise ValueError(f"{name} must broadcast to {shape}, got shape {tuple(x.shape)}")
+        return False
+
+
+def check_broadcasts_to(name: str, x, shape: tuple) -> None:
+    """``x`` (a mask) must broadcast to ``shape`` itself (:func:`broadcasts_to`)."""
+    if not broadcasts_to(tuple(x.shape), shape):
+        raise ValueError(f"{name} must broadcast to {tuple(int(n) for n in shape)}, got shape {tuple(x.shape)}")
 
 
 def check_dropout_p(dropout_p) -> float:

@@ -241,3 +241,25 @@ def test_merge_outputs_misuse():
         osm.merge_outputs(np.zeros((2, 4)), np.zeros(2), torch.zeros(2, 4), torch.zeros(2))
     with pytest.raises(ValueError, match="lse.shape"):
         osm.merge_outputs(np.zeros((2, 4)), np.zeros(3), np.zeros((2, 4)), np.zeros(3))
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_merge_outputs_in_place_writes_the_same_merge_into_o_a(lib):
+    """``inplace=True`` (ring attention's running O in float32) gives the merge's values, written into o_a and
+    lse_a, through views too, with no NaN where a part saw no key."""
+    import torch
+
+    rng = np.random.default_rng(3)
+    o_a, o_b = rng.standard_normal((2, 5, 3, 8))
+    lse_a, lse_b = rng.standard_normal((2, 5, 3))
+    lse_a[0, 0] = lse_b[0, 0] = -np.inf  # a row no part saw
+    lse_b[1, 1] = -np.inf                # a row only part a saw
+    want_o, want_lse = osm.merge_outputs(o_a, lse_a, o_b, lse_b)
+    conv = (lambda x: x.copy()) if lib == "numpy" else torch.from_numpy
+    big_o, big_lse = conv(np.zeros((5, 6, 8))), conv(np.zeros((5, 6)))
+    big_o[:, 1:4], big_lse[:, 1:4] = conv(o_a), conv(lse_a)
+    got_o, got_lse = osm.merge_outputs(big_o[:, 1:4], big_lse[:, 1:4], conv(o_b), conv(lse_b), inplace=True)
+    np.testing.assert_allclose(np.asarray(big_o[:, 1:4]), want_o, rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(np.asarray(big_lse[:, 1:4]), want_lse)
+    assert np.asarray(got_o).shape == want_o.shape and np.isfinite(np.asarray(big_o)).all()
+    assert (np.asarray(big_o[:, 0]) == 0).all() and (np.asarray(big_o[:, 4:]) == 0).all()  # only the view written

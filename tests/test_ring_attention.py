@@ -27,7 +27,7 @@ from flashref import reference
 from flashref.ring_attention import (block_visibility, gather_sequence, ring_attention, ring_attention_backward,
                                      ring_attention_forward, sequence_positions, shard_sequence, simulate_ring)
 from flashref.tolerance import assert_within_tolerance
-from tests._triton_helpers import feature_inputs, np64, plain_with_features
+from tests._triton_helpers import DEVICE, feature_inputs, np64, plain_with_features
 
 JOIN_TIMEOUT = 120.0  # seconds for one spawned run; a hang fails the test instead of stalling the suite
 
@@ -103,7 +103,10 @@ def _worker(rank, world_size, init_file, cases, results):
 def spawn_ring(world_size, cases, timeout=JOIN_TIMEOUT):
     """Run :func:`_worker` on ``world_size`` spawned processes (the ring benchmark's launcher); returns
     ``{(case, rank): arrays}``, ``{rank: errors}``. A worker's exception fails with its traceback; a hang fails
-    after ``timeout`` seconds."""
+    after ``timeout`` seconds. Skipped where CUDA is visible: gloo carries CPU tensors, which only Triton's
+    interpreter runs (CI's machine); on a GPU, tests/test_ring_gpu.py runs the ring over NCCL."""
+    if DEVICE != "cpu":
+        pytest.skip("the gloo ring runs on CPU tensors under Triton's interpreter; tests/test_ring_gpu.py is the GPU's")
     store = os.path.join(tempfile.mkdtemp(prefix="flashref_ring_"), "store")
     out, errors = {}, {}
 
@@ -257,6 +260,9 @@ def test_needs_an_initialized_process_group():
 
 @pytest.fixture
 def one_rank_group():
+    """A gloo group of one rank in this process; gloo carries CPU tensors, which a machine with CUDA refuses."""
+    if DEVICE != "cpu":
+        pytest.skip("the gloo ring runs on CPU tensors under Triton's interpreter; tests/test_ring_gpu.py is the GPU's")
     store = os.path.join(tempfile.mkdtemp(prefix="flashref_ring_"), "store")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     try:
@@ -367,7 +373,7 @@ def test_simulate_ring_bad_arguments_name_the_argument():
     with pytest.raises(TypeError, match="world_size must be a positive integer"):
         simulate_ring(q, k, v, 2.0)
     with pytest.raises(TypeError, match="q must be a torch.Tensor"):
-        simulate_ring(q.numpy(), k, v, 2)
+        simulate_ring(q.cpu().numpy(), k, v, 2)
     with pytest.raises(TypeError, match="causal must be a bool"):
         simulate_ring(q, k, v, 2, causal=1)
     with pytest.raises(ValueError, match="sm_scale must be a finite number > 0"):
@@ -381,7 +387,7 @@ def test_simulate_ring_bad_arguments_name_the_argument():
     with pytest.raises(ValueError, match=r"do must have the shape of q \(1, 2, 8, 16\)"):
         simulate_ring(q, k, v, 2, do=do[:, :, :4])
     with pytest.raises(TypeError, match="do must be None or a torch.Tensor"):
-        simulate_ring(q, k, v, 2, do=do.numpy())
+        simulate_ring(q, k, v, 2, do=do.cpu().numpy())
     with pytest.raises(ValueError, match="do must be finite"):
         simulate_ring(q, k, v, 2, do=torch.full_like(do, math.nan))
     nan_v = v.clone()
@@ -432,3 +438,48 @@ def test_simulate_ring_times_out_instead_of_hanging(monkeypatch):
     while _simulated_threads_alive() and time.monotonic() < deadline:  # no thread may outlive this test
         time.sleep(0.1)
     assert not _simulated_threads_alive()
+
+
+# ---- the backward's two kernels, one at a time (what the ring's two backward rings run) -------------------------
+
+@pytest.mark.parametrize("H_kv,causal,d,dtype", [(2, False, 16, "float32"), (1, True, 64, "float16")])
+def test_backward_parts_are_the_whole_backwards_parts(H_kv, causal, d, dtype):
+    """``ops._backward`` with ``parts=("dq",)`` or ``("dkdv",)`` and a given D gives bitwise the gradients the
+    whole deterministic backward gives, and ``None`` for the others (on an H100, the fp16 case runs the Gluon
+    kernels; on the CPU, the teaching kernels in the interpreter)."""
+    from flashref.triton import ops
+
+    q, k, v, do = feature_inputs(1, 2, H_kv, 37 * 5, 29 * 5, d, getattr(torch, dtype), seed=5)
+    feat = ops.Features(q, k, causal=causal, scale=0.25, check_finite=False)
+    o, _, stats = ops._forward(q, k, v, 0.25, feat, "auto")
+    whole = ops._backward(q, k, v, o, stats, do, 0.25, True, feat, "auto")
+    delta = ops._delta(o, do)
+    dq_only = ops._backward(q, k, v, None, stats, do, 0.25, True, feat, "auto", parts=("dq",), delta=delta)
+    dkdv_only = ops._backward(q, k, v, None, stats, do, 0.25, True, feat, "auto", parts=("dkdv",), delta=delta)
+    assert dq_only[1] is None and dq_only[2] is None and dkdv_only[0] is None
+    assert torch.equal(dq_only[0], whole[0])
+    assert torch.equal(dkdv_only[1], whole[1]) and torch.equal(dkdv_only[2], whole[2])
+    with pytest.raises(ValueError, match="parts"):
+        ops._backward(q, k, v, o, stats, do, 0.25, False, feat, parts=("dq",))
+    with pytest.raises(ValueError, match="parts"):
+        ops._backward(q, k, v, o, stats, do, 0.25, True, feat, parts=("dk",))
+
+
+@pytest.mark.parametrize("world_size,causal,dtype", [(2, False, "float32"), (2, True, "float16"),
+                                                     (3, True, "float32"), (3, False, "float16")])
+def test_the_backward_in_pieces_gives_the_same_gradients(monkeypatch, world_size, causal, dtype):
+    """A whole block's shares computed a few keys (dK/dV ring) or queries (dQ ring) at a time: the gradients as
+    in one piece, bitwise in the interpreter (each token's share is the same tile arithmetic, and the sums add
+    the same numbers in the same order; on a GPU the autotuner may pick other tiles for a piece), including
+    pieces that do not divide the shard and a first share in pieces."""
+    q, k, v, do = feature_inputs(1, 2, 1, 24 * world_size, 24 * world_size, 16, getattr(torch, dtype), seed=11)
+    whole = simulate_ring(q, k, v, world_size, causal=causal, do=do)
+    monkeypatch.setattr(ring_module, "_CHUNK", 5)
+    assert len(ring_module._chunks(slice(0, 24), 24, False)) == 5 and ring_module._chunks(slice(0, 24), 24, True) \
+        == [slice(0, 24)]
+    pieces = simulate_ring(q, k, v, world_size, causal=causal, do=do)
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), whole, pieces):
+        if q.is_cuda:
+            torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3, msg=name)
+        else:
+            assert torch.equal(a, b), name

@@ -27,8 +27,9 @@ def _data():
     for gpus, fits in ((1, 3), (2, 4)):
         for i in range(fits + 1):
             N = 262144 << i
-            rows.append(ring_bench._probe_row("x", gpus, N, "ok" if i < fits else "OOM",
-                                              (i + 1) * 2**33 if i < fits else None))
+            peak = (i + 1) * 2**33 if i < fits else None
+            rows.append(ring_bench._probe_row("x", gpus, N, "ok" if i < fits else "OOM", (peak // 2 if peak else None,
+                                                                                       peak)))
     trace = {"N": 131072, "causal": True, "gpus": 2, "rank": 0, "span_us": 1000.0,
              "events": [[7, "flash_fwd_kernel", 0.0, 400.0], [7, "elementwise_kernel", 400.0, 10.0],
                         [7, "flash_bwd_dkdv_kernel", 410.0, 500.0],
@@ -163,3 +164,30 @@ def test_needs_cuda(capsys):
         pytest.skip("a CUDA device is present")
     assert ring_bench.main([]) == 2
     assert "needs CUDA" in capsys.readouterr().err
+
+
+def test_probe_lengths_grow_by_quarter_doublings():
+    from flashref.bench.ring_bench import probe_lengths
+
+    Ns = probe_lengths(262144, 1 << 21, 4)
+    assert Ns[0] == 262144 and Ns[-1] == 1 << 21 and (1 << 19) in Ns and (1 << 20) in Ns
+    assert len(Ns) == 13 and all(b > a for a, b in zip(Ns, Ns[1:]))
+    assert all(N % 16384 == 0 for N in Ns)  # whole zigzag chunks for up to 8 ranks at every N
+    assert all(b / a < 2 ** 0.3 for a, b in zip(Ns, Ns[1:]))  # a step is a quarter doubling, rounded
+    assert probe_lengths(128, 256, 4) == [128, 192, 256]  # the rehearsal's: multiples of 64, no repeats
+    assert probe_lengths(128, 256, 1) == [128, 256]
+
+
+def test_longest_table_counts_the_peaks_in_shard_tensors():
+    from flashref.bench.ring_bench import _probe_row
+
+    G = 2**30
+    one = _probe_row("1 GPU", 1, 262144, "ok", (5 * G, 8 * G))  # shard = 16 heads x 256K x 128 x 2 bytes = 1 GiB
+    ring = _probe_row("ring", 2, 262144, "ok", (int(5.5 * G), 12 * G // 2))
+    oom = _probe_row("ring", 2, 524288, "OOM")
+    assert one["shard_bytes"] == G and ring["shard_bytes"] == G // 2
+    assert one["peak_bytes"] == 8 * G and oom["peak_bytes"] is None
+    lines = longest_table([one, ring, oom]).splitlines()
+    assert "shard tensors" in lines[0]
+    assert lines[1].split()[-2:] == ["5.0,", "8.0"] and lines[2].split()[-2:] == ["11.0,", "12.0"]
+    assert lines[3].split()[-1] == "-"

@@ -216,8 +216,9 @@ def _kv(B, H_kv, n, d, seed):
 
 
 def test_split_count_fills_whole_waves():
-    """The wave rule on an H100's 132 SMs with 8 K/V heads: B = 1 (8 programs) takes 16 splits, B = 4 takes
-    4, B = 16 (128 programs, already a full wave) takes 1; never more splits than key tiles."""
+    """The wave rule on an H100's 132 SMs with 8 K/V heads, one program an SM: B = 1 (8 programs) takes 16
+    splits, B = 4 takes 4, B = 16 (128 programs, already a full wave) takes 1; never more splits than key
+    tiles. Two programs an SM double each."""
     assert [decode.split_count(8 * B, 1000, 132) for B in (1, 4, 16)] == [16, 4, 1]
     assert decode.split_count(8, 3, 132) == 3 and decode.split_count(1, 1, 132) == 1
     for programs in range(1, 300):
@@ -227,6 +228,21 @@ def test_split_count_fills_whole_waves():
             t * programs / (-(-t * programs // 132) * 132) for t in range(1, -(-264 // programs) + 1))
     with pytest.raises(ValueError, match="sms must be a positive integer"):
         decode.split_count(8, 10, 0)
+    # Two programs an SM (an H100's split kernel at d = 128): waves of 264 slots.
+    assert [decode.split_count(8 * B, 1000, 132, resident=2) for B in (1, 4, 16)] == [32, 8, 2]
+    assert decode.split_count(8, 16, 132, resident=2) == 16  # a 4K cache: 64 tiles, at least 4 a split
+    with pytest.raises(ValueError, match="resident must be a positive integer"):
+        decode.split_count(8, 10, 132, resident=0)
+
+
+def test_resident_programs_by_shared_memory():
+    """The split kernel's tiles at d = 128 on an H100 (64 keys a tile, 3 stages, 16 packed rows: 100 KB) fit
+    twice in its 228 KB an SM, but once in 190 KB; never fewer than 1 nor more than 2."""
+    plan = dict(block_m=16, block_n=64, num_warps=4, num_stages=3, block_d=128)
+    assert decode.resident_programs(plan, 2, 90, 228 * 1024) == 2
+    assert decode.resident_programs(plan, 2, 90, 190 * 1024) == 1
+    assert decode.resident_programs(plan, 2, 90, 16 * 1024) == 1
+    assert decode.resident_programs(dict(plan, num_stages=1, block_n=16), 2, 90, 228 * 1024) == 2
 
 
 def test_launch_cache_reuses_only_what_the_data_cannot_change():

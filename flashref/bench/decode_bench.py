@@ -3,6 +3,8 @@ forward kernel and PyTorch's attention backends, in one run (notebook ``13_beyon
 
     python -m flashref.bench decode               # the grid below (an H100: about 3 minutes)
     python -m flashref.bench decode --quick       # a smaller grid
+    python -m flashref.bench decode --b 1 --impls sdpa-cudnn --num-splits 8 16 32 64 --out /tmp/splits.json
+                                                  # flash_decode at fixed splits too: the data split_count needs
 
 Decoding reads the whole KV cache once per generated token and does 1 FLOP per byte of it for each query
 head sharing a K/V head (a multiply-add per fp16 number): it is bound by memory bandwidth, so the measure is
@@ -205,9 +207,14 @@ def bottom_right_mask(N_q: int, N_k: int, device=None):
     return j <= N_k - N_q + i
 
 
-def implementations(N_q: int, N_k: int, causal: bool, seqlens, impls=IMPLS) -> dict:
+def split_impl(num_splits: int) -> str:
+    """The name of flash_decode's row with ``num_splits`` fixed (the sweep of ``--num-splits``)."""
+    return f"flashref-decode num_splits={num_splits}"
+
+
+def implementations(N_q: int, N_k: int, causal: bool, seqlens, impls=IMPLS, splits=()) -> dict:
     """``{name: fn(q, k, v) -> o}`` for the names in ``impls`` that apply (``sdpa causal_lower_right`` only
-    when causal). SDPA's pinned backends get the bottom-right mask as a boolean ``attn_mask`` when causal; their
+    when causal), then one :func:`split_impl` per number in ``splits``. SDPA's pinned backends get the bottom-right mask as a boolean ``attn_mask`` when causal; their
     ``fn.backend`` is the ``sdpa_kernel`` context to call them in (entered once around the timing: entering
     it costs tens of microseconds of host time, which would be charged to the backend, not its kernel)."""
     import torch.nn.functional as F
@@ -240,7 +247,11 @@ def implementations(N_q: int, N_k: int, causal: bool, seqlens, impls=IMPLS) -> d
            **{name: pinned(backend) for name, backend in backends.items()}}
     if causal:
         fns["sdpa causal_lower_right"] = lower_right
-    return {name: fns[name] for name in impls if name in fns}
+    chosen = {name: fns[name] for name in impls if name in fns}
+    for s in splits:
+        chosen.setdefault(split_impl(s), lambda q, k, v, s=s: flash_decode(q, k, v, seqlens, causal=causal,
+                                                                           num_splits=s, check_finite=False))
+    return chosen
 
 
 def _status(exc) -> str:
@@ -269,8 +280,10 @@ def host_time_us(fn, calls: int = 100) -> float:
     return elapsed / calls * 1e6
 
 
-def measure_point(H_kv: int, N_q: int, N_k: int, B: int, impls=IMPLS, heads: int = H, d: int = D, peak_bw=DEFAULT_PEAK):
-    """The rows of one point, one per implementation (a failure, out of memory included, is a row too)."""
+def measure_point(H_kv: int, N_q: int, N_k: int, B: int, impls=IMPLS, heads: int = H, d: int = D, peak_bw=DEFAULT_PEAK,
+                  splits=()):
+    """The rows of one point, one per implementation and one per fixed number of ``splits`` (a failure, out of
+    memory included, is a row too)."""
     import torch
 
     from flashref.triton.decode import decode_plan
@@ -287,19 +300,19 @@ def measure_point(H_kv: int, N_q: int, N_k: int, B: int, impls=IMPLS, heads: int
         status = _status(exc)
     if status is not None:
         torch.cuda.empty_cache()
-        for impl in impls:
+        for impl in [*impls, *map(split_impl, splits)]:
             yield {**fields, "impl": impl, "status": status}
         return
     reference = None
-    fns = implementations(N_q, N_k, causal, seqlens, impls)
+    fns = implementations(N_q, N_k, causal, seqlens, impls, splits)
     with torch.no_grad():  # a discarded round first: the first timing on freshly written inputs ran slow (an
         _time(lambda: fns["flashref-decode"](q, k, v), False, None)  # H100: 3.25 ms, then 2.74 ms, same kernel)
     for impl, fn in fns.items():
         row = {**fields, "impl": impl}
         if impl == "flashref-decode":
             row["num_splits"] = decode_plan(q, k)["num_splits"]
-        if impl == "flashref-decode num_splits=1":
-            row["num_splits"] = 1
+        if impl.startswith("flashref-decode num_splits="):
+            row["num_splits"] = int(impl.rsplit("=", 1)[1])
         try:
             with torch.no_grad(), getattr(fn, "backend", contextlib.nullcontext()):
                 out = fn(q, k, v)  # compiles (and autotunes flashref-triton) outside the timing
@@ -339,9 +352,13 @@ def parse_args(argv=None):
     p.add_argument("--b", nargs="+", type=int, default=None, metavar="B", help=f"batch sizes (default {BATCHES})")
     p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS, metavar="IMPL",
                    help="some of the implementations (default: all; flashref-decode always runs, first)")
+    p.add_argument("--num-splits", nargs="+", type=int, default=[], metavar="S",
+                   help="also time flash_decode with each fixed number of splits (a sweep for split_count)")
     p.add_argument("--append", action="store_true",
                    help="add to the rows already in --out (a run split over several calls; same GPU and versions)")
     args = p.parse_args(argv)
+    if any(s < 1 for s in args.num_splits):
+        p.error(f"--num-splits must be positive, got {args.num_splits}")
     args.impls = ["flashref-decode"] + [i for i in IMPLS if i in args.impls and i != "flashref-decode"]
     return args
 
@@ -363,7 +380,7 @@ def main(argv=None) -> int:
     add = results.recorder(data, args.out, show=lambda r: tqdm.write(describe(r)))
     grid = points(args.quick, args.n_k, args.b)
     for h_kv, n_q, n_k, b in tqdm(grid, desc="decode bench"):
-        for row in measure_point(h_kv, n_q, n_k, b, args.impls, peak_bw=peak):
+        for row in measure_point(h_kv, n_q, n_k, b, args.impls, peak_bw=peak, splits=args.num_splits):
             add(row)
     print(speedup_table(data["results"]))
     return 0

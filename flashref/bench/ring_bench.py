@@ -13,10 +13,11 @@ each worker has its GPU's whole memory.
   rank's time), tokens/s, TFLOP/s (the whole sequence's FLOPs, :func:`flashref.bench.results.flops`, so the
   ring's figure is all GPUs together) and the peak memory of the busiest GPU; the ring's rows carry
   ``speedup`` = 1-GPU time / ring time (the ratio of tokens/s).
-- ``longest``: N doubled from 256K until out of memory, for 1 GPU and for the ring, with the peak memory per
-  GPU. The probe runs one forward + backward with a causal window of 128 keys (``window_size=(127, 0)``):
-  the kernels allocate exactly what the dense ones do (the window only skips tiles), so what fits is the
-  same, and a probe takes seconds rather than the minutes of dense attention at millions of tokens.
+- ``longest``: N from 256K, four steps per doubling (:func:`probe_lengths`), until out of memory, for 1 GPU and
+  for the ring, with the peak memory per GPU, the forward's and the backward's apart. The probe runs one
+  forward + backward with a causal window of 128 keys (``window_size=(127, 0)``): the kernels allocate exactly
+  what the dense ones do (the window only skips tiles), so what fits is the same, and a probe takes seconds
+  rather than the minutes of dense attention at millions of tokens.
 - ``trace``: a ``torch.profiler`` trace of one ring forward + backward at N = 128K, causal, on rank 0, reduced
   to its GPU kernels ``[stream, name, start_us, dur_us]``: the attention kernels on the compute stream and
   NCCL's send/receive kernels on its own, to see whether communication hides behind compute
@@ -42,6 +43,7 @@ import sys
 import tempfile
 import time
 import traceback
+from functools import partial
 
 from flashref.bench import results
 from flashref.bench.results import flops
@@ -53,6 +55,7 @@ TUNE_N = 16384
 TRACE_N = 131072
 LONGEST_FROM = 262144
 LONGEST_MAX = 1 << 24
+LONGEST_STEPS = 4  # probes per doubling of N: the longest fit is known to within 19%, not a factor of 2
 PROBE_WINDOW = (127, 0)
 BUDGET_S = 1.5
 MAX_REPS = 10
@@ -112,13 +115,21 @@ def longest_fit(rows) -> dict:
 
 
 def longest_table(rows) -> str:
-    """Each probed N and what happened, per number of GPUs, then the longest that fit."""
+    """Each probed N and what happened, per number of GPUs, with the peak per GPU and, where the run saved them,
+    the forward's and the backward's peaks counted in tensors of the GPU's shard (``shard_bytes``); then the
+    longest that fit."""
     sel = sorted((r for r in rows if r.get("part") == "longest"), key=lambda r: (r["gpus"], r["N"]))
-    lines = [f"{'GPUs':>4s} {'N':>9s} {'status':>10s} {'peak GiB/GPU':>12s}"]
-    lines += [f"{r['gpus']:>4d} {r['N']:>9d} {r['status'][:10]:>10s} {_gib(r.get('peak_bytes')):>12s}" for r in sel]
+    lines = [f"{'GPUs':>4s} {'N':>9s} {'status':>10s} {'peak GiB/GPU':>12s} {'fwd, bwd peak in shard tensors':>31s}"]
+    lines += [f"{r['gpus']:>4d} {r['N']:>9d} {r['status'][:10]:>10s} {_gib(r.get('peak_bytes')):>12s} "
+              f"{_in_shards(r):>31s}" for r in sel]
     for g, (N, peak) in sorted(longest_fit(rows).items()):
         lines.append(f"longest on {g} GPU{'s' if g > 1 else ''}: N = {N} ({N // 1024}K tokens), {_gib(peak)} GiB per GPU")
     return "\n".join(lines)
+
+
+def _in_shards(row) -> str:
+    fwd, bwd, unit = (row.get(k) for k in ("forward_peak_bytes", "backward_peak_bytes", "shard_bytes"))
+    return "-" if None in (fwd, bwd, unit) else f"{fwd / unit:.1f}, {bwd / unit:.1f}"
 
 
 def plot_scaling(data, axes=None):
@@ -256,10 +267,12 @@ class Plan:
     trace_n: int = TRACE_N
     longest_from: int = LONGEST_FROM
     longest_max: int = LONGEST_MAX
+    longest_steps: int = LONGEST_STEPS
 
 
 #: The rehearsal's shapes: small enough for Triton's interpreter, the zigzag layout's chunks still uneven tiles.
-REHEARSAL = dict(H=2, d=16, lengths=(192,), tune_n=128, trace_n=128, longest_from=128, longest_max=256)
+REHEARSAL = dict(H=2, d=16, lengths=(192,), tune_n=128, trace_n=128, longest_from=128, longest_max=256,
+                 longest_steps=4)
 
 
 class _Device:
@@ -467,27 +480,54 @@ def _one_gpu_point(flash_attention, N, causal, dev, plan, ranks):
     return row
 
 
-def _probe_row(impl, gpus, N, status, peak=None, H=H, d=D):
+def _probe_row(impl, gpus, N, status, peaks=(None, None), H=H, d=D):
+    """A ``longest`` row. ``peaks``: the forward's and the backward's peak bytes (the busiest GPU's);
+    ``shard_bytes`` is one fp16 tensor of a GPU's N / gpus tokens, the unit in which :func:`longest_table`
+    counts them (one GPU holds 8 at its backward's end: Q, K, V, O, dO, dQ, dK, dV)."""
+    fwd, bwd = peaks
+    peak = None if fwd is None or bwd is None else max(fwd, bwd)
     return {"part": "longest", "impl": impl, "gpus": gpus, "B": B, "H": H, "H_kv": H, "N": N, "d": d,
-            "probe": f"fwd+bwd, window_size={list(PROBE_WINDOW)}", "status": status, "peak_bytes": peak}
+            "probe": f"fwd+bwd, window_size={list(PROBE_WINDOW)}", "status": status, "peak_bytes": peak,
+            "forward_peak_bytes": fwd, "backward_peak_bytes": bwd, "shard_bytes": B * H * (N // gpus) * d * 2}
+
+
+def _probe_peaks(fn, q, k, v, do, dev):
+    """(forward peak, backward peak) in bytes of one forward + backward of ``fn`` (``None`` on the CPU): the
+    allocator's peak read after the forward, reset, and read again after the backward."""
+    o = fn(q, k, v)
+    dev.sync()
+    fwd = dev.peak()
+    dev.reset_peak()
+    o.backward(do)
+    dev.sync()
+    return fwd, dev.peak()
+
+
+def probe_lengths(start: int, stop: int, steps: int) -> list:
+    """The ``longest`` probe's N: ``start * 2**(i / steps)`` up to ``stop``, each rounded down to a multiple of
+    ``max(64, start // 16)`` (whole chunks of the zigzag layout), without repeats."""
+    quantum = max(64, start // 16)
+    out, i = [], 0
+    while (N := int(start * 2 ** (i / steps)) // quantum * quantum) <= stop:
+        if not out or N > out[-1]:
+            out.append(N)
+        i += 1
+    return out
 
 
 def _longest_one_gpu(flash_attention, dev, plan):
-    N = plan.longest_from
-    while N <= plan.longest_max:
+    for N in probe_lengths(plan.longest_from, plan.longest_max, plan.longest_steps):
         dev.fresh()
         try:
             q, k, v, do = _inputs(dev, plan, N, 2)
-            flash_attention(q, k, v, causal=True, window_size=PROBE_WINDOW, check_finite=False).backward(do)
-            dev.sync()
-            status, peak = "ok", dev.peak()
+            fn = partial(flash_attention, causal=True, window_size=PROBE_WINDOW, check_finite=False)
+            status, peaks = "ok", _probe_peaks(fn, q, k, v, do, dev)
         except Exception as exc:  # noqa: BLE001 (out of memory is the result)
-            status, peak = _status(exc), None
+            status, peaks = _status(exc), (None, None)
         q = k = v = do = None
-        yield _probe_row("flashref-triton 1 GPU", 1, N, status, peak, plan.H, plan.d)
+        yield _probe_row("flashref-triton 1 GPU", 1, N, status, peaks, plan.H, plan.d)
         if status != "ok":
             return
-        N *= 2
 
 
 def _ring_worker(rank, world, port, plan: Plan, pinned, out):
@@ -584,10 +624,9 @@ def _ring_trace(N, causal, rank, world, dev, plan, ranks):
 
 
 def _longest_ring(rank, world, dev, plan, ranks):
-    """N doubled from ``plan.longest_from``; every rank learns whether all ranks fit before anything
-    synchronizes."""
+    """N from ``plan.longest_from`` as :func:`probe_lengths` grows it; every rank learns whether all ranks fit
+    before anything synchronizes."""
     import flashref.ring_attention as ring_module
-    from functools import partial
 
     saved = ring_module._block_forward, ring_module._block_backward
     # The probe's window: the same allocations as the dense kernels, a fraction of their work.
@@ -595,25 +634,22 @@ def _longest_ring(rank, world, dev, plan, ranks):
     ring_module._block_backward = partial(saved[1], window_size=PROBE_WINDOW)
     impl = f"ring {world} GPUs"
     try:
-        N = plan.longest_from
-        while N <= plan.longest_max:
+        for N in probe_lengths(plan.longest_from, plan.longest_max, plan.longest_steps):
             dev.fresh()
             try:
                 q, k, v, do = _inputs(dev, plan, N // world, 300 + rank)
-                _fwd_bwd(_ring_fn(True), q, k, v, do)()
+                peaks = _probe_peaks(_ring_fn(True), q, k, v, do, dev)
                 status = "ok"
             except Exception as exc:  # noqa: BLE001 (out of memory is the result)
                 status = _status(exc)
             q = k = v = do = None
             failed = ranks.reduce(0.0 if status == "ok" else 1.0, "SUM")
             if failed == 0:
-                dev.sync()
-                peak = ranks.reduce(dev.peak(), "MAX")
-                yield _probe_row(impl, world, N, "ok", None if peak is None else int(peak), plan.H, plan.d)
-                N *= 2
+                peaks = tuple(None if p is None else int(ranks.reduce(p, "MAX")) for p in peaks)
+                yield _probe_row(impl, world, N, "ok", peaks, plan.H, plan.d)
                 continue
             yield _probe_row(impl, world, N, status if status != "ok" else f"OOM on {int(failed)} of {world} ranks",
-                             None, plan.H, plan.d)
+                             (None, None), plan.H, plan.d)
             return
     finally:
         ring_module._block_forward, ring_module._block_backward = saved
@@ -689,13 +725,17 @@ def parse_args(argv=None):
     p.add_argument("--gpus", type=int, default=None,
                    help="ranks in the ring (default: every visible GPU; 2 with --device cpu)")
     p.add_argument("--trace-n", type=int, default=None, help=f"default {TRACE_N}")
-    p.add_argument("--longest-max", type=int, default=None, help=f"stop doubling N past this (default {LONGEST_MAX})")
+    p.add_argument("--longest-max", type=int, default=None, help=f"stop probing N past this (default {LONGEST_MAX})")
+    p.add_argument("--longest-steps", type=int, default=None,
+                   help=f"probes per doubling of N (default {LONGEST_STEPS})")
     p.add_argument("--append", action="store_true",
                    help="add to the rows already in --out (a run split over several calls; same GPU and versions)")
     args = p.parse_args(argv)
     for N in (args.n or []) + ([args.trace_n] if args.trace_n is not None else []):
         if N <= 0 or N % 64:
             p.error(f"sequence lengths must be positive multiples of 64 (the zigzag layout's 2R chunks), got {N}")
+    if args.longest_steps is not None and args.longest_steps < 1:
+        p.error(f"--longest-steps must be at least 1, got {args.longest_steps}")
     if args.gpus is not None and args.gpus < 1:
         p.error(f"--gpus must be at least 1, got {args.gpus}")
     if args.out is None:
@@ -708,7 +748,7 @@ def plan_of(args) -> Plan:
     """The :class:`Plan` of parsed arguments: the defaults of the device (the rehearsal's shapes on the CPU),
     then what the command line gave."""
     given = {"parts": tuple(args.parts), "lengths": tuple(args.n) if args.n else None, "trace_n": args.trace_n,
-             "longest_max": args.longest_max}
+             "longest_max": args.longest_max, "longest_steps": args.longest_steps}
     base = dict(REHEARSAL) if args.device == "cpu" else {}
     base.update({k: v for k, v in given.items() if v is not None})
     return Plan(device=args.device, **base)

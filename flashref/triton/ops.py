@@ -510,37 +510,49 @@ def _group_split(group: int, programs: int, device) -> int:
 PRE_M = 16 if INTERPRETED else 64  # rows of D per program of the preprocess kernel
 
 
-def _backward(q, k, v, o, stats, do, scale: float, deterministic: bool, feat: Features, kernel: str = "triton"):
+def _delta(o, do):
+    """D = rowsum(dO * O), ``(B, H, N_q)`` in fp32: the preprocess kernel every backward starts with."""
+    B, H, N_q, d = o.shape
+    delta = torch.empty((B, H, N_q), dtype=torch.float32, device=o.device)
+    flash_bwd_preprocess_kernel[(_cdiv(N_q, PRE_M), B * H)](
+        o, do, delta, *_strides(o), *_strides(do), H, N_q, HEAD_DIM=d, BLOCK_D=max(16, _pow2(d)), BLOCK_M=PRE_M)
+    return delta
+
+
+_BOTH = ("dq", "dkdv")
+
+
+def _backward(q, k, v, o, stats, do, scale: float, deterministic: bool, feat: Features, kernel: str = "triton", *,
+              parts=_BOTH, delta=None):
     """``stats`` = (m2, l2) from :func:`_forward` (base-2 row max and log2 of the row sum). ``deterministic``:
     dQ from its own kernel (bitwise reproducible); otherwise added atomically by the dK/dV kernel. ``kernel`` as
-    in :func:`_backward_kernel`."""
+    in :func:`_backward_kernel`. ``parts``: which kernels run; ``("dq",)`` or ``("dkdv",)`` alone (deterministic
+    only: only there are the two kernels separate) leaves the other gradients ``None`` (ring attention runs
+    them in two rings). ``delta``: D from :func:`_delta` when the caller has it (``o`` is then not read)."""
     m2, l2 = stats
     B, H, N_q, d = q.shape
     H_kv, N_k = k.shape[1], k.shape[2]
     block_d = max(16, _pow2(d))
-    delta = torch.empty((B, H, N_q), dtype=torch.float32, device=q.device)
-    flash_bwd_preprocess_kernel[(_cdiv(N_q, PRE_M), B * H)](
-        o, do, delta, *_strides(o), *_strides(do), H, N_q, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=PRE_M)
+    parts = tuple(parts)
+    want_dq, want_dkdv = "dq" in parts, "dkdv" in parts
+    if parts not in (_BOTH, ("dq",), ("dkdv",)) or (not deterministic and parts != _BOTH):
+        raise ValueError(f"parts must be {_BOTH}, ('dq',) or ('dkdv',) (alone only when deterministic), got {parts!r}")
+    if delta is None:
+        delta = _delta(o, do)
     if _backward_kernel(q, k, v, feat, kernel, deterministic) == "hopper":
-        return _gluon_module("hopper_backward").hopper_backward(
-            q, k, v, do, m2, l2, delta, feat.causal, scale, window=(feat.win_left, feat.win_right) if feat.window
-            else None, slopes2=feat.slopes2)
-    # Multi-query attention leaves few K/V tiles: SPLIT programs then share each one (partial sums in fp32).
-    split = _group_split(H // H_kv, feat.batch * H_kv * _cdiv(feat.rows_k, 128), q.device)
-    if split == 1:
-        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    else:
-        dk, dv = (torch.empty((B, H_kv * split, N_k, d), dtype=torch.float32, device=k.device) for _ in range(2))
-    # Atomic dQ accumulates in fp32 (O(N d) more memory); the deterministic path passes a 1-element stand-in.
-    dq_acc = torch.zeros(q.shape if not deterministic else (1, 1, 1, 1), dtype=torch.float32, device=q.device)
+        hopper = _gluon_module("hopper_backward")
+        mods = dict(window=(feat.win_left, feat.win_right) if feat.window else None, slopes2=feat.slopes2)
+        dk, dv = (hopper.hopper_dkdv(q, k, v, do, m2, l2, delta, feat.causal, scale, **mods) if want_dkdv
+                  else (None, None))
+        dq = hopper.hopper_dq(q, k, v, do, m2, l2, delta, feat.causal, scale, **mods) if want_dq else None
+        return dq, dk, dv
     meta = dict(HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=feat.causal, DOT=_dot_mode(q.dtype),
                 TUNE_N=_bucket(max(feat.rows_q, feat.rows_k)), GROUP=H // H_kv, **feat.scalars(), **feat.meta)
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
     tail = (H, N_q, N_k, scale, scale * LOG2E)
-    bm, lists_t, bm_strides_t = feat.args(q, transposed=True)
-    side = _dq_stream(q.device) if deterministic and feat.block_mask is not None else None
-    if deterministic:
+    dq = dk = dv = None
+    side = _dq_stream(q.device) if deterministic and parts == _BOTH and feat.block_mask is not None else None
+    if deterministic and want_dq:
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         bm_q, lists_q, bm_strides_q = feat.args(q)
         dq_args = (q, k, v, do, dq, m2, l2, delta, bm_q, lists_q, *common, *_strides(dq), *bm_strides_q, *tail)
@@ -548,21 +560,40 @@ def _backward(q, k, v, o, stats, do, scale: float, deterministic: bool, feat: Fe
         side.wait_stream(torch.cuda.current_stream(q.device))
         with torch.cuda.stream(side):
             _launch(flash_bwd_dq_kernel, "dq", feat.rows_q, feat.batch * H, *dq_args, **meta)
+    if want_dkdv:
+        # Atomic dQ accumulates in fp32 (O(N d) more memory); the deterministic path passes a 1-element stand-in.
+        dq_acc = torch.zeros(q.shape if not deterministic else (1, 1, 1, 1), dtype=torch.float32, device=q.device)
+        dk, dv = _dkdv(q, k, v, do, dq_acc, m2, l2, delta, feat, deterministic, common, tail, meta)
+        if not deterministic:
+            return dq_acc.to(q.dtype), dk, dv
+    if side is not None:
+        torch.cuda.current_stream(q.device).wait_stream(side)  # what follows on this stream sees dQ
+    elif want_dq:
+        _launch(flash_bwd_dq_kernel, "dq", feat.rows_q, feat.batch * H, *dq_args, **meta)
+    return dq, dk, dv
+
+
+def _dkdv(q, k, v, do, dq_acc, m2, l2, delta, feat: Features, deterministic: bool, common, tail, meta):
+    """(dk, dv) from the teaching dK/dV kernel (which also adds dQ into ``dq_acc`` when not deterministic)."""
+    B, H, _, d = q.shape
+    H_kv, N_k = k.shape[1], k.shape[2]
+    # Multi-query attention leaves few K/V tiles: SPLIT programs then share each one (partial sums in fp32).
+    split = _group_split(H // H_kv, feat.batch * H_kv * _cdiv(feat.rows_k, 128), q.device)
+    if split == 1:
+        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    else:
+        dk, dv = (torch.empty((B, H_kv * split, N_k, d), dtype=torch.float32, device=k.device) for _ in range(2))
+    bm, lists_t, bm_strides_t = feat.args(q, transposed=True)
     _launch(flash_bwd_dkdv_kernel, "dkdv", feat.rows_k, feat.batch * H_kv * split,
             q, k, v, do, dk, dv, dq_acc, m2, l2, delta, bm, lists_t, *common, *_strides(dk), *_strides(dv),
             *_strides(dq_acc), *bm_strides_t, *tail, ATOMIC_DQ=not deterministic, SPLIT=split,
-            ONE_HEAD=H // H_kv == split, D_SPLIT=configs.column_split(block_d, deterministic, INTERPRETED),
+            ONE_HEAD=H // H_kv == split, D_SPLIT=configs.column_split(meta["BLOCK_D"], deterministic, INTERPRETED),
             **meta)
     if split > 1:  # the partial sums, added in a fixed order: still bitwise reproducible
         dk = dk.view(B, H_kv, split, N_k, d).sum(2).to(k.dtype)
         dv = dv.view(B, H_kv, split, N_k, d).sum(2).to(v.dtype)
-    if not deterministic:
-        return dq_acc.to(q.dtype), dk, dv
-    if side is not None:
-        torch.cuda.current_stream(q.device).wait_stream(side)  # what follows on this stream sees dQ
-    else:
-        _launch(flash_bwd_dq_kernel, "dq", feat.rows_q, feat.batch * H, *dq_args, **meta)
-    return dq, dk, dv
+    return dk, dv
 
 
 _DQ_STREAMS: dict = {}
