@@ -30,17 +30,18 @@ COMPILE = r"""
 import json, re
 from flashref.triton import compile_check
 rows = []
-for d, dtype, switches, causal in [(64, "float16", None, False), (128, "float16", None, True),
-                                   (256, "float16", None, False), (128, "bfloat16", None, False),
-                                   (128, "float16", {"warp_specialize": False}, True),
-                                   (64, "float16", {"warp_specialize": True, "pingpong": False}, True),
-                                   (64, "float16", {"stages": 3, "block_m": 128, "num_warps": 8, "overlap": True,
-                                                    "warp_specialize": False}, True),
-                                   (128, "float8_e4m3", {"block_n": 128}, True),
-                                   (256, "float8_e4m3", {"block_n": 128}, False)]:
-    k = compile_check.compile_hopper(d, switches, causal=causal, dtype=dtype)
+for d, dtype, switches, causal, window in [
+        (64, "float16", None, False, False), (128, "float16", None, True, False), (256, "float16", None, False, False),
+        (128, "bfloat16", None, False, False), (128, "float16", {"warp_specialize": False}, True, False),
+        (64, "float16", {"warp_specialize": True, "pingpong": False}, True, False),
+        (64, "float16", {"stages": 3, "block_m": 128, "num_warps": 8, "overlap": True, "warp_specialize": False},
+         True, False),
+        (128, "float8_e4m3", {"block_n": 128}, True, False), (256, "float8_e4m3", {"block_n": 128}, False, False),
+        (64, "float16", None, False, True), (128, "float16", None, True, True), (256, "bfloat16", None, False, True),
+        (128, "float16", {"warp_specialize": True, "pingpong": True}, False, True)]:
+    k = compile_check.compile_hopper(d, switches, causal=causal, dtype=dtype, window=window)
     ptx = k.asm["ptx"]
-    rows.append({"case": [d, dtype, switches, causal], "shared": k.metadata.shared, "warps": k.metadata.num_warps,
+    rows.append({"case": [d, dtype, switches, causal, window], "shared": k.metadata.shared, "warps": k.metadata.num_warps,
                  "wgmma": ptx.count("wgmma.mma_async"), "tma": ptx.count("cp.async.bulk.tensor"),
                  "mbarrier_waits": ptx.count("mbarrier.try_wait"), "default": switches is None,
                  "e4m3_wgmma": len(re.findall(r"wgmma\.mma_async[.a-z0-9]*\.e4m3\.e4m3", ptx)),
@@ -67,7 +68,7 @@ def test_compiles_for_the_h100_with_tma_and_wgmma(compiled):
         assert row["wgmma"] > 0 and row["tma"] >= 3 and row["mbarrier_waits"] >= 3, row
         if row["default"]:  # the shipped configs keep every value in registers
             assert row["spill_stores"] == 0 and row["spill_loads"] == 0, row
-        d, dtype, switches, _ = row["case"]
+        d, dtype, switches, _, _ = row["case"]
         assert (row["e4m3_wgmma"] == row["wgmma"]) if dtype == "float8_e4m3" else row["e4m3_wgmma"] == 0, row
         if dtype == "float8_e4m3" or hopper.config(d, **(switches or {}))["warp_specialize"]:
             # three warpgroups (a producer warp, rounded up, and two consumers); registers move from one to the others
@@ -128,6 +129,11 @@ def test_refuses_what_it_cannot_run_naming_why():
         hopper.hopper_forward(q, k, v, warp_specialize=True, num_warps=8)
     with pytest.raises(ValueError, match="stages >= 3"):
         hopper.hopper_forward(q, k, v, warp_specialize=False, overlap=True, stages=2)
+    with pytest.raises(ValueError, match="overlap=True takes no window"):
+        hopper.kernel_and_constexprs(hopper.config(64, warp_specialize=False, overlap=True, stages=3), 64, True,
+                                     window=True)
+    with pytest.raises(ValueError, match="window_size"):
+        hopper.hopper_forward(q, k, v, window_size=(-2, 0))
 
 
 # --- on an H100 ---------------------------------------------------------------------------------------------
@@ -237,6 +243,85 @@ def test_extreme_logits(causal):
     hopper = _hopper_or_skip()
     q, k, v, _ = make_qkv(1, 2, 333, 401, 128, torch.float16, "cuda", seed=3, scale=30.0)
     _check(hopper, q, k, v, causal)
+
+
+def _window_mask(N_q, N_k, left, right, causal, device):
+    """Query i sees key j for i - left <= j <= i + right (-1: unbounded) and, causal, j <= i."""
+    i = torch.arange(N_q, device=device)[:, None]
+    j = torch.arange(N_k, device=device)[None, :]
+    seen = torch.ones(N_q, N_k, dtype=torch.bool, device=device)
+    if left >= 0:
+        seen &= j >= i - left
+    if right >= 0:
+        seen &= j <= i + right
+    if causal:
+        seen &= j <= i
+    return seen
+
+
+def _masked_attention(q, k, v, seen, dtype):
+    """(O, lse) with only the ``seen`` pairs, computed in ``dtype``: a row that sees no key gives O = 0 and
+    lse = -inf (as the kernels do). float32 is the reference, q's dtype the tolerance rule's baseline."""
+    S = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) * q.shape[-1] ** -0.5
+    S = S.masked_fill(~seen, float("-inf"))
+    lse = torch.logsumexp(S.float(), -1)
+    P = torch.softmax(S, -1).nan_to_num(0.0)
+    return (P.to(dtype) @ v.to(dtype)), lse
+
+
+WINDOWS = [(0, 0, False), (5, 0, True), (127, 0, True), (200, 37, False), (-1, 64, False), (64, -1, False),
+           (1000, 1000, False), (300, -1, True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("switches", [dict(), dict(warp_specialize=False), dict(warp_specialize=True, pingpong=True)],
+                         ids=str)
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_window_on_uneven_shapes(d, switches):
+    """The window kernels against the fp32 reference with the same mask: uneven lengths, N_q > N_k + left (rows
+    with no key: O = 0, lse = -inf, m2 = 0, l2 = +inf, as the teaching kernel stores them), windows narrower than a
+    tile, wider than the sequence, one side unbounded, with and without causal."""
+    hopper = _hopper_or_skip()
+    if d == 256 and switches.get("pingpong"):
+        pytest.skip("d = 256 runs 64-key tiles; the ping-pong schedule is covered at d = 64 and 128")
+    for i, (N_q, N_k) in enumerate([(113, 203), (1, 239), (300, 97), (700, 700), (1500, 1000)]):
+        q, k, v, _ = make_qkv(2, 2, N_q, N_k, d, torch.float16, "cuda", seed=13 * i + d)
+        for left, right, causal in WINDOWS:
+            what = f"{N_q}x{N_k}, d={d}, window=({left}, {right}), causal={causal}, {switches}"
+            o, lse, (m2, l2) = hopper.hopper_forward(q, k, v, causal, window_size=(left, right), **switches)
+            seen = _window_mask(N_q, N_k, left, right, causal, "cuda")
+            ref_o, ref_lse = _masked_attention(q, k, v, seen, torch.float32)
+            base_o, _ = _masked_attention(q, k, v, seen, q.dtype)
+            assert_within_tolerance(o, ref_o, base_o, factor=2.0, name=f"o {what}")
+            empty = ~seen.any(-1).expand_as(lse)
+            assert torch.equal(lse.isneginf(), empty), f"lse = -inf exactly on the rows with no key, {what}"
+            assert torch.allclose(lse[~empty], ref_lse[~empty], rtol=1e-4, atol=1e-3), f"lse {what}"
+            assert torch.allclose((m2 + l2)[~empty], lse[~empty] * 1.4426950408889634, rtol=1e-4, atol=1e-3), what
+            assert bool((o[empty.unsqueeze(-1).expand_as(o)] == 0).all()), f"O = 0 on rows with no key, {what}"
+            assert bool((m2[empty] == 0).all()) and bool(l2[empty].isposinf().all()), f"m2, l2 of empty rows, {what}"
+
+
+@pytest.mark.gpu
+def test_flash_attention_takes_the_hopper_forward_for_a_window():
+    """kernel="auto" runs the Hopper forward for a window and a bottom-right causal mask, and kernel="hopper"
+    accepts them: the teaching forward's O and lse to rounding, -inf on the same rows. (Gradients through a window,
+    the Hopper forward's statistics into the teaching backward, are tests/test_triton_features.py's, on a GPU.)"""
+    _hopper_or_skip()
+    from flashref.triton import flash_attention_forward, ops
+
+    q, k, v, do = make_qkv(1, 4, 1000, 1200, 128, torch.float16, "cuda", seed=5)
+    for kw in (dict(window_size=(256, 0), causal=True), dict(window_size=(100, 50)),
+               dict(causal=True, causal_align="bottom_right")):
+        feat = ops.Features(q, k, causal=kw.get("causal", False), scale=128 ** -0.5,
+                            window_size=kw.get("window_size", (-1, -1)),
+                            causal_align=kw.get("causal_align", "top_left"), check_finite=False)
+        assert ops._forward_kernel(q, k, v, feat, "auto") == "hopper", kw
+        o_h, lse_h = flash_attention_forward(q, k, v, kernel="hopper", **kw)
+        o_t, lse_t = flash_attention_forward(q, k, v, kernel="triton", **kw)
+        assert torch.equal(lse_h.isneginf(), lse_t.isneginf()), kw
+        finite = ~lse_t.isneginf()
+        assert torch.allclose(lse_h[finite], lse_t[finite], rtol=1e-5, atol=1e-4), kw
+        assert torch.allclose(o_h.float(), o_t.float(), atol=2e-3), kw
 
 
 @pytest.mark.gpu

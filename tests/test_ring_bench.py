@@ -191,3 +191,21 @@ def test_longest_table_counts_the_peaks_in_shard_tensors():
     assert "shard tensors" in lines[0]
     assert lines[1].split()[-2:] == ["5.0,", "8.0"] and lines[2].split()[-2:] == ["11.0,", "12.0"]
     assert lines[3].split()[-1] == "-"
+
+
+def test_a_ring_probe_that_never_answered_is_recorded():
+    from flashref.bench.ring_bench import _probe_row, longest_fit, unanswered_probe_row
+
+    fit = _probe_row("ring 2 GPUs", 2, 262144, "ok", (2**30, 2**31))
+    probing = ("probing", "ring 2 GPUs", 2, 311296, 16, 128)
+    failures = ["workers exited with [1]", "rank 0 failed:\nTraceback ..."]
+    row = unanswered_probe_row(probing, [fit], failures)
+    assert (row["part"], row["impl"], row["gpus"], row["N"], row["status"]) == \
+        ("longest", "ring 2 GPUs", 2, 311296, "no answer")
+    assert row["failure"] == "workers exited with [1]" and row["peak_bytes"] is None
+    assert longest_fit([fit, row]) == {2: (262144, 2**31)}  # the unanswered probe is not a fit
+    assert "no answer" in longest_table([fit, row]).splitlines()[2]
+    # nothing to record: the run ended well, nothing was in flight, or the probe's row is already there
+    assert unanswered_probe_row(probing, [fit], []) is None
+    assert unanswered_probe_row(None, [fit], failures) is None
+    assert unanswered_probe_row(("probing", "ring 2 GPUs", 2, 262144, 16, 128), [fit], failures) is None

@@ -235,16 +235,6 @@ def test_split_count_fills_whole_waves():
         decode.split_count(8, 10, 132, resident=0)
 
 
-def test_resident_programs_by_shared_memory():
-    """The split kernel's tiles at d = 128 on an H100 (64 keys a tile, 3 stages, 16 packed rows: 100 KB) fit
-    twice in its 228 KB an SM, but once in 190 KB; never fewer than 1 nor more than 2."""
-    plan = dict(block_m=16, block_n=64, num_warps=4, num_stages=3, block_d=128)
-    assert decode.resident_programs(plan, 2, 90, 228 * 1024) == 2
-    assert decode.resident_programs(plan, 2, 90, 190 * 1024) == 1
-    assert decode.resident_programs(plan, 2, 90, 16 * 1024) == 1
-    assert decode.resident_programs(dict(plan, num_stages=1, block_n=16), 2, 90, 228 * 1024) == 2
-
-
 def test_launch_cache_reuses_only_what_the_data_cannot_change():
     """check_finite=False: the first call of a signature is checked and planned in full, the next ones go
     straight to the kernels (the launch cache) and give the same answer; another scale, a shifted (not

@@ -239,9 +239,11 @@ def implementations(N_q: int, N_k: int, causal: bool, seqlens, impls=IMPLS, spli
 
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(N_q, N_k), enable_gqa=True)
 
-    fns = {"flashref-decode": lambda q, k, v: flash_decode(q, k, v, seqlens, causal=causal, check_finite=False),
-           "flashref-decode num_splits=1": lambda q, k, v: flash_decode(q, k, v, seqlens, causal=causal, num_splits=1,
-                                                                        check_finite=False),
+    def split(num_splits=None):  # flash_decode with the rule's splits (None) or a fixed number
+        return lambda q, k, v: flash_decode(q, k, v, seqlens, causal=causal, num_splits=num_splits,
+                                            check_finite=False)
+
+    fns = {"flashref-decode": split(), split_impl(1): split(1),
            "flashref-triton": lambda q, k, v: flash_attention_forward(q, k, v, window_size=window, check_finite=False,
                                                                       kernel="triton")[0],
            **{name: pinned(backend) for name, backend in backends.items()}}
@@ -249,8 +251,7 @@ def implementations(N_q: int, N_k: int, causal: bool, seqlens, impls=IMPLS, spli
         fns["sdpa causal_lower_right"] = lower_right
     chosen = {name: fns[name] for name in impls if name in fns}
     for s in splits:
-        chosen.setdefault(split_impl(s), lambda q, k, v, s=s: flash_decode(q, k, v, seqlens, causal=causal,
-                                                                           num_splits=s, check_finite=False))
+        chosen.setdefault(split_impl(s), split(s))
     return chosen
 
 

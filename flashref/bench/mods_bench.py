@@ -286,6 +286,10 @@ def window_cases(lengths=None):
                       pair_fraction=pairs / (N * N))
         impls = {"flashref-triton": lambda: lambda q, k, v: flash_attention(q, k, v, causal=True, window_size=WINDOW,
                                                                             check_finite=False),
+                 # the teaching kernels in both directions: what kernel="auto" chose before the Hopper forward
+                 # took windows, and what backs that choice (flashref-triton's forward is the Hopper one there)
+                 "flashref-triton teaching": lambda: lambda q, k, v: flash_attention(
+                     q, k, v, causal=True, window_size=WINDOW, check_finite=False, kernel="triton"),
                  "flex": lambda: _flex_fn(flex_block_mask(mask_mod, N, "cuda")),
                  "sdpa attn_mask": lambda: _sdpa_mask_fn(sdpa_window_mask(N, N, WINDOW, True, "cuda"))}
         for impl, make in impls.items():

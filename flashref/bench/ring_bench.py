@@ -60,6 +60,10 @@ PROBE_WINDOW = (127, 0)
 BUDGET_S = 1.5
 MAX_REPS = 10
 PHASE_TIMEOUT_S = 600
+# How long a rank waits in NCCL for its peer before NCCL gives up. A rank out of memory inside the ring leaves
+# its peer waiting for a block that never comes: the longest probe ends that way, and each minute of waiting
+# is a minute of GPU time.
+NCCL_TIMEOUT_S = 60
 
 
 # ---- reading a saved run: pure Python, tested on the CPU ------------------------------------------------------
@@ -491,6 +495,20 @@ def _probe_row(impl, gpus, N, status, peaks=(None, None), H=H, d=D):
             "forward_peak_bytes": fwd, "backward_peak_bytes": bwd, "shard_bytes": B * H * (N // gpus) * d * 2}
 
 
+def unanswered_probe_row(probing, rows, failures) -> dict | None:
+    """The ``longest`` row of a ring probe that never answered: ``probing`` is the last ``("probing", impl,
+    gpus, N, H, d)`` message the ring sent (or None), ``rows`` what the run recorded, ``failures`` how the
+    ring's processes ended (:func:`_run`). None when nothing failed, nothing was in flight or its row exists."""
+    if not failures or probing is None:
+        return None
+    impl, gpus, N, H, d = probing[1:]
+    if any(r.get("part") == "longest" and r.get("impl") == impl and r.get("N") == N for r in rows):
+        return None
+    row = _probe_row(impl, gpus, N, "no answer", H=H, d=d)
+    row["failure"] = failures[0].splitlines()[0][:300]
+    return row
+
+
 def _probe_peaks(fn, q, k, v, do, dev):
     """(forward peak, backward peak) in bytes of one forward + backward of ``fn`` (``None`` on the CPU): the
     allocator's peak read after the forward, reset, and read again after the backward."""
@@ -543,7 +561,7 @@ def _ring_worker(rank, world, port, plan: Plan, pinned, out):
         from flashref.triton.ops import fixed_configs
 
         dist.init_process_group(dev.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=180))
+                                timeout=datetime.timedelta(seconds=NCCL_TIMEOUT_S))
         ranks = _Ranks(dist.new_group(backend="gloo"), world)
         with fixed_configs(**pinned):
             if "scaling" in plan.parts:
@@ -557,7 +575,9 @@ def _ring_worker(rank, world, port, plan: Plan, pinned, out):
                 if rank == 0:
                     out.put(("trace", trace))
             if "longest" in plan.parts:
-                for row in _longest_ring(rank, world, dev, plan, ranks):
+                announce = (lambda N: out.put(("probing", f"ring {world} GPUs", world, N, plan.H, plan.d))
+                            ) if rank == 0 else (lambda N: None)
+                for row in _longest_ring(rank, world, dev, plan, ranks, announce):
                     if rank == 0:
                         out.put(("row", row))
                     if row["status"] != "ok":
@@ -623,9 +643,11 @@ def _ring_trace(N, causal, rank, world, dev, plan, ranks):
             "events": events}
 
 
-def _longest_ring(rank, world, dev, plan, ranks):
+def _longest_ring(rank, world, dev, plan, ranks, announce=lambda N: None):
     """N from ``plan.longest_from`` as :func:`probe_lengths` grows it; every rank learns whether all ranks fit
-    before anything synchronizes."""
+    before anything synchronizes. ``announce(N)`` before each probe tells the parent which N is in flight, so
+    that a probe no rank comes back from (one rank out of memory inside the ring, its peer waiting in NCCL
+    until the ring's timeout ends the process) is still recorded: :func:`unanswered_probe_row`."""
     import flashref.ring_attention as ring_module
 
     saved = ring_module._block_forward, ring_module._block_backward
@@ -635,6 +657,7 @@ def _longest_ring(rank, world, dev, plan, ranks):
     impl = f"ring {world} GPUs"
     try:
         for N in probe_lengths(plan.longest_from, plan.longest_max, plan.longest_steps):
+            announce(N)
             dev.fresh()
             try:
                 q, k, v, do = _inputs(dev, plan, N // world, 300 + rank)
@@ -764,7 +787,7 @@ def main(argv=None) -> int:
         return 2
     gpus = args.gpus or (torch.cuda.device_count() if plan.device == "cuda" else 2)
     command = results.command("ring", argv)
-    state = {"data": None, "add": None, "pinned": None, "base": {}}
+    state = {"data": None, "add": None, "pinned": None, "base": {}, "probing": None}
 
     def on_message(msg):
         kind = msg[0]
@@ -784,6 +807,8 @@ def main(argv=None) -> int:
                 elif (row["causal"], row["N"]) in state["base"]:
                     row["speedup"] = state["base"][(row["causal"], row["N"])]["ms"] / row["ms"]
             state["add"](row)
+        elif kind == "probing":
+            state["probing"] = msg
         elif kind == "trace":
             state["data"]["trace"] = msg[1]
             results.save(state["data"], args.out)
@@ -794,6 +819,9 @@ def main(argv=None) -> int:
     if not failures and gpus > 1 and state["pinned"] is not None:
         port = _free_port()
         failures = _run([(_ring_worker, (r, gpus, port, plan, state["pinned"])) for r in range(gpus)], on_message)
+        row = unanswered_probe_row(state["probing"], state["data"]["results"], failures)
+        if row is not None:
+            state["add"](row)
     elif gpus < 2:
         print("one GPU visible: the ring's parts are skipped", file=sys.stderr)
     if state["data"] is not None:

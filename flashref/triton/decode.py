@@ -265,26 +265,20 @@ def _sm_count(device) -> int:
     return _SMS[index]
 
 
-def _sm_shared(device) -> int:
-    """Shared memory an SM has, in bytes (228 KB on an H100); the per-block limit where torch does not say."""
-    props = torch.cuda.get_device_properties(device.index if device.index is not None else torch.cuda.current_device())
-    per_sm = getattr(props, "shared_memory_per_multiprocessor", None)
-    return int(per_sm) if per_sm else int(getattr(props, "shared_memory_per_block_optin", 48 * 1024))
-
-
 def split_count(programs: int, tiles: int, sms: int, good: float = 0.95, resident: int = 1) -> int:
     """How many slices to cut the keys into when ``programs`` programs (batch rows x K/V heads x row blocks)
     would each walk ``tiles`` key tiles alone, on a GPU of ``sms`` SMs that each hold ``resident`` of these
     programs at once.
 
-    A program streams its keys with a few tiles in flight, and one program alone on an SM keeps only part of
-    that SM's share of the memory bandwidth busy: an H100 read a 16K cache at 1.2 TB/s with one program an SM
-    (16 splits at B = 1), a 64K one at 2.4 TB/s. So a wave is ``s * programs`` against ``sms * resident``
-    slots, and a last wave only partly full leaves slots idle for a whole program's time. The wave efficiency
-    of ``s`` splits is ``s * programs / (ceil(s * programs / slots) * slots)``. The answer is the fewest splits
-    whose efficiency is at least ``good`` of the best one up to two waves (fewer splits: less to merge), never
-    more splits than tiles. On an H100 (132 SMs, two split programs an SM) with 8 K/V heads: B = 1 gives 32
-    splits (256 programs), B = 4 gives 8, B = 16 gives 2; with ``resident=1``, 16, 4 and 1."""
+    A wave is ``s * programs`` against ``sms * resident`` slots, and a last wave only partly full leaves slots
+    idle for a whole program's time. The wave efficiency of ``s`` splits is ``s * programs / (ceil(s *
+    programs / slots) * slots)``. The answer is the fewest splits whose efficiency is at least ``good`` of the
+    best one up to two waves (fewer splits: less to merge), never more splits than tiles. On an H100 (132 SMs)
+    with 8 K/V heads, one program an SM: B = 1 gives 16 splits (128 programs), B = 4 gives 4, B = 16 gives 1;
+    with ``resident=2``, 32, 8 and 2. :func:`flash_decode` counts one program an SM: an H100's SM has room
+    for two of them at d = 128, but a sweep of fixed split counts (``book/data/decode_split_sweep.json``)
+    measured two an SM 1-8% slower than one at B = 1, and a decode run with two an SM was 0-4% slower than the
+    run before it with one at B = 4 and 16 (``book/data/decode_bench.json`` in git's history)."""
     validation.check_positive_int("programs", programs)
     validation.check_positive_int("sms", sms)
     validation.check_positive_int("resident", resident)
@@ -300,25 +294,13 @@ def split_count(programs: int, tiles: int, sms: int, good: float = 0.95, residen
 MIN_SPLIT_TILES = 4
 
 
-def resident_programs(plan: dict, elem_bytes: int, capability: int, sm_shared: int) -> int:
-    """How many split programs of ``plan`` fit an SM at once by shared memory (``sm_shared`` bytes an SM),
-    from the compiler-matched estimate :func:`flashref.triton.configs.shared_bytes_estimate`; 1 at the least,
-    2 at the most (registers and the scheduler are not modelled beyond that)."""
-    from flashref.triton import configs
-
-    cfg = configs.TileConfig(plan["block_m"], plan["block_n"], plan["num_warps"], plan["num_stages"])
-    need = configs.shared_bytes_estimate("forward", cfg, plan["block_d"], elem_bytes, capability)
-    return max(1, min(2, sm_shared // max(1, need)))
-
-
 def decode_plan(q, k_cache, num_splits=None) -> dict:
     """How :func:`flash_decode` launches for these shapes: the packed rows a program takes (``block_m``, at
     least 16 for tl.dot), the ``row_blocks`` a GQA group is cut into, ``block_n``, ``num_splits`` (given, or
     chosen), and on a GPU ``num_warps`` and ``num_stages``.
 
-    ``num_splits=None`` chooses by :func:`split_count` from the GPU's SM count and the split programs an SM
-    holds (:func:`resident_programs`), each split walking at least :data:`MIN_SPLIT_TILES` key tiles of the
-    longest cache (a split of the shortest rows may still be empty: it stores lse = -inf and costs one early
+    ``num_splits=None`` chooses by :func:`split_count` from the GPU's SM count, one split program an SM, each
+    split walking at least :data:`MIN_SPLIT_TILES` key tiles of the longest cache (a split of the shortest rows may still be empty: it stores lse = -inf and costs one early
     exit). Under the interpreter: ``min(4, key tiles)``, enough to exercise the merge."""
     B, H, N_q, d = q.shape
     H_kv, N_max = k_cache.shape[1], k_cache.shape[2]
@@ -331,10 +313,8 @@ def decode_plan(q, k_cache, num_splits=None) -> dict:
         from flashref.triton import configs
 
         capability, limit = configs.device_capability(q.device), configs.device_shared_limit(q.device)
-        sm_shared = _sm_shared(q.device)
         if configs.t4_mode():  # FLASHREF_T4_CONFIGS=1: what a T4 would launch, on any GPU
             capability, limit = min(capability, 75), min(limit, configs.GPUS["T4"]["shared_bytes"])
-            sm_shared = min(sm_shared, configs.GPUS["T4"]["shared_bytes"])
         plan.update(gpu_config(d, capability, q.element_size(), plan["block_m"], limit))
     plan["row_blocks"] = ops._cdiv(rows, plan["block_m"])
     tiles = ops._cdiv(N_max, plan["block_n"])
@@ -342,9 +322,8 @@ def decode_plan(q, k_cache, num_splits=None) -> dict:
         if INTERPRETED:
             num_splits = min(4, tiles)
         else:
-            resident = resident_programs(plan, q.element_size(), capability, sm_shared)
             num_splits = split_count(B * H_kv * plan["row_blocks"], max(1, tiles // MIN_SPLIT_TILES),
-                                     _sm_count(q.device), resident=resident)
+                                     _sm_count(q.device))
     plan["num_splits"] = int(num_splits)
     return plan
 

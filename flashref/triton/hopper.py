@@ -33,8 +33,10 @@ FP8 (:func:`hopper_fp8_forward`, or :func:`quantize_fp8` then :func:`fp8_attenti
 with e4m3 Q, K and V (transposed) and per-block scales, P rounded to e4m3, softmax in fp32; ``incoherent``
 rotates Q and K by a random Hadamard matrix first, which spreads an outlier channel over all of them.
 
-Supported: fp16 and bf16, head dims 64, 128 and 256, any N_q and N_k (N = 1 too), top-left causal or not,
-no other feature (dropout, masks, GQA: those stay on the teaching kernel). Outputs match
+Supported: fp16 and bf16, head dims 64, 128 and 256, any N_q and N_k (N = 1 too), top-left causal or not, and
+a window (``window_size``, which also carries a bottom-right causal mask): each program visits only the key tiles
+some row of it sees, and masks only the tiles on a window's edges. No other feature (dropout, masks, GQA,
+softcap, ALiBi: those stay on the teaching kernel). Outputs match
 :func:`flashref.triton.flash_attention_forward`: O, the natural-log lse, and the backward's (m2, l2).
 It needs an sm_90 GPU; :func:`supported` says whether a call qualifies. :func:`flashref.triton.flash_attention`
 runs it (``kernel="auto"``, the default, or ``"hopper"``) for the calls it supports, with its contiguous inputs. Taught in notebook ``14_flashattention3_on_hopper``; ``python -m flashref.bench
@@ -76,38 +78,80 @@ def _load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kv_row, j, n_tiles,
 
 
 @gluon.jit
-def _softmax_tile(S, m_i, l_i, j, n_full, start_m, N_k, qk_scale,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr,
-                  P_SHIFT: gl.constexpr = 0.0):
-    """The online-softmax step for score tile j: P = exp2(S * scale - m_new + P_SHIFT), the running max m and sum
-    l (of P as computed, so l carries the same 2^P_SHIFT), and alpha = exp2(m_old - m_new), the factor O must be
-    rescaled by. Tiles from n_full on hold keys past N_k or (causal) right of the diagonal: those scores become
-    -inf before the max."""
-    if j >= n_full:
+def _softmax_tile(S, m_i, l_i, j, lo_full, n_full, start_m, N_k, qk_scale, win_left, win_right,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                  s_layout: gl.constexpr, P_SHIFT: gl.constexpr = 0.0):
+    """The online-softmax step for (absolute) key tile j: P = exp2(S * scale - m_new + P_SHIFT), the running max
+    m and sum l (of P as computed, so l carries the same 2^P_SHIFT), and alpha = exp2(m_old - m_new), the factor
+    O must be rescaled by. Tiles outside [lo_full, n_full) hold keys past N_k, right of the diagonal (causal) or
+    outside a row's window (WINDOW: query i sees keys i - win_left <= j <= i + win_right): those scores become
+    -inf before the max. In a window a row may have seen no key yet (its window starts in a later tile than
+    another row's): its max stays -inf and its exponents are taken against 0, not -inf (which would give NaN)."""
+    masked = j >= n_full
+    if WINDOW:
+        masked = masked | (j < lo_full)
+    if masked:
         cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         keep = gl.expand_dims(cols < N_k, 0)
-        if CAUSAL:
-            rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-            keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1))
+        if CAUSAL or WINDOW:
+            rows = gl.expand_dims(start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)), 1)
+            if CAUSAL:
+                keep = keep & (gl.expand_dims(cols, 0) <= rows)
+            if WINDOW:
+                keep = keep & (gl.expand_dims(cols, 0) >= rows - win_left) & (gl.expand_dims(cols, 0) <= rows + win_right)
         S = gl.where(keep, S, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(S, axis=1) * qk_scale)
-    alpha = gl.exp2(m_i - m_new)
-    P = gl.exp2(S * qk_scale - gl.expand_dims(m_new - P_SHIFT, 1))
+    m_sub = m_new
+    if WINDOW:
+        m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_sub)
+    P = gl.exp2(S * qk_scale - gl.expand_dims(m_sub - P_SHIFT, 1))
     l_i = l_i * alpha + gl.sum(P, axis=1)
     return P, m_new, l_i, alpha
 
 
 @gluon.jit
+def _key_tiles(start_m, N_k, win_left, win_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
+    """(j_lo, n_tiles, lo_full, n_full): the key tiles rows [start_m, +BLOCK_M) visit are j_lo, ..., j_lo +
+    n_tiles - 1 (n_tiles <= 0 when a window leaves these rows no key); tiles in [lo_full, n_full) need no mask
+    (every row sees every key of them). Without a window j_lo = lo_full = 0 and the visit starts at key 0."""
+    j_lo = 0
+    lo_full = 0
+    hi = N_k
+    n_full = N_k // BLOCK_N
+    if CAUSAL:
+        hi = gl.minimum(N_k, start_m + BLOCK_M)
+        n_full = gl.minimum(n_full, (start_m + 1) // BLOCK_N)
+    if WINDOW:  # query i sees keys i - win_left <= j <= i + win_right (causal has made win_right 0)
+        j_lo = gl.maximum(start_m - win_left, 0) // BLOCK_N
+        hi = gl.minimum(hi, gl.maximum(start_m + BLOCK_M + win_right, 0))
+        lo_full = gl.cdiv(gl.maximum(start_m + BLOCK_M - 1 - win_left, 0), BLOCK_N)
+        n_full = gl.minimum(n_full, gl.maximum(start_m + 1 + win_right, 0) // BLOCK_N)
+    return j_lo, gl.cdiv(hi, BLOCK_N) - j_lo, lo_full, n_full
+
+
+@gluon.jit
 def _store_rows(acc, m_i, l_i, O, LSE, M2, L2, bh, start_m, N_q, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
-                s_layout: gl.constexpr, o_layout: gl.constexpr):
+                s_layout: gl.constexpr, o_layout: gl.constexpr, WINDOW: gl.constexpr = False):
     """O = acc / l for rows [start_m, +BLOCK_M) of head bh, the natural-log lse and the backward's (m2, l2).
-    Every real row saw key 0 (top-left causal), so l >= 1; rows past N_q are not stored."""
+    Without a window every real row saw key 0 (top-left causal), so l >= 1; rows past N_q are not stored. In a
+    window a row may see no key (l = 0): as the teaching kernel, it stores O = 0, lse = -inf, m2 = 0 and
+    l2 = +inf, which make the backward's recomputed P exactly 0."""
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    if WINDOW:
+        seen = l_i > 0.0
+        l_i = gl.where(seen, l_i, 1.0)
     acc = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
     offs_s = start_m + gl.arange(0, BLOCK_M, layout=row_s)
     stat = bh.to(gl.int64) * N_q + offs_s
     log2_l = gl.log2(l_i)
-    gl.store(LSE + stat, (m_i + log2_l) * LN2, mask=offs_s < N_q)
+    lse = (m_i + log2_l) * LN2
+    if WINDOW:
+        lse = gl.where(seen, lse, float("-inf"))
+        m_i = gl.where(seen, m_i, 0.0)
+        log2_l = gl.where(seen, log2_l, float("inf"))
+    gl.store(LSE + stat, lse, mask=offs_s < N_q)
     gl.store(M2 + stat, m_i, mask=offs_s < N_q)
     gl.store(L2 + stat, log2_l, mask=offs_s < N_q)
     offs_m = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
@@ -118,11 +162,13 @@ def _store_rows(acc, m_i, l_i, O, LSE, M2, L2, bh, start_m, N_q, BLOCK_M: gl.con
 
 
 @gluon.jit
-def hopper_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, N_q, N_k, qk_scale,
+def hopper_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, N_q, N_k, qk_scale, win_left, win_right,
                       HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                      CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr):
+                      CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, WINDOW: gl.constexpr, num_warps: gl.constexpr):
     """Program (pid_m, bh) writes O rows [pid_m * BLOCK_M, +BLOCK_M) of head bh, its lse (natural log) and the
-    backward's M2 (base-2 row max) and L2 (log2 of the row sum), as the teaching kernel does.
+    backward's M2 (base-2 row max) and L2 (log2 of the row sum), as the teaching kernel does. WINDOW: query i
+    sees keys i - win_left <= j <= i + win_right only, and the tiles outside every row's window are never
+    loaded (the loop counts tiles from the first one visited, so the slots' phases stay its own).
 
     The descriptors view Q, K, V as 2-D (B * H * N, d) tensors. A tile that runs past its head's last row
     reads the next head's rows (or TMA's zeros past the tensor's end): their scores are masked to -inf
@@ -154,14 +200,10 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, N_q, N_k, qk_scale
         mbarrier.init(k_bars.index(s), count=1)
         mbarrier.init(v_bars.index(s), count=1)
 
-    # Key tiles [0, n_full) need no mask; [n_full, n_tiles) hold the ragged end or the causal diagonal.
-    hi = N_k
-    n_full = N_k // BLOCK_N
-    if CAUSAL:
-        hi = gl.minimum(N_k, start_m + BLOCK_M)
-        n_full = gl.minimum(n_full, (start_m + 1) // BLOCK_N)
-    n_tiles = gl.cdiv(hi, BLOCK_N)
-    kv_row = bh * N_k
+    # Key tiles [lo_full, n_full) need no mask; the others hold the ragged end, the causal diagonal or a
+    # window's edges. The loop's j counts from tile j_lo (0 without a window).
+    j_lo, n_tiles, lo_full, n_full = _key_tiles(start_m, N_k, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    kv_row = bh * N_k + j_lo * BLOCK_N
 
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [bh * N_q + start_m, 0], q_bar, q_smem)
@@ -177,13 +219,14 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, N_q, N_k, qk_scale
 
     if OVERLAP:
         gl.static_assert(STAGES >= 3, "the overlapped loop holds K_j and V_{j-1}: it needs a third slot to prefetch")
+        gl.static_assert(not WINDOW, "the overlapped loop starts with tile 0 alone: a window may visit none")
         # Tile 0's scores and softmax alone; then each step issues S_j = Q K_j^T and O += P_{j-1} V_{j-1},
         # waits for S_j only (the PV product stays in flight), runs softmax j, then waits for O.
         mbarrier.wait(k_bars.index(0), 0)
         S = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         S = warpgroup_mma_wait(0, deps=[S])
-        P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, 0, n_full, start_m, N_k, qk_scale,
-                                           BLOCK_M, BLOCK_N, CAUSAL, s_layout)
+        P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, 0, lo_full, n_full, start_m, N_k, qk_scale, win_left,
+                                           win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, s_layout)
         for j in range(1, n_tiles):
             slot = j % STAGES
             prev = (j - 1) % STAGES
@@ -201,8 +244,8 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, N_q, N_k, qk_scale
             _load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kv_row, j - 2 + STAGES, n_tiles,
                      BLOCK_N, STAGES)
             S = warpgroup_mma_wait(1, deps=[S])
-            P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, j, n_full, start_m, N_k, qk_scale,
-                                               BLOCK_M, BLOCK_N, CAUSAL, s_layout)
+            P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, j, lo_full, n_full, start_m, N_k, qk_scale, win_left,
+                                               win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, s_layout)
             acc, p = warpgroup_mma_wait(0, deps=[acc, p])
         last = (n_tiles - 1) % STAGES
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
@@ -217,8 +260,8 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, N_q, N_k, qk_scale
             mbarrier.wait(k_bars.index(slot), phase)
             S = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             S = warpgroup_mma_wait(0, deps=[S])
-            P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, j, n_full, start_m, N_k, qk_scale,
-                                               BLOCK_M, BLOCK_N, CAUSAL, s_layout)
+            P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, j_lo + j, lo_full, n_full, start_m, N_k, qk_scale,
+                                               win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, s_layout)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             mbarrier.wait(v_bars.index(slot), phase)
             p = gl.convert_layout(P.to(dtype), p_layout)
@@ -231,27 +274,24 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, N_q, N_k, qk_scale
         mbarrier.invalidate(k_bars.index(s))
         mbarrier.invalidate(v_bars.index(s))
 
-    _store_rows(acc, m_i, l_i, O, LSE, M2, L2, bh, start_m, N_q, BLOCK_M, HEAD_D, s_layout, o_layout)
+    _store_rows(acc, m_i, l_i, O, LSE, M2, L2, bh, start_m, N_q, BLOCK_M, HEAD_D, s_layout, o_layout, WINDOW)
 
 # ---- Warp specialization: a producer warp feeds two consumer warpgroups ---------------------------------------
 
 @gluon.jit
-def _ws_tiles(pid_m, N_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """(n_tiles, n_full) of the program's whole BLOCK_M rows, which every partition must agree on: the producer
-    loads n_tiles K and V tiles and each consumer takes all of them (tiles from n_full on are masked)."""
-    start_m = pid_m * BLOCK_M
-    hi = N_k
-    n_full = N_k // BLOCK_N
-    if CAUSAL:
-        hi = gl.minimum(N_k, start_m + BLOCK_M)
-        n_full = gl.minimum(n_full, (start_m + 1) // BLOCK_N)
-    return gl.cdiv(hi, BLOCK_N), n_full
+def _ws_tiles(pid_m, N_k, win_left, win_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+              WINDOW: gl.constexpr):
+    """:func:`_key_tiles` of the program's whole BLOCK_M rows, which every partition must agree on: the producer
+    loads n_tiles K and V tiles from tile j_lo on and each consumer takes all of them (those outside [lo_full,
+    n_full) are masked)."""
+    return _key_tiles(pid_m * BLOCK_M, N_k, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
 
 
 @gluon.jit
 def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
-                 pid_m, bh, N_q, N_k, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 STAGES: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr):
+                 pid_m, bh, N_q, N_k, win_left, win_right, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                 FP8: gl.constexpr):
     """One warp with few registers: it issues every TMA copy. Each consumer warpgroup's Q half has a barrier of
     its own; a K or V slot is refilled once both consumers have arrived on its empty barrier. In FP8, V comes
     transposed, (B * H * d, N_k): the tensor cores take 8-bit operands only with the reduced dimension
@@ -261,11 +301,11 @@ def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready
         mbarrier.expect(q_bars.index(wg), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [bh * N_q + pid_m * BLOCK_M + wg * ROWS, 0], q_bars.index(wg),
                                         q_smem.index(wg))
-    n_tiles, n_full = _ws_tiles(pid_m, N_k, BLOCK_M, BLOCK_N, CAUSAL)
-    for j in range(n_tiles):
+    j_lo, n_tiles, lo_full, n_full = _ws_tiles(pid_m, N_k, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    for j in range(n_tiles):  # j counts from tile j_lo: the slots' phases follow the loop, not the keys
         slot = j % STAGES
         phase = (j // STAGES) & 1
-        row = bh * N_k + j * BLOCK_N
+        row = bh * N_k + (j_lo + j) * BLOCK_N
         # A fresh mbarrier counts as having completed the phase before its first, so round 0 passes at once.
         mbarrier.wait(k_empty.index(slot), phase ^ 1)
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
@@ -273,7 +313,8 @@ def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready
         mbarrier.wait(v_empty.index(slot), phase ^ 1)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
         if FP8:
-            tma.async_copy_global_to_shared(v_desc, [bh * HEAD_D, j * BLOCK_N], v_ready.index(slot), v_smem.index(slot))
+            tma.async_copy_global_to_shared(v_desc, [bh * HEAD_D, (j_lo + j) * BLOCK_N], v_ready.index(slot),
+                                            v_smem.index(slot))
         else:
             tma.async_copy_global_to_shared(v_desc, [row, 0], v_ready.index(slot), v_smem.index(slot))
 
@@ -328,10 +369,53 @@ def _issue_pv(acc, alpha, P, v_smem, v_ready, turns, t, row_o: gl.constexpr, p_l
 
 
 @gluon.jit
+def _ws_rounds(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns, acc, m_i, l_i, s_zero, q_scale,
+               k_scales, j_lo, n_tiles, lo_full, n_full, start_m, N_k, win_left, win_right, row_o: gl.constexpr,
+               p_layout: gl.constexpr, s_layout: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+               STAGES: gl.constexpr, WG: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+               PINGPONG: gl.constexpr, FP8: gl.constexpr, P_SHIFT: gl.constexpr):
+    """A consumer's rounds over its n_tiles >= 1 key tiles (tile j_lo + t in round t): (acc, m, l) at the end."""
+    # Round 0: S_0 alone.
+    _take_turn(turns, 0, WG, PINGPONG)
+    mbarrier.wait(k_ready.index(0), 0)
+    S = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    _give_turn(turns, WG, PINGPONG)
+    S = warpgroup_mma_wait(0, deps=[S])
+    mbarrier.arrive(k_empty.index(0), count=1)
+    s_scale = q_scale
+    if FP8:
+        s_scale = q_scale * gl.load(k_scales + j_lo)
+    P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, j_lo, lo_full, n_full, start_m, N_k, s_scale, win_left,
+                                       win_right, ROWS, BLOCK_N, CAUSAL, WINDOW, s_layout, P_SHIFT)
+    for t in range(1, n_tiles):
+        slot = t % STAGES
+        prev = (t - 1) % STAGES
+        acc, p = _issue_pv(acc, alpha, P, v_smem, v_ready, turns, t, row_o, p_layout, STAGES, WG, PINGPONG, FP8)
+        mbarrier.wait(k_ready.index(slot), (t // STAGES) & 1)
+        S = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        _give_turn(turns, WG, PINGPONG)
+        acc, S = _wait_products(acc, p, S, FP8)
+        mbarrier.arrive(v_empty.index(prev), count=1)
+        mbarrier.arrive(k_empty.index(slot), count=1)
+        s_scale = q_scale
+        if FP8:
+            s_scale = q_scale * gl.load(k_scales + j_lo + t)
+        P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, j_lo + t, lo_full, n_full, start_m, N_k, s_scale,
+                                           win_left, win_right, ROWS, BLOCK_N, CAUSAL, WINDOW, s_layout, P_SHIFT)
+    # The last round: P V of the last tile alone.
+    last = (n_tiles - 1) % STAGES
+    acc, p = _issue_pv(acc, alpha, P, v_smem, v_ready, turns, n_tiles, row_o, p_layout, STAGES, WG, PINGPONG, FP8)
+    _give_turn(turns, WG, PINGPONG)
+    acc, S = _wait_products(acc, p, s_zero, FP8)
+    mbarrier.arrive(v_empty.index(last), count=1)
+    return acc, m_i, l_i
+
+
+@gluon.jit
 def _ws_consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turns, O, LSE, M2, L2,
-                 QS, KS, VS, pid_m, bh, N_q, N_k, qk_scale, WG: gl.constexpr, HEAD_D: gl.constexpr,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                 PINGPONG: gl.constexpr, FP8: gl.constexpr):
+                 QS, KS, VS, pid_m, bh, N_q, N_k, qk_scale, win_left, win_right, WG: gl.constexpr,
+                 HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 CAUSAL: gl.constexpr, WINDOW: gl.constexpr, PINGPONG: gl.constexpr, FP8: gl.constexpr):
     """Consumer warpgroup WG (4 warps) owns rows [WG * BLOCK_M/2, +BLOCK_M/2) of the program's tile. Round t
     issues O += P_{t-1} V_{t-1} and S_t = Q K_t^T back to back, waits for both, frees their slots, then runs
     softmax t. With PINGPONG, the rounds of the two warpgroups take turns on the tensor cores: one issues its
@@ -351,7 +435,7 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_em
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     start_m = pid_m * BLOCK_M + WG * ROWS
-    n_tiles, n_full = _ws_tiles(pid_m, N_k, BLOCK_M, BLOCK_N, CAUSAL)
+    j_lo, n_tiles, lo_full, n_full = _ws_tiles(pid_m, N_k, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     q = q_smem.index(WG)
     q_scale = qk_scale
     k_scales = KS
@@ -366,49 +450,28 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_em
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     mbarrier.wait(q_bars.index(WG), 0)
 
-    # Round 0: S_0 alone.
-    _take_turn(turns, 0, WG, PINGPONG)
-    mbarrier.wait(k_ready.index(0), 0)
-    S = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    _give_turn(turns, WG, PINGPONG)
-    S = warpgroup_mma_wait(0, deps=[S])
-    mbarrier.arrive(k_empty.index(0), count=1)
-    s_scale = q_scale
-    if FP8:
-        s_scale = q_scale * gl.load(k_scales)
-    P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, 0, n_full, start_m, N_k, s_scale,
-                                       ROWS, BLOCK_N, CAUSAL, s_layout, P_SHIFT)
-    for t in range(1, n_tiles):
-        slot = t % STAGES
-        prev = (t - 1) % STAGES
-        acc, p = _issue_pv(acc, alpha, P, v_smem, v_ready, turns, t, row_o, p_layout, STAGES, WG, PINGPONG, FP8)
-        mbarrier.wait(k_ready.index(slot), (t // STAGES) & 1)
-        S = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        _give_turn(turns, WG, PINGPONG)
-        acc, S = _wait_products(acc, p, S, FP8)
-        mbarrier.arrive(v_empty.index(prev), count=1)
-        mbarrier.arrive(k_empty.index(slot), count=1)
-        s_scale = q_scale
-        if FP8:
-            s_scale = q_scale * gl.load(k_scales + t)
-        P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, t, n_full, start_m, N_k, s_scale,
-                                           ROWS, BLOCK_N, CAUSAL, s_layout, P_SHIFT)
-    # The last round: P V of the last tile alone.
-    last = (n_tiles - 1) % STAGES
-    acc, p = _issue_pv(acc, alpha, P, v_smem, v_ready, turns, n_tiles, row_o, p_layout, STAGES, WG, PINGPONG, FP8)
-    _give_turn(turns, WG, PINGPONG)
-    acc, S = _wait_products(acc, p, s_zero, FP8)
-    mbarrier.arrive(v_empty.index(last), count=1)
+    if WINDOW:
+        if n_tiles > 0:  # a window may leave every row of the program without a key: then nothing is loaded
+            acc, m_i, l_i = _ws_rounds(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns, acc, m_i, l_i,
+                                       s_zero, q_scale, k_scales, j_lo, n_tiles, lo_full, n_full, start_m, N_k,
+                                       win_left, win_right, row_o, p_layout, s_layout, ROWS, BLOCK_N, STAGES, WG,
+                                       CAUSAL, WINDOW, PINGPONG, FP8, P_SHIFT)
+    else:
+        acc, m_i, l_i = _ws_rounds(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns, acc, m_i, l_i,
+                                   s_zero, q_scale, k_scales, j_lo, n_tiles, lo_full, n_full, start_m, N_k,
+                                   win_left, win_right, row_o, p_layout, s_layout, ROWS, BLOCK_N, STAGES, WG,
+                                   CAUSAL, WINDOW, PINGPONG, FP8, P_SHIFT)
     if FP8:  # undo the 2^8 on P (in acc and l alike) and V's scale
         acc = acc * (gl.load(VS + bh) / 256.0)
         l_i = l_i / 256.0
-    _store_rows(acc, m_i, l_i, O, LSE, M2, L2, bh, start_m, N_q, ROWS, HEAD_D, s_layout, o_layout)
+    _store_rows(acc, m_i, l_i, O, LSE, M2, L2, bh, start_m, N_q, ROWS, HEAD_D, s_layout, o_layout, WINDOW)
 
 
 @gluon.jit
-def hopper_ws_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, QS, KS, VS, N_q, N_k, qk_scale,
+def hopper_ws_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, QS, KS, VS, N_q, N_k, qk_scale, win_left, win_right,
                          HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                         CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, FP8: gl.constexpr, num_warps: gl.constexpr):
+                         CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, FP8: gl.constexpr, WINDOW: gl.constexpr,
+                         num_warps: gl.constexpr):
     """The warp-specialized forward: program (pid_m, bh) as in :func:`hopper_fwd_kernel`, its work split among
     three partitions. The kernel's own 4 warps are consumer warpgroup 0; a worker warpgroup of 4 is consumer 1;
     one worker warp is the producer. The launch caps registers so that 12 warps fit an SM, and the partitions'
@@ -442,13 +505,14 @@ def hopper_ws_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, QS, KS, VS, N_q
     # Tuples built here keep constexprs as constexprs only when written out whole (a sum of tuples does not).
     gl.warp_specialize([
         (_ws_consumer, (q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turns, O, LSE, M2, L2,
-                        QS, KS, VS, pid_m, bh, N_q, N_k, qk_scale, 0, HEAD_D, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
-                        PINGPONG, FP8)),
+                        QS, KS, VS, pid_m, bh, N_q, N_k, qk_scale, win_left, win_right, 0, HEAD_D, BLOCK_M, BLOCK_N,
+                        STAGES, CAUSAL, WINDOW, PINGPONG, FP8)),
         (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
-                        pid_m, bh, N_q, N_k, HEAD_D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, FP8)),
+                        pid_m, bh, N_q, N_k, win_left, win_right, HEAD_D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW,
+                        FP8)),
         (_ws_consumer, (q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turns, O, LSE, M2, L2,
-                        QS, KS, VS, pid_m, bh, N_q, N_k, qk_scale, 1, HEAD_D, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
-                        PINGPONG, FP8)),
+                        QS, KS, VS, pid_m, bh, N_q, N_k, qk_scale, win_left, win_right, 1, HEAD_D, BLOCK_M, BLOCK_N,
+                        STAGES, CAUSAL, WINDOW, PINGPONG, FP8)),
     ], [1, 4], [24, 240])
 
 
@@ -516,10 +580,14 @@ def _descriptor_blocks(cfg: dict, head_dim: int):
     return [q_rows, head_dim], [cfg["block_n"], head_dim]
 
 
-def kernel_and_constexprs(cfg: dict, head_dim: int, causal: bool):
-    """The Gluon kernel a config launches, its compile-time arguments and launch options."""
+def kernel_and_constexprs(cfg: dict, head_dim: int, causal: bool, window: bool = False):
+    """The Gluon kernel a config launches, its compile-time arguments and launch options. ``window``: the kernel
+    that bounds each row's keys (``win_left``, ``win_right``); the overlapped loop has none."""
+    if window and cfg["overlap"]:
+        raise ValueError("overlap=True takes no window: its loop starts with a first key tile that a window may "
+                         "not have")
     shape = dict(HEAD_D=head_dim, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"],
-                 CAUSAL=bool(causal))
+                 CAUSAL=bool(causal), WINDOW=bool(window))
     if cfg["warp_specialize"]:
         # 12 warps (3 warpgroups) at WS_MAXNREG each fit the SM's 64K registers; the partitions then move them.
         return (hopper_ws_fwd_kernel, dict(shape, PINGPONG=bool(cfg["pingpong"]), FP8=False, num_warps=4),
@@ -527,24 +595,29 @@ def kernel_and_constexprs(cfg: dict, head_dim: int, causal: bool):
     return hopper_fwd_kernel, dict(shape, OVERLAP=bool(cfg["overlap"]), num_warps=cfg["num_warps"]), {}
 
 
-def hopper_forward(q, k, v, causal=False, sm_scale=None, *, block_m=None, block_n=None, num_warps=None,
-                   stages=None, overlap=None, warp_specialize=None, pingpong=None):
+def hopper_forward(q, k, v, causal=False, sm_scale=None, *, window_size=(-1, -1), block_m=None, block_n=None,
+                   num_warps=None, stages=None, overlap=None, warp_specialize=None, pingpong=None):
     """``(o, lse, (m2, l2))`` for (B, H, N, d) q, k, v on an sm_90 GPU, with the switches of this module's
-    docstring (``None`` takes :func:`default_config`'s value). Checks as :func:`flashref.triton.flash_attention`."""
-    from flashref.triton.ops import _check  # the package's checks: types, shapes, dtypes, devices, sm_scale
+    docstring (``None`` takes :func:`default_config`'s value). ``window_size=(left, right)``: query i sees keys
+    ``i - left <= j <= i + right`` (-1: unbounded), as :func:`flashref.triton.flash_attention`'s; a row that sees
+    no key gets O = 0 and lse = -inf. Checks as :func:`flashref.triton.flash_attention`."""
+    from flashref.triton.ops import Features, _check  # the package's checks: types, shapes, dtypes, devices, ...
 
     d, scale = _check(q, k, v, causal, sm_scale)
+    feat = Features(q, k, causal=causal, scale=scale, window_size=window_size, check_finite=False)
     cfg = config(d, block_m=block_m, block_n=block_n, num_warps=num_warps, stages=stages, overlap=overlap,
                  warp_specialize=warp_specialize, pingpong=pingpong)
     why = supported(q, k, v)
     if why is not None:
         raise ValueError(f"hopper_forward {why}")
-    return launch_forward(q, k, v, causal, scale, cfg)
+    window = (feat.win_left, feat.win_right) if feat.window else None
+    return launch_forward(q, k, v, feat.causal, scale, cfg, window=window)
 
 
-def launch_forward(q, k, v, causal: bool, scale: float, cfg: dict):
+def launch_forward(q, k, v, causal: bool, scale: float, cfg: dict, window=None):
     """:func:`hopper_forward` on inputs already checked (and :func:`supported`), with the switches ``cfg`` (what a
-    dispatch from :func:`flashref.triton.flash_attention` will call: its checks are done by then)."""
+    dispatch from :func:`flashref.triton.flash_attention` will call: its checks are done by then). ``window``:
+    ``(win_left, win_right)`` as :class:`flashref.triton.ops.Features` holds them, or None."""
     d = q.shape[3]
     B, H, N_q, _ = q.shape
     N_k = k.shape[2]
@@ -557,10 +630,12 @@ def launch_forward(q, k, v, causal: bool, scale: float, cfg: dict):
     v_desc = TensorDescriptor.from_tensor(v2, kv_block, kv_lay)
     o = torch.empty((B, H, N_q, d), dtype=q.dtype, device=q.device)
     lse, m2, l2 = torch.empty((3, B, H, N_q), dtype=torch.float32, device=q.device).unbind(0)
-    kernel, constexprs, options = kernel_and_constexprs(cfg, d, causal)
+    kernel, constexprs, options = kernel_and_constexprs(cfg, d, causal, window is not None)
     grid = (triton.cdiv(N_q, cfg["block_m"]), B * H)
     scales = (lse, lse, lse) if cfg["warp_specialize"] else ()  # FP8's scale pointers, unread here
-    kernel[grid](q_desc, k_desc, v_desc, o, lse, m2, l2, *scales, N_q, N_k, scale * LOG2E, **constexprs, **options)
+    win_left, win_right = window if window is not None else (0, 0)
+    kernel[grid](q_desc, k_desc, v_desc, o, lse, m2, l2, *scales, N_q, N_k, scale * LOG2E, win_left, win_right,
+                 **constexprs, **options)
     return o, lse, (m2, l2)
 
 
@@ -668,7 +743,7 @@ def fp8_attention(x: Fp8Inputs, causal=False, sm_scale=None, *, out_dtype=torch.
     _, constexprs, options = kernel_and_constexprs(cfg, d, causal)
     grid = (triton.cdiv(N_q, cfg["block_m"]), B * H)
     hopper_ws_fwd_kernel[grid](q_desc, k_desc, v_desc, o, lse, m2, l2, x.q_scale, x.k_scale, x.v_scale, N_q, N_k,
-                               scale * LOG2E, **dict(constexprs, FP8=True), **options)
+                               scale * LOG2E, 0, 0, **dict(constexprs, FP8=True), **options)
     return o, lse
 
 

@@ -419,16 +419,17 @@ def _gluon_module(name: str):
 
 def _hopper_refusal(q, k, v, feat: Features, backward: bool = False) -> str | None:
     """None when the Hopper forward (notebook ``14_flashattention3_on_hopper``) can take this checked call, else why
-    it cannot: the teaching kernel takes it then. ``backward``: the same for the Gluon backward, which also takes
-    ALiBi (its statistics come from either forward). Its kernels take a window too (``hopper_backward(window=)``),
-    but a sliding window measured slower there than in the teaching backward (forward + backward 0.84-0.91x
+    it cannot: the teaching kernel takes it then. The Hopper forward takes a window (``window_size`` or a
+    bottom-right causal mask). ``backward``: the same for the Gluon backward, which also takes ALiBi (its
+    statistics come from either forward). Its kernels take a window too (``hopper_backward(window=)``), but a
+    sliding window measured slower there than in the teaching backward (forward + backward 0.84-0.91x
     FlexAttention against 0.91-1.00x, H100, d = 128, 1024 keys), so windows keep the teaching backward."""
     if INTERPRETED or not q.is_cuda:
         return "runs on an sm_90 GPU, not in Triton's CPU interpreter"
     if configs.device_capability(q.device) != 90:  # wgmma and setmaxnreg are sm_90a's
         return f"needs an sm_90 (Hopper) GPU, got sm_{configs.device_capability(q.device)}"
     used = (("dropout_p", feat.dropout_p > 0.0), ("block_mask", feat.block_mask is not None),
-            ("window_size or causal_align='bottom_right'", feat.window), ("softcap", feat.softcap),
+            ("window_size or causal_align='bottom_right'", feat.window and backward), ("softcap", feat.softcap),
             ("alibi_slopes", feat.slopes2 is not None and not backward), ("packed batches", feat.varlen is not None))
     features = [name for name, on in used if on]
     if features:
@@ -477,7 +478,8 @@ def _backward_kernel(q, k, v, feat: Features, kernel: str, deterministic: bool) 
 def _forward(q, k, v, scale: float, feat: Features, kernel: str = "triton"):
     if _forward_kernel(q, k, v, feat, kernel) == "hopper":
         hopper = _gluon_module("hopper")
-        return hopper.launch_forward(q, k, v, feat.causal, scale, hopper.default_config(q.shape[3]))
+        window = (feat.win_left, feat.win_right) if feat.window else None
+        return hopper.launch_forward(q, k, v, feat.causal, scale, hopper.default_config(q.shape[3]), window=window)
     B, H, N_q, d = q.shape
     N_k = k.shape[2]
     # A packed batch's o takes q's layout, (total_q, H, d), through the same view the kernel gets.
