@@ -224,8 +224,8 @@ def test_block_sparse_backward_on_two_streams_matches_one_and_captures_in_a_cuda
 def test_auto_takes_the_teaching_kernel_where_the_hopper_forward_cannot_run():
     """On an H100, kernel="auto" falls back for each thing the Hopper forward does not take, and kernel="hopper"
     refuses it naming it; the backward falls back with it (except for ALiBi, which the Gluon backward
-    takes), and for d = 256 and deterministic=False too. On any other GPU both say there is no
-    sm_90."""
+    takes), and for d = 256 and deterministic=False too. A window (or bottom-right causal) takes the Hopper
+    forward and the teaching backward. On any other GPU both say there is no sm_90."""
     from flashref.triton import backward_kernel, flash_attention, forward_kernel
 
     q, k, v, _ = make_qkv(1, 2, 300, 300, 128, torch.float16, "cuda", seed=5)
@@ -239,11 +239,15 @@ def test_auto_takes_the_teaching_kernel_where_the_hopper_forward_cannot_run():
     assert backward_kernel(q, k, v, kernel="triton") == "triton"
     q256 = torch.cat([q, q], -1)
     assert forward_kernel(q256, q256, q256) == "hopper" and backward_kernel(q256, q256, q256) == "triton"
+    windows = {"window_size": ((q, k, v), dict(window_size=(16, 0))),
+               "bottom_right": ((q, k[:, :, :200].contiguous(), v[:, :, :200].contiguous()),
+                                dict(causal=True, causal_align="bottom_right"))}
+    for why, (args, kw) in windows.items():
+        assert forward_kernel(*args, **kw) == "hopper", why
+        assert backward_kernel(*args, **kw) == "triton", why
     slopes = torch.ones(2, device="cuda")
     calls = {"dropout_p": ((q, k, v), dict(dropout_p=0.1)),
              "block_mask": ((q, k, v), dict(block_mask=torch.ones(1, 1, 3, 3, dtype=torch.bool, device="cuda"))),
-             "window_size": ((q, k, v), dict(window_size=(16, 0))),
-             "bottom_right": ((q, k[:, :, :200], v[:, :, :200]), dict(causal=True, causal_align="bottom_right")),
              "softcap": ((q, k, v), dict(softcap=30.0)),
              "alibi_slopes": ((q, k, v), dict(alibi_slopes=slopes)),
              "contiguous": ((q.transpose(1, 2).contiguous().transpose(1, 2), k, v), {}),
