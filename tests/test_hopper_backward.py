@@ -184,7 +184,7 @@ def test_window_and_alibi_gradients_against_the_reference(d, dtype, causal, wind
         kw = dict(causal=causal, window_size=window, alibi_slopes=slopes, causal_align=align)
         feat = ops.Features(q, k, 0.0, 0, None, 128, causal=causal, scale=d ** -0.5, window_size=window,
                             alibi_slopes=slopes, check_finite=False, causal_align=align)
-        assert backward_kernel(q, k, v, **kw) == ("triton" if feat.window else "hopper")
+        assert backward_kernel(q, k, v, **kw) == (("hopper dq" if d == 128 else "triton") if feat.window else "hopper")
         o, lse = flash_attention_forward(q, k, v, **kw, kernel="triton")
         m2, l2 = ops._stats_from_lse(lse)
         delta = (o.float() * do.float()).sum(-1).contiguous()
@@ -203,3 +203,48 @@ def test_window_and_alibi_gradients_against_the_reference(d, dtype, causal, wind
             assert_within_tolerance(x, r, b, factor=3.0, name=f"{name} ({N_q}, {N_k})")
         blind = np.isneginf(reference.attention(q64, k64, v64, return_lse=True, **ref_kw)[1])
         assert np.all(np64(got[0])[blind] == 0), "rows that see no key: dq = 0"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("causal,window,align", [(True, (100, 0), "top_left"), (False, (37, 90), "top_left"),
+                                                 (False, (-1, 20), "top_left"), (True, (-1, -1), "bottom_right")],
+                         ids=lambda x: str(x).replace(" ", ""))
+def test_flash_attention_takes_the_gluon_dq_beside_the_teaching_dkdv_for_a_window(dtype, causal, window, align):
+    """flash_attention with a window (or bottom-right causal) at d = 128 on the H100: the Hopper forward, the Gluon
+    dQ kernel and the teaching dK/dV kernel (backward_kernel says "hopper dq"); o, dQ, dK, dV within the rule
+    against the float64 reference on lengths no tile divides, rows that see no key zero, and the same gradients,
+    bit for bit, on a second call."""
+    import numpy as np
+
+    from flashref import reference
+    from flashref.tolerance import assert_within_tolerance
+    from flashref.triton import backward_kernel, flash_attention
+    from tests._triton_helpers import feature_inputs, np64, plain_with_features
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon dQ kernel needs an sm_90 GPU")
+    for i, (N_q, N_k) in enumerate([(113, 203), (300, 97), (1, 239), (1023, 1024)]):
+        q, k, v, do = feature_inputs(2, 3, 3, N_q, N_k, 128, dtype, seed=i)
+        kw = dict(causal=causal, window_size=window, causal_align=align)
+        assert backward_kernel(q, k, v, **kw) == "hopper dq"
+
+        def grads():
+            qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
+            o = flash_attention(qq, kk, vv, **kw)
+            return (o, *torch.autograd.grad(o, (qq, kk, vv), do))
+
+        got, again = grads(), grads()
+        for name, x, y in zip(("o", "dq", "dk", "dv"), got, again):
+            assert torch.equal(x, y), f"{name}: not reproducible ({N_q}, {N_k})"
+        q64, k64, v64, do64 = (np64(x) for x in (q, k, v, do))
+        refs = [reference.attention(q64, k64, v64, **kw), *reference.attention_backward(q64, k64, v64, do64, **kw)]
+        visible = None
+        if align == "bottom_right":  # query i sees key j <= i + N_k - N_q
+            visible = (torch.arange(N_k)[None, :] <= torch.arange(N_q)[:, None] + N_k - N_q).cuda()
+        base = plain_with_features(q, k, v, do, causal and visible is None, visible=visible, window=window)
+        for name, x, r, b in zip(("o", "dq", "dk", "dv"), got, refs, base):
+            assert torch.isfinite(x).all(), f"{name}: non-finite values ({N_q}, {N_k})"
+            assert_within_tolerance(x, r, b, factor=3.0, name=f"{name} ({N_q}, {N_k})")
+        blind = np.isneginf(reference.attention(q64, k64, v64, return_lse=True, **kw)[1])
+        assert np.all(np64(got[1])[blind] == 0), "rows that see no key: dq = 0"

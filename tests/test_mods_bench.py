@@ -224,13 +224,14 @@ def test_a_failed_mode_leaves_the_next_one_measured(monkeypatch, capsys):
 
 def test_parts_and_lengths_are_checked(capsys):
     args = mods_bench.parse_args([])
-    assert args.parts == ["window", "softcap", "alibi", "varlen"] and args.n is None and not args.append
+    assert args.parts == ["window", "window-kernels", "softcap", "alibi", "varlen"]
+    assert args.n is None and not args.append
     assert mods_bench.parse_args(["--parts", "varlen", "alibi", "--n", "8192"]).parts == ["varlen", "alibi"]
     with pytest.raises(SystemExit) as e:
         mods_bench.parse_args(["--parts", "window", "gqa"])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert "invalid choice: 'gqa'" in err and "'window', 'softcap', 'alibi', 'varlen'" in err
+    assert "invalid choice: 'gqa'" in err and "'window', 'window-kernels', 'softcap', 'alibi', 'varlen'" in err
     with pytest.raises(SystemExit):
         mods_bench.parse_args(["--n", "1000"])
     assert "--n [1000]: none of the lengths [4096, 8192, 16384]" in capsys.readouterr().err
@@ -278,3 +279,17 @@ def test_the_command_line_saves_and_appends(monkeypatch, tmp_path):
     assert saved["device"] == "GPU A" and saved["versions"] == results.versions() and saved["dtype"] == "float16"
     assert mods_bench.main(["--out", out, "--parts", "varlen"]) == 0  # no --append: a new file
     assert len(mods_bench.load_results(out)["results"]) == 1
+
+
+def test_the_window_kernel_table_assembles_each_backward_from_its_kernels():
+    rows = [{"part": "window-kernels", "N": 8192, "d": 128, "impl": impl, "ms": ms}
+            for impl, ms in (("teaching dK/dV", 1.4), ("teaching dQ", 0.9), ("gluon dK/dV", 1.7), ("gluon dQ", 0.8),
+                             ("D pre-pass", 0.1), ("flex backward", 2.2))]
+    rows += [{"part": "window-kernels", "N": 8192, "d": 64, "impl": "teaching dQ", "status": "OOM"},
+             {"part": "window", "N": 8192, "d": 128, "impl": "flex", "ms": 9.0}]
+    lines = mods_bench.window_kernel_table(rows).splitlines()
+    assert len(lines) == 2 and lines[1].split()[:2] == ["8192", "128"]
+    numbers = [float(x) for x in lines[1].split()[2:]]
+    assert numbers[:6] == [1.4, 0.9, 1.7, 0.8, 0.1, 2.2]
+    assert numbers[6:] == [round(2.2 / 2.4, 2), round(2.2 / 2.3, 2), round(2.2 / 2.6, 2)]
+    assert "Flex / ours" in lines[0] and "gluon dQ" in lines[0]

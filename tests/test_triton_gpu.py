@@ -225,7 +225,8 @@ def test_auto_takes_the_teaching_kernel_where_the_hopper_forward_cannot_run():
     """On an H100, kernel="auto" falls back for each thing the Hopper forward does not take, and kernel="hopper"
     refuses it naming it; the backward falls back with it (except for ALiBi, which the Gluon backward
     takes), and for d = 256 and deterministic=False too. A window (or bottom-right causal) takes the Hopper
-    forward and the teaching backward. On any other GPU both say there is no sm_90."""
+    forward, and at d = 128 the Gluon dQ kernel beside the teaching dK/dV one; at d = 64 the teaching backward.
+    On any other GPU both say there is no sm_90."""
     from flashref.triton import backward_kernel, flash_attention, forward_kernel
 
     q, k, v, _ = make_qkv(1, 2, 300, 300, 128, torch.float16, "cuda", seed=5)
@@ -244,7 +245,10 @@ def test_auto_takes_the_teaching_kernel_where_the_hopper_forward_cannot_run():
                                 dict(causal=True, causal_align="bottom_right"))}
     for why, (args, kw) in windows.items():
         assert forward_kernel(*args, **kw) == "hopper", why
-        assert backward_kernel(*args, **kw) == "triton", why
+        assert backward_kernel(*args, **kw) == "hopper dq", why
+        assert backward_kernel(*args, **kw, kernel="triton") == "triton", why
+        assert backward_kernel(*args, **kw, deterministic=False) == "triton", why
+        assert backward_kernel(*(x[..., :64].contiguous() for x in args), **kw) == "triton", why
     slopes = torch.ones(2, device="cuda")
     calls = {"dropout_p": ((q, k, v), dict(dropout_p=0.1)),
              "block_mask": ((q, k, v), dict(block_mask=torch.ones(1, 1, 3, 3, dtype=torch.bool, device="cuda"))),

@@ -13,6 +13,11 @@ run: a causal sliding window, tanh soft-capping, ALiBi, and documents of differe
 - ``alibi``: the geometric ALiBi slopes ``2^(-8 h / H)`` (:func:`alibi_slopes`), causal, against Flex with a
   ``score_mod`` ``s - a_h |i - j|`` and against SDPA with the bias as a float ``attn_mask`` of shape
   ``(1, H, N, N)`` (the causal mask folded in as -inf: SDPA takes no ``is_causal`` beside a mask).
+- ``window-kernels``: the window's backward kernel by kernel (mode ``bwd``), each timed alone on the same
+  inputs and row statistics: the teaching dK/dV and dQ kernels, the Gluon ones of the Hopper chapter (on an
+  sm_90 GPU), the D = rowsum(dO * O) pre-pass, and Flex's whole backward. ``matmuls`` is the tile products a
+  visible pair costs in each (dK/dV 4, dQ 3, Flex's 7), and TFLOP/s counts those. What ``flash_attention``'s
+  choice of backward kernels for a window rests on (``flashref.triton.ops._backward_kernel``).
 - ``varlen``: 64K tokens of documents with log-normal lengths (mean 1K, at most 8K, seeded:
   :func:`document_lengths`), causal: ``flash_attention_varlen`` on the packed batch against
   ``flash_attention`` and SDPA's flash backend on the batch padded to the longest document (B = documents,
@@ -48,7 +53,7 @@ from flashref.bench.gpu_bench import sdpa
 from flashref.bench.results import pair_flops
 from flashref.validation import check_window_size
 
-PARTS = ("window", "softcap", "alibi", "varlen")
+PARTS = ("window", "window-kernels", "softcap", "alibi", "varlen")
 MODES = ("fwd", "fwd+bwd")
 WINDOW = (1023, 0)   # Mistral: each query sees itself and the 1023 keys before it
 SOFTCAP = 30.0
@@ -303,6 +308,54 @@ def window_cases(lengths=None):
         torch.cuda.empty_cache()
 
 
+def window_kernel_cases(lengths=None):
+    """Rows of the ``window-kernels`` part: the window's backward kernels one by one (see the module's doc)."""
+    import torch
+
+    from flashref.triton import flash_attention_forward, ops
+
+    mask_mod = flex_mask_mod(WINDOW, causal=True)
+    for N, d, B, H in _grid(GRID + WINDOW_EXTRA, lengths):
+        q, k, v, do = _inputs(B, H, H, N, d)
+        pairs = B * visible_pairs(N, N, WINDOW, causal=True)
+        fields = dict(part="window-kernels", B=B, H=H, N=N, d=d, causal=True, window_size=list(WINDOW), mode="bwd")
+        scale = d ** -0.5
+        with torch.no_grad():
+            o, lse = flash_attention_forward(q, k, v, causal=True, window_size=WINDOW, check_finite=False,
+                                             kernel="triton")
+            m2, l2 = ops._stats_from_lse(lse)
+            delta = ops._delta(o, do)
+        feat = ops.Features(q, k, causal=True, scale=scale, window_size=WINDOW, check_finite=False)
+        win = (feat.win_left, feat.win_right)
+
+        def teaching(part):
+            return lambda: ops._backward(q, k, v, o, (m2, l2), do, scale, True, feat, "triton", parts=(part,),
+                                         delta=delta)
+
+        kernels = {"teaching dK/dV": (4, teaching("dkdv")), "teaching dQ": (3, teaching("dq"))}
+        gluon = ops._gluon_module("hopper_backward") if ops.configs.device_capability(q.device) == 90 else None
+        if gluon is not None and not isinstance(gluon, ImportError) and gluon.supported(q, k, v) is None:
+            kernels["gluon dK/dV"] = (4, lambda: gluon.hopper_dkdv(q, k, v, do, m2, l2, delta, True, scale, window=win))
+            kernels["gluon dQ"] = (3, lambda: gluon.hopper_dq(q, k, v, do, m2, l2, delta, True, scale, window=win))
+        kernels["D pre-pass"] = (0, lambda: ops._delta(o, do))
+        flex_o, status = _attempt(lambda: _flex_fn(flex_block_mask(mask_mod, N, "cuda"))(q, k, v))
+        if flex_o is not None:
+            kernels["flex backward"] = (7, lambda: torch.autograd.grad(flex_o, (q, k, v), do, retain_graph=True))
+        else:
+            yield {"case": "window bwd", "impl": "flex backward", **fields, "status": status}
+        for impl, (matmuls, fn) in kernels.items():
+            timed, status = _attempt(lambda: _time(fn, False, None))
+            if status is not None:
+                yield {"case": "window bwd", "impl": impl, **fields, "status": status}
+                continue
+            ms, peak = timed
+            yield _row("window bwd", impl, B, H, H, N, d, True, ms, peak, matmuls * 2 * d * H * pairs,
+                       **{k_: v_ for k_, v_ in fields.items() if k_ not in ("B", "H", "N", "d", "causal")},
+                       matmuls=matmuls)
+        del q, k, v, do, o, lse, m2, l2, delta, flex_o, kernels
+        torch.cuda.empty_cache()
+
+
 def _flex_fn(block_mask, score_mod=None):
     return lambda q, k, v: _flex()(q, k, v, score_mod=score_mod, block_mask=block_mask)
 
@@ -409,7 +462,7 @@ def varlen_cases(grid=None, docs=None):
 
 
 def _print(r):
-    what = {"window": lambda: f"window={r.get('window_size')}", "softcap": lambda: f"softcap={r.get('softcap')}",
+    what = {"window": lambda: f"window={r.get('window_size')}", "window-kernels": lambda: f"window={r.get('window_size')}", "softcap": lambda: f"softcap={r.get('softcap')}",
             "alibi": lambda: "alibi", "varlen": lambda: f"docs={r.get('B')} pad x{r.get('padded_work_ratio', 0):.2f}"}
     mod = what.get(r.get("part"), str)()
     head = f"{r['case']:16} {r['impl']:26} B={r.get('B')} H={r.get('H')} N={r.get('N')} d={r.get('d')} {mod:22}"
@@ -419,6 +472,36 @@ def _print(r):
     rate = f" {r['tokens_per_s'] / 1e6:7.2f} Mtok/s" if "tokens_per_s" in r else ""
     print(f"{head} {r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s peak+ {r['peak_extra_bytes'] / 2**20:8.1f} MiB{rate}",
           flush=True)
+
+
+#: The window's backward kernels as :func:`window_kernel_cases` names them, and the backwards they assemble:
+#: (dK/dV kernel, dQ kernel), each with the D pre-pass
+WINDOW_KERNELS = ("teaching dK/dV", "teaching dQ", "gluon dK/dV", "gluon dQ", "D pre-pass", "flex backward")
+WINDOW_BACKWARDS = {"teaching": ("teaching dK/dV", "teaching dQ"), "gluon dQ": ("teaching dK/dV", "gluon dQ"),
+                    "gluon": ("gluon dK/dV", "gluon dQ")}
+
+
+def window_kernel_table(rows) -> str:
+    """The ``window-kernels`` rows as a table: each kernel's time (ms) at each (N, d), then each backward that
+    ``flash_attention`` could assemble from them (:data:`WINDOW_BACKWARDS`, the D pre-pass included) as Flex's
+    time over its own: above 1, that backward is faster than Flex's. "-" where a kernel was not measured."""
+    times = {}
+    for r in rows:
+        if r.get("part") == "window-kernels" and "ms" in r:
+            times.setdefault((r["N"], r["d"]), {})[r["impl"]] = r["ms"]
+    short = {"teaching dK/dV": "T dK/dV", "teaching dQ": "T dQ", "gluon dK/dV": "G dK/dV", "gluon dQ": "G dQ",
+             "D pre-pass": "D", "flex backward": "Flex"}
+    lines = [f"{'N':>6} {'d':>4} " + " ".join(f"{short[k]:>8}" for k in WINDOW_KERNELS) + "   Flex / ours: "
+             + " ".join(f"{name:>9}" for name in WINDOW_BACKWARDS)]
+    for (N, d), t in sorted(times.items()):
+        cells = " ".join(f"{t[k]:8.3f}" if k in t else f"{'-':>8}" for k in WINDOW_KERNELS)
+        ratios = []
+        for dkdv, dq in WINDOW_BACKWARDS.values():
+            parts = (dkdv, dq, "D pre-pass", "flex backward")
+            ratios.append(f"{t['flex backward'] / (t[dkdv] + t[dq] + t['D pre-pass']):9.2f}"
+                          if all(p in t for p in parts) else f"{'-':>9}")
+        lines.append(f"{N:6} {d:4} {cells}               " + " ".join(ratios))
+    return "\n".join(lines)
 
 
 def load_results(path=None) -> dict:
@@ -452,7 +535,8 @@ def main(argv=None) -> int:
                + (f" --n {' '.join(map(str, args.n))}" if args.n else ""))
     data = results.start(args.out if args.append else None, torch.cuda.get_device_name(), results.versions(),
                          command, dtype="float16")
-    parts = {"window": lambda: window_cases(args.n), "softcap": lambda: softcap_cases(args.n),
+    parts = {"window": lambda: window_cases(args.n), "window-kernels": lambda: window_kernel_cases(args.n),
+             "softcap": lambda: softcap_cases(args.n),
              "alibi": lambda: alibi_cases(args.n), "varlen": varlen_cases}
     add = results.recorder(data, args.out, show=_print)  # saved after each row: a run cut short keeps what it measured
     for name in args.parts:

@@ -279,15 +279,6 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, N_q, N_k, qk_scale
 # ---- Warp specialization: a producer warp feeds two consumer warpgroups ---------------------------------------
 
 @gluon.jit
-def _ws_tiles(pid_m, N_k, win_left, win_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-              WINDOW: gl.constexpr):
-    """:func:`_key_tiles` of the program's whole BLOCK_M rows, which every partition must agree on: the producer
-    loads n_tiles K and V tiles from tile j_lo on and each consumer takes all of them (those outside [lo_full,
-    n_full) are masked)."""
-    return _key_tiles(pid_m * BLOCK_M, N_k, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
-
-
-@gluon.jit
 def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
                  pid_m, bh, N_q, N_k, win_left, win_right, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
@@ -301,7 +292,10 @@ def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready
         mbarrier.expect(q_bars.index(wg), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [bh * N_q + pid_m * BLOCK_M + wg * ROWS, 0], q_bars.index(wg),
                                         q_smem.index(wg))
-    j_lo, n_tiles, lo_full, n_full = _ws_tiles(pid_m, N_k, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    # The program's whole BLOCK_M rows, which every partition must agree on: the producer loads these tiles and
+    # each consumer takes all of them.
+    j_lo, n_tiles, lo_full, n_full = _key_tiles(pid_m * BLOCK_M, N_k, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL,
+                                                WINDOW)
     for j in range(n_tiles):  # j counts from tile j_lo: the slots' phases follow the loop, not the keys
         slot = j % STAGES
         phase = (j // STAGES) & 1
@@ -435,7 +429,10 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_em
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     start_m = pid_m * BLOCK_M + WG * ROWS
-    j_lo, n_tiles, lo_full, n_full = _ws_tiles(pid_m, N_k, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    # The program's whole BLOCK_M rows, which every partition must agree on: the producer loads these tiles and
+    # each consumer takes all of them.
+    j_lo, n_tiles, lo_full, n_full = _key_tiles(pid_m * BLOCK_M, N_k, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL,
+                                                WINDOW)
     q = q_smem.index(WG)
     q_scale = qk_scale
     k_scales = KS

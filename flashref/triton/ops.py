@@ -381,12 +381,19 @@ def _launch_first_fit(kernel, name, grid_rows, bh, args, meta):
     """Launch the first candidate config the compiler accepts, and remember it. The shared-memory estimate
     prunes the candidates, but the compiler has the last word and its layout differs between Triton
     versions (seen: Triton 3.6 on an H100 keeping num_stages copies of K and V at d = 256, one more than
-    the estimate), so a config that runs out of shared memory falls through to the next one."""
+    the estimate), so a config that runs out of shared memory falls through to the next one.
+
+    float32 inputs try the smallest tiles first: their products are IEEE fp32 on the CUDA cores, where a large
+    tile buys nothing on a short sequence and costs compile time (for sm_90 at d = 64, causal: the forward's
+    128 x 64 tile compiles in 5.5 s against 0.5 s for 32 x 16, the dK/dV kernel's 32 x 128 in 18 s against 1.2 s
+    for 16 x 32, compiled on a 2-core CPU with :func:`flashref.triton.compile_check.compile_config`)."""
     q = args[0]
     key = (name, meta["BLOCK_D"], q.dtype, str(q.device), meta.get("ATOMIC_DQ"), meta.get("ONE_HEAD"),
            meta.get("D_SPLIT"), configs.t4_mode(), *(meta.get(m) for m in _KEY_META if m != "TUNE_N"))
     cands = [_FIRST_FIT[key]] if key in _FIRST_FIT else \
         configs.device_candidates(name, meta["BLOCK_D"], q.element_size(), q.device)
+    if key not in _FIRST_FIT and q.dtype == torch.float32:
+        cands = sorted(cands, key=lambda c: (c.block_m * c.block_n, c.num_stages))
     for i, cfg in enumerate(cands):
         try:
             _launch_config(kernel, name, grid_rows, bh, cfg, args, meta)
@@ -417,19 +424,20 @@ def _gluon_module(name: str):
         return e
 
 
-def _hopper_refusal(q, k, v, feat: Features, backward: bool = False) -> str | None:
+def _hopper_refusal(q, k, v, feat: Features, backward: bool = False, dq_only: bool = False) -> str | None:
     """None when the Hopper forward (notebook ``14_flashattention3_on_hopper``) can take this checked call, else why
     it cannot: the teaching kernel takes it then. The Hopper forward takes a window (``window_size`` or a
     bottom-right causal mask). ``backward``: the same for the Gluon backward, which also takes ALiBi (its
-    statistics come from either forward). Its kernels take a window too (``hopper_backward(window=)``), but a
-    sliding window measured slower there than in the teaching backward (forward + backward 0.84-0.91x
-    FlexAttention against 0.91-1.00x, H100, d = 128, 1024 keys), so windows keep the teaching backward."""
+    statistics come from either forward). Its kernels take a window too (``hopper_backward(window=)``), but its
+    dK/dV kernel measured slower there than the teaching one (1.69-1.76 ms against 1.44-1.47, H100, d = 128, a
+    causal window of 1024 keys, 32K tokens), so a window keeps the teaching dK/dV; ``dq_only``: whether the Gluon
+    dQ kernel alone can take the call, which it can with a window (see :func:`_backward_kernel`)."""
     if INTERPRETED or not q.is_cuda:
         return "runs on an sm_90 GPU, not in Triton's CPU interpreter"
     if configs.device_capability(q.device) != 90:  # wgmma and setmaxnreg are sm_90a's
         return f"needs an sm_90 (Hopper) GPU, got sm_{configs.device_capability(q.device)}"
     used = (("dropout_p", feat.dropout_p > 0.0), ("block_mask", feat.block_mask is not None),
-            ("window_size or causal_align='bottom_right'", feat.window and backward), ("softcap", feat.softcap),
+            ("window_size or causal_align='bottom_right'", feat.window and backward and not dq_only), ("softcap", feat.softcap),
             ("alibi_slopes", feat.slopes2 is not None and not backward), ("packed batches", feat.varlen is not None))
     features = [name for name, on in used if on]
     if features:
@@ -462,17 +470,26 @@ def _forward_kernel(q, k, v, feat: Features, kernel: str) -> str:
 
 
 def _backward_kernel(q, k, v, feat: Features, kernel: str, deterministic: bool) -> str:
-    """``"hopper"`` or ``"triton"``: which backward runs this checked call. ``"triton"`` keeps the teaching kernels;
-    ``"auto"`` and ``"hopper"`` take the Gluon dK/dV and dQ kernels (:mod:`flashref.triton.hopper_backward`)
-    wherever the Hopper forward could run, and also with ALiBi, d is 64 or 128 and the gradients are to be
-    deterministic (theirs are: ``deterministic=False`` asks for the teaching kernel's atomic dQ)."""
+    """``"hopper"``, ``"hopper dq"`` or ``"triton"``: which backward runs this checked call. ``"triton"`` keeps the
+    teaching kernels; ``"auto"`` and ``"hopper"`` take the Gluon dK/dV and dQ kernels
+    (:mod:`flashref.triton.hopper_backward`) wherever the Hopper forward could run, and also with ALiBi, d is 64
+    or 128 and the gradients are to be deterministic (theirs are: ``deterministic=False`` asks for the teaching
+    kernel's atomic dQ). With a window at d = 128, ``"hopper dq"``: the Gluon dQ kernel beside the teaching
+    dK/dV kernel, each the faster of its pair there (H100, causal window of 1024 keys, 32K tokens: dQ 0.76-0.78
+    ms against the teaching kernel's 0.87-0.89, dK/dV 1.44-1.47 against the Gluon kernel's 1.69-1.76). At d = 64
+    the teaching dQ was the faster (0.86 ms against 0.96), so the window keeps both teaching kernels there."""
     _check_kernel(kernel)
-    if kernel == "triton" or not deterministic or _hopper_refusal(q, k, v, feat, backward=True) is not None:
+    if kernel == "triton" or not deterministic:
+        return "triton"
+    whole = _hopper_refusal(q, k, v, feat, backward=True) is None
+    dq_alone = (not whole and feat.window and q.shape[3] == 128
+                and _hopper_refusal(q, k, v, feat, backward=True, dq_only=True) is None)
+    if not (whole or dq_alone):
         return "triton"
     backward = _gluon_module("hopper_backward")
     if isinstance(backward, ImportError) or backward.supported(q, k, v) is not None:
         return "triton"
-    return "hopper"
+    return "hopper" if whole else "hopper dq"
 
 
 def _forward(q, k, v, scale: float, feat: Features, kernel: str = "triton"):
@@ -541,18 +558,21 @@ def _backward(q, k, v, o, stats, do, scale: float, deterministic: bool, feat: Fe
         raise ValueError(f"parts must be {_BOTH}, ('dq',) or ('dkdv',) (alone only when deterministic), got {parts!r}")
     if delta is None:
         delta = _delta(o, do)
-    if _backward_kernel(q, k, v, feat, kernel, deterministic) == "hopper":
+    dq = dk = dv = None
+    choice = _backward_kernel(q, k, v, feat, kernel, deterministic)
+    if choice != "triton":
         hopper = _gluon_module("hopper_backward")
         mods = dict(window=(feat.win_left, feat.win_right) if feat.window else None, slopes2=feat.slopes2)
-        dk, dv = (hopper.hopper_dkdv(q, k, v, do, m2, l2, delta, feat.causal, scale, **mods) if want_dkdv
-                  else (None, None))
         dq = hopper.hopper_dq(q, k, v, do, m2, l2, delta, feat.causal, scale, **mods) if want_dq else None
-        return dq, dk, dv
+        if choice == "hopper":
+            dk, dv = (hopper.hopper_dkdv(q, k, v, do, m2, l2, delta, feat.causal, scale, **mods) if want_dkdv
+                      else (None, None))
+            return dq, dk, dv
+        want_dq = False  # "hopper dq": dK and dV from the teaching kernel below
     meta = dict(HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=feat.causal, DOT=_dot_mode(q.dtype),
                 TUNE_N=_bucket(max(feat.rows_q, feat.rows_k)), GROUP=H // H_kv, **feat.scalars(), **feat.meta)
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
     tail = (H, N_q, N_k, scale, scale * LOG2E)
-    dq = dk = dv = None
     side = _dq_stream(q.device) if deterministic and parts == _BOTH and feat.block_mask is not None else None
     if deterministic and want_dq:
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -774,7 +794,8 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, deterministic=True, *,
     (:func:`forward_kernel` says which). Both give the same o, lse and row statistics. The backward follows:
     under ``"auto"`` and ``"hopper"`` the Gluon dK/dV and dQ kernels of :mod:`flashref.triton.hopper_backward` run
     wherever they can (the Hopper forward's conditions, d = 64 or 128, ``deterministic=True``; unlike the forward,
-    they also take ``alibi_slopes``), the teaching backward everywhere else (:func:`backward_kernel` says which).
+    they also take ``alibi_slopes``), the teaching backward everywhere else; with a window at d = 128 the Gluon dQ
+    kernel runs beside the teaching dK/dV kernel (:func:`backward_kernel` says which).
     Notebooks ``07_triton_forward`` and ``08_triton_backward``.
     """
     return FlashAttentionFunction.apply(q, k, v, causal, sm_scale, deterministic, check_finite, dropout_p, seed,
@@ -797,7 +818,9 @@ def backward_kernel(q, k, v, causal=False, sm_scale=None, deterministic=True, *,
                     block_size=128, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, causal_align="top_left",
                     kernel="auto") -> str:
     """Which backward :func:`flash_attention` (and :func:`flash_attention_backward`) would run with these
-    arguments: ``"hopper"`` or ``"triton"`` (see ``kernel`` there). Checks as they do, without reading the data."""
+    arguments: ``"hopper"`` (the Gluon dK/dV and dQ kernels), ``"hopper dq"`` (the Gluon dQ kernel beside the
+    teaching dK/dV kernel: a window at d = 128) or ``"triton"`` (see ``kernel`` there). Checks as they do, without
+    reading the data."""
     _, scale = _check(q, k, v, causal, sm_scale, check_finite=False)
     validation.check_bool("deterministic", deterministic)
     feat = Features(q, k, dropout_p, 0, block_mask, block_size, causal=causal, scale=scale, window_size=window_size,
