@@ -141,6 +141,34 @@ def test_splits_agree():
         torch.testing.assert_close(lse, lse1, rtol=0, atol=2e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_one_split_writes_its_outputs_as_the_merge_would(dtype, monkeypatch):
+    """With one split the kernel stores O (rounded to q's dtype) and lse itself and no merge runs; bit for bit
+    what the split kernel's fp32 partial followed by the merge kernel gives, on the checked call and on the
+    launch cache's fast path, for a full cache row and a 5-key one."""
+    q, k, v, _ = _inputs(2, 4, 2, 3, 70, 16, dtype, 6)
+    seqlens = torch.tensor([70, 5], dtype=torch.int32, device=DEVICE)
+    scale = 1 / math.sqrt(16)
+    plan = decode_plan(q, k, num_splits=1)
+    o_part, lse_part = decode._split_forward(q, k, v, seqlens, True, scale, plan)
+    assert o_part.dtype == torch.float32 and o_part.shape[2] == 1
+    want_o, want_lse = decode._merge(o_part, lse_part, q.dtype, plan["block_d"])
+    merges = []
+
+    class Recorder:  # stands in for the merge kernel: any launch of it is recorded, and launches nothing
+        def __getitem__(self, grid):
+            return lambda *args, **kw: merges.append(grid)
+
+    monkeypatch.setattr(decode, "flash_decode_merge_kernel", Recorder())
+    decode._LAUNCHES.clear()
+    for check_finite in (True, False, False):  # the second False call takes the launch cache
+        o, lse = flash_decode(q, k, v, seqlens, causal=True, num_splits=1, return_lse=True,
+                              check_finite=check_finite)
+        assert o.dtype == dtype and o.shape == q.shape and lse.shape == q.shape[:3]
+        assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
+    assert merges == []
+
+
 def test_partials_merge_as_notebook_02():
     """Kernel 1's partials, merged pairwise by flashref.online_softmax.merge_outputs in float64, give kernel
     2's output; a split that sees no key holds O = 0 and lse = -inf."""

@@ -438,13 +438,21 @@ def _launch_split(grid, args, meta, plan, device):
         return compiled
 
 
-def _split_args(q, k_cache, v_cache, seqlens, scale, plan):
-    """The split kernel's partial buffers, grid and runtime arguments for one call."""
+def _split_args(q, k_cache, v_cache, seqlens, scale, plan, direct=False):
+    """The split kernel's partial buffers, grid and runtime arguments for one call. ``direct`` (one split
+    only): the buffers are the call's outputs themselves, ``o`` in q's dtype (the kernel's store rounds its
+    fp32 O to it) and ``lse``, viewed with a split axis of length 1, so no merge has to run."""
     B, H, N_q, d = q.shape
     H_kv = k_cache.shape[1]
     S = plan["num_splits"]
-    o_part = torch.empty((B, H, S, N_q, d), dtype=torch.float32, device=q.device)
-    lse_part = torch.empty((B, H, S, N_q), dtype=torch.float32, device=q.device)
+    if direct:
+        if S != 1:
+            raise ValueError(f"a direct launch writes the outputs of one split, got num_splits={S}")
+        o_part = torch.empty((B, H, N_q, d), dtype=q.dtype, device=q.device).unsqueeze(2)
+        lse_part = torch.empty((B, H, N_q), dtype=torch.float32, device=q.device).unsqueeze(2)
+    else:
+        o_part = torch.empty((B, H, S, N_q, d), dtype=torch.float32, device=q.device)
+        lse_part = torch.empty((B, H, S, N_q), dtype=torch.float32, device=q.device)
     args = (q, k_cache, v_cache, o_part, lse_part, seqlens, *q.stride(), *k_cache.stride(), *v_cache.stride(),
             *o_part.stride(), *lse_part.stride(), H_kv, N_q, H // H_kv, S, scale * LOG2E)
     return o_part, lse_part, (S, B * H_kv, plan["row_blocks"]), args
@@ -467,15 +475,16 @@ def _merge_meta(d, block_d, num_splits):
     return dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=min(MERGE_SPLITS, max(2, ops._pow2(num_splits))))
 
 
-def _split_forward(q, k_cache, v_cache, seqlens, causal, scale, plan, compiled=None):
+def _split_forward(q, k_cache, v_cache, seqlens, causal, scale, plan, compiled=None, direct=False):
     """Kernel 1 alone: the partial outputs ``(B, H, num_splits, N_q, d)`` and their lse ``(B, H, num_splits,
     N_q)``, both fp32 (what the merge reads; the tests merge them with notebook 02's function too). A dict
-    ``compiled`` receives the compiled kernel (on a GPU)."""
-    o_part, lse_part, grid, args = _split_args(q, k_cache, v_cache, seqlens, scale, plan)
+    ``compiled`` receives the compiled kernel (on a GPU). ``direct`` (one split): the final ``o`` ``(B, H, N_q,
+    d)`` in q's dtype and ``lse`` ``(B, H, N_q)`` instead (see :func:`_split_args`)."""
+    o_part, lse_part, grid, args = _split_args(q, k_cache, v_cache, seqlens, scale, plan, direct)
     kernel = _launch_split(grid, args, _split_meta(q, causal, plan), plan, q.device)
     if compiled is not None:
         compiled["split"] = kernel
-    return o_part, lse_part
+    return (o_part.squeeze(2), lse_part.squeeze(2)) if direct else (o_part, lse_part)
 
 
 def _merge(o_part, lse_part, dtype, block_d, compiled=None):
@@ -520,7 +529,8 @@ def _signature(q, k_cache, v_cache, cache_seqlens, causal, sm_scale, num_splits,
 
 
 class _Launch:
-    """The two kernels of one signature as the first call (checked in full) launched them: their tile sizes,
+    """The kernels of one signature (the split kernel, and the merge unless one split wrote the outputs
+    directly) as the first call (checked in full) launched them: their tile sizes,
     the scale, and on a GPU the compiled kernels themselves, which take every argument, constexprs too, in
     the kernel's order. Calling it launches them again on new data of that signature."""
 
@@ -532,7 +542,7 @@ class _Launch:
             self.split = lambda grid, args: flash_decode_split_kernel[grid](*args, **split_meta)
             self.merge = lambda grid, args: flash_decode_merge_kernel[grid](*args, **merge_meta)
         else:
-            split, merge = compiled["split"], compiled["merge"]
+            split, merge = compiled["split"], compiled.get("merge")  # no merge: one split, written directly
             split_meta, merge_meta = tuple(split_meta.values()), tuple(merge_meta.values())
             # a compiled kernel's launcher reads all three grid dimensions
             self.split = lambda grid, args: split[(*grid, 1, 1)[:3]](*args, *split_meta)
@@ -541,10 +551,14 @@ class _Launch:
 
     def __call__(self, q, k_cache, v_cache, cache_seqlens, return_lse):
         seqlens = self.seqlens if cache_seqlens is None else cache_seqlens.to(torch.int32).contiguous()
-        o_part, lse_part, grid, args = _split_args(q, k_cache, v_cache, seqlens, self.scale, self.plan)
+        direct = self.plan["num_splits"] == 1
+        o_part, lse_part, grid, args = _split_args(q, k_cache, v_cache, seqlens, self.scale, self.plan, direct)
         self.split(grid, args)
-        o, lse, grid, args = _merge_args(o_part, lse_part, q.dtype)
-        self.merge(grid, args)
+        if direct:
+            o, lse = o_part.squeeze(2), lse_part.squeeze(2)
+        else:
+            o, lse, grid, args = _merge_args(o_part, lse_part, q.dtype)
+            self.merge(grid, args)
         return (o, lse) if return_lse else o
 
 
@@ -577,7 +591,7 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens=None, *, sm_scale=None, caus
 
     ``num_splits``: how many slices the keys of each batch row are cut into (one program per slice, K/V
     head and row block, then a merge); None chooses from the GPU's SM count (:func:`decode_plan`); 1 is the
-    unsplit kernel. Returns ``o`` like q, and with ``return_lse`` also ``lse`` ``(B, H, N_q)``, fp32, natural
+    unsplit kernel, which writes ``o`` and ``lse`` itself (no merge runs). Returns ``o`` like q, and with ``return_lse`` also ``lse`` ``(B, H, N_q)``, fp32, natural
     log. ``check_finite`` (default True): refuse NaN or inf in q and in the valid part of the caches, and read
     ``cache_seqlens`` on the host to check each is in ``[1, N_max]`` (``[N_q, N_max]`` when causal); False
     skips both (no synchronization: what a generation loop, and the benchmark, pass), and then a call whose
@@ -596,8 +610,11 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens=None, *, sm_scale=None, caus
     plan = decode_plan(q, k_cache, num_splits)
     compiled = {}
     with torch.no_grad():
-        o_part, lse_part = _split_forward(q, k_cache, v_cache, seqlens, causal, scale, plan, compiled)
-        o, lse = _merge(o_part, lse_part, q.dtype, plan["block_d"], compiled)
+        if plan["num_splits"] == 1:  # one split holds every key: it writes O and lse itself, no merge
+            o, lse = _split_forward(q, k_cache, v_cache, seqlens, causal, scale, plan, compiled, direct=True)
+        else:
+            o_part, lse_part = _split_forward(q, k_cache, v_cache, seqlens, causal, scale, plan, compiled)
+            o, lse = _merge(o_part, lse_part, q.dtype, plan["block_d"], compiled)
     if key is not None and (INTERPRETED or None not in compiled.values()):
         if len(_LAUNCHES) >= _MAX_LAUNCHES:
             _LAUNCHES.clear()
