@@ -105,7 +105,8 @@ def flash_decode_split_kernel(Q, K, V, O_PART, LSE_PART, SEQLENS,
                               stride_lb, stride_lh, stride_ls, stride_lm,
                               H_kv, N_q, GROUP, num_splits, qk_scale,
                               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                              BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr = False):
+                              BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr,
+                              PDL: tl.constexpr = False):
     """Program (split, b * H_kv + kv head, row block) writes the partial O (normalized, fp32) and lse
     (natural log, fp32) of its key slice for BLOCK_M packed rows of the group: row r is query ``r % N_q`` of
     query head ``kv_head * GROUP + r // N_q``. The cache of batch row b holds ``L = SEQLENS[b]`` keys, cut
