@@ -608,12 +608,12 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens=None, *, sm_scale=None, caus
 
     ``num_splits``: how many slices the keys of each batch row are cut into (one program per slice, K/V
     head and row block, then a merge); None chooses from the GPU's SM count (:func:`decode_plan`); 1 is the
-    unsplit kernel, which writes ``o`` and ``lse`` itself (no merge runs). Returns ``o`` like q, and with ``return_lse`` also ``lse`` ``(B, H, N_q)``, fp32, natural
-    log. ``check_finite`` (default True): refuse NaN or inf in q and in the valid part of the caches, and read
-    ``cache_seqlens`` on the host to check each is in ``[1, N_max]`` (``[N_q, N_max]`` when causal); False
-    skips both (no synchronization: what a generation loop, and the benchmark, pass), and then a call whose
-    shapes, strides and dtypes were already checked once goes straight to the compiled kernels (the launch
-    cache above says why).
+    unsplit kernel, which writes ``o`` and ``lse`` itself (no merge runs). Returns ``o`` like q, and with
+    ``return_lse`` also ``lse`` ``(B, H, N_q)``, fp32, natural log. ``check_finite`` (default True): refuse NaN
+    or inf in q and in the valid part of the caches, and read ``cache_seqlens`` on the host to check each is in
+    ``[1, N_max]`` (``[N_q, N_max]`` when causal); False skips both (no synchronization: what a generation loop,
+    and the benchmark, pass), and then a call whose shapes, strides and dtypes were already checked once goes
+    straight to the compiled kernels (the launch cache above says why).
     Notebook ``13_beyond_one_gpu_and_decoding``.
     """
     key = None
@@ -655,7 +655,8 @@ class KVCache:
         o = cache.attend(q_new)                    # (B, H, 1, d) against everything so far
 
     The buffers are never reallocated: appending writes after each row's current length, and attending
-    passes the valid lengths to :func:`flash_decode`, which never reads past them. Notebook ``13_beyond_one_gpu_and_decoding``.
+    passes the valid lengths to :func:`flash_decode`, which never reads past them. Notebook
+    ``13_beyond_one_gpu_and_decoding``.
     """
 
     def __init__(self, batch, heads_kv, max_len, head_dim, dtype=torch.float16, device=None):
