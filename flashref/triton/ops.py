@@ -424,20 +424,18 @@ def _gluon_module(name: str):
         return e
 
 
-def _hopper_refusal(q, k, v, feat: Features, backward: bool = False, dq_only: bool = False) -> str | None:
+def _hopper_refusal(q, k, v, feat: Features, backward: bool = False) -> str | None:
     """None when the Hopper forward (notebook ``14_flashattention3_on_hopper``) can take this checked call, else why
     it cannot: the teaching kernel takes it then. The Hopper forward takes a window (``window_size`` or a
-    bottom-right causal mask). ``backward``: the same for the Gluon backward, which also takes ALiBi (its
-    statistics come from either forward). Its kernels take a window too (``hopper_backward(window=)``), but its
-    dK/dV kernel measured slower there than the teaching one (1.69-1.76 ms against 1.44-1.47, H100, d = 128, a
-    causal window of 1024 keys, 32K tokens), so a window keeps the teaching dK/dV; ``dq_only``: whether the Gluon
-    dQ kernel alone can take the call, which it can with a window (see :func:`_backward_kernel`)."""
+    bottom-right causal mask). ``backward``: the same for the Gluon backward kernels, which also take ALiBi (their
+    statistics come from either forward) and a window (``hopper_backward(window=)``; which of them a window uses
+    is :func:`_backward_kernel`'s choice)."""
     if INTERPRETED or not q.is_cuda:
         return "runs on an sm_90 GPU, not in Triton's CPU interpreter"
     if configs.device_capability(q.device) != 90:  # wgmma and setmaxnreg are sm_90a's
         return f"needs an sm_90 (Hopper) GPU, got sm_{configs.device_capability(q.device)}"
     used = (("dropout_p", feat.dropout_p > 0.0), ("block_mask", feat.block_mask is not None),
-            ("window_size or causal_align='bottom_right'", feat.window and backward and not dq_only), ("softcap", feat.softcap),
+            ("softcap", feat.softcap),
             ("alibi_slopes", feat.slopes2 is not None and not backward), ("packed batches", feat.varlen is not None))
     features = [name for name, on in used if on]
     if features:
@@ -479,17 +477,14 @@ def _backward_kernel(q, k, v, feat: Features, kernel: str, deterministic: bool) 
     ms against the teaching kernel's 0.87-0.89, dK/dV 1.44-1.47 against the Gluon kernel's 1.69-1.76). At d = 64
     the teaching dQ was the faster (0.86 ms against 0.96), so the window keeps both teaching kernels there."""
     _check_kernel(kernel)
-    if kernel == "triton" or not deterministic:
+    if kernel == "triton" or not deterministic or _hopper_refusal(q, k, v, feat, backward=True) is not None:
         return "triton"
-    whole = _hopper_refusal(q, k, v, feat, backward=True) is None
-    dq_alone = (not whole and feat.window and q.shape[3] == 128
-                and _hopper_refusal(q, k, v, feat, backward=True, dq_only=True) is None)
-    if not (whole or dq_alone):
+    if feat.window and q.shape[3] != 128:
         return "triton"
     backward = _gluon_module("hopper_backward")
     if isinstance(backward, ImportError) or backward.supported(q, k, v) is not None:
         return "triton"
-    return "hopper" if whole else "hopper dq"
+    return "hopper dq" if feat.window else "hopper"
 
 
 def _forward(q, k, v, scale: float, feat: Features, kernel: str = "triton"):
