@@ -38,12 +38,20 @@ for d, dtype, switches, causal, window in [
          True, False),
         (128, "float8_e4m3", {"block_n": 128}, True, False), (256, "float8_e4m3", {"block_n": 128}, False, False),
         (64, "float16", None, False, True), (128, "float16", None, True, True), (256, "bfloat16", None, False, True),
-        (128, "float16", {"warp_specialize": True, "pingpong": True}, False, True)]:
-    k = compile_check.compile_hopper(d, switches, causal=causal, dtype=dtype, window=window)
+        (128, "float16", {"warp_specialize": True, "pingpong": True}, False, True),
+        (64, "float16", {"dropout": True}, True, False), (128, "float16", {"warp_specialize": False, "dropout": True},
+                                                          False, True),
+        (256, "bfloat16", {"warp_specialize": False, "dropout": True}, True, False)]:
+    switches = dict(switches or {})
+    dropout = switches.pop("dropout", False)
+    switches = switches or None
+    k = compile_check.compile_hopper(d, switches, causal=causal, dtype=dtype, window=window, dropout=dropout)
     ptx = k.asm["ptx"]
-    rows.append({"case": [d, dtype, switches, causal, window], "shared": k.metadata.shared, "warps": k.metadata.num_warps,
+    rows.append({"case": [d, dtype, switches, causal, window], "dropout": dropout,
+                 "shared": k.metadata.shared, "warps": k.metadata.num_warps,
                  "wgmma": ptx.count("wgmma.mma_async"), "tma": ptx.count("cp.async.bulk.tensor"),
-                 "mbarrier_waits": ptx.count("mbarrier.try_wait"), "default": switches is None,
+                 "mbarrier_waits": ptx.count("mbarrier.try_wait"), "philox": ptx.count("-845247145"),
+                 "default": switches is None or dropout,
                  "e4m3_wgmma": len(re.findall(r"wgmma\.mma_async[.a-z0-9]*\.e4m3\.e4m3", ptx)),
                  "setmaxnreg": sorted({int(n) for n in re.findall(r"setmaxnreg[.a-z0-9]*\s+(\d+)", ptx)}),
                  **compile_check.ptxas_usage(k)})
@@ -66,8 +74,10 @@ def test_compiles_for_the_h100_with_tma_and_wgmma(compiled):
     for row in compiled:
         assert row["shared"] <= H100_SHARED, row
         assert row["wgmma"] > 0 and row["tma"] >= 3 and row["mbarrier_waits"] >= 3, row
-        if row["default"]:  # the shipped configs keep every value in registers
+        if row["default"]:  # the shipped configs (and those dropout runs) keep every value in registers
             assert row["spill_stores"] == 0 and row["spill_loads"] == 0, row
+        # Philox's round constant 0xCD9E8D57 (as PTX writes it, signed), only where P is dropped
+        assert (row["philox"] > 0) == row["dropout"], row
         d, dtype, switches, _, _ = row["case"]
         assert (row["e4m3_wgmma"] == row["wgmma"]) if dtype == "float8_e4m3" else row["e4m3_wgmma"] == 0, row
         if dtype == "float8_e4m3" or hopper.config(d, **(switches or {}))["warp_specialize"]:
@@ -299,6 +309,102 @@ def test_window_on_uneven_shapes(d, switches):
             assert torch.allclose((m2 + l2)[~empty], lse[~empty] * 1.4426950408889634, rtol=1e-4, atol=1e-3), what
             assert bool((o[empty.unsqueeze(-1).expand_as(o)] == 0).all()), f"O = 0 on rows with no key, {what}"
             assert bool((m2[empty] == 0).all()) and bool(l2[empty].isposinf().all()), f"m2, l2 of empty rows, {what}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_m,block_n,num_warps", [(64, 128, 4), (128, 64, 8), (128, 128, 8), (64, 64, 4),
+                                                       (128, 64, 4)])
+def test_the_dropout_mask_is_the_teaching_kernels_bit_for_bit(block_m, block_n, num_warps):
+    """The Gluon forward's keep-mask (Philox in the accumulator's registers, :func:`hopper._keep`) is
+    ``dropout_mask``'s, tile by tile, on uneven lengths, for several heads and a seed above 2^32."""
+    hopper = _hopper_or_skip()
+    from flashref.triton import dropout_mask
+    from flashref.triton.forward import drop_threshold
+
+    for seed, p in ((0, 0.3), (2**40 + 7, 0.1), (12345, 0.9)):
+        keep = hopper.keep_mask(seed, 2, 3, 300, 333, drop_threshold(p), block_m, block_n, num_warps)
+        assert torch.equal(keep, dropout_mask(seed, 2, 3, 300, 333, p, "cuda")), (seed, p)
+
+
+def _dropout_attention(q, k, v, seen, keep, p, dtype):
+    """O = (P * keep / (1 - p)) V and lse of the unmasked P, with only the ``seen`` pairs, in ``dtype``."""
+    S = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) * q.shape[-1] ** -0.5
+    S = S.masked_fill(~seen, float("-inf"))
+    P = torch.softmax(S.float(), -1).nan_to_num(0.0).to(dtype)
+    return (P * keep.to(dtype) / (1 - p)) @ v.to(dtype), torch.logsumexp(S.float(), -1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("switches", [dict(), dict(warp_specialize=False, stages=3, overlap=True),
+                                      dict(warp_specialize=False, block_m=128, block_n=128, num_warps=8)], ids=str)
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_dropout_on_uneven_shapes(d, switches):
+    """The Gluon forward with dropout against the fp32 reference that drops with ``dropout_mask``'s bits, within
+    2x the error of the same in fp16: uneven lengths, N = 1, causal and not, a window, bf16; a warp-specialized
+    config runs the default tile without warp specialization."""
+    hopper = _hopper_or_skip()
+    from flashref.triton import dropout_mask
+    from flashref.triton.forward import drop_threshold
+
+    if d == 256 and switches.get("block_n") == 128:
+        pytest.skip("128 x 256 accumulators and 128-key tiles do not fit in registers")
+    cfg = hopper.config(d, **switches)
+    for i, (N_q, N_k) in enumerate([(113, 203), (1, 239), (239, 1), (700, 700), (1024, 1100)]):
+        dtype = torch.bfloat16 if i == 3 else torch.float16
+        q, k, v, _ = make_qkv(2, 2, N_q, N_k, d, dtype, "cuda", seed=17 * i + d)
+        for causal, window, p in ((False, None, 0.1), (True, None, 0.3), (False, (40, 7), 0.5)):
+            if window is not None and cfg["overlap"]:
+                continue  # the overlapped loop takes no window
+            seed = 1000 * i + d
+            keep = dropout_mask(seed, 2, 2, N_q, N_k, p, "cuda")
+            o, lse, _ = hopper.launch_forward(q, k, v, causal, d ** -0.5, cfg, window=window,
+                                              dropout=(seed, drop_threshold(p), 1 / (1 - p)))
+            left, right = window if window is not None else (-1, -1)
+            seen = _window_mask(N_q, N_k, left, right, causal, "cuda")
+            ref_o, ref_lse = _dropout_attention(q, k, v, seen, keep, p, torch.float32)
+            base_o, _ = _dropout_attention(q, k, v, seen, keep, p, dtype)
+            what = f"{N_q}x{N_k}, d={d}, {dtype}, causal={causal}, window={window}, p={p}, {switches}"
+            assert_within_tolerance(o, ref_o, base_o, factor=2.0, name=f"o {what}")
+            empty = ~seen.any(-1).expand_as(lse)
+            assert torch.equal(lse.isneginf(), empty), what
+            assert torch.allclose(lse[~empty], ref_lse[~empty], rtol=1e-4, atol=1e-3), f"lse {what}"
+
+
+@pytest.mark.gpu
+def test_flash_attention_takes_the_hopper_forward_with_dropout():
+    """kernel="auto" runs the Hopper forward with dropout and the teaching backward after it: the teaching
+    forward's O to rounding and its lse, the same bits for the same seed, and gradients within the rule against
+    the float64 reference with the kernels' mask (3x plain fp16 attention's error, as every backward)."""
+    _hopper_or_skip()
+    import numpy as np
+
+    from flashref import reference
+    from flashref.triton import backward_kernel, dropout_mask, flash_attention, flash_attention_forward, forward_kernel
+    from tests._triton_helpers import np64, plain_with_features
+
+    B, H, N_q, N_k, d, p, seed = 1, 4, 600, 700, 128, 0.2, 77
+    q, k, v, do = make_qkv(B, H, N_q, N_k, d, torch.float16, "cuda", seed=5)
+    keep = dropout_mask(seed, B, H, N_q, N_k, p, "cuda")
+    for causal in (False, True):
+        kw = dict(causal=causal, dropout_p=p, seed=seed)
+        assert forward_kernel(q, k, v, causal, dropout_p=p) == "hopper"
+        assert backward_kernel(q, k, v, causal, dropout_p=p) == "triton"
+        o_h, lse_h = flash_attention_forward(q, k, v, kernel="hopper", **kw)
+        o_t, lse_t = flash_attention_forward(q, k, v, kernel="triton", **kw)
+        assert torch.allclose(lse_h, lse_t, rtol=1e-5, atol=1e-4), causal
+        assert torch.allclose(o_h.float(), o_t.float(), atol=2e-3), causal
+        assert torch.equal(o_h, flash_attention_forward(q, k, v, kernel="hopper", **kw)[0]), "same seed, same bits"
+        qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+        o = flash_attention(qq, kk, vv, **kw)
+        o.backward(do)
+        ref_kw = dict(causal=causal, dropout_mask=keep.cpu().numpy(), dropout_p=p)
+        q64, k64, v64, do64 = (np64(x) for x in (q, k, v, do))
+        refs = [reference.attention(q64, k64, v64, **ref_kw), *reference.attention_backward(q64, k64, v64, do64,
+                                                                                             **ref_kw)]
+        base = plain_with_features(q, k, v, do, causal, None, keep, p)
+        for name, x, r, b in zip(("o", "dq", "dk", "dv"), (o.detach(), qq.grad, kk.grad, vv.grad), refs, base):
+            assert torch.isfinite(x).all() and not np.isnan(r).any(), name
+            assert_within_tolerance(x, r, b, factor=2.0 if name == "o" else 3.0, name=f"{name}, causal={causal}")
 
 
 @pytest.mark.gpu

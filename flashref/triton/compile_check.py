@@ -111,12 +111,12 @@ def compile_config(kernel: str, cfg: configs.TileConfig, capability: int, head_d
 
 
 def compile_hopper(head_dim: int, switches: dict | None = None, causal: bool = False, dtype: str = "float16",
-                   window: bool = False):
+                   window: bool = False, dropout: bool = False):
     """Compile :mod:`flashref.triton.hopper`'s Gluon forward for an H100 (sm_90) as a launch of
     :func:`~flashref.triton.hopper.hopper_forward` with these switches would (none: its defaults), or of
     :func:`~flashref.triton.hopper.fp8_attention` for ``dtype="float8_e4m3"``; return the compiled kernel. Its
     PTX shows the TMA copies, wgmma products and register moves it asks for. ``window``: the kernel that takes
-    ``window_size``."""
+    ``window_size``; ``dropout``: the kernel that drops P (no warp specialization)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -141,7 +141,9 @@ def compile_hopper(head_dim: int, switches: dict | None = None, causal: bool = F
     if cfg["warp_specialize"]:
         signature.update(QS="*fp32", KS="*fp32", VS="*fp32")
     signature.update({"N_q": "i32", "N_k": "i32", "qk_scale": "fp32", "win_left": "i32", "win_right": "i32"})
-    fn, constexprs, options = hopper.kernel_and_constexprs(cfg, head_dim, causal, window)
+    if not cfg["warp_specialize"]:
+        signature.update({"seed": "i64", "drop_below": "i32", "keep_scale": "fp32"})
+    fn, constexprs, options = hopper.kernel_and_constexprs(cfg, head_dim, causal, window, dropout)
     if fp8:
         constexprs["FP8"] = True
     signature.update({n: "constexpr" for n in constexprs})

@@ -56,11 +56,101 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashref import fp8
 from flashref.fp8 import FP8_MAX, FP8_Q_ROWS, Fp8Inputs, random_rotation  # noqa: F401 (public here too)
-from flashref.triton.forward import LN2, LOG2E
+import math
+
+from flashref.triton.forward import LN2, LOG2E, PHILOX_ROUNDS
 
 
 HEAD_DIMS = (64, 128, 256)
 WS_MAXNREG = 168  # 65536 registers / (12 warps * 32 threads), rounded down to a multiple of 8
+
+
+# ---- Dropout: the teaching kernel's Philox mask, computed in the wgmma accumulator's own registers ---------------
+def keep_layout(block_m: int, block_n: int, num_warps: int) -> gl.DistributedLinearLayout:
+    """Where the dropout counters of a (block_m, block_n) tile of scores live: a layout of the 4-D tensor
+    (i // 16, i % 8, j // 16, (j // 2) % 4) that puts each counter in the thread whose wgmma accumulator holds its
+    eight entries of P (rows i and i + 8, columns j, j + 1, j + 8, j + 9: see ``flashref.triton.forward._keep``).
+    Lanes carry (j // 2) % 4 and i % 8, warps the 16-row blocks, registers the 16-column blocks; joining the four
+    Philox words and the two halves of each back into the tile then gives the accumulator's layout itself, so P
+    is masked without moving a bit between threads."""
+    a_bits, w_bits, c_bits = (int(math.log2(x)) for x in (block_m // 16, num_warps, block_n // 16))
+    warp_bases = [[1 << t, 0, 0, 0] for t in range(min(w_bits, a_bits))] + [[0, 0, 0, 0]] * max(0, w_bits - a_bits)
+    reg_bases = [[0, 0, 1 << t, 0] for t in range(c_bits)] + [[1 << t, 0, 0, 0] for t in range(w_bits, a_bits)]
+    lane_bases = [[0, 0, 0, 1], [0, 0, 0, 2], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]]
+    return gl.DistributedLinearLayout(reg_bases, lane_bases, warp_bases, [], [block_m // 16, 8, block_n // 16, 4])
+
+
+@gluon.jit
+def _philox(seed, c0, c1, c2, c3, N_ROUNDS: gl.constexpr):
+    """Philox-4x32 of counter (c0, c1, c2, c3) under the 64-bit key ``seed``: ``tl.philox``'s rounds, bit for bit."""
+    seed = seed.to(gl.uint64)
+    k0 = (seed & 0xFFFFFFFF).to(gl.uint32)
+    k1 = ((seed >> 32) & 0xFFFFFFFF).to(gl.uint32)
+    for _ in gl.static_range(N_ROUNDS):
+        _c0 = c0
+        _c2 = c2
+        c0 = gl.umulhi(_c2, 0xCD9E8D57) ^ c1 ^ k0
+        c2 = gl.umulhi(_c0, 0xD2511F53) ^ c3 ^ k1
+        c1 = _c2 * 0xCD9E8D57
+        c3 = _c0 * 0xD2511F53
+        k0 = k0 + 0x9E3779B9
+        k1 = k1 + 0xBB67AE85
+    return c0, c1, c2, c3
+
+
+@gluon.jit
+def _keep(seed, bh, start_m, start_n, drop_below, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+          KEEP_LAYOUT: gl.constexpr, s_layout: gl.constexpr):
+    """The teaching kernel's dropout keep-mask of the (queries start_m : +BLOCK_M) x (keys start_n : +BLOCK_N)
+    tile of head ``bh`` (``flashref.triton.forward._keep``, the same bits), in the accumulator layout ``s_layout``;
+    ``KEEP_LAYOUT`` is :func:`keep_layout`'s for this tile and warp count."""
+    L4: gl.constexpr = KEEP_LAYOUT
+    a = gl.arange(0, BLOCK_M // 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
+    b = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, L4))))  # bits 0-2 of i
+    c = gl.arange(0, BLOCK_N // 16, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(3, L4))))
+    e = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, L4))))  # bits 1-2 of j
+    a = gl.expand_dims(gl.expand_dims(gl.expand_dims(a, 1), 2), 3)
+    b = gl.expand_dims(gl.expand_dims(gl.expand_dims(b, 0), 2), 3)
+    c = gl.expand_dims(gl.expand_dims(gl.expand_dims(c, 0), 0), 3)
+    e = gl.expand_dims(gl.expand_dims(gl.expand_dims(e, 0), 0), 0)
+    row = ((start_m // 16 + a) * 8 + b).to(gl.uint32)  # i without bit 3
+    col = ((start_n // 16 + c) * 4 + e).to(gl.uint32)  # j without bits 0 and 3
+    zero = row * 0 + col * 0
+    r0, r1, r2, r3 = _philox(seed, col + zero, row + zero, zero + bh.to(gl.uint32), zero, PHILOX_ROUNDS)
+    w = gl.join(gl.join(r0, r1), gl.join(r2, r3))  # (a, b, c, e, bit3(j), bit3(i))
+    t = drop_below.to(gl.uint32) << 16  # each 16-bit half compared in place, the low one shifted up first
+    keep = gl.join((w << 16) >= t, w >= t)  # (a, b, c, e, bit3(j), bit3(i), bit0(j))
+    keep = gl.permute(keep, (0, 5, 1, 2, 4, 3, 6))  # (a, bit3(i), b, c, bit3(j), e, bit0(j)): i, j in order
+    return gl.convert_layout(gl.reshape(keep, (BLOCK_M, BLOCK_N)), s_layout)  # the same layout: no data moves
+
+
+@gluon.jit
+def hopper_keep_kernel(KEEP, seed, drop_below, N_q, N_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       KEEP_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
+    """KEEP[bh, i, j] = :func:`_keep`'s bit, tile by tile in the forward's layout: for tests that it is the
+    teaching kernel's mask (``flashref.triton.dropout_mask``) bit for bit."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    bh = gl.program_id(2)
+    keep = _keep(seed, bh, gl.program_id(0) * BLOCK_M, gl.program_id(1) * BLOCK_N, drop_below, BLOCK_M, BLOCK_N,
+                 KEEP_LAYOUT, s_layout)
+    rows = gl.program_id(0) * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    cols = gl.program_id(1) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    ptrs = KEEP + bh.to(gl.int64) * N_q * N_k + gl.expand_dims(rows * N_k, 1) + gl.expand_dims(cols, 0)
+    gl.store(ptrs, keep.to(gl.int8), mask=gl.expand_dims(rows < N_q, 1) & gl.expand_dims(cols < N_k, 0))
+
+
+def keep_mask(seed: int, B: int, H: int, N_q: int, N_k: int, drop_below: int, block_m: int = 64,
+              block_n: int = 128, num_warps: int = 4) -> torch.Tensor:
+    """The Gluon forward's dropout keep-mask ``(B, H, N_q, N_k)`` (bool, on the current GPU) for ``seed`` and the
+    16-bit threshold ``drop_below``, drawn with (block_m, block_n) tiles and ``num_warps`` warps."""
+    keep = torch.empty((B, H, N_q, N_k), dtype=torch.int8, device="cuda")
+    hopper_keep_kernel[(triton.cdiv(N_q, block_m), triton.cdiv(N_k, block_n), B * H)](
+        keep, seed, drop_below, N_q, N_k, BLOCK_M=block_m, BLOCK_N=block_n,
+        KEEP_LAYOUT=keep_layout(block_m, block_n, num_warps), num_warps=num_warps)
+    return keep.bool()
+
+
 
 
 @gluon.jit
@@ -162,9 +252,10 @@ def _store_rows(acc, m_i, l_i, O, LSE, M2, L2, bh, start_m, N_q, BLOCK_M: gl.con
 
 
 @gluon.jit
-def hopper_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, N_q, N_k, qk_scale, win_left, win_right,
-                      HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                      CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, WINDOW: gl.constexpr, num_warps: gl.constexpr):
+def hopper_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, N_q, N_k, qk_scale, win_left, win_right, seed,
+                      drop_below, keep_scale, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, WINDOW: gl.constexpr,
+                      DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
     """Program (pid_m, bh) writes O rows [pid_m * BLOCK_M, +BLOCK_M) of head bh, its lse (natural log) and the
     backward's M2 (base-2 row max) and L2 (log2 of the row sum), as the teaching kernel does. WINDOW: query i
     sees keys i - win_left <= j <= i + win_right only, and the tiles outside every row's window are never
@@ -172,7 +263,10 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, N_q, N_k, qk_scale
 
     The descriptors view Q, K, V as 2-D (B * H * N, d) tensors. A tile that runs past its head's last row
     reads the next head's rows (or TMA's zeros past the tensor's end): their scores are masked to -inf
-    (keys), or their rows never stored (queries)."""
+    (keys), or their rows never stored (queries).
+
+    DROPOUT: P is dropped where the teaching kernel's mask for ``seed`` drops it (:func:`_keep`, threshold
+    ``drop_below``) after l has summed it, and O is scaled by ``keep_scale`` = 1 / (1 - p) at the end."""
     pid_m = gl.program_id(0)
     if CAUSAL:  # the longest rows first, so the short ones fill the tail of the launch
         pid_m = gl.num_programs(0) - 1 - pid_m
@@ -227,6 +321,8 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, N_q, N_k, qk_scale
         S = warpgroup_mma_wait(0, deps=[S])
         P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, 0, lo_full, n_full, start_m, N_k, qk_scale, win_left,
                                            win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, s_layout)
+        if DROPOUT:
+            P = gl.where(_keep(seed, bh, start_m, 0, drop_below, BLOCK_M, BLOCK_N, KEEP_LAYOUT, s_layout), P, 0.0)
         for j in range(1, n_tiles):
             slot = j % STAGES
             prev = (j - 1) % STAGES
@@ -246,6 +342,9 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, N_q, N_k, qk_scale
             S = warpgroup_mma_wait(1, deps=[S])
             P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, j, lo_full, n_full, start_m, N_k, qk_scale, win_left,
                                                win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, s_layout)
+            if DROPOUT:
+                P = gl.where(_keep(seed, bh, start_m, j * BLOCK_N, drop_below, BLOCK_M, BLOCK_N, KEEP_LAYOUT,
+                                   s_layout), P, 0.0)
             acc, p = warpgroup_mma_wait(0, deps=[acc, p])
         last = (n_tiles - 1) % STAGES
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
@@ -262,6 +361,9 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, N_q, N_k, qk_scale
             S = warpgroup_mma_wait(0, deps=[S])
             P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, j_lo + j, lo_full, n_full, start_m, N_k, qk_scale,
                                                win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, s_layout)
+            if DROPOUT:  # l has summed P before dropout, as in the teaching kernel
+                P = gl.where(_keep(seed, bh, start_m, (j_lo + j) * BLOCK_N, drop_below, BLOCK_M, BLOCK_N,
+                                   KEEP_LAYOUT, s_layout), P, 0.0)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             mbarrier.wait(v_bars.index(slot), phase)
             p = gl.convert_layout(P.to(dtype), p_layout)
@@ -274,6 +376,8 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, N_q, N_k, qk_scale
         mbarrier.invalidate(k_bars.index(s))
         mbarrier.invalidate(v_bars.index(s))
 
+    if DROPOUT:  # P~ = P * keep / (1 - p): one scaling of O instead of one per entry of P
+        acc = acc * keep_scale
     _store_rows(acc, m_i, l_i, O, LSE, M2, L2, bh, start_m, N_q, BLOCK_M, HEAD_D, s_layout, o_layout, WINDOW)
 
 # ---- Warp specialization: a producer warp feeds two consumer warpgroups ---------------------------------------
@@ -577,9 +681,12 @@ def _descriptor_blocks(cfg: dict, head_dim: int):
     return [q_rows, head_dim], [cfg["block_n"], head_dim]
 
 
-def kernel_and_constexprs(cfg: dict, head_dim: int, causal: bool, window: bool = False):
+def kernel_and_constexprs(cfg: dict, head_dim: int, causal: bool, window: bool = False, dropout: bool = False):
     """The Gluon kernel a config launches, its compile-time arguments and launch options. ``window``: the kernel
-    that bounds each row's keys (``win_left``, ``win_right``); the overlapped loop has none."""
+    that bounds each row's keys (``win_left``, ``win_right``); the overlapped loop has none. ``dropout``: the
+    kernel that drops P (``seed``, ``drop_below``, ``keep_scale``); the warp-specialized one has none."""
+    if dropout and cfg["warp_specialize"]:
+        raise ValueError("warp_specialize=True takes no dropout: dropout runs the kernel without it")
     if window and cfg["overlap"]:
         raise ValueError("overlap=True takes no window: its loop starts with a first key tile that a window may "
                          "not have")
@@ -589,7 +696,9 @@ def kernel_and_constexprs(cfg: dict, head_dim: int, causal: bool, window: bool =
         # 12 warps (3 warpgroups) at WS_MAXNREG each fit the SM's 64K registers; the partitions then move them.
         return (hopper_ws_fwd_kernel, dict(shape, PINGPONG=bool(cfg["pingpong"]), FP8=False, num_warps=4),
                 dict(maxnreg=WS_MAXNREG))
-    return hopper_fwd_kernel, dict(shape, OVERLAP=bool(cfg["overlap"]), num_warps=cfg["num_warps"]), {}
+    keep = keep_layout(cfg["block_m"], cfg["block_n"], cfg["num_warps"]) if dropout else None
+    return (hopper_fwd_kernel, dict(shape, OVERLAP=bool(cfg["overlap"]), DROPOUT=bool(dropout), KEEP_LAYOUT=keep,
+                                    num_warps=cfg["num_warps"]), {})
 
 
 def hopper_forward(q, k, v, causal=False, sm_scale=None, *, window_size=(-1, -1), block_m=None, block_n=None,
@@ -611,13 +720,17 @@ def hopper_forward(q, k, v, causal=False, sm_scale=None, *, window_size=(-1, -1)
     return launch_forward(q, k, v, feat.causal, scale, cfg, window=window)
 
 
-def launch_forward(q, k, v, causal: bool, scale: float, cfg: dict, window=None):
+def launch_forward(q, k, v, causal: bool, scale: float, cfg: dict, window=None, dropout=None):
     """:func:`hopper_forward` on inputs already checked (and :func:`supported`), with the switches ``cfg`` (what a
     dispatch from :func:`flashref.triton.flash_attention` will call: its checks are done by then). ``window``:
-    ``(win_left, win_right)`` as :class:`flashref.triton.ops.Features` holds them, or None."""
+    ``(win_left, win_right)`` as :class:`flashref.triton.ops.Features` holds them, or None. ``dropout``: ``(seed,
+    drop_below, keep_scale)`` as :meth:`flashref.triton.ops.Features.scalars` gives them, or None (a
+    warp-specialized ``cfg`` then runs :func:`default_config`'s tile without warp specialization)."""
     d = q.shape[3]
     B, H, N_q, _ = q.shape
     N_k = k.shape[2]
+    if dropout is not None and cfg["warp_specialize"]:
+        cfg = default_config(d, warp_specialize=False)
     q_block, kv_block = _descriptor_blocks(cfg, d)
     q2, k2, v2 = (x.contiguous().view(-1, d) for x in (q, k, v))
     gdt = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
@@ -627,12 +740,13 @@ def launch_forward(q, k, v, causal: bool, scale: float, cfg: dict, window=None):
     v_desc = TensorDescriptor.from_tensor(v2, kv_block, kv_lay)
     o = torch.empty((B, H, N_q, d), dtype=q.dtype, device=q.device)
     lse, m2, l2 = torch.empty((3, B, H, N_q), dtype=torch.float32, device=q.device).unbind(0)
-    kernel, constexprs, options = kernel_and_constexprs(cfg, d, causal, window is not None)
+    kernel, constexprs, options = kernel_and_constexprs(cfg, d, causal, window is not None, dropout is not None)
     grid = (triton.cdiv(N_q, cfg["block_m"]), B * H)
     scales = (lse, lse, lse) if cfg["warp_specialize"] else ()  # FP8's scale pointers, unread here
+    drop = () if cfg["warp_specialize"] else dropout if dropout is not None else (0, 0, 1.0)
     win_left, win_right = window if window is not None else (0, 0)
     kernel[grid](q_desc, k_desc, v_desc, o, lse, m2, l2, *scales, N_q, N_k, scale * LOG2E, win_left, win_right,
-                 **constexprs, **options)
+                 *drop, **constexprs, **options)
     return o, lse, (m2, l2)
 
 

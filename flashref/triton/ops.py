@@ -427,14 +427,15 @@ def _gluon_module(name: str):
 def _hopper_refusal(q, k, v, feat: Features, backward: bool = False) -> str | None:
     """None when the Hopper forward (notebook ``14_flashattention3_on_hopper``) can take this checked call, else why
     it cannot: the teaching kernel takes it then. The Hopper forward takes a window (``window_size`` or a
-    bottom-right causal mask). ``backward``: the same for the Gluon backward kernels, which also take ALiBi (their
-    statistics come from either forward) and a window (``hopper_backward(window=)``; which of them a window uses
-    is :func:`_backward_kernel`'s choice)."""
+    bottom-right causal mask) and dropout (the teaching kernel's mask, bit for bit). ``backward``: the same for the
+    Gluon backward kernels, which take no dropout but do take ALiBi (their statistics come from either forward)
+    and a window (``hopper_backward(window=)``; which of them a window uses is :func:`_backward_kernel`'s
+    choice)."""
     if INTERPRETED or not q.is_cuda:
         return "runs on an sm_90 GPU, not in Triton's CPU interpreter"
     if configs.device_capability(q.device) != 90:  # wgmma and setmaxnreg are sm_90a's
         return f"needs an sm_90 (Hopper) GPU, got sm_{configs.device_capability(q.device)}"
-    used = (("dropout_p", feat.dropout_p > 0.0), ("block_mask", feat.block_mask is not None),
+    used = (("dropout_p", feat.dropout_p > 0.0 and backward), ("block_mask", feat.block_mask is not None),
             ("softcap", feat.softcap),
             ("alibi_slopes", feat.slopes2 is not None and not backward), ("packed batches", feat.varlen is not None))
     features = [name for name, on in used if on]
@@ -491,7 +492,10 @@ def _forward(q, k, v, scale: float, feat: Features, kernel: str = "triton"):
     if _forward_kernel(q, k, v, feat, kernel) == "hopper":
         hopper = _gluon_module("hopper")
         window = (feat.win_left, feat.win_right) if feat.window else None
-        return hopper.launch_forward(q, k, v, feat.causal, scale, hopper.default_config(q.shape[3]), window=window)
+        scalars = feat.scalars()
+        dropout = (scalars["seed"], scalars["drop_below"], scalars["keep_scale"]) if feat.dropout_p > 0.0 else None
+        return hopper.launch_forward(q, k, v, feat.causal, scale, hopper.default_config(q.shape[3]), window=window,
+                                     dropout=dropout)
     B, H, N_q, d = q.shape
     N_k = k.shape[2]
     # A packed batch's o takes q's layout, (total_q, H, d), through the same view the kernel gets.
@@ -555,39 +559,48 @@ def _backward(q, k, v, o, stats, do, scale: float, deterministic: bool, feat: Fe
         delta = _delta(o, do)
     dq = dk = dv = None
     choice = _backward_kernel(q, k, v, feat, kernel, deterministic)
+    here = torch.cuda.current_stream(q.device) if q.is_cuda else None
+    side = _dq_stream(q.device) if deterministic and parts == _BOTH and _dq_beside(feat, choice) else None
+    if side is not None:  # dQ beside dK/dV: see _dq_stream
+        side.wait_stream(here)
     if choice != "triton":
         hopper = _gluon_module("hopper_backward")
         mods = dict(window=(feat.win_left, feat.win_right) if feat.window else None, slopes2=feat.slopes2)
-        dq = hopper.hopper_dq(q, k, v, do, m2, l2, delta, feat.causal, scale, **mods) if want_dq else None
-        if choice == "hopper":
-            dk, dv = (hopper.hopper_dkdv(q, k, v, do, m2, l2, delta, feat.causal, scale, **mods) if want_dkdv
-                      else (None, None))
-            return dq, dk, dv
-        want_dq = False  # "hopper dq": dK and dV from the teaching kernel below
     meta = dict(HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=feat.causal, DOT=_dot_mode(q.dtype),
                 TUNE_N=_bucket(max(feat.rows_q, feat.rows_k)), GROUP=H // H_kv, **feat.scalars(), **feat.meta)
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
     tail = (H, N_q, N_k, scale, scale * LOG2E)
-    side = _dq_stream(q.device) if deterministic and parts == _BOTH and feat.block_mask is not None else None
     if deterministic and want_dq:
-        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        bm_q, lists_q, bm_strides_q = feat.args(q)
-        dq_args = (q, k, v, do, dq, m2, l2, delta, bm_q, lists_q, *common, *_strides(dq), *bm_strides_q, *tail)
-    if side is not None:  # dQ beside dK/dV: see _dq_stream
-        side.wait_stream(torch.cuda.current_stream(q.device))
-        with torch.cuda.stream(side):
-            _launch(flash_bwd_dq_kernel, "dq", feat.rows_q, feat.batch * H, *dq_args, **meta)
+        with torch.cuda.stream(side):  # a no-op context when side is None
+            if choice != "triton":
+                dq = hopper.hopper_dq(q, k, v, do, m2, l2, delta, feat.causal, scale, **mods)
+            else:
+                dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+                bm_q, lists_q, bm_strides_q = feat.args(q)
+                _launch(flash_bwd_dq_kernel, "dq", feat.rows_q, feat.batch * H, q, k, v, do, dq, m2, l2, delta,
+                        bm_q, lists_q, *common, *_strides(dq), *bm_strides_q, *tail, **meta)
+        if side is not None:
+            dq.record_stream(here)  # allocated on the side stream, used on this one: not reused before that
     if want_dkdv:
-        # Atomic dQ accumulates in fp32 (O(N d) more memory); the deterministic path passes a 1-element stand-in.
-        dq_acc = torch.zeros(q.shape if not deterministic else (1, 1, 1, 1), dtype=torch.float32, device=q.device)
-        dk, dv = _dkdv(q, k, v, do, dq_acc, m2, l2, delta, feat, deterministic, common, tail, meta)
-        if not deterministic:
-            return dq_acc.to(q.dtype), dk, dv
+        if choice == "hopper":
+            dk, dv = hopper.hopper_dkdv(q, k, v, do, m2, l2, delta, feat.causal, scale, **mods)
+        else:
+            # Atomic dQ accumulates in fp32 (O(N d) more memory); the deterministic path passes a 1-element
+            # stand-in.
+            dq_acc = torch.zeros(q.shape if not deterministic else (1, 1, 1, 1), dtype=torch.float32,
+                                 device=q.device)
+            dk, dv = _dkdv(q, k, v, do, dq_acc, m2, l2, delta, feat, deterministic, common, tail, meta)
+            if not deterministic:
+                dq = dq_acc.to(q.dtype)
     if side is not None:
-        torch.cuda.current_stream(q.device).wait_stream(side)  # what follows on this stream sees dQ
-    elif want_dq:
-        _launch(flash_bwd_dq_kernel, "dq", feat.rows_q, feat.batch * H, *dq_args, **meta)
+        here.wait_stream(side)  # what follows on this stream sees dQ
     return dq, dk, dv
+
+
+def _dq_beside(feat: Features, choice: str) -> bool:
+    """Whether the backward launches its dQ kernel on a side stream beside the dK/dV kernel (see
+    :func:`_dq_stream`): with a block mask."""
+    return feat.block_mask is not None
 
 
 def _dkdv(q, k, v, do, dq_acc, m2, l2, delta, feat: Features, deterministic: bool, common, tail, meta):
