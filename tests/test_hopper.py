@@ -8,6 +8,7 @@ feed the recomputing backward as the teaching kernel's do.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import os
 import subprocess
@@ -312,17 +313,20 @@ def test_window_on_uneven_shapes(d, switches):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_m,block_n,num_warps", [(64, 128, 4), (128, 64, 8), (128, 128, 8), (64, 64, 4),
-                                                       (128, 64, 4)])
-def test_the_dropout_mask_is_the_teaching_kernels_bit_for_bit(block_m, block_n, num_warps):
-    """The Gluon forward's keep-mask (Philox in the accumulator's registers, :func:`hopper._keep`) is
-    ``dropout_mask``'s, tile by tile, on uneven lengths, for several heads and a seed above 2^32."""
+@pytest.mark.parametrize("block_m,block_n,num_warps,transposed",
+                         [(64, 128, 4, False), (128, 64, 8, False), (128, 128, 8, False), (64, 64, 4, False),
+                          (128, 64, 4, False), (64, 64, 4, True), (32, 64, 4, True), (64, 128, 8, True),
+                          (128, 64, 4, True)])
+def test_the_dropout_mask_is_the_teaching_kernels_bit_for_bit(block_m, block_n, num_warps, transposed):
+    """The Gluon kernels' keep-mask (Philox in the accumulator's registers: :func:`hopper._keep` for the forward
+    and dQ tiles, :func:`hopper._keep_t` for the dK/dV kernels' transposed ones) is ``dropout_mask``'s, tile by
+    tile, on uneven lengths, for several heads and a seed above 2^32."""
     hopper = _hopper_or_skip()
     from flashref.triton import dropout_mask
     from flashref.triton.forward import drop_threshold
 
     for seed, p in ((0, 0.3), (2**40 + 7, 0.1), (12345, 0.9)):
-        keep = hopper.keep_mask(seed, 2, 3, 300, 333, drop_threshold(p), block_m, block_n, num_warps)
+        keep = hopper.keep_mask(seed, 2, 3, 300, 333, drop_threshold(p), block_m, block_n, num_warps, transposed)
         assert torch.equal(keep, dropout_mask(seed, 2, 3, 300, 333, p, "cuda")), (seed, p)
 
 
@@ -335,20 +339,20 @@ def _dropout_attention(q, k, v, seen, keep, p, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("switches", [dict(), dict(warp_specialize=False, stages=3, overlap=True),
+@pytest.mark.parametrize("switches", ["dropout_config", dict(warp_specialize=False),
                                       dict(warp_specialize=False, block_m=128, block_n=128, num_warps=8)], ids=str)
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_dropout_on_uneven_shapes(d, switches):
     """The Gluon forward with dropout against the fp32 reference that drops with ``dropout_mask``'s bits, within
-    2x the error of the same in fp16: uneven lengths, N = 1, causal and not, a window, bf16; a warp-specialized
-    config runs the default tile without warp specialization."""
+    2x the error of the same in fp16: uneven lengths, N = 1, causal and not, a window (in the loop without
+    overlap, which takes one), bf16; the shipped dropout tile and two others."""
     hopper = _hopper_or_skip()
     from flashref.triton import dropout_mask
     from flashref.triton.forward import drop_threshold
 
-    if d == 256 and switches.get("block_n") == 128:
-        pytest.skip("128 x 256 accumulators and 128-key tiles do not fit in registers")
-    cfg = hopper.config(d, **switches)
+    if d == 256 and switches != dict(warp_specialize=False):
+        pytest.skip("d = 256 fits neither a third 64-key slot in shared memory nor 128-key tiles in registers")
+    cfg = hopper.dropout_config(d) if switches == "dropout_config" else hopper.config(d, **switches)
     for i, (N_q, N_k) in enumerate([(113, 203), (1, 239), (239, 1), (700, 700), (1024, 1100)]):
         dtype = torch.bfloat16 if i == 3 else torch.float16
         q, k, v, _ = make_qkv(2, 2, N_q, N_k, d, dtype, "cuda", seed=17 * i + d)
@@ -371,10 +375,11 @@ def test_dropout_on_uneven_shapes(d, switches):
 
 
 @pytest.mark.gpu
-def test_flash_attention_takes_the_hopper_forward_with_dropout():
-    """kernel="auto" runs the Hopper forward with dropout and the teaching backward after it: the teaching
-    forward's O to rounding and its lse, the same bits for the same seed, and gradients within the rule against
-    the float64 reference with the kernels' mask (3x plain fp16 attention's error, as every backward)."""
+@pytest.mark.parametrize("d", [64, 128])
+def test_flash_attention_runs_dropout_on_the_gluon_kernels(d):
+    """kernel="auto" runs dropout on the Gluon forward and backward: the teaching forward's O to rounding and its
+    lse, the same bits for the same seed, and gradients within the rule against the float64 reference with the
+    kernels' mask (3x plain fp16 attention's error, as every backward), on uneven shapes, causal and not."""
     _hopper_or_skip()
     import numpy as np
 
@@ -382,13 +387,13 @@ def test_flash_attention_takes_the_hopper_forward_with_dropout():
     from flashref.triton import backward_kernel, dropout_mask, flash_attention, flash_attention_forward, forward_kernel
     from tests._triton_helpers import np64, plain_with_features
 
-    B, H, N_q, N_k, d, p, seed = 1, 4, 600, 700, 128, 0.2, 77
-    q, k, v, do = make_qkv(B, H, N_q, N_k, d, torch.float16, "cuda", seed=5)
-    keep = dropout_mask(seed, B, H, N_q, N_k, p, "cuda")
-    for causal in (False, True):
+    for (N_q, N_k), causal in itertools.product([(600, 700), (1, 239), (239, 1), (1000, 1000)], (False, True)):
+        B, H, p, seed = 1, 4, 0.2, 77 + N_q
+        q, k, v, do = make_qkv(B, H, N_q, N_k, d, torch.float16, "cuda", seed=5 + N_k)
+        keep = dropout_mask(seed, B, H, N_q, N_k, p, "cuda")
         kw = dict(causal=causal, dropout_p=p, seed=seed)
         assert forward_kernel(q, k, v, causal, dropout_p=p) == "hopper"
-        assert backward_kernel(q, k, v, causal, dropout_p=p) == "triton"
+        assert backward_kernel(q, k, v, causal, dropout_p=p) == "hopper"
         o_h, lse_h = flash_attention_forward(q, k, v, kernel="hopper", **kw)
         o_t, lse_t = flash_attention_forward(q, k, v, kernel="triton", **kw)
         assert torch.allclose(lse_h, lse_t, rtol=1e-5, atol=1e-4), causal
@@ -404,7 +409,8 @@ def test_flash_attention_takes_the_hopper_forward_with_dropout():
         base = plain_with_features(q, k, v, do, causal, None, keep, p)
         for name, x, r, b in zip(("o", "dq", "dk", "dv"), (o.detach(), qq.grad, kk.grad, vv.grad), refs, base):
             assert torch.isfinite(x).all() and not np.isnan(r).any(), name
-            assert_within_tolerance(x, r, b, factor=2.0 if name == "o" else 3.0, name=f"{name}, causal={causal}")
+            assert_within_tolerance(x, r, b, factor=2.0 if name == "o" else 3.0,
+                                    name=f"{name}, {N_q}x{N_k}, d={d}, causal={causal}")
 
 
 @pytest.mark.gpu

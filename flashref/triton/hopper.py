@@ -80,6 +80,19 @@ def keep_layout(block_m: int, block_n: int, num_warps: int) -> gl.DistributedLin
     return gl.DistributedLinearLayout(reg_bases, lane_bases, warp_bases, [], [block_m // 16, 8, block_n // 16, 4])
 
 
+def keep_t_layout(block_n: int, block_m: int, num_warps: int) -> gl.DistributedLinearLayout:
+    """:func:`keep_layout` for the transposed tile of the dK/dV kernels, keys in rows: the 4-D tensor (j // 16, j % 8,
+    i // 16, i % 8), lanes carrying j % 8 and bits 1-2 of i, registers bit 0 of i and the 16-query blocks. Each
+    thread then holds half of each Philox word it computes (both halves of a word are two neighbouring keys, two
+    threads apart), so the dK/dV kernel draws each call twice, as the teaching kernel's ``_keep_t`` does."""
+    a_bits, w_bits, c_bits = (int(math.log2(x)) for x in (block_n // 16, num_warps, block_m // 16))
+    warp_bases = [[1 << t, 0, 0, 0] for t in range(min(w_bits, a_bits))] + [[0, 0, 0, 0]] * max(0, w_bits - a_bits)
+    reg_bases = ([[0, 0, 0, 1]] + [[0, 0, 1 << t, 0] for t in range(c_bits)]
+                 + [[1 << t, 0, 0, 0] for t in range(w_bits, a_bits)])
+    lane_bases = [[0, 0, 0, 2], [0, 0, 0, 4], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]]
+    return gl.DistributedLinearLayout(reg_bases, lane_bases, warp_bases, [], [block_n // 16, 8, block_m // 16, 8])
+
+
 @gluon.jit
 def _philox(seed, c0, c1, c2, c3, N_ROUNDS: gl.constexpr):
     """Philox-4x32 of counter (c0, c1, c2, c3) under the 64-bit key ``seed``: ``tl.philox``'s rounds, bit for bit."""
@@ -125,29 +138,68 @@ def _keep(seed, bh, start_m, start_n, drop_below, BLOCK_M: gl.constexpr, BLOCK_N
 
 
 @gluon.jit
+def _keep_t(seed, bh, start_m, start_n, drop_below, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+            KEEP_LAYOUT: gl.constexpr, s_layout: gl.constexpr):
+    """:func:`_keep`'s mask transposed: the (keys start_n : +BLOCK_N) x (queries start_m : +BLOCK_M) tile, in the
+    accumulator layout ``s_layout`` of the dK/dV kernels (``flashref.triton.forward._keep_t``, the same bits);
+    ``KEEP_LAYOUT`` is :func:`keep_t_layout`'s for this tile and warp count."""
+    L4: gl.constexpr = KEEP_LAYOUT
+    a = gl.arange(0, BLOCK_N // 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
+    b = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, L4))))  # bits 0-2 of j
+    c = gl.arange(0, BLOCK_M // 16, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(3, L4))))
+    e = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, L4))))  # bits 0-2 of i
+    a = gl.expand_dims(gl.expand_dims(gl.expand_dims(a, 1), 2), 3)
+    b = gl.expand_dims(gl.expand_dims(gl.expand_dims(b, 0), 2), 3)
+    c = gl.expand_dims(gl.expand_dims(gl.expand_dims(c, 0), 0), 3)
+    e = gl.expand_dims(gl.expand_dims(gl.expand_dims(e, 0), 0), 0)
+    key = ((start_n // 16 + a) * 8 + b).to(gl.uint32)  # j without bit 3
+    qry = ((start_m // 16 + c) * 8 + e).to(gl.uint32)  # i without bit 3
+    zero = key * 0 + qry * 0
+    r0, r1, r2, r3 = _philox(seed, (key >> 1) + zero, qry + zero, zero + bh.to(gl.uint32), zero, PHILOX_ROUNDS)
+    t = drop_below.to(gl.uint32) << 16
+    shift = (16 - 16 * (b & 1)).to(gl.uint32)  # half j % 2 of each word, moved to the top
+    kept = gl.join(gl.join((r0 << shift) >= t, (r2 << shift) >= t),
+                   gl.join((r1 << shift) >= t, (r3 << shift) >= t))  # (a, b, c, e, bit3(i), bit3(j))
+    kept = gl.permute(kept, (0, 5, 1, 2, 4, 3))  # (a, bit3(j), b, c, bit3(i), e): j, i in order
+    return gl.convert_layout(gl.reshape(kept, (BLOCK_N, BLOCK_M)), s_layout)
+
+
+@gluon.jit(do_not_specialize=["seed", "drop_below"])  # 1 and 0 stay runtime values
 def hopper_keep_kernel(KEEP, seed, drop_below, N_q, N_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                       KEEP_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
-    """KEEP[bh, i, j] = :func:`_keep`'s bit, tile by tile in the forward's layout: for tests that it is the
-    teaching kernel's mask (``flashref.triton.dropout_mask``) bit for bit."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+                       KEEP_LAYOUT: gl.constexpr, TRANSPOSED: gl.constexpr, num_warps: gl.constexpr):
+    """KEEP[bh, i, j] = :func:`_keep`'s bit (TRANSPOSED: :func:`_keep_t`'s), tile by tile in the kernels' layout:
+    for tests that it is the teaching kernel's mask (``flashref.triton.dropout_mask``) bit for bit."""
     bh = gl.program_id(2)
-    keep = _keep(seed, bh, gl.program_id(0) * BLOCK_M, gl.program_id(1) * BLOCK_N, drop_below, BLOCK_M, BLOCK_N,
-                 KEEP_LAYOUT, s_layout)
-    rows = gl.program_id(0) * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-    cols = gl.program_id(1) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    ptrs = KEEP + bh.to(gl.int64) * N_q * N_k + gl.expand_dims(rows * N_k, 1) + gl.expand_dims(cols, 0)
-    gl.store(ptrs, keep.to(gl.int8), mask=gl.expand_dims(rows < N_q, 1) & gl.expand_dims(cols < N_k, 0))
+    start_m = gl.program_id(0) * BLOCK_M
+    start_n = gl.program_id(1) * BLOCK_N
+    if TRANSPOSED:  # keys in rows
+        t_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, BLOCK_M, 16])
+        kept = _keep_t(seed, bh, start_m, start_n, drop_below, BLOCK_M, BLOCK_N, KEEP_LAYOUT, t_layout)
+        keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, t_layout))
+        qrys = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, t_layout))
+        ptrs = KEEP + bh.to(gl.int64) * N_q * N_k + gl.expand_dims(qrys * N_k, 0) + gl.expand_dims(keys, 1)
+        gl.store(ptrs, kept.to(gl.int8), mask=gl.expand_dims(qrys < N_q, 0) & gl.expand_dims(keys < N_k, 1))
+    else:
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        kept = _keep(seed, bh, start_m, start_n, drop_below, BLOCK_M, BLOCK_N, KEEP_LAYOUT, s_layout)
+        rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        ptrs = KEEP + bh.to(gl.int64) * N_q * N_k + gl.expand_dims(rows * N_k, 1) + gl.expand_dims(cols, 0)
+        gl.store(ptrs, kept.to(gl.int8), mask=gl.expand_dims(rows < N_q, 1) & gl.expand_dims(cols < N_k, 0))
 
 
 def keep_mask(seed: int, B: int, H: int, N_q: int, N_k: int, drop_below: int, block_m: int = 64,
-              block_n: int = 128, num_warps: int = 4) -> torch.Tensor:
-    """The Gluon forward's dropout keep-mask ``(B, H, N_q, N_k)`` (bool, on the current GPU) for ``seed`` and the
-    16-bit threshold ``drop_below``, drawn with (block_m, block_n) tiles and ``num_warps`` warps."""
+              block_n: int = 128, num_warps: int = 4, transposed: bool = False) -> torch.Tensor:
+    """The Gluon kernels' dropout keep-mask ``(B, H, N_q, N_k)`` (bool, on the current GPU) for ``seed`` and the
+    16-bit threshold ``drop_below``, drawn with (block_m queries, block_n keys) tiles and ``num_warps`` warps, as
+    the forward and dQ kernels draw it, or (``transposed``) keys in rows, as the dK/dV kernels do."""
     keep = torch.empty((B, H, N_q, N_k), dtype=torch.int8, device="cuda")
+    layout = keep_t_layout(block_n, block_m, num_warps) if transposed else keep_layout(block_m, block_n, num_warps)
     hopper_keep_kernel[(triton.cdiv(N_q, block_m), triton.cdiv(N_k, block_n), B * H)](
-        keep, seed, drop_below, N_q, N_k, BLOCK_M=block_m, BLOCK_N=block_n,
-        KEEP_LAYOUT=keep_layout(block_m, block_n, num_warps), num_warps=num_warps)
+        keep, seed, drop_below, N_q, N_k, BLOCK_M=block_m, BLOCK_N=block_n, KEEP_LAYOUT=layout,
+        TRANSPOSED=transposed, num_warps=num_warps)
     return keep.bool()
 
 
@@ -251,7 +303,7 @@ def _store_rows(acc, m_i, l_i, O, LSE, M2, L2, bh, start_m, N_q, BLOCK_M: gl.con
     gl.store(ptrs, acc.to(O.dtype.element_ty), mask=gl.expand_dims(offs_m < N_q, 1))
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["seed", "drop_below"])  # 1 and 0 stay runtime values
 def hopper_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, N_q, N_k, qk_scale, win_left, win_right, seed,
                       drop_below, keep_scale, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, WINDOW: gl.constexpr,
@@ -655,6 +707,25 @@ def default_config(head_dim: int, warp_specialize: bool | None = None) -> dict:
     return dict(block_m=128, block_n=64, num_warps=8, stages=2, overlap=False, warp_specialize=False, pingpong=False)
 
 
+#: Head dims at which :func:`flashref.triton.flash_attention` runs dropout in the Gluon forward (d = 256's overlapped
+#: loop does not fit in shared memory; the loop without overlap measured slower than the teaching kernel).
+DROPOUT_HEAD_DIMS = (64, 128)
+
+
+def dropout_config(head_dim: int) -> dict:
+    """The switches of the forward with dropout, the fastest of ten (d = 64) and six (d = 128) one-warpgroup and
+    two-warpgroup tiles with and without ``overlap`` on an H100 (fp16, B 8, H 16, N 4K, p = 0.1, causal and not;
+    no warp specialization, which has no dropout). Philox's integer work is what dropout adds (about 70% more
+    instructions a tile at d = 64), and only the overlapped loop hides it behind a product in flight: without
+    ``overlap`` every tile measured 0.74-1.03x the teaching kernel's speed, with it 1.08-1.10x (d = 64, 64 x 128
+    tiles) and 1.09-1.20x (d = 128, 64 x 64)."""
+    if head_dim not in DROPOUT_HEAD_DIMS:
+        raise ValueError(f"the Gluon forward runs dropout at head dims {DROPOUT_HEAD_DIMS}, got {head_dim}")
+    block_n = 128 if head_dim <= 64 else 64
+    return dict(block_m=64, block_n=block_n, num_warps=4, stages=3, overlap=True, warp_specialize=False,
+                pingpong=False)
+
+
 def config(head_dim: int, **switches) -> dict:
     """Every switch of :func:`hopper_forward`: those given (``None`` counts as not given) over
     :func:`default_config`'s, checked for combinations the kernels cannot run."""
@@ -724,13 +795,11 @@ def launch_forward(q, k, v, causal: bool, scale: float, cfg: dict, window=None, 
     """:func:`hopper_forward` on inputs already checked (and :func:`supported`), with the switches ``cfg`` (what a
     dispatch from :func:`flashref.triton.flash_attention` will call: its checks are done by then). ``window``:
     ``(win_left, win_right)`` as :class:`flashref.triton.ops.Features` holds them, or None. ``dropout``: ``(seed,
-    drop_below, keep_scale)`` as :meth:`flashref.triton.ops.Features.scalars` gives them, or None (a
-    warp-specialized ``cfg`` then runs :func:`default_config`'s tile without warp specialization)."""
+    drop_below, keep_scale)`` as :meth:`flashref.triton.ops.Features.scalars` gives them, or None (with a
+    ``cfg`` without warp specialization: :func:`dropout_config`'s is the measured one)."""
     d = q.shape[3]
     B, H, N_q, _ = q.shape
     N_k = k.shape[2]
-    if dropout is not None and cfg["warp_specialize"]:
-        cfg = default_config(d, warp_specialize=False)
     q_block, kv_block = _descriptor_blocks(cfg, d)
     q2, k2, v2 = (x.contiguous().view(-1, d) for x in (q, k, v))
     gdt = gl.float16 if q.dtype == torch.float16 else gl.bfloat16

@@ -427,15 +427,14 @@ def _gluon_module(name: str):
 def _hopper_refusal(q, k, v, feat: Features, backward: bool = False) -> str | None:
     """None when the Hopper forward (notebook ``14_flashattention3_on_hopper``) can take this checked call, else why
     it cannot: the teaching kernel takes it then. The Hopper forward takes a window (``window_size`` or a
-    bottom-right causal mask) and dropout (the teaching kernel's mask, bit for bit). ``backward``: the same for the
-    Gluon backward kernels, which take no dropout but do take ALiBi (their statistics come from either forward)
-    and a window (``hopper_backward(window=)``; which of them a window uses is :func:`_backward_kernel`'s
-    choice)."""
+    bottom-right causal mask) and dropout (the teaching kernel's mask, bit for bit; not both). ``backward``: the
+    same for the Gluon backward kernels, which also take ALiBi (their statistics come from either forward) and a
+    window (``hopper_backward(window=)``; which of them a window uses is :func:`_backward_kernel`'s choice)."""
     if INTERPRETED or not q.is_cuda:
         return "runs on an sm_90 GPU, not in Triton's CPU interpreter"
     if configs.device_capability(q.device) != 90:  # wgmma and setmaxnreg are sm_90a's
         return f"needs an sm_90 (Hopper) GPU, got sm_{configs.device_capability(q.device)}"
-    used = (("dropout_p", feat.dropout_p > 0.0 and backward), ("block_mask", feat.block_mask is not None),
+    used = (("block_mask", feat.block_mask is not None),
             ("softcap", feat.softcap),
             ("alibi_slopes", feat.slopes2 is not None and not backward), ("packed batches", feat.varlen is not None))
     features = [name for name, on in used if on]
@@ -446,6 +445,9 @@ def _hopper_refusal(q, k, v, feat: Features, backward: bool = False) -> str | No
     hopper = _gluon_module("hopper")
     if isinstance(hopper, ImportError):
         return f"needs Triton's Gluon with its Hopper ops, which this Triton {triton.__version__} lacks ({hopper})"
+    if feat.dropout_p > 0.0 and (feat.window or q.shape[3] not in hopper.DROPOUT_HEAD_DIMS):
+        return (f"takes dropout_p only without a window and at head dims {hopper.DROPOUT_HEAD_DIMS} (its dropout "
+                f"runs the overlapped loop, which has neither)")
     return hopper.supported(q, k, v)
 
 
@@ -476,7 +478,8 @@ def _backward_kernel(q, k, v, feat: Features, kernel: str, deterministic: bool) 
     kernel's atomic dQ). With a window at d = 128, ``"hopper dq"``: the Gluon dQ kernel beside the teaching
     dK/dV kernel, each the faster of its pair there (H100, causal window of 1024 keys, 32K tokens: dQ 0.76-0.78
     ms against the teaching kernel's 0.87-0.89, dK/dV 1.44-1.47 against the Gluon kernel's 1.69-1.76). At d = 64
-    the teaching dQ was the faster (0.86 ms against 0.96), so the window keeps both teaching kernels there."""
+    the teaching dQ was the faster (0.86 ms against 0.96), so the window keeps both teaching kernels there. Dropout
+    (without a window) runs both Gluon kernels, with the forward's mask."""
     _check_kernel(kernel)
     if kernel == "triton" or not deterministic or _hopper_refusal(q, k, v, feat, backward=True) is not None:
         return "triton"
@@ -492,10 +495,9 @@ def _forward(q, k, v, scale: float, feat: Features, kernel: str = "triton"):
     if _forward_kernel(q, k, v, feat, kernel) == "hopper":
         hopper = _gluon_module("hopper")
         window = (feat.win_left, feat.win_right) if feat.window else None
-        scalars = feat.scalars()
-        dropout = (scalars["seed"], scalars["drop_below"], scalars["keep_scale"]) if feat.dropout_p > 0.0 else None
-        return hopper.launch_forward(q, k, v, feat.causal, scale, hopper.default_config(q.shape[3]), window=window,
-                                     dropout=dropout)
+        dropout = _dropout_scalars(feat)
+        cfg = hopper.dropout_config(q.shape[3]) if dropout is not None else hopper.default_config(q.shape[3])
+        return hopper.launch_forward(q, k, v, feat.causal, scale, cfg, window=window, dropout=dropout)
     B, H, N_q, d = q.shape
     N_k = k.shape[2]
     # A packed batch's o takes q's layout, (total_q, H, d), through the same view the kernel gets.
@@ -508,6 +510,14 @@ def _forward(q, k, v, scale: float, feat: Features, kernel: str = "triton"):
             **feat.scalars(), HEAD_DIM=d, BLOCK_D=max(16, _pow2(d)), CAUSAL=feat.causal,
             DOT=_dot_mode(q.dtype), **feat.meta)
     return o, lse, (m2, l2)
+
+
+def _dropout_scalars(feat: Features):
+    """(seed, drop_below, keep_scale) as the Gluon kernels take them, or None without dropout."""
+    if feat.dropout_p == 0.0:
+        return None
+    scalars = feat.scalars()
+    return scalars["seed"], scalars["drop_below"], scalars["keep_scale"]
 
 
 def _group_split(group: int, programs: int, device) -> int:
@@ -565,7 +575,8 @@ def _backward(q, k, v, o, stats, do, scale: float, deterministic: bool, feat: Fe
         side.wait_stream(here)
     if choice != "triton":
         hopper = _gluon_module("hopper_backward")
-        mods = dict(window=(feat.win_left, feat.win_right) if feat.window else None, slopes2=feat.slopes2)
+        mods = dict(window=(feat.win_left, feat.win_right) if feat.window else None, slopes2=feat.slopes2,
+                    dropout=_dropout_scalars(feat))
     meta = dict(HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=feat.causal, DOT=_dot_mode(q.dtype),
                 TUNE_N=_bucket(max(feat.rows_q, feat.rows_k)), GROUP=H // H_kv, **feat.scalars(), **feat.meta)
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
