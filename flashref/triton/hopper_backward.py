@@ -91,7 +91,7 @@ def _modified_scores(S, keep, rows, cols, qk_scale, slope2, win_left, win_right,
 def _dkdv_tile(k_t, v_t, q_t, do_t, dk, dv, s_zero, keys, first_key, i, bh, M2, L2, Delta, N_q, qk_scale, slope2,
                win_left, win_right, seed, drop_below, keep_scale, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr,
                WINDOW: gl.constexpr, ALIBI: gl.constexpr, DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr,
-               col_s: gl.constexpr, p_layout: gl.constexpr):
+               ROWS: gl.constexpr, s_layout: gl.constexpr, col_s: gl.constexpr, p_layout: gl.constexpr):
     """dK_j and dV_j (fp32, in registers) after query tile i, whose Q_i and dO_i are in shared memory, in the
     transposed orientation (the rows are keys)::
 
@@ -107,6 +107,8 @@ def _dkdv_tile(k_t, v_t, q_t, do_t, dk, dv, s_zero, keys, first_key, i, bh, M2, 
     # S^T and dP^T issued back to back: the second runs while the first's exponentials wait.
     St = warpgroup_mma(k_t, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     dPt = warpgroup_mma(v_t, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if DROPOUT:  # Philox's integer work while both products run
+        kept = hopper._keep_t(seed, bh, i * BLOCK_M, first_key, drop_below, BLOCK_M, ROWS, KEEP_LAYOUT, s_layout)
     queries = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_s)
     live = queries < N_q
     stat = bh.to(gl.int64) * N_q + queries
@@ -120,8 +122,6 @@ def _dkdv_tile(k_t, v_t, q_t, do_t, dk, dv, s_zero, keys, first_key, i, bh, M2, 
                                 win_left, win_right, WINDOW, ALIBI)
     Pt = gl.exp2(gl.where(keep, St - gl.expand_dims(lse2, 0), float("-inf")))
     if DROPOUT:
-        kept = hopper._keep_t(seed, bh, i * BLOCK_M, first_key, drop_below, BLOCK_M, s_zero.shape[0], KEEP_LAYOUT,
-                              s_zero.type.layout)
         p = gl.convert_layout(gl.where(kept, Pt, 0.0).to(dtype), p_layout)
     else:
         p = gl.convert_layout(Pt.to(dtype), p_layout)
@@ -213,7 +213,8 @@ def hopper_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, M2, L2, Delt
         mbarrier.wait(bars.index(slot), (n // STAGES) & 1)
         dk, dv = _dkdv_tile(k_smem, v_smem, q_smem.index(slot), do_smem.index(slot), dk, dv, s_zero, keys, start_n, i,
                             bh, M2, L2, Delta, N_q, qk_scale, slope2, win_left, win_right, seed, drop_below,
-                            keep_scale, BLOCK_M, CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, col_s, p_layout)
+                            keep_scale, BLOCK_M, CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, BLOCK_N, s_layout, col_s,
+                            p_layout)
         # Slot free: start the copies of the tile STAGES ahead.
         _load_pair(q_desc, do_desc, q_smem, do_smem, bars, q_row, n + STAGES, n_tiles, BLOCK_M, STAGES)
 
@@ -291,6 +292,9 @@ def hopper_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, DQ, M2, L2, Delta, N_q
         v_t = v_smem.index(slot)
         S = warpgroup_mma(q_smem, k_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dP = warpgroup_mma(do_smem, v_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if DROPOUT:  # Philox's integer work while both products run
+            kept = hopper._keep(seed, bh, start_m, (j_lo + n) * BLOCK_N, drop_below, BLOCK_M, BLOCK_N, KEEP_LAYOUT,
+                                s_layout)
         keys = (j_lo + n) * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
         S = warpgroup_mma_wait(1, deps=[S])
         keep = gl.expand_dims(keys < N_k, 0)
@@ -301,8 +305,6 @@ def hopper_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, DQ, M2, L2, Delta, N_q
         P = gl.exp2(gl.where(keep, S - gl.expand_dims(lse2, 1), float("-inf")))
         dP = warpgroup_mma_wait(0, deps=[dP])
         if DROPOUT:
-            kept = hopper._keep(seed, bh, start_m, (j_lo + n) * BLOCK_N, drop_below, BLOCK_M, BLOCK_N, KEEP_LAYOUT,
-                                s_layout)
             dP = gl.where(kept, dP * keep_scale, 0.0)
         ds = gl.convert_layout((P * (dP - gl.expand_dims(D, 1))).to(dtype), ds_layout)
         dq = warpgroup_mma(ds, k_t, dq, is_async=True)
@@ -372,7 +374,7 @@ def _ws_dkdv_consumer(q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, DK,
         mbarrier.wait(ready.index(slot), (n // STAGES) & 1)
         dk, dv = _dkdv_tile(k_t, v_t, q_smem.index(slot), do_smem.index(slot), dk, dv, s_zero, keys, first_key, i, bh,
                             M2, L2, Delta, N_q, qk_scale, slope2, win_left, win_right, seed, drop_below, keep_scale,
-                            BLOCK_M, CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, col_s, p_layout)
+                            BLOCK_M, CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, ROWS, s_layout, col_s, p_layout)
         mbarrier.arrive(empty.index(slot), count=1)
     if DROPOUT:
         dv = dv * keep_scale
