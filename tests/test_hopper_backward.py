@@ -36,7 +36,7 @@ def ttgir_smem_moves(k):
 KERNELS = {"dkdv": hb.hopper_bwd_dkdv_kernel, "dq": hb.hopper_bwd_dq_kernel}
 for part, d, causal, mods in itertools.product(("dkdv", "dq"), hb.HEAD_DIMS, (False, True),
                                                ("none", "window+alibi", "dropout")):
-    cfg = hb.default_config(d, part)
+    cfg = hb.default_config(d, part, mods == "dropout")
     ws = cfg.get("warp_specialize", False)  # then each K, V copy is one consumer's half of block_n
     kernel = hb.hopper_ws_bwd_dkdv_kernel if ws else KERNELS[part]
     bm, bn = cfg["block_m"], cfg["block_n"] // (2 if ws else 1)
@@ -67,7 +67,7 @@ for part, d, causal, mods in itertools.product(("dkdv", "dq"), hb.HEAD_DIMS, (Fa
 
 #: Register spills allowed (bytes a thread): none, but where a measured-faster kernel spills (see the test).
 SPILL_BOUND = {("dkdv", "128", "1", "none"): 512, ("dkdv", "128", "1", "window+alibi"): 512,
-               ("dkdv", "128", "1", "dropout"): 1024, ("dkdv", "64", "0", "dropout"): 64}
+               ("dkdv", "64", "0", "dropout"): 128}
 
 
 def test_compiles_for_the_h100_without_spills():
@@ -76,7 +76,9 @@ def test_compiles_for_the_h100_without_spills():
     child process: compiling needs the interpreter off). The one exception is measured and bounded: the
     warp-specialized dK/dV kernel shipped at d = 128 (64 queries a step) spills 260-330 bytes a thread (Triton 3.6
     and 3.7) and is still 5-13% faster on the H100 than the one-warpgroup kernel that does not spill
-    (default_config's docstring)."""
+    (default_config's docstring); so does the d = 64 dK/dV kernel with dropout, by 100 bytes (non-causal), at
+    1.09x the teaching kernel's speed. With dropout the mask's Philox constants are in the PTX, and no more
+    shared memory is allocated than without it (the mask is drawn in the accumulator's own registers)."""
     pytest.importorskip("triton.experimental.gluon")
     env = dict(os.environ, PYTHONPATH=ROOT)
     out = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, cwd=ROOT,
@@ -90,9 +92,10 @@ def test_compiles_for_the_h100_without_spills():
         assert int(shared) <= 227 * 1024 and int(spills) <= SPILL_BOUND.get((part, d, ws, mods), 0), what
         assert int(wgmma) > 0 and int(tma) > 0 and int(waits) >= 3, (part, d, causal, wgmma, tma, waits)
         assert (int(philox) > 0) == (mods == "dropout"), what  # Philox's round constant, only where P is dropped
-        allocs[part, d, causal, mods] = int(smem)
-    for (part, d, causal, mods), n in allocs.items():  # the dropout mask is drawn in the accumulator's registers:
-        assert n == allocs[part, d, causal, "none"], (part, d, causal, mods)  # no layout goes through smem for it
+        allocs[part, d, causal, mods] = (ws, int(smem))
+    for (part, d, causal, mods), (ws, n) in allocs.items():  # the dropout mask is drawn in the accumulator's
+        if ws == allocs[part, d, causal, "none"][0]:  # registers: no layout goes through shared memory for it
+            assert n == allocs[part, d, causal, "none"][1], (part, d, causal, mods)
 
 
 def test_supported_says_why_not():

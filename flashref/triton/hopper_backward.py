@@ -292,9 +292,6 @@ def hopper_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, DQ, M2, L2, Delta, N_q
         v_t = v_smem.index(slot)
         S = warpgroup_mma(q_smem, k_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dP = warpgroup_mma(do_smem, v_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        if DROPOUT:  # Philox's integer work while both products run
-            kept = hopper._keep(seed, bh, start_m, (j_lo + n) * BLOCK_N, drop_below, BLOCK_M, BLOCK_N, KEEP_LAYOUT,
-                                s_layout)
         keys = (j_lo + n) * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
         S = warpgroup_mma_wait(1, deps=[S])
         keep = gl.expand_dims(keys < N_k, 0)
@@ -304,7 +301,9 @@ def hopper_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, DQ, M2, L2, Delta, N_q
                                    win_left, win_right, WINDOW, ALIBI)
         P = gl.exp2(gl.where(keep, S - gl.expand_dims(lse2, 1), float("-inf")))
         dP = warpgroup_mma_wait(0, deps=[dP])
-        if DROPOUT:
+        if DROPOUT:  # (drawn before the wait for S instead, the mask measured 0-9% slower at d = 128)
+            kept = hopper._keep(seed, bh, start_m, (j_lo + n) * BLOCK_N, drop_below, BLOCK_M, BLOCK_N, KEEP_LAYOUT,
+                                s_layout)
             dP = gl.where(kept, dP * keep_scale, 0.0)
         ds = gl.convert_layout((P * (dP - gl.expand_dims(D, 1))).to(dtype), ds_layout)
         dq = warpgroup_mma(ds, k_t, dq, is_async=True)
@@ -424,8 +423,8 @@ def hopper_ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, M2, L2, D
     ], [1, 4], [24, 240])
 
 
-def default_config(head_dim: int, part: str = "dkdv") -> dict:
-    """The tiles the ``part`` kernel ("dkdv" or "dq") launches with.
+def default_config(head_dim: int, part: str = "dkdv", dropout: bool = False) -> dict:
+    """The tiles the ``part`` kernel ("dkdv" or "dq") launches with (``dropout``: with dropout).
 
     dK/dV, the best of three on an H100 (fp16, B x N = 65536, H x d = 2048, N = 4K and 16K, causal and not): at
     d = 64, 64 keys a program in one warpgroup, 64 queries a step, Q and dO in a ring of 2 (measured 1.13-1.33x
@@ -437,11 +436,17 @@ def default_config(head_dim: int, part: str = "dkdv") -> dict:
     dQ: 64 queries a program in one warpgroup (one fp32 accumulator), 64 keys a step, K and V in a ring of 2, the
     best of four (or within 2% of it) at each head dim. Measured (profiler, same shapes) 1.15-1.20x the teaching
     dQ kernel's time without causal masking, 0.91-1.09x with it (the slowest at N = 16K, d = 64), before the
-    causal launch order was reversed."""
+    causal launch order was reversed.
+    With dropout the same tiles, but for dK/dV at d = 128: the warp-specialized kernel spills 0.8-1 KB a thread
+    with the mask's words and measured 0.65-0.70x the teaching kernel's speed (H100, B 8, H 16, N 4K, p = 0.1), so
+    one warpgroup takes 64 keys and steps 32 queries with a ring of 2 (1.12-1.24x the teaching kernel's speed; 64
+    queries a step, or a ring of 3, measured slower)."""
     if part not in ("dkdv", "dq"):
         raise ValueError(f"part must be 'dkdv' or 'dq', got {part!r}")
     if part == "dq":
         return dict(block_m=64, block_n=64, num_warps=4, stages=2)
+    if dropout and head_dim > 64:
+        return dict(block_m=32, block_n=64, num_warps=4, stages=2)
     if head_dim <= 64:
         return dict(block_m=64, block_n=64, num_warps=4, stages=2)
     return dict(block_m=64, block_n=128, num_warps=4, stages=2, warp_specialize=True)
@@ -502,7 +507,7 @@ def hopper_dkdv(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dic
     and ``slopes2`` as :func:`_mod_args` takes them; ``dropout``: ``(seed, drop_below, keep_scale)``, or None."""
     B, H, N_q, d = q.shape
     N_k = k.shape[2]
-    cfg = cfg or default_config(d, "dkdv")
+    cfg = cfg or default_config(d, "dkdv", dropout is not None)
     dk = torch.empty((B, H, N_k, d), dtype=q.dtype, device=q.device)
     dv = torch.empty_like(dk)
     grid = (triton.cdiv(N_k, cfg["block_n"]), B * H)

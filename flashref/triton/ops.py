@@ -610,7 +610,9 @@ def _backward(q, k, v, o, stats, do, scale: float, deterministic: bool, feat: Fe
 
 def _dq_beside(feat: Features, choice: str) -> bool:
     """Whether the backward launches its dQ kernel on a side stream beside the dK/dV kernel (see
-    :func:`_dq_stream`): with a block mask."""
+    :func:`_dq_stream`): with a block mask. Measured for the other backwards too (H100, 16 shapes: windows, dense
+    d = 64 to 256, GQA, softcap, dropout; Gluon and teaching kernels), side by side gave 0.98-1.04x, 1.01x at the
+    median: within the runs' spread, so they keep one stream."""
     return feat.block_mask is not None
 
 
