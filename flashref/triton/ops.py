@@ -810,12 +810,12 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, deterministic=True, *,
     ``kernel`` (default ``"auto"``): which forward runs. ``"triton"`` is the teaching kernel of notebook
     ``07_triton_forward``, on every GPU and in the CPU interpreter. ``"hopper"`` is the Gluon forward of notebook
     ``14_flashattention3_on_hopper`` (:mod:`flashref.triton.hopper`): an sm_90 GPU, fp16 or bf16, d in 64, 128,
-    256, contiguous q, k, v with as many heads, no feature below; a call it cannot take is a ``ValueError`` saying
-    why. ``"auto"`` takes the Hopper forward where it can and the teaching kernel everywhere else
+    256, contiguous q, k, v with as many heads, none of the features below but a window or (at d = 64 and 128,
+    without a window) dropout; a call it cannot take is a ``ValueError`` saying why. ``"auto"`` takes the Hopper forward where it can and the teaching kernel everywhere else
     (:func:`forward_kernel` says which). Both give the same o, lse and row statistics. The backward follows:
     under ``"auto"`` and ``"hopper"`` the Gluon dK/dV and dQ kernels of :mod:`flashref.triton.hopper_backward` run
-    wherever they can (the Hopper forward's conditions, d = 64 or 128, ``deterministic=True``; unlike the forward,
-    they also take ``alibi_slopes``), the teaching backward everywhere else; with a window at d = 128 the Gluon dQ
+    wherever they can (the Hopper forward's conditions, dropout's included, d = 64 or 128, ``deterministic=True``;
+    unlike the forward, they also take ``alibi_slopes``), the teaching backward everywhere else; with a window at d = 128 the Gluon dQ
     kernel runs beside the teaching dK/dV kernel (:func:`backward_kernel` says which).
     Notebooks ``07_triton_forward`` and ``08_triton_backward``.
     """
