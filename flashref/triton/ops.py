@@ -569,9 +569,9 @@ def _backward(q, k, v, o, stats, do, scale: float, deterministic: bool, feat: Fe
         delta = _delta(o, do)
     dq = dk = dv = None
     choice = _backward_kernel(q, k, v, feat, kernel, deterministic)
-    here = torch.cuda.current_stream(q.device) if q.is_cuda else None
     side = _dq_stream(q.device) if deterministic and parts == _BOTH and _dq_beside(feat, choice) else None
     if side is not None:  # dQ beside dK/dV: see _dq_stream
+        here = torch.cuda.current_stream(q.device)
         side.wait_stream(here)
     if choice != "triton":
         hopper = _gluon_module("hopper_backward")
