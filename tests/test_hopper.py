@@ -29,7 +29,7 @@ H100_SHARED = 227 * 1024  # the per-block limit of an H100
 
 COMPILE = r"""
 import json, re
-from flashref.triton import compile_check
+from flashref.triton import compile_check, hopper
 rows = []
 for d, dtype, switches, causal, window in [
         (64, "float16", None, False, False), (128, "float16", None, True, False), (256, "float16", None, False, False),
@@ -40,19 +40,23 @@ for d, dtype, switches, causal, window in [
         (128, "float8_e4m3", {"block_n": 128}, True, False), (256, "float8_e4m3", {"block_n": 128}, False, False),
         (64, "float16", None, False, True), (128, "float16", None, True, True), (256, "bfloat16", None, False, True),
         (128, "float16", {"warp_specialize": True, "pingpong": True}, False, True),
-        (64, "float16", {"dropout": True}, True, False), (128, "float16", {"warp_specialize": False, "dropout": True},
-                                                          False, True),
+        (64, "float16", {"dropout": True}, True, False), (128, "bfloat16", {"dropout": True}, False, False),
+        (128, "float16", {"warp_specialize": False, "dropout": True}, False, True),
         (256, "bfloat16", {"warp_specialize": False, "dropout": True}, True, False)]:
     switches = dict(switches or {})
     dropout = switches.pop("dropout", False)
     switches = switches or None
     k = compile_check.compile_hopper(d, switches, causal=causal, dtype=dtype, window=window, dropout=dropout)
+    shared_without = None
+    if dropout:  # the same tile without dropout: the mask must take no shared memory (no layout moved through it)
+        tile = switches or {n: v for n, v in hopper.dropout_config(d).items()}
+        shared_without = compile_check.compile_hopper(d, tile, causal=causal, dtype=dtype, window=window).metadata.shared
     ptx = k.asm["ptx"]
-    rows.append({"case": [d, dtype, switches, causal, window], "dropout": dropout,
+    rows.append({"case": [d, dtype, switches, causal, window], "dropout": dropout, "shared_without": shared_without,
                  "shared": k.metadata.shared, "warps": k.metadata.num_warps,
                  "wgmma": ptx.count("wgmma.mma_async"), "tma": ptx.count("cp.async.bulk.tensor"),
                  "mbarrier_waits": ptx.count("mbarrier.try_wait"), "philox": ptx.count("-845247145"),
-                 "default": switches is None or dropout,
+                 "default": switches is None,
                  "e4m3_wgmma": len(re.findall(r"wgmma\.mma_async[.a-z0-9]*\.e4m3\.e4m3", ptx)),
                  "setmaxnreg": sorted({int(n) for n in re.findall(r"setmaxnreg[.a-z0-9]*\s+(\d+)", ptx)}),
                  **compile_check.ptxas_usage(k)})
@@ -75,13 +79,16 @@ def test_compiles_for_the_h100_with_tma_and_wgmma(compiled):
     for row in compiled:
         assert row["shared"] <= H100_SHARED, row
         assert row["wgmma"] > 0 and row["tma"] >= 3 and row["mbarrier_waits"] >= 3, row
-        if row["default"]:  # the shipped configs (and those dropout runs) keep every value in registers
+        if row["default"]:  # the shipped configs (dropout's own tile included) keep every value in registers
             assert row["spill_stores"] == 0 and row["spill_loads"] == 0, row
-        # Philox's round constant 0xCD9E8D57 (as PTX writes it, signed), only where P is dropped
+        # Philox's round constant 0xCD9E8D57 (as PTX writes it, signed), only where P is dropped; the mask is drawn
+        # in the accumulator's own registers, so the kernel needs no more shared memory than without dropout
         assert (row["philox"] > 0) == row["dropout"], row
+        assert not row["dropout"] or row["shared"] == row["shared_without"], row
         d, dtype, switches, _, _ = row["case"]
         assert (row["e4m3_wgmma"] == row["wgmma"]) if dtype == "float8_e4m3" else row["e4m3_wgmma"] == 0, row
-        if dtype == "float8_e4m3" or hopper.config(d, **(switches or {}))["warp_specialize"]:
+        cfg = hopper.dropout_config(d) if row["dropout"] and not switches else hopper.config(d, **(switches or {}))
+        if dtype == "float8_e4m3" or cfg["warp_specialize"]:
             # three warpgroups (a producer warp, rounded up, and two consumers); registers move from one to the others
             assert row["warps"] == 12 and {24, 240} <= set(row["setmaxnreg"]), row
         else:
@@ -379,7 +386,9 @@ def test_dropout_on_uneven_shapes(d, switches):
 def test_flash_attention_runs_dropout_on_the_gluon_kernels(d):
     """kernel="auto" runs dropout on the Gluon forward and backward: the teaching forward's O to rounding and its
     lse, the same bits for the same seed, and gradients within the rule against the float64 reference with the
-    kernels' mask (3x plain fp16 attention's error, as every backward), on uneven shapes, causal and not."""
+    kernels' mask (3x plain fp16 attention's error, as every backward), on uneven shapes, causal and not, two
+    batch rows (the mask's head index is b * H + h); and with ALiBi, which only the Gluon backward takes (the
+    teaching forward's statistics feed it)."""
     _hopper_or_skip()
     import numpy as np
 
@@ -390,30 +399,35 @@ def test_flash_attention_runs_dropout_on_the_gluon_kernels(d):
     # Not N_k = 1: there exact dQ is 0 and plain attention's softmax backward gives exactly 0, while D = rowsum(dO *
     # O) reads O rounded to fp16 (FlashAttention's D, the teaching kernel's too: both miss the rule there by the
     # same 0.0027 at p = 0.2, d = 64). The no-dropout tests keep N_k = 1, where O = V exactly.
-    for (N_q, N_k), causal in itertools.product([(600, 700), (1, 239), (239, 3), (1000, 1000)], (False, True)):
-        B, H, p, seed = 1, 4, 0.2, 77 + N_q
+    cases = [(shape, causal, False) for shape, causal in
+             itertools.product([(600, 700), (1, 239), (239, 3), (1000, 1000)], (False, True))]
+    for (N_q, N_k), causal, alibi in cases + [((500, 600), True, True)]:
+        B, H, p, seed = 2, 4, 0.2, 77 + N_q
         q, k, v, do = make_qkv(B, H, N_q, N_k, d, torch.float16, "cuda", seed=5 + N_k)
         keep = dropout_mask(seed, B, H, N_q, N_k, p, "cuda")
-        kw = dict(causal=causal, dropout_p=p, seed=seed)
-        assert forward_kernel(q, k, v, causal, dropout_p=p) == "hopper"
-        assert backward_kernel(q, k, v, causal, dropout_p=p) == "hopper"
-        o_h, lse_h = flash_attention_forward(q, k, v, kernel="hopper", **kw)
-        o_t, lse_t = flash_attention_forward(q, k, v, kernel="triton", **kw)
-        assert torch.allclose(lse_h, lse_t, rtol=1e-5, atol=1e-4), causal
-        assert torch.allclose(o_h.float(), o_t.float(), atol=2e-3), causal
-        assert torch.equal(o_h, flash_attention_forward(q, k, v, kernel="hopper", **kw)[0]), "same seed, same bits"
+        slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], device="cuda") if alibi else None
+        kw = dict(causal=causal, dropout_p=p, seed=seed, alibi_slopes=slopes)
+        assert forward_kernel(q, k, v, causal, dropout_p=p, alibi_slopes=slopes) == ("triton" if alibi else "hopper")
+        assert backward_kernel(q, k, v, causal, dropout_p=p, alibi_slopes=slopes) == "hopper"
+        if not alibi:
+            o_h, lse_h = flash_attention_forward(q, k, v, kernel="hopper", **kw)
+            o_t, lse_t = flash_attention_forward(q, k, v, kernel="triton", **kw)
+            assert torch.allclose(lse_h, lse_t, rtol=1e-5, atol=1e-4), causal
+            assert torch.allclose(o_h.float(), o_t.float(), atol=2e-3), causal
+            assert torch.equal(o_h, flash_attention_forward(q, k, v, kernel="hopper", **kw)[0]), "same seed, bits"
         qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
         o = flash_attention(qq, kk, vv, **kw)
         o.backward(do)
-        ref_kw = dict(causal=causal, dropout_mask=keep.cpu().numpy(), dropout_p=p)
+        ref_kw = dict(causal=causal, dropout_mask=keep.cpu().numpy(), dropout_p=p,
+                      alibi_slopes=None if slopes is None else slopes.cpu().double().numpy())
         q64, k64, v64, do64 = (np64(x) for x in (q, k, v, do))
         refs = [reference.attention(q64, k64, v64, **ref_kw), *reference.attention_backward(q64, k64, v64, do64,
                                                                                              **ref_kw)]
-        base = plain_with_features(q, k, v, do, causal, None, keep, p)
+        base = plain_with_features(q, k, v, do, causal, None, keep, p, slopes=slopes)
         for name, x, r, b in zip(("o", "dq", "dk", "dv"), (o.detach(), qq.grad, kk.grad, vv.grad), refs, base):
             assert torch.isfinite(x).all() and not np.isnan(r).any(), name
             assert_within_tolerance(x, r, b, factor=2.0 if name == "o" else 3.0,
-                                    name=f"{name}, {N_q}x{N_k}, d={d}, causal={causal}")
+                                    name=f"{name}, {N_q}x{N_k}, d={d}, causal={causal}, alibi={alibi}")
 
 
 @pytest.mark.gpu

@@ -30,9 +30,6 @@ from flashref.triton.compile_check import ptxas_usage
 OUTPUTS = {"dkdv": {"DK": "*fp16", "DV": "*fp16"}, "dq": {"DQ": "*fp16"}}
 
 
-def ttgir_smem_moves(k):
-    return k.asm["ttgir"].count("ttg.local_alloc")  # the kernel's own buffers, and any layout moved through smem
-
 KERNELS = {"dkdv": hb.hopper_bwd_dkdv_kernel, "dq": hb.hopper_bwd_dq_kernel}
 for part, d, causal, mods in itertools.product(("dkdv", "dq"), hb.HEAD_DIMS, (False, True),
                                                ("none", "window+alibi", "dropout")):
@@ -61,7 +58,7 @@ for part, d, causal, mods in itertools.product(("dkdv", "dq"), hb.HEAD_DIMS, (Fa
     use = ptxas_usage(k)
     print(part, d, causal, mods, int(ws), k.metadata.shared, use["spill_stores"],
           ptx.count("wgmma.mma_async"), ptx.count("cp.async.bulk.tensor"), len(re.findall(r"wgmma\.wait_group", ptx)),
-          ptx.count("-845247145"), ttgir_smem_moves(k))
+          ptx.count("-845247145"))
 """
 
 
@@ -77,8 +74,8 @@ def test_compiles_for_the_h100_without_spills():
     warp-specialized dK/dV kernel shipped at d = 128 (64 queries a step) spills 260-330 bytes a thread (Triton 3.6
     and 3.7) and is still 5-13% faster on the H100 than the one-warpgroup kernel that does not spill
     (default_config's docstring); so does the d = 64 dK/dV kernel with dropout, by 100 bytes (non-causal), at
-    1.09x the teaching kernel's speed. With dropout the mask's Philox constants are in the PTX, and no more
-    shared memory is allocated than without it (the mask is drawn in the accumulator's own registers)."""
+    1.09x the teaching kernel's speed. With dropout the mask's Philox constants are in the PTX, and at the same
+    tile no more shared memory than without it (the mask is drawn in the accumulator's own registers)."""
     pytest.importorskip("triton.experimental.gluon")
     env = dict(os.environ, PYTHONPATH=ROOT)
     out = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, cwd=ROOT,
@@ -86,16 +83,19 @@ def test_compiles_for_the_h100_without_spills():
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [line.split() for line in out.stdout.strip().splitlines()]
     assert [line[0] for line in lines] == ["dkdv"] * 12 + ["dq"] * 12
-    allocs = {}
-    for part, d, causal, mods, ws, shared, spills, wgmma, tma, waits, philox, smem in lines:
+    shared_of = {}
+    for part, d, causal, mods, ws, shared, spills, wgmma, tma, waits, philox in lines:
         what = (part, d, causal, mods, shared, spills)
         assert int(shared) <= 227 * 1024 and int(spills) <= SPILL_BOUND.get((part, d, ws, mods), 0), what
         assert int(wgmma) > 0 and int(tma) > 0 and int(waits) >= 3, (part, d, causal, wgmma, tma, waits)
         assert (int(philox) > 0) == (mods == "dropout"), what  # Philox's round constant, only where P is dropped
-        allocs[part, d, causal, mods] = (ws, int(smem))
-    for (part, d, causal, mods), (ws, n) in allocs.items():  # the dropout mask is drawn in the accumulator's
-        if ws == allocs[part, d, causal, "none"][0]:  # registers: no layout goes through shared memory for it
-            assert n == allocs[part, d, causal, "none"][1], (part, d, causal, mods)
+        shared_of[part, d, causal, mods] = (ws, int(shared))
+    # The dropout mask is drawn in the accumulator's registers: at the same tile the kernel needs no more shared
+    # memory than without it (a layout moved through shared memory would take scratch space). dK/dV at d = 128
+    # runs dropout on another tile (one warpgroup), which has no no-dropout twin here.
+    for (part, d, causal, mods), (ws, shared) in shared_of.items():
+        if mods == "dropout" and ws == shared_of[part, d, causal, "none"][0]:
+            assert shared == shared_of[part, d, causal, "none"][1], (part, d, causal)
 
 
 def test_supported_says_why_not():

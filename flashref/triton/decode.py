@@ -329,7 +329,7 @@ def decode_plan(q, k_cache, num_splits=None) -> dict:
         if configs.t4_mode():  # FLASHREF_T4_CONFIGS=1: what a T4 would launch, on any GPU
             capability, limit = min(capability, 75), min(limit, configs.GPUS["T4"]["shared_bytes"])
         plan.update(gpu_config(d, capability, q.element_size(), plan["block_m"], limit))
-        plan["pdl"] = PDL["on"] and configs.device_capability(q.device) >= 90
+        plan["pdl"] = PDL["on"] and capability >= 90 and HAS_PDL  # (not in T4 mode: a T4 has none)
     plan["row_blocks"] = ops._cdiv(rows, plan["block_m"])
     tiles = ops._cdiv(N_max, plan["block_n"])
     if num_splits is None:
@@ -490,6 +490,8 @@ def _merge_meta(d, block_d, num_splits, pdl=False):
 
 #: Programmatic dependent launch of the merge kernel where the GPU has it (sm_90); a switch for measuring it.
 PDL = {"on": True}
+#: Whether this Triton has the griddepcontrol builtins (``tl.extra.cuda.gdc_wait``; Triton 3.3 and newer).
+HAS_PDL = hasattr(tl.extra.cuda, "gdc_wait") and hasattr(tl.extra.cuda, "gdc_launch_dependents")
 
 
 def _split_forward(q, k_cache, v_cache, seqlens, causal, scale, plan, compiled=None, direct=False):
@@ -806,11 +808,11 @@ def compile_kernels(capability: int, head_dim: int = 128, dtype: str = "float16"
         ("split", flash_decode_split_kernel, [ptr] * 3 + ["*fp32", "*fp32", "*i32"] + ["i32"] * 25 + ["fp32"],
          split_strides,
          dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=cfg["block_n"], CAUSAL=causal,
-              DOT=(DOT_IEEE if dtype == "float32" else DOT_NATIVE).value, PDL=capability >= 90),
+              DOT=(DOT_IEEE if dtype == "float32" else DOT_NATIVE).value, PDL=capability >= 90 and HAS_PDL),
          dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])),
         ("merge", flash_decode_merge_kernel, ["*fp32", "*fp32", ptr, "*fp32"] + ["i32"] * 16, merge_strides,
-         dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=MERGE_SPLITS, PDL=capability >= 90),
-         dict(num_warps=4 if block_d >= 128 else 2, launch_pdl=capability >= 90)),
+         dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=MERGE_SPLITS, PDL=capability >= 90 and HAS_PDL),
+         dict(num_warps=4 if block_d >= 128 else 2, launch_pdl=capability >= 90 and HAS_PDL)),
     ):
         runtime = [n for n in fn.arg_names if n not in constexprs]
         if len(runtime) != len(types):

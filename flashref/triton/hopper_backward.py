@@ -517,7 +517,8 @@ def hopper_dkdv(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dic
             *_mod_args(q, window, slopes2), *_drop_args(dropout))
     if cfg.get("warp_specialize"):
         halves = dict(cfg, block_n=cfg["block_n"] // 2)  # each TMA copy of K or V is one consumer's rows
-        meta = _meta(d, causal, cfg, window, slopes2, dropout, hopper.keep_t_layout(halves["block_n"], cfg["block_m"], 4))
+        meta = _meta(d, causal, cfg, window, slopes2, dropout,
+                     hopper.keep_t_layout(halves["block_n"], cfg["block_m"], 4))
         hopper_ws_bwd_dkdv_kernel[grid](*_descriptors(q, k, v, do, halves), *args, **meta, maxnreg=hopper.WS_MAXNREG)
     else:
         meta = _meta(d, causal, cfg, window, slopes2, dropout,

@@ -5,6 +5,8 @@ Taught in notebooks ``07_triton_forward`` (the forward wrapper) and ``08_triton_
 
 from __future__ import annotations
 
+import contextlib
+
 import functools
 import importlib
 import os
@@ -581,17 +583,15 @@ def _backward(q, k, v, o, stats, do, scale: float, deterministic: bool, feat: Fe
                 TUNE_N=_bucket(max(feat.rows_q, feat.rows_k)), GROUP=H // H_kv, **feat.scalars(), **feat.meta)
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
     tail = (H, N_q, N_k, scale, scale * LOG2E)
-    if deterministic and want_dq:
-        with torch.cuda.stream(side):  # a no-op context when side is None
-            if choice != "triton":
-                dq = hopper.hopper_dq(q, k, v, do, m2, l2, delta, feat.causal, scale, **mods)
-            else:
-                dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-                bm_q, lists_q, bm_strides_q = feat.args(q)
-                _launch(flash_bwd_dq_kernel, "dq", feat.rows_q, feat.batch * H, q, k, v, do, dq, m2, l2, delta,
-                        bm_q, lists_q, *common, *_strides(dq), *bm_strides_q, *tail, **meta)
-        if side is not None:
-            dq.record_stream(here)  # allocated on the side stream, used on this one: not reused before that
+    if deterministic and want_dq and choice != "triton":
+        dq = hopper.hopper_dq(q, k, v, do, m2, l2, delta, feat.causal, scale, **mods)  # (never beside: see below)
+    elif deterministic and want_dq:
+        # Allocated here, on the caller's stream (so are the block lists), whichever stream the kernel runs on.
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        bm_q, lists_q, bm_strides_q = feat.args(q)
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            _launch(flash_bwd_dq_kernel, "dq", feat.rows_q, feat.batch * H, q, k, v, do, dq, m2, l2, delta, bm_q,
+                    lists_q, *common, *_strides(dq), *bm_strides_q, *tail, **meta)
     if want_dkdv:
         if choice == "hopper":
             dk, dv = hopper.hopper_dkdv(q, k, v, do, m2, l2, delta, feat.causal, scale, **mods)
@@ -610,10 +610,10 @@ def _backward(q, k, v, o, stats, do, scale: float, deterministic: bool, feat: Fe
 
 def _dq_beside(feat: Features, choice: str) -> bool:
     """Whether the backward launches its dQ kernel on a side stream beside the dK/dV kernel (see
-    :func:`_dq_stream`): with a block mask. Measured for the other backwards too (H100, 16 shapes: windows, dense
-    d = 64 to 256, GQA, softcap, dropout; Gluon and teaching kernels), side by side gave 0.98-1.04x, 1.01x at the
-    median: within the runs' spread, so they keep one stream."""
-    return feat.block_mask is not None
+    :func:`_dq_stream`): with a block mask, which only the teaching kernels take. Measured for the other backwards
+    too (H100, 16 shapes: windows, dense d = 64 to 256, GQA, softcap, dropout; Gluon and teaching kernels), side by
+    side gave 0.98-1.04x, 1.01x at the median: within the runs' spread, so they keep one stream."""
+    return choice == "triton" and feat.block_mask is not None
 
 
 def _dkdv(q, k, v, do, dq_acc, m2, l2, delta, feat: Features, deterministic: bool, common, tail, meta):
@@ -809,14 +809,15 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, deterministic=True, *,
     does not check either), and non-finite inputs then give non-finite outputs.
     ``kernel`` (default ``"auto"``): which forward runs. ``"triton"`` is the teaching kernel of notebook
     ``07_triton_forward``, on every GPU and in the CPU interpreter. ``"hopper"`` is the Gluon forward of notebook
-    ``14_flashattention3_on_hopper`` (:mod:`flashref.triton.hopper`): an sm_90 GPU, fp16 or bf16, d in 64, 128,
-    256, contiguous q, k, v with as many heads, none of the features below but a window or (at d = 64 and 128,
-    without a window) dropout; a call it cannot take is a ``ValueError`` saying why. ``"auto"`` takes the Hopper forward where it can and the teaching kernel everywhere else
-    (:func:`forward_kernel` says which). Both give the same o, lse and row statistics. The backward follows:
-    under ``"auto"`` and ``"hopper"`` the Gluon dK/dV and dQ kernels of :mod:`flashref.triton.hopper_backward` run
-    wherever they can (the Hopper forward's conditions, dropout's included, d = 64 or 128, ``deterministic=True``;
-    unlike the forward, they also take ``alibi_slopes``), the teaching backward everywhere else; with a window at d = 128 the Gluon dQ
-    kernel runs beside the teaching dK/dV kernel (:func:`backward_kernel` says which).
+    ``14_flashattention3_on_hopper`` (:mod:`flashref.triton.hopper`): an sm_90 GPU, fp16 or bf16, d in 64, 128, 256,
+    contiguous q, k, v with as many heads, none of the features below but a window or (at d = 64 and 128, without a
+    window) dropout; a call it cannot take is a ``ValueError`` saying why. ``"auto"`` takes the Hopper forward where
+    it can and the teaching kernel everywhere else (:func:`forward_kernel` says which). Both give the same o, lse
+    and row statistics. The backward follows: under ``"auto"`` and ``"hopper"`` the Gluon dK/dV and dQ kernels of
+    :mod:`flashref.triton.hopper_backward` run wherever they can (the Hopper forward's conditions, dropout's
+    included, d = 64 or 128, ``deterministic=True``; unlike the forward, they also take ``alibi_slopes``), the
+    teaching backward everywhere else; with a window at d = 128 the Gluon dQ kernel runs beside the teaching dK/dV
+    kernel (:func:`backward_kernel` says which).
     Notebooks ``07_triton_forward`` and ``08_triton_backward``.
     """
     return FlashAttentionFunction.apply(q, k, v, causal, sm_scale, deterministic, check_finite, dropout_p, seed,
