@@ -113,20 +113,27 @@ def _philox(seed, c0, c1, c2, c3, N_ROUNDS: gl.constexpr):
 
 
 @gluon.jit
+def _axes4(A: gl.constexpr, B: gl.constexpr, C: gl.constexpr, E: gl.constexpr, L4: gl.constexpr):
+    """``arange`` along each axis of an (A, B, C, E) tensor of layout L4, each expanded to 4-D so that they
+    broadcast against one another: the index tensors the dropout counters are built from."""
+    a = gl.arange(0, A, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
+    b = gl.arange(0, B, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
+    c = gl.arange(0, C, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(3, L4))))
+    e = gl.arange(0, E, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, L4))))
+    return (gl.expand_dims(gl.expand_dims(gl.expand_dims(a, 1), 2), 3),
+            gl.expand_dims(gl.expand_dims(gl.expand_dims(b, 0), 2), 3),
+            gl.expand_dims(gl.expand_dims(gl.expand_dims(c, 0), 0), 3),
+            gl.expand_dims(gl.expand_dims(gl.expand_dims(e, 0), 0), 0))
+
+
+@gluon.jit
 def _keep(seed, bh, start_m, start_n, drop_below, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
           KEEP_LAYOUT: gl.constexpr, s_layout: gl.constexpr):
     """The teaching kernel's dropout keep-mask of the (queries start_m : +BLOCK_M) x (keys start_n : +BLOCK_N)
     tile of head ``bh`` (``flashref.triton.forward._keep``, the same bits), in the accumulator layout ``s_layout``;
     ``KEEP_LAYOUT`` is :func:`keep_layout`'s for this tile and warp count."""
-    L4: gl.constexpr = KEEP_LAYOUT
-    a = gl.arange(0, BLOCK_M // 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
-    b = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, L4))))  # bits 0-2 of i
-    c = gl.arange(0, BLOCK_N // 16, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(3, L4))))
-    e = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, L4))))  # bits 1-2 of j
-    a = gl.expand_dims(gl.expand_dims(gl.expand_dims(a, 1), 2), 3)
-    b = gl.expand_dims(gl.expand_dims(gl.expand_dims(b, 0), 2), 3)
-    c = gl.expand_dims(gl.expand_dims(gl.expand_dims(c, 0), 0), 3)
-    e = gl.expand_dims(gl.expand_dims(gl.expand_dims(e, 0), 0), 0)
+    # a: i // 16, b: bits 0-2 of i, c: j // 16, e: bits 1-2 of j
+    a, b, c, e = _axes4(BLOCK_M // 16, 8, BLOCK_N // 16, 4, KEEP_LAYOUT)
     row = ((start_m // 16 + a) * 8 + b).to(gl.uint32)  # i without bit 3
     col = ((start_n // 16 + c) * 4 + e).to(gl.uint32)  # j without bits 0 and 3
     zero = row * 0 + col * 0
@@ -144,15 +151,8 @@ def _keep_t(seed, bh, start_m, start_n, drop_below, BLOCK_M: gl.constexpr, BLOCK
     """:func:`_keep`'s mask transposed: the (keys start_n : +BLOCK_N) x (queries start_m : +BLOCK_M) tile, in the
     accumulator layout ``s_layout`` of the dK/dV kernels (``flashref.triton.forward._keep_t``, the same bits);
     ``KEEP_LAYOUT`` is :func:`keep_t_layout`'s for this tile and warp count."""
-    L4: gl.constexpr = KEEP_LAYOUT
-    a = gl.arange(0, BLOCK_N // 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
-    b = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, L4))))  # bits 0-2 of j
-    c = gl.arange(0, BLOCK_M // 16, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(3, L4))))
-    e = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, L4))))  # bits 0-2 of i
-    a = gl.expand_dims(gl.expand_dims(gl.expand_dims(a, 1), 2), 3)
-    b = gl.expand_dims(gl.expand_dims(gl.expand_dims(b, 0), 2), 3)
-    c = gl.expand_dims(gl.expand_dims(gl.expand_dims(c, 0), 0), 3)
-    e = gl.expand_dims(gl.expand_dims(gl.expand_dims(e, 0), 0), 0)
+    # a: j // 16, b: bits 0-2 of j, c: i // 16, e: bits 0-2 of i
+    a, b, c, e = _axes4(BLOCK_N // 16, 8, BLOCK_M // 16, 8, KEEP_LAYOUT)
     key = ((start_n // 16 + a) * 8 + b).to(gl.uint32)  # j without bit 3
     qry = ((start_m // 16 + c) * 8 + e).to(gl.uint32)  # i without bit 3
     zero = key * 0 + qry * 0
