@@ -173,22 +173,20 @@ def hopper_keep_kernel(KEEP, seed, drop_below, N_q, N_k, BLOCK_M: gl.constexpr, 
     bh = gl.program_id(2)
     start_m = gl.program_id(0) * BLOCK_M
     start_n = gl.program_id(1) * BLOCK_N
-    if TRANSPOSED:  # keys in rows
+    if TRANSPOSED:  # keys in rows, as the dK/dV kernels hold them
         t_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                            instr_shape=[16, BLOCK_M, 16])
         kept = _keep_t(seed, bh, start_m, start_n, drop_below, BLOCK_M, BLOCK_N, KEEP_LAYOUT, t_layout)
-        keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, t_layout))
-        qrys = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, t_layout))
-        ptrs = KEEP + bh.to(gl.int64) * N_q * N_k + gl.expand_dims(qrys * N_k, 0) + gl.expand_dims(keys, 1)
-        gl.store(ptrs, kept.to(gl.int8), mask=gl.expand_dims(qrys < N_q, 0) & gl.expand_dims(keys < N_k, 1))
+        qry = gl.expand_dims(start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, t_layout)), 0)
+        key = gl.expand_dims(start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, t_layout)), 1)
     else:
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         kept = _keep(seed, bh, start_m, start_n, drop_below, BLOCK_M, BLOCK_N, KEEP_LAYOUT, s_layout)
-        rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-        cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        ptrs = KEEP + bh.to(gl.int64) * N_q * N_k + gl.expand_dims(rows * N_k, 1) + gl.expand_dims(cols, 0)
-        gl.store(ptrs, kept.to(gl.int8), mask=gl.expand_dims(rows < N_q, 1) & gl.expand_dims(cols < N_k, 0))
+        qry = gl.expand_dims(start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)), 1)
+        key = gl.expand_dims(start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)), 0)
+    ptrs = KEEP + bh.to(gl.int64) * N_q * N_k + qry * N_k + key
+    gl.store(ptrs, kept.to(gl.int8), mask=(qry < N_q) & (key < N_k))
 
 
 def keep_mask(seed: int, B: int, H: int, N_q: int, N_k: int, drop_below: int, block_m: int = 64,
