@@ -387,8 +387,9 @@ def test_flash_attention_runs_dropout_on_the_gluon_kernels(d):
     """kernel="auto" runs dropout on the Gluon forward and backward: the teaching forward's O to rounding and its
     lse, the same bits for the same seed, and gradients within the rule against the float64 reference with the
     kernels' mask (3x plain fp16 attention's error, as every backward), on uneven shapes, causal and not, two
-    batch rows (the mask's head index is b * H + h); and with ALiBi, which only the Gluon backward takes (the
-    teaching forward's statistics feed it)."""
+    batch rows (the mask's head index is b * H + h); with ALiBi, which only the Gluon backward takes (the
+    teaching forward's statistics feed it); and with deterministic=False (the Gluon forward's statistics feed the
+    teaching backward's atomic dQ)."""
     _hopper_or_skip()
     import numpy as np
 
@@ -399,16 +400,19 @@ def test_flash_attention_runs_dropout_on_the_gluon_kernels(d):
     # Not N_k = 1: there exact dQ is 0 and plain attention's softmax backward gives exactly 0, while D = rowsum(dO *
     # O) reads O rounded to fp16 (FlashAttention's D, the teaching kernel's too: both miss the rule there by the
     # same 0.0027 at p = 0.2, d = 64). The no-dropout tests keep N_k = 1, where O = V exactly.
-    cases = [(shape, causal, False) for shape, causal in
+    cases = [(shape, causal, False, True) for shape, causal in
              itertools.product([(600, 700), (1, 239), (239, 3), (1000, 1000)], (False, True))]
-    for (N_q, N_k), causal, alibi in cases + [((500, 600), True, True)]:
+    # ALiBi; and deterministic=False, whose backward is the teaching kernel's atomic dQ after the Gluon forward
+    for (N_q, N_k), causal, alibi, deterministic in cases + [((500, 600), True, True, True),
+                                                             ((600, 700), True, False, False)]:
         B, H, p, seed = 2, 4, 0.2, 77 + N_q
         q, k, v, do = make_qkv(B, H, N_q, N_k, d, torch.float16, "cuda", seed=5 + N_k)
         keep = dropout_mask(seed, B, H, N_q, N_k, p, "cuda")
         slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], device="cuda") if alibi else None
         kw = dict(causal=causal, dropout_p=p, seed=seed, alibi_slopes=slopes)
         assert forward_kernel(q, k, v, causal, dropout_p=p, alibi_slopes=slopes) == ("triton" if alibi else "hopper")
-        assert backward_kernel(q, k, v, causal, dropout_p=p, alibi_slopes=slopes) == "hopper"
+        assert backward_kernel(q, k, v, causal, deterministic, dropout_p=p, alibi_slopes=slopes) == (
+            "hopper" if deterministic else "triton")
         if not alibi:
             o_h, lse_h = flash_attention_forward(q, k, v, kernel="hopper", **kw)
             o_t, lse_t = flash_attention_forward(q, k, v, kernel="triton", **kw)
@@ -416,7 +420,7 @@ def test_flash_attention_runs_dropout_on_the_gluon_kernels(d):
             assert torch.allclose(o_h.float(), o_t.float(), atol=2e-3), causal
             assert torch.equal(o_h, flash_attention_forward(q, k, v, kernel="hopper", **kw)[0]), "same seed, bits"
         qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
-        o = flash_attention(qq, kk, vv, **kw)
+        o = flash_attention(qq, kk, vv, deterministic=deterministic, **kw)
         o.backward(do)
         ref_kw = dict(causal=causal, dropout_mask=keep.cpu().numpy(), dropout_p=p,
                       alibi_slopes=None if slopes is None else slopes.cpu().double().numpy())
@@ -427,7 +431,8 @@ def test_flash_attention_runs_dropout_on_the_gluon_kernels(d):
         for name, x, r, b in zip(("o", "dq", "dk", "dv"), (o.detach(), qq.grad, kk.grad, vv.grad), refs, base):
             assert torch.isfinite(x).all() and not np.isnan(r).any(), name
             assert_within_tolerance(x, r, b, factor=2.0 if name == "o" else 3.0,
-                                    name=f"{name}, {N_q}x{N_k}, d={d}, causal={causal}, alibi={alibi}")
+                                    name=f"{name}, {N_q}x{N_k}, d={d}, causal={causal}, alibi={alibi}, "
+                                         f"deterministic={deterministic}")
 
 
 @pytest.mark.gpu
