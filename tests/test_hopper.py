@@ -50,7 +50,8 @@ for d, dtype, switches, causal, window in [
     shared_without = None
     if dropout:  # the same tile without dropout: the mask must take no shared memory (no layout moved through it)
         tile = switches or {n: v for n, v in hopper.dropout_config(d).items()}
-        shared_without = compile_check.compile_hopper(d, tile, causal=causal, dtype=dtype, window=window).metadata.shared
+        shared_without = compile_check.compile_hopper(d, tile, causal=causal, dtype=dtype,
+                                                      window=window).metadata.shared
     ptx = k.asm["ptx"]
     rows.append({"case": [d, dtype, switches, causal, window], "dropout": dropout, "shared_without": shared_without,
                  "shared": k.metadata.shared, "warps": k.metadata.num_warps,
@@ -411,7 +412,7 @@ def test_flash_attention_runs_dropout_on_the_gluon_kernels(d):
         slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], device="cuda") if alibi else None
         kw = dict(causal=causal, dropout_p=p, seed=seed, alibi_slopes=slopes)
         assert forward_kernel(q, k, v, causal, dropout_p=p, alibi_slopes=slopes) == ("triton" if alibi else "hopper")
-        assert backward_kernel(q, k, v, causal, deterministic, dropout_p=p, alibi_slopes=slopes) == (
+        assert backward_kernel(q, k, v, causal, deterministic=deterministic, dropout_p=p, alibi_slopes=slopes) == (
             "hopper" if deterministic else "triton")
         if not alibi:
             o_h, lse_h = flash_attention_forward(q, k, v, kernel="hopper", **kw)
