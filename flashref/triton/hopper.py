@@ -46,6 +46,7 @@ hopper`` and ``compile_check hopper`` hold its measurements.
 
 from __future__ import annotations
 
+import math
 
 import torch
 import triton
@@ -57,8 +58,6 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashref import fp8
 from flashref.fp8 import FP8_MAX, FP8_Q_ROWS, Fp8Inputs, random_rotation  # noqa: F401 (public here too)
-import math
-
 from flashref.triton.forward import LN2, LOG2E, PHILOX_ROUNDS
 
 
@@ -84,8 +83,8 @@ def keep_layout(block_m: int, block_n: int, num_warps: int) -> gl.DistributedLin
 def keep_t_layout(block_n: int, block_m: int, num_warps: int) -> gl.DistributedLinearLayout:
     """:func:`keep_layout` for the transposed tile of the dK/dV kernels, keys in rows: the 4-D tensor (j // 16, j % 8,
     i // 16, i % 8), lanes carrying j % 8 and bits 1-2 of i, registers bit 0 of i and the 16-query blocks. Each
-    thread then holds half of each Philox word it computes (both halves of a word are two neighbouring keys, two
-    threads apart), so the dK/dV kernel draws each call twice, as the teaching kernel's ``_keep_t`` does."""
+    thread then holds half of each Philox word it computes (the two halves of a word belong to neighbouring keys,
+    held four lanes apart), so the dK/dV kernel draws each call twice, as the teaching kernel's ``_keep_t`` does."""
     a_bits, w_bits, c_bits = (int(math.log2(x)) for x in (block_n // 16, num_warps, block_m // 16))
     warp_bases = [[1 << t, 0, 0, 0] for t in range(min(w_bits, a_bits))] + [[0, 0, 0, 0]] * max(0, w_bits - a_bits)
     reg_bases = ([[0, 0, 0, 1]] + [[0, 0, 1 << t, 0] for t in range(c_bits)]
@@ -200,8 +199,6 @@ def keep_mask(seed: int, B: int, H: int, N_q: int, N_k: int, drop_below: int, bl
         keep, seed, drop_below, N_q, N_k, BLOCK_M=block_m, BLOCK_N=block_n, KEEP_LAYOUT=layout,
         TRANSPOSED=transposed, num_warps=num_warps)
     return keep.bool()
-
-
 
 
 @gluon.jit

@@ -17,8 +17,8 @@ tile: S, dP, then dQ_i += dS K_j). Both use the forward's row statistics (m2, l2
 teaching preprocess kernel; neither adds anything atomically, so the gradients are bitwise reproducible. fp16 and
 bf16, head dims 64 and 128, top-left causal or not, a window, ALiBi, and dropout (the forward's mask, drawn again
 in each kernel's accumulator registers: transposed in dK/dV, :func:`flashref.triton.hopper._keep_t`); no other
-feature. :func:`hopper_backward` runs both; it is
-what :func:`flashref.triton.flash_attention`'s backward runs on an H100 (notebook ``14_flashattention3_on_hopper``).
+feature. :func:`hopper_backward` runs both; it is what :func:`flashref.triton.flash_attention`'s backward runs on
+an H100 (notebook ``14_flashattention3_on_hopper``).
 """
 
 from __future__ import annotations
