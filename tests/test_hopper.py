@@ -8,6 +8,7 @@ feed the recomputing backward as the teaching kernel's do.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import os
 import subprocess
@@ -28,7 +29,7 @@ H100_SHARED = 227 * 1024  # the per-block limit of an H100
 
 COMPILE = r"""
 import json, re
-from flashref.triton import compile_check
+from flashref.triton import compile_check, hopper
 rows = []
 for d, dtype, switches, causal, window in [
         (64, "float16", None, False, False), (128, "float16", None, True, False), (256, "float16", None, False, False),
@@ -38,12 +39,25 @@ for d, dtype, switches, causal, window in [
          True, False),
         (128, "float8_e4m3", {"block_n": 128}, True, False), (256, "float8_e4m3", {"block_n": 128}, False, False),
         (64, "float16", None, False, True), (128, "float16", None, True, True), (256, "bfloat16", None, False, True),
-        (128, "float16", {"warp_specialize": True, "pingpong": True}, False, True)]:
-    k = compile_check.compile_hopper(d, switches, causal=causal, dtype=dtype, window=window)
+        (128, "float16", {"warp_specialize": True, "pingpong": True}, False, True),
+        (64, "float16", {"dropout": True}, True, False), (128, "bfloat16", {"dropout": True}, False, False),
+        (128, "float16", {"warp_specialize": False, "dropout": True}, False, True),
+        (256, "bfloat16", {"warp_specialize": False, "dropout": True}, True, False)]:
+    switches = dict(switches or {})
+    dropout = switches.pop("dropout", False)
+    switches = switches or None
+    k = compile_check.compile_hopper(d, switches, causal=causal, dtype=dtype, window=window, dropout=dropout)
+    shared_without = None
+    if dropout:  # the same tile without dropout: the mask must take no shared memory (no layout moved through it)
+        tile = switches or {n: v for n, v in hopper.dropout_config(d).items()}
+        shared_without = compile_check.compile_hopper(d, tile, causal=causal, dtype=dtype,
+                                                      window=window).metadata.shared
     ptx = k.asm["ptx"]
-    rows.append({"case": [d, dtype, switches, causal, window], "shared": k.metadata.shared, "warps": k.metadata.num_warps,
+    rows.append({"case": [d, dtype, switches, causal, window], "dropout": dropout, "shared_without": shared_without,
+                 "shared": k.metadata.shared, "warps": k.metadata.num_warps,
                  "wgmma": ptx.count("wgmma.mma_async"), "tma": ptx.count("cp.async.bulk.tensor"),
-                 "mbarrier_waits": ptx.count("mbarrier.try_wait"), "default": switches is None,
+                 "mbarrier_waits": ptx.count("mbarrier.try_wait"), "philox": ptx.count("-845247145"),
+                 "default": switches is None,
                  "e4m3_wgmma": len(re.findall(r"wgmma\.mma_async[.a-z0-9]*\.e4m3\.e4m3", ptx)),
                  "setmaxnreg": sorted({int(n) for n in re.findall(r"setmaxnreg[.a-z0-9]*\s+(\d+)", ptx)}),
                  **compile_check.ptxas_usage(k)})
@@ -66,11 +80,16 @@ def test_compiles_for_the_h100_with_tma_and_wgmma(compiled):
     for row in compiled:
         assert row["shared"] <= H100_SHARED, row
         assert row["wgmma"] > 0 and row["tma"] >= 3 and row["mbarrier_waits"] >= 3, row
-        if row["default"]:  # the shipped configs keep every value in registers
+        if row["default"]:  # the shipped configs (dropout's own tile included) keep every value in registers
             assert row["spill_stores"] == 0 and row["spill_loads"] == 0, row
+        # Philox's round constant 0xCD9E8D57 (as PTX writes it, signed), only where P is dropped; the mask is drawn
+        # in the accumulator's own registers, so the kernel needs no more shared memory than without dropout
+        assert (row["philox"] > 0) == row["dropout"], row
+        assert not row["dropout"] or row["shared"] == row["shared_without"], row
         d, dtype, switches, _, _ = row["case"]
         assert (row["e4m3_wgmma"] == row["wgmma"]) if dtype == "float8_e4m3" else row["e4m3_wgmma"] == 0, row
-        if dtype == "float8_e4m3" or hopper.config(d, **(switches or {}))["warp_specialize"]:
+        cfg = hopper.dropout_config(d) if row["dropout"] and not switches else hopper.config(d, **(switches or {}))
+        if dtype == "float8_e4m3" or cfg["warp_specialize"]:
             # three warpgroups (a producer warp, rounded up, and two consumers); registers move from one to the others
             assert row["warps"] == 12 and {24, 240} <= set(row["setmaxnreg"]), row
         else:
@@ -299,6 +318,122 @@ def test_window_on_uneven_shapes(d, switches):
             assert torch.allclose((m2 + l2)[~empty], lse[~empty] * 1.4426950408889634, rtol=1e-4, atol=1e-3), what
             assert bool((o[empty.unsqueeze(-1).expand_as(o)] == 0).all()), f"O = 0 on rows with no key, {what}"
             assert bool((m2[empty] == 0).all()) and bool(l2[empty].isposinf().all()), f"m2, l2 of empty rows, {what}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_m,block_n,num_warps,transposed",
+                         [(64, 128, 4, False), (128, 64, 8, False), (128, 128, 8, False), (64, 64, 4, False),
+                          (128, 64, 4, False), (64, 64, 4, True), (32, 64, 4, True), (64, 128, 8, True),
+                          (128, 64, 4, True)])
+def test_the_dropout_mask_is_the_teaching_kernels_bit_for_bit(block_m, block_n, num_warps, transposed):
+    """The Gluon kernels' keep-mask (Philox in the accumulator's registers: :func:`hopper._keep` for the forward
+    and dQ tiles, :func:`hopper._keep_t` for the dK/dV kernels' transposed ones) is ``dropout_mask``'s, tile by
+    tile, on uneven lengths, for several heads and a seed above 2^32."""
+    hopper = _hopper_or_skip()
+    from flashref.triton import dropout_mask
+    from flashref.triton.forward import drop_threshold
+
+    for seed, p in ((0, 0.3), (2**40 + 7, 0.1), (12345, 0.9)):
+        keep = hopper.keep_mask(seed, 2, 3, 300, 333, drop_threshold(p), block_m, block_n, num_warps, transposed)
+        assert torch.equal(keep, dropout_mask(seed, 2, 3, 300, 333, p, "cuda")), (seed, p)
+
+
+def _dropout_attention(q, k, v, seen, keep, p, dtype):
+    """O = (P * keep / (1 - p)) V and lse of the unmasked P, with only the ``seen`` pairs, in ``dtype``."""
+    S = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) * q.shape[-1] ** -0.5
+    S = S.masked_fill(~seen, float("-inf"))
+    P = torch.softmax(S.float(), -1).nan_to_num(0.0).to(dtype)
+    return (P * keep.to(dtype) / (1 - p)) @ v.to(dtype), torch.logsumexp(S.float(), -1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("switches", ["dropout_config", dict(warp_specialize=False),
+                                      dict(warp_specialize=False, block_m=128, block_n=128, num_warps=8)], ids=str)
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_dropout_on_uneven_shapes(d, switches):
+    """The Gluon forward with dropout against the fp32 reference that drops with ``dropout_mask``'s bits, within
+    2x the error of the same in fp16: uneven lengths, N = 1, causal and not, a window (in the loop without
+    overlap, which takes one), bf16; the shipped dropout tile and two others."""
+    hopper = _hopper_or_skip()
+    from flashref.triton import dropout_mask
+    from flashref.triton.forward import drop_threshold
+
+    if d == 256 and switches != dict(warp_specialize=False):
+        pytest.skip("d = 256 fits neither a third 64-key slot in shared memory nor 128-key tiles in registers")
+    cfg = hopper.dropout_config(d) if switches == "dropout_config" else hopper.config(d, **switches)
+    for i, (N_q, N_k) in enumerate([(113, 203), (1, 239), (239, 1), (700, 700), (1024, 1100)]):
+        dtype = torch.bfloat16 if i == 3 else torch.float16
+        q, k, v, _ = make_qkv(2, 2, N_q, N_k, d, dtype, "cuda", seed=17 * i + d)
+        for causal, window, p in ((False, None, 0.1), (True, None, 0.3), (False, (40, 7), 0.5)):
+            if window is not None and cfg["overlap"]:
+                continue  # the overlapped loop takes no window
+            seed = 1000 * i + d
+            keep = dropout_mask(seed, 2, 2, N_q, N_k, p, "cuda")
+            o, lse, _ = hopper.launch_forward(q, k, v, causal, d ** -0.5, cfg, window=window,
+                                              dropout=(seed, drop_threshold(p), 1 / (1 - p)))
+            left, right = window if window is not None else (-1, -1)
+            seen = _window_mask(N_q, N_k, left, right, causal, "cuda")
+            ref_o, ref_lse = _dropout_attention(q, k, v, seen, keep, p, torch.float32)
+            base_o, _ = _dropout_attention(q, k, v, seen, keep, p, dtype)
+            what = f"{N_q}x{N_k}, d={d}, {dtype}, causal={causal}, window={window}, p={p}, {switches}"
+            assert_within_tolerance(o, ref_o, base_o, factor=2.0, name=f"o {what}")
+            empty = ~seen.any(-1).expand_as(lse)
+            assert torch.equal(lse.isneginf(), empty), what
+            assert torch.allclose(lse[~empty], ref_lse[~empty], rtol=1e-4, atol=1e-3), f"lse {what}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_flash_attention_runs_dropout_on_the_gluon_kernels(d):
+    """kernel="auto" runs dropout on the Gluon forward and backward: the teaching forward's O to rounding and its
+    lse, the same bits for the same seed, and gradients within the rule against the float64 reference with the
+    kernels' mask (3x plain fp16 attention's error, as every backward), on uneven shapes, causal and not, two
+    batch rows (the mask's head index is b * H + h); with ALiBi, which only the Gluon backward takes (the
+    teaching forward's statistics feed it); and with deterministic=False (the Gluon forward's statistics feed the
+    teaching backward's atomic dQ)."""
+    _hopper_or_skip()
+    import numpy as np
+
+    from flashref import reference
+    from flashref.triton import backward_kernel, dropout_mask, flash_attention, flash_attention_forward, forward_kernel
+    from tests._triton_helpers import np64, plain_with_features
+
+    # Not N_k = 1: there exact dQ is 0 and plain attention's softmax backward gives exactly 0, while D = rowsum(dO *
+    # O) reads O rounded to fp16 (FlashAttention's D, the teaching kernel's too: both miss the rule there by the
+    # same 0.0027 at p = 0.2, d = 64). The no-dropout tests keep N_k = 1, where O = V exactly.
+    cases = [(shape, causal, False, True) for shape, causal in
+             itertools.product([(600, 700), (1, 239), (239, 3), (1000, 1000)], (False, True))]
+    # ALiBi; and deterministic=False, whose backward is the teaching kernel's atomic dQ after the Gluon forward
+    for (N_q, N_k), causal, alibi, deterministic in cases + [((500, 600), True, True, True),
+                                                             ((600, 700), True, False, False)]:
+        B, H, p, seed = 2, 4, 0.2, 77 + N_q
+        q, k, v, do = make_qkv(B, H, N_q, N_k, d, torch.float16, "cuda", seed=5 + N_k)
+        keep = dropout_mask(seed, B, H, N_q, N_k, p, "cuda")
+        slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], device="cuda") if alibi else None
+        kw = dict(causal=causal, dropout_p=p, seed=seed, alibi_slopes=slopes)
+        assert forward_kernel(q, k, v, causal, dropout_p=p, alibi_slopes=slopes) == ("triton" if alibi else "hopper")
+        assert backward_kernel(q, k, v, causal, deterministic=deterministic, dropout_p=p, alibi_slopes=slopes) == (
+            "hopper" if deterministic else "triton")
+        if not alibi:
+            o_h, lse_h = flash_attention_forward(q, k, v, kernel="hopper", **kw)
+            o_t, lse_t = flash_attention_forward(q, k, v, kernel="triton", **kw)
+            assert torch.allclose(lse_h, lse_t, rtol=1e-5, atol=1e-4), causal
+            assert torch.allclose(o_h.float(), o_t.float(), atol=2e-3), causal
+            assert torch.equal(o_h, flash_attention_forward(q, k, v, kernel="hopper", **kw)[0]), "same seed, bits"
+        qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+        o = flash_attention(qq, kk, vv, deterministic=deterministic, **kw)
+        o.backward(do)
+        ref_kw = dict(causal=causal, dropout_mask=keep.cpu().numpy(), dropout_p=p,
+                      alibi_slopes=None if slopes is None else slopes.cpu().double().numpy())
+        q64, k64, v64, do64 = (np64(x) for x in (q, k, v, do))
+        refs = [reference.attention(q64, k64, v64, **ref_kw), *reference.attention_backward(q64, k64, v64, do64,
+                                                                                             **ref_kw)]
+        base = plain_with_features(q, k, v, do, causal, None, keep, p, slopes=slopes)
+        for name, x, r, b in zip(("o", "dq", "dk", "dv"), (o.detach(), qq.grad, kk.grad, vv.grad), refs, base):
+            assert torch.isfinite(x).all() and not np.isnan(r).any(), name
+            assert_within_tolerance(x, r, b, factor=2.0 if name == "o" else 3.0,
+                                    name=f"{name}, {N_q}x{N_k}, d={d}, causal={causal}, alibi={alibi}, "
+                                         f"deterministic={deterministic}")
 
 
 @pytest.mark.gpu

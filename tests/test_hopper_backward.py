@@ -28,9 +28,12 @@ from flashref.triton import hopper_backward as hb, hopper
 from flashref.triton.compile_check import ptxas_usage
 
 OUTPUTS = {"dkdv": {"DK": "*fp16", "DV": "*fp16"}, "dq": {"DQ": "*fp16"}}
+
+
 KERNELS = {"dkdv": hb.hopper_bwd_dkdv_kernel, "dq": hb.hopper_bwd_dq_kernel}
-for part, d, causal, mods in itertools.product(("dkdv", "dq"), hb.HEAD_DIMS, (False, True), (False, True)):
-    cfg = hb.default_config(d, part)
+for part, d, causal, mods in itertools.product(("dkdv", "dq"), hb.HEAD_DIMS, (False, True),
+                                               ("none", "window+alibi", "dropout")):
+    cfg = hb.default_config(d, part, mods == "dropout")
     ws = cfg.get("warp_specialize", False)  # then each K, V copy is one consumer's half of block_n
     kernel = hb.hopper_ws_bwd_dkdv_kernel if ws else KERNELS[part]
     bm, bn = cfg["block_m"], cfg["block_n"] // (2 if ws else 1)
@@ -40,18 +43,28 @@ for part, d, causal, mods in itertools.product(("dkdv", "dq"), hb.HEAD_DIMS, (Fa
            "v_desc": f"tensordesc<fp16[{bn}, {d}],{kl!r}>", "do_desc": f"tensordesc<fp16[{bm}, {d}],{ql!r}>",
            **OUTPUTS[part], "M2": "*fp32", "L2": "*fp32", "Delta": "*fp32",
            "N_q": "i32", "N_k": "i32", "sm_scale": "fp32", "qk_scale": "fp32", "SLOPES": "*fp32",
-           "win_left": "i32", "win_right": "i32"}
+           "win_left": "i32", "win_right": "i32", "seed": "i64", "drop_below": "i32", "keep_scale": "fp32"}
+    dropout = mods == "dropout"
+    keep = (hopper.keep_t_layout(bn, bm, 4 if ws else cfg["num_warps"]) if part == "dkdv"
+            else hopper.keep_layout(bm, bn, cfg["num_warps"]))
     cx = dict(HEAD_D=d, BLOCK_M=bm, BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], CAUSAL=causal,
-              WINDOW=mods, ALIBI=mods, num_warps=cfg["num_warps"])
+              WINDOW=mods == "window+alibi", ALIBI=mods == "window+alibi", DROPOUT=dropout,
+              KEEP_LAYOUT=keep if dropout else None, num_warps=cfg["num_warps"])
     sig.update({k: "constexpr" for k in cx})
     options = dict(num_warps=cfg["num_warps"], **(dict(maxnreg=hopper.WS_MAXNREG) if ws else {}))
     k = triton.compile(GluonASTSource(kernel, sig, cx, {}), target=GPUTarget("cuda", 90, 32),
                        options=options)
     ptx = k.asm["ptx"]
     use = ptxas_usage(k)
-    print(part, d, causal, int(mods), int(ws), k.metadata.shared, use["spill_stores"],
-          ptx.count("wgmma.mma_async"), ptx.count("cp.async.bulk.tensor"), len(re.findall(r"wgmma\.wait_group", ptx)))
+    print(part, d, causal, mods, int(ws), k.metadata.shared, use["spill_stores"],
+          ptx.count("wgmma.mma_async"), ptx.count("cp.async.bulk.tensor"), len(re.findall(r"wgmma\.wait_group", ptx)),
+          ptx.count("-845247145"))
 """
+
+
+#: Register spills allowed (bytes a thread): none, but where a measured-faster kernel spills (see the test).
+SPILL_BOUND = {("dkdv", "128", "1", "none"): 512, ("dkdv", "128", "1", "window+alibi"): 512,
+               ("dkdv", "64", "0", "dropout"): 128}
 
 
 def test_compiles_for_the_h100_without_spills():
@@ -60,17 +73,29 @@ def test_compiles_for_the_h100_without_spills():
     child process: compiling needs the interpreter off). The one exception is measured and bounded: the
     warp-specialized dK/dV kernel shipped at d = 128 (64 queries a step) spills 260-330 bytes a thread (Triton 3.6
     and 3.7) and is still 5-13% faster on the H100 than the one-warpgroup kernel that does not spill
-    (default_config's docstring)."""
+    (default_config's docstring); so does the d = 64 dK/dV kernel with dropout, by 100 bytes (non-causal), at
+    1.09x the teaching kernel's speed. With dropout the mask's Philox constants are in the PTX, and at the same
+    tile no more shared memory than without it (the mask is drawn in the accumulator's own registers)."""
     pytest.importorskip("triton.experimental.gluon")
     env = dict(os.environ, PYTHONPATH=ROOT)
     out = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, cwd=ROOT,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [line.split() for line in out.stdout.strip().splitlines()]
-    assert [line[0] for line in lines] == ["dkdv"] * 8 + ["dq"] * 8
-    for part, d, causal, mods, ws, shared, spills, wgmma, tma, waits in lines:
-        assert int(shared) <= 227 * 1024 and int(spills) <= (512 if ws == "1" else 0), (part, d, causal, shared, spills)
+    assert [line[0] for line in lines] == ["dkdv"] * 12 + ["dq"] * 12
+    shared_of = {}
+    for part, d, causal, mods, ws, shared, spills, wgmma, tma, waits, philox in lines:
+        what = (part, d, causal, mods, shared, spills)
+        assert int(shared) <= 227 * 1024 and int(spills) <= SPILL_BOUND.get((part, d, ws, mods), 0), what
         assert int(wgmma) > 0 and int(tma) > 0 and int(waits) >= 3, (part, d, causal, wgmma, tma, waits)
+        assert (int(philox) > 0) == (mods == "dropout"), what  # Philox's round constant, only where P is dropped
+        shared_of[part, d, causal, mods] = (ws, int(shared))
+    # The dropout mask is drawn in the accumulator's registers: at the same tile the kernel needs no more shared
+    # memory than without it (a layout moved through shared memory would take scratch space). dK/dV at d = 128
+    # runs dropout on another tile (one warpgroup), which has no no-dropout twin here.
+    for (part, d, causal, mods), (ws, shared) in shared_of.items():
+        if mods == "dropout" and ws == shared_of[part, d, causal, "none"][0]:
+            assert shared == shared_of[part, d, causal, "none"][1], (part, d, causal)
 
 
 def test_supported_says_why_not():
@@ -184,7 +209,8 @@ def test_window_and_alibi_gradients_against_the_reference(d, dtype, causal, wind
         kw = dict(causal=causal, window_size=window, alibi_slopes=slopes, causal_align=align)
         feat = ops.Features(q, k, 0.0, 0, None, 128, causal=causal, scale=d ** -0.5, window_size=window,
                             alibi_slopes=slopes, check_finite=False, causal_align=align)
-        assert backward_kernel(q, k, v, **kw) == (("hopper dq" if d == 128 else "triton") if feat.window else "hopper")
+        with_window = "hopper dq" if d == 128 else "triton"  # the Gluon dQ beside the teaching dK/dV at d = 128
+        assert backward_kernel(q, k, v, **kw) == (with_window if feat.window else "hopper")
         o, lse = flash_attention_forward(q, k, v, **kw, kernel="triton")
         m2, l2 = ops._stats_from_lse(lse)
         delta = (o.float() * do.float()).sum(-1).contiguous()

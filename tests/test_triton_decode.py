@@ -478,3 +478,17 @@ def test_both_kernels_compile_for_every_gpu_and_fit():
     for gpu, d, dtype, causal, rows_, split_shared, merge_shared, limit in rows:
         assert 0 < split_shared <= limit, (gpu, d, dtype, causal, rows_, split_shared, limit)
         assert merge_shared <= limit
+
+
+def test_the_package_loads_decoding_on_first_use():
+    """import flashref.triton reads no decoding code (a notebook that never decodes is not stamped with
+    decode.py); flash_decode and KVCache load it when asked for, and an unknown name is still an error."""
+    code = ("import sys, flashref.triton as t; before = 'flashref.triton.decode' in sys.modules; "
+            "from flashref.triton import flash_decode, KVCache; "
+            "print(before, flash_decode is sys.modules['flashref.triton.decode'].flash_decode, "
+            "KVCache.__module__, hasattr(t, 'no_such_name'))")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root,
+                         env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "True", "flashref.triton.decode", "False"]

@@ -250,8 +250,14 @@ def test_auto_takes_the_teaching_kernel_where_the_hopper_forward_cannot_run():
         assert backward_kernel(*args, **kw, deterministic=False) == "triton", why
         assert backward_kernel(*(x[..., :64].contiguous() for x in args), **kw) == "triton", why
     slopes = torch.ones(2, device="cuda")
-    calls = {"dropout_p": ((q, k, v), dict(dropout_p=0.1)),
-             "block_mask": ((q, k, v), dict(block_mask=torch.ones(1, 1, 3, 3, dtype=torch.bool, device="cuda"))),
+    # Dropout: the Gluon kernels (the teaching kernel's mask), but not with a window, nor at d = 256
+    assert forward_kernel(q, k, v, dropout_p=0.1) == "hopper" and backward_kernel(q, k, v, dropout_p=0.1) == "hopper"
+    for args, kw in (((q, k, v), dict(window_size=(16, 0))), ((q256, q256, q256), {})):
+        assert forward_kernel(*args, dropout_p=0.1, **kw) == "triton"
+        assert backward_kernel(*args, dropout_p=0.1, **kw) == "triton"
+        with pytest.raises(ValueError, match="dropout_p only without a window"):
+            flash_attention(*args, dropout_p=0.1, **kw, kernel="hopper")
+    calls = {"block_mask": ((q, k, v), dict(block_mask=torch.ones(1, 1, 3, 3, dtype=torch.bool, device="cuda"))),
              "softcap": ((q, k, v), dict(softcap=30.0)),
              "alibi_slopes": ((q, k, v), dict(alibi_slopes=slopes)),
              "contiguous": ((q.transpose(1, 2).contiguous().transpose(1, 2), k, v), {}),

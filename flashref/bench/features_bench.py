@@ -7,7 +7,8 @@ block-sparse attention against its own dense time.
   enable_gqa=True)`` on its flash and cuDNN backends; forward + backward; peak memory.
 - Dropout p = 0.1 against SDPA's flash backend with the same ``dropout_p``, and against flashref
   without dropout; forward + backward, with the deterministic backward and with atomic dQ (FlashAttention-2's
-  kind, where one backward kernel draws the mask instead of two).
+  kind, where one backward kernel draws the mask instead of two), and the teaching kernels (``kernel="triton"``)
+  with dropout beside the Gluon ones that an H100 runs.
 - Block-sparse: a causal sliding window of ``w`` blocks of 128 keys, time against density (visible
   blocks / all blocks) next to the dense kernel's time; forward and forward + backward.
 - Block-sparse against FlexAttention (``torch.compile(flex_attention)`` with ``create_block_mask``) on the
@@ -28,6 +29,7 @@ calls of the same machine). The whole run takes about 8 minutes on an H100, most
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 
 from flashref.bench import results
@@ -94,25 +96,27 @@ def gqa_cases(N=4096, d=128, B=2, H=32):
     return rows
 
 
-def dropout_cases(N=4096, d=64, B=8, H=16, p=0.1):
+def dropout_cases(N=4096, head_dims=(64,), B=8, H=16, p=0.1):
+    """Rows of the dropout part, yielded one by one (a run cut short keeps those measured)."""
     from flashref.triton import flash_attention
 
-    rows = []
-    for causal in (False, True):
+    for d, causal in itertools.product(head_dims, (False, True)):
         q, k, v, do = _inputs(B, H, H, N, d)
         work = flops(B, H, N, N, d, causal, "fwd+bwd")
         peers = {"flashref-triton": lambda q, k, v: flash_attention(q, k, v, causal=causal, dropout_p=p, seed=1,
                                                                     check_finite=False),
                  "flashref-triton no dropout": lambda q, k, v: flash_attention(q, k, v, causal=causal,
-                                                                               check_finite=False, kernel="triton"),
+                                                                               check_finite=False),
+                 # the teaching kernels (kernel="triton") with dropout: what the Gluon ones replace on an H100
+                 "flashref-triton teaching": lambda q, k, v: flash_attention(
+                     q, k, v, causal=causal, dropout_p=p, seed=1, check_finite=False, kernel="triton"),
                  # atomic dQ, as FlashAttention-2's backward: one backward kernel draws the mask, not two
                  "flashref-triton atomic dQ": lambda q, k, v: flash_attention(
                      q, k, v, causal=causal, dropout_p=p, seed=1, deterministic=False, check_finite=False),
                  "sdpa-flash": lambda q, k, v: sdpa("sdpa-flash", dropout_p=p)(q, k, v, causal)}
         for impl, fn in peers.items():
             ms, peak = _time(_fwd_bwd(fn, q, k, v, do), True, [q, k, v])
-            rows.append(_row("dropout fwd+bwd", impl, B, H, H, N, d, causal, ms, peak, work, dropout_p=p))
-    return rows
+            yield _row("dropout fwd+bwd", impl, B, H, H, N, d, causal, ms, peak, work, dropout_p=p)
 
 
 def windows(N, block, device=None):

@@ -462,7 +462,8 @@ def varlen_cases(grid=None, docs=None):
 
 
 def _print(r):
-    what = {"window": lambda: f"window={r.get('window_size')}", "window-kernels": lambda: f"window={r.get('window_size')}", "softcap": lambda: f"softcap={r.get('softcap')}",
+    window = lambda: f"window={r.get('window_size')}"  # noqa: E731
+    what = {"window": window, "window-kernels": window, "softcap": lambda: f"softcap={r.get('softcap')}",
             "alibi": lambda: "alibi", "varlen": lambda: f"docs={r.get('B')} pad x{r.get('padded_work_ratio', 0):.2f}"}
     mod = what.get(r.get("part"), str)()
     head = f"{r['case']:16} {r['impl']:26} B={r.get('B')} H={r.get('H')} N={r.get('N')} d={r.get('d')} {mod:22}"

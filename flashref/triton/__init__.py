@@ -67,7 +67,16 @@ from flashref.triton.ops import (  # noqa: E402  (the environment must be set fi
     backward_kernel,
     forward_kernel,
 )
-from flashref.triton.decode import KVCache, flash_decode  # noqa: E402
+
+
+def __getattr__(name):
+    """flash_decode and KVCache load :mod:`flashref.triton.decode` on first use (PEP 562): a notebook that never
+    decodes does not read that file, so its stamp does not go stale when the decoding kernels change."""
+    if name in ("flash_decode", "KVCache"):
+        from flashref.triton import decode
+
+        return getattr(decode, name)
+    raise AttributeError(f"module 'flashref.triton' has no attribute {name!r}")
 
 
 __all__ = ["flash_attention", "flash_attention_forward", "flash_attention_backward", "flash_attention_varlen",

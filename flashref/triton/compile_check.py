@@ -111,12 +111,13 @@ def compile_config(kernel: str, cfg: configs.TileConfig, capability: int, head_d
 
 
 def compile_hopper(head_dim: int, switches: dict | None = None, causal: bool = False, dtype: str = "float16",
-                   window: bool = False):
+                   window: bool = False, dropout: bool = False):
     """Compile :mod:`flashref.triton.hopper`'s Gluon forward for an H100 (sm_90) as a launch of
     :func:`~flashref.triton.hopper.hopper_forward` with these switches would (none: its defaults), or of
     :func:`~flashref.triton.hopper.fp8_attention` for ``dtype="float8_e4m3"``; return the compiled kernel. Its
     PTX shows the TMA copies, wgmma products and register moves it asks for. ``window``: the kernel that takes
-    ``window_size``."""
+    ``window_size``; ``dropout``: the kernel that drops P (no warp specialization; without switches, the tile of
+    :func:`~flashref.triton.hopper.dropout_config`)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -128,7 +129,10 @@ def compile_hopper(head_dim: int, switches: dict | None = None, causal: bool = F
         raise RuntimeError("kernels defined under TRITON_INTERPRET=1 cannot be compiled: run with "
                            "FLASHREF_TRITON_COMPILE_ONLY=1 and TRITON_INTERPRET unset")
     fp8 = dtype == "float8_e4m3"
-    cfg = hopper.config(head_dim, **dict(switches or {}, **({"warp_specialize": True} if fp8 else {})))
+    if dropout and not switches:  # the tile flash_attention runs dropout on
+        cfg = hopper.dropout_config(head_dim)
+    else:
+        cfg = hopper.config(head_dim, **dict(switches or {}, **({"warp_specialize": True} if fp8 else {})))
     ty, gdt = {"float16": ("fp16", gl.float16), "bfloat16": ("bf16", gl.bfloat16),
                "float8_e4m3": ("fp8e4nv", gl.float8e4nv)}[dtype]
     q_block, kv_block = hopper._descriptor_blocks(cfg, head_dim)
@@ -141,7 +145,9 @@ def compile_hopper(head_dim: int, switches: dict | None = None, causal: bool = F
     if cfg["warp_specialize"]:
         signature.update(QS="*fp32", KS="*fp32", VS="*fp32")
     signature.update({"N_q": "i32", "N_k": "i32", "qk_scale": "fp32", "win_left": "i32", "win_right": "i32"})
-    fn, constexprs, options = hopper.kernel_and_constexprs(cfg, head_dim, causal, window)
+    if not cfg["warp_specialize"]:
+        signature.update({"seed": "i64", "drop_below": "i32", "keep_scale": "fp32"})
+    fn, constexprs, options = hopper.kernel_and_constexprs(cfg, head_dim, causal, window, dropout)
     if fp8:
         constexprs["FP8"] = True
     signature.update({n: "constexpr" for n in constexprs})

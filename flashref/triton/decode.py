@@ -105,12 +105,18 @@ def flash_decode_split_kernel(Q, K, V, O_PART, LSE_PART, SEQLENS,
                               stride_lb, stride_lh, stride_ls, stride_lm,
                               H_kv, N_q, GROUP, num_splits, qk_scale,
                               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                              BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr):
+                              BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr,
+                              PDL: tl.constexpr = False):
     """Program (split, b * H_kv + kv head, row block) writes the partial O (normalized, fp32) and lse
     (natural log, fp32) of its key slice for BLOCK_M packed rows of the group: row r is query ``r % N_q`` of
     query head ``kv_head * GROUP + r // N_q``. The cache of batch row b holds ``L = SEQLENS[b]`` keys, cut
     into ``num_splits`` slices of whole BLOCK_N tiles (the last slices may be empty when L is short). A
-    row that sees no key of its slice stores O = 0 and lse = -inf, which weigh nothing in the merge."""
+    row that sees no key of its slice stores O = 0 and lse = -inf, which weigh nothing in the merge.
+
+    PDL (sm_90): the merge kernel, launched as this one's programmatic dependent, may start now; it waits for
+    this grid's writes before reading them (:func:`flash_decode_merge_kernel`)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     split = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H_kv
@@ -175,11 +181,17 @@ def flash_decode_merge_kernel(O_PART, LSE_PART, O, LSE,
                               stride_lb, stride_lh, stride_ls, stride_lm,
                               stride_ob, stride_oh, stride_om, stride_od,
                               H, N_q, num_splits,
-                              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+                              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                              PDL: tl.constexpr = False):
     """Program (b * H + h) * N_q + i merges the ``num_splits`` partial (O_s, lse_s) of query i of head h:
     ``lse = log sum_s exp(lse_s)``, ``O = sum_s exp(lse_s - lse) O_s`` (:func:`flashref.online_softmax.
     merge_outputs`, applied to all slices at once). It reads BLOCK_S slices at a time with a running max, so
-    any number of splits works; with one split the weights are exp(0) = 1 and O is copied exactly."""
+    any number of splits works; with one split the weights are exp(0) = 1 and O is copied exactly.
+
+    PDL (sm_90, launched with ``launch_pdl``): the kernel is resident before the split kernel ends and waits here
+    for its writes, so its launch overlaps the split kernel's last programs instead of following them."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     i = pid % N_q
     bh = pid // N_q
@@ -317,6 +329,7 @@ def decode_plan(q, k_cache, num_splits=None) -> dict:
         if configs.t4_mode():  # FLASHREF_T4_CONFIGS=1: what a T4 would launch, on any GPU
             capability, limit = min(capability, 75), min(limit, configs.GPUS["T4"]["shared_bytes"])
         plan.update(gpu_config(d, capability, q.element_size(), plan["block_m"], limit))
+        plan["pdl"] = PDL["on"] and capability >= 90 and HAS_PDL  # (not in T4 mode: a T4 has none)
     plan["row_blocks"] = ops._cdiv(rows, plan["block_m"])
     tiles = ops._cdiv(N_max, plan["block_n"])
     if num_splits is None:
@@ -468,11 +481,17 @@ def _merge_args(o_part, lse_part, dtype):
 
 def _split_meta(q, causal, plan):
     return dict(HEAD_DIM=q.shape[3], BLOCK_D=plan["block_d"], BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"],
-                CAUSAL=causal, DOT=ops._dot_mode(q.dtype))
+                CAUSAL=causal, DOT=ops._dot_mode(q.dtype), PDL=plan.get("pdl", False))
 
 
-def _merge_meta(d, block_d, num_splits):
-    return dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=min(MERGE_SPLITS, max(2, ops._pow2(num_splits))))
+def _merge_meta(d, block_d, num_splits, pdl=False):
+    return dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=min(MERGE_SPLITS, max(2, ops._pow2(num_splits))), PDL=pdl)
+
+
+#: Programmatic dependent launch of the merge kernel where the GPU has it (sm_90); a switch for measuring it.
+PDL = {"on": True}
+#: Whether this Triton has the griddepcontrol builtins (``tl.extra.cuda.gdc_wait``; Triton 3.3 and newer).
+HAS_PDL = hasattr(tl.extra.cuda, "gdc_wait") and hasattr(tl.extra.cuda, "gdc_launch_dependents")
 
 
 def _split_forward(q, k_cache, v_cache, seqlens, causal, scale, plan, compiled=None, direct=False):
@@ -487,10 +506,10 @@ def _split_forward(q, k_cache, v_cache, seqlens, causal, scale, plan, compiled=N
     return (o_part.squeeze(2), lse_part.squeeze(2)) if direct else (o_part, lse_part)
 
 
-def _merge(o_part, lse_part, dtype, block_d, compiled=None):
+def _merge(o_part, lse_part, dtype, block_d, compiled=None, pdl=False):
     o, lse, grid, args = _merge_args(o_part, lse_part, dtype)
-    extra = {} if INTERPRETED else {"num_warps": 4 if block_d >= 128 else 2}
-    kernel = flash_decode_merge_kernel[grid](*args, **_merge_meta(o_part.shape[4], block_d, o_part.shape[2]),
+    extra = {} if INTERPRETED else {"num_warps": 4 if block_d >= 128 else 2, "launch_pdl": pdl}
+    kernel = flash_decode_merge_kernel[grid](*args, **_merge_meta(o_part.shape[4], block_d, o_part.shape[2], pdl),
                                              **extra)
     if compiled is not None:
         compiled["merge"] = kernel
@@ -537,7 +556,7 @@ class _Launch:
     def __init__(self, q, causal, scale, plan, compiled, seqlens):
         self.scale, self.plan = scale, plan
         split_meta = _split_meta(q, causal, plan)
-        merge_meta = _merge_meta(q.shape[3], plan["block_d"], plan["num_splits"])
+        merge_meta = _merge_meta(q.shape[3], plan["block_d"], plan["num_splits"], plan.get("pdl", False))
         if INTERPRETED:  # the interpreter compiles nothing: launch through it again, with the same constexprs
             self.split = lambda grid, args: flash_decode_split_kernel[grid](*args, **split_meta)
             self.merge = lambda grid, args: flash_decode_merge_kernel[grid](*args, **merge_meta)
@@ -591,12 +610,12 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens=None, *, sm_scale=None, caus
 
     ``num_splits``: how many slices the keys of each batch row are cut into (one program per slice, K/V
     head and row block, then a merge); None chooses from the GPU's SM count (:func:`decode_plan`); 1 is the
-    unsplit kernel, which writes ``o`` and ``lse`` itself (no merge runs). Returns ``o`` like q, and with ``return_lse`` also ``lse`` ``(B, H, N_q)``, fp32, natural
-    log. ``check_finite`` (default True): refuse NaN or inf in q and in the valid part of the caches, and read
-    ``cache_seqlens`` on the host to check each is in ``[1, N_max]`` (``[N_q, N_max]`` when causal); False
-    skips both (no synchronization: what a generation loop, and the benchmark, pass), and then a call whose
-    shapes, strides and dtypes were already checked once goes straight to the compiled kernels (the launch
-    cache above says why).
+    unsplit kernel, which writes ``o`` and ``lse`` itself (no merge runs). Returns ``o`` like q, and with
+    ``return_lse`` also ``lse`` ``(B, H, N_q)``, fp32, natural log. ``check_finite`` (default True): refuse NaN
+    or inf in q and in the valid part of the caches, and read ``cache_seqlens`` on the host to check each is in
+    ``[1, N_max]`` (``[N_q, N_max]`` when causal); False skips both (no synchronization: what a generation loop,
+    and the benchmark, pass), and then a call whose shapes, strides and dtypes were already checked once goes
+    straight to the compiled kernels (the launch cache above says why).
     Notebook ``13_beyond_one_gpu_and_decoding``.
     """
     key = None
@@ -614,7 +633,7 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens=None, *, sm_scale=None, caus
             o, lse = _split_forward(q, k_cache, v_cache, seqlens, causal, scale, plan, compiled, direct=True)
         else:
             o_part, lse_part = _split_forward(q, k_cache, v_cache, seqlens, causal, scale, plan, compiled)
-            o, lse = _merge(o_part, lse_part, q.dtype, plan["block_d"], compiled)
+            o, lse = _merge(o_part, lse_part, q.dtype, plan["block_d"], compiled, plan.get("pdl", False))
     if key is not None and (INTERPRETED or None not in compiled.values()):
         if len(_LAUNCHES) >= _MAX_LAUNCHES:
             _LAUNCHES.clear()
@@ -638,7 +657,8 @@ class KVCache:
         o = cache.attend(q_new)                    # (B, H, 1, d) against everything so far
 
     The buffers are never reallocated: appending writes after each row's current length, and attending
-    passes the valid lengths to :func:`flash_decode`, which never reads past them. Notebook ``13_beyond_one_gpu_and_decoding``.
+    passes the valid lengths to :func:`flash_decode`, which never reads past them. Notebook
+    ``13_beyond_one_gpu_and_decoding``.
     """
 
     def __init__(self, batch, heads_kv, max_len, head_dim, dtype=torch.float16, device=None):
@@ -788,11 +808,11 @@ def compile_kernels(capability: int, head_dim: int = 128, dtype: str = "float16"
         ("split", flash_decode_split_kernel, [ptr] * 3 + ["*fp32", "*fp32", "*i32"] + ["i32"] * 25 + ["fp32"],
          split_strides,
          dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=cfg["block_n"], CAUSAL=causal,
-              DOT=(DOT_IEEE if dtype == "float32" else DOT_NATIVE).value),
+              DOT=(DOT_IEEE if dtype == "float32" else DOT_NATIVE).value, PDL=capability >= 90 and HAS_PDL),
          dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])),
         ("merge", flash_decode_merge_kernel, ["*fp32", "*fp32", ptr, "*fp32"] + ["i32"] * 16, merge_strides,
-         dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=MERGE_SPLITS),
-         dict(num_warps=4 if block_d >= 128 else 2)),
+         dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=MERGE_SPLITS, PDL=capability >= 90 and HAS_PDL),
+         dict(num_warps=4 if block_d >= 128 else 2, launch_pdl=capability >= 90 and HAS_PDL)),
     ):
         runtime = [n for n in fn.arg_names if n not in constexprs]
         if len(runtime) != len(types):

@@ -15,8 +15,10 @@ this program's keys):
 dQ: a program owns ``BLOCK_M`` queries, Q_i and dO_i resident, and walks the key tiles they see (three products a
 tile: S, dP, then dQ_i += dS K_j). Both use the forward's row statistics (m2, l2) and D = rowsum(dO * O) from the
 teaching preprocess kernel; neither adds anything atomically, so the gradients are bitwise reproducible. fp16 and
-bf16, head dims 64 and 128, top-left causal or not, no other feature. :func:`hopper_backward` runs both; it is
-what :func:`flashref.triton.flash_attention`'s backward runs on an H100 (notebook ``14_flashattention3_on_hopper``).
+bf16, head dims 64 and 128, top-left causal or not, a window, ALiBi, and dropout (the forward's mask, drawn again
+in each kernel's accumulator registers: transposed in dK/dV, :func:`flashref.triton.hopper._keep_t`); no other
+feature. :func:`hopper_backward` runs both; it is what :func:`flashref.triton.flash_attention`'s backward runs on
+an H100 (notebook ``14_flashattention3_on_hopper``).
 """
 
 from __future__ import annotations
@@ -88,9 +90,10 @@ def _modified_scores(S, keep, rows, cols, qk_scale, slope2, win_left, win_right,
 
 
 @gluon.jit
-def _dkdv_tile(k_t, v_t, q_t, do_t, dk, dv, s_zero, keys, i, bh, M2, L2, Delta, N_q, qk_scale, slope2,
-               win_left, win_right, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-               ALIBI: gl.constexpr, col_s: gl.constexpr, p_layout: gl.constexpr):
+def _dkdv_tile(k_t, v_t, q_t, do_t, dk, dv, s_zero, keys, first_key, i, bh, M2, L2, Delta, N_q, qk_scale, slope2,
+               win_left, win_right, seed, drop_below, keep_scale, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr,
+               WINDOW: gl.constexpr, ALIBI: gl.constexpr, DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr,
+               ROWS: gl.constexpr, s_layout: gl.constexpr, col_s: gl.constexpr, p_layout: gl.constexpr):
     """dK_j and dV_j (fp32, in registers) after query tile i, whose Q_i and dO_i are in shared memory, in the
     transposed orientation (the rows are keys)::
 
@@ -98,11 +101,16 @@ def _dkdv_tile(k_t, v_t, q_t, do_t, dk, dv, s_zero, keys, i, bh, M2, L2, Delta, 
         dP^T = V_j dO_i^T,  dS^T = P^T * (dP^T - D),  dK_j += dS^T Q_i
 
     Query columns past N_q (the next head's rows, or TMA's zeros) get P = 0, so they add nothing. slope2,
-    win_left and win_right: as :func:`_modified_scores` takes them."""
+    win_left and win_right: as :func:`_modified_scores` takes them. DROPOUT: the forward's mask for these keys
+    (from ``first_key``) and queries, transposed (:func:`flashref.triton.hopper._keep_t`): dV sums the kept
+    entries of P^T (the caller scales dV by ``keep_scale`` at the end) and dP^T = dP~^T * keep * keep_scale, as
+    the teaching kernel computes them."""
     dtype: gl.constexpr = q_t.dtype
     # S^T and dP^T issued back to back: the second runs while the first's exponentials wait.
     St = warpgroup_mma(k_t, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     dPt = warpgroup_mma(v_t, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if DROPOUT:  # Philox's integer work while both products run
+        kept = hopper._keep_t(seed, bh, i * BLOCK_M, first_key, drop_below, BLOCK_M, ROWS, KEEP_LAYOUT, s_layout)
     queries = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_s)
     live = queries < N_q
     stat = bh.to(gl.int64) * N_q + queries
@@ -115,9 +123,14 @@ def _dkdv_tile(k_t, v_t, q_t, do_t, dk, dv, s_zero, keys, i, bh, M2, L2, Delta, 
     St, keep = _modified_scores(St, keep, gl.expand_dims(queries, 0), gl.expand_dims(keys, 1), qk_scale, slope2,
                                 win_left, win_right, WINDOW, ALIBI)
     Pt = gl.exp2(gl.where(keep, St - gl.expand_dims(lse2, 0), float("-inf")))
-    p = gl.convert_layout(Pt.to(dtype), p_layout)
+    if DROPOUT:
+        p = gl.convert_layout(gl.where(kept, Pt, 0.0).to(dtype), p_layout)
+    else:
+        p = gl.convert_layout(Pt.to(dtype), p_layout)
     dv = warpgroup_mma(p, do_t, dv, is_async=True)
     dPt = warpgroup_mma_wait(1, deps=[dPt])
+    if DROPOUT:
+        dPt = gl.where(kept, dPt * keep_scale, 0.0)
     dSt = Pt * (dPt - gl.expand_dims(D, 0))
     ds = gl.convert_layout(dSt.to(dtype), p_layout)
     dk = warpgroup_mma(ds, q_t, dk, is_async=True)
@@ -156,11 +169,12 @@ def _query_tiles(start_n, N_q, win_left, win_right, BLOCK_M: gl.constexpr, BLOCK
     return i_lo, i_end - i_lo
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["seed", "drop_below"])  # 1 and 0 stay runtime values
 def hopper_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, M2, L2, Delta, N_q, N_k, sm_scale, qk_scale,
-                           SLOPES, win_left, win_right, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
-                           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                           ALIBI: gl.constexpr, num_warps: gl.constexpr):
+                           SLOPES, win_left, win_right, seed, drop_below, keep_scale, HEAD_D: gl.constexpr,
+                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                           WINDOW: gl.constexpr, ALIBI: gl.constexpr, DROPOUT: gl.constexpr,
+                           KEEP_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
     """Program (pid_n, bh) writes dK and dV of keys [pid_n * BLOCK_N, +BLOCK_N) of head bh. The descriptors view
     Q, dO (B * H * N_q, d) and K, V (B * H * N_k, d); query columns past N_q (the next head's rows, or TMA's
     zeros) get P = 0, so they add nothing; key rows past N_k are never stored."""
@@ -199,9 +213,10 @@ def hopper_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, M2, L2, Delt
         i = i_lo + n
         slot = n % STAGES
         mbarrier.wait(bars.index(slot), (n // STAGES) & 1)
-        dk, dv = _dkdv_tile(k_smem, v_smem, q_smem.index(slot), do_smem.index(slot), dk, dv, s_zero, keys, i, bh, M2,
-                            L2, Delta, N_q, qk_scale, slope2, win_left, win_right, BLOCK_M, CAUSAL, WINDOW, ALIBI,
-                            col_s, p_layout)
+        dk, dv = _dkdv_tile(k_smem, v_smem, q_smem.index(slot), do_smem.index(slot), dk, dv, s_zero, keys, start_n, i,
+                            bh, M2, L2, Delta, N_q, qk_scale, slope2, win_left, win_right, seed, drop_below,
+                            keep_scale, BLOCK_M, CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, BLOCK_N, s_layout, col_s,
+                            p_layout)
         # Slot free: start the copies of the tile STAGES ahead.
         _load_pair(q_desc, do_desc, q_smem, do_smem, bars, q_row, n + STAGES, n_tiles, BLOCK_M, STAGES)
 
@@ -209,20 +224,24 @@ def hopper_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, M2, L2, Delt
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
 
+    if DROPOUT:  # dV = P~^T dO with P~ = P * keep / (1 - p): the kept entries were summed, now the scale
+        dv = dv * keep_scale
     _store_dkdv(DK, DV, dk, dv, start_n, bh, N_k, sm_scale, BLOCK_N, HEAD_D, a_layout)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["seed", "drop_below"])  # 1 and 0 stay runtime values
 def hopper_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, DQ, M2, L2, Delta, N_q, N_k, sm_scale, qk_scale,
-                         SLOPES, win_left, win_right, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
-                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                         ALIBI: gl.constexpr, num_warps: gl.constexpr):
+                         SLOPES, win_left, win_right, seed, drop_below, keep_scale, HEAD_D: gl.constexpr,
+                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                         WINDOW: gl.constexpr, ALIBI: gl.constexpr, DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr,
+                         num_warps: gl.constexpr):
     """Program (pid_m, bh) writes dQ of queries [pid_m * BLOCK_M, +BLOCK_M) of head bh: Q_i and dO_i resident, K_j
     and V_j streamed through the ring, in the forward's orientation (queries are the rows):
 
         S = Q_i K_j^T,  P = exp2(S * scale * log2 e - m2 - l2),  dP = dO_i V_j^T,  dS = P * (dP - D),  dQ_i += dS K_j
 
-    Key rows past N_k (the next head's, or TMA's zeros) get P = 0 and so dS = 0: they add nothing."""
+    Key rows past N_k (the next head's, or TMA's zeros) get P = 0 and so dS = 0: they add nothing. DROPOUT:
+    dP = dP~ * keep * keep_scale with the forward's mask (:func:`flashref.triton.hopper._keep`)."""
     pid_m = gl.program_id(0)
     if CAUSAL:  # the last query tiles see the most keys: launch them first, so the short ones fill the tail
         pid_m = gl.num_programs(0) - 1 - pid_m
@@ -284,6 +303,10 @@ def hopper_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, DQ, M2, L2, Delta, N_q
                                    win_left, win_right, WINDOW, ALIBI)
         P = gl.exp2(gl.where(keep, S - gl.expand_dims(lse2, 1), float("-inf")))
         dP = warpgroup_mma_wait(0, deps=[dP])
+        if DROPOUT:  # (drawn before the wait for S instead, the mask measured 0-9% slower at d = 128)
+            kept = hopper._keep(seed, bh, start_m, (j_lo + n) * BLOCK_N, drop_below, BLOCK_M, BLOCK_N, KEEP_LAYOUT,
+                                s_layout)
+            dP = gl.where(kept, dP * keep_scale, 0.0)
         ds = gl.convert_layout((P * (dP - gl.expand_dims(D, 1))).to(dtype), ds_layout)
         dq = warpgroup_mma(ds, k_t, dq, is_async=True)
         dq, ds = warpgroup_mma_wait(0, deps=[dq, ds])  # (in flight on into the next tile measured slower)
@@ -323,9 +346,10 @@ def _ws_dkdv_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, 
 
 @gluon.jit
 def _ws_dkdv_consumer(q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, M2, L2, Delta, bh, start_n,
-                      i_lo, n_tiles, N_q, N_k, sm_scale, qk_scale, SLOPES, win_left, win_right, WG: gl.constexpr,
-                      HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                      CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr):
+                      i_lo, n_tiles, N_q, N_k, sm_scale, qk_scale, SLOPES, win_left, win_right, seed, drop_below,
+                      keep_scale, WG: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                      ALIBI: gl.constexpr, DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr):
     """Consumer warpgroup WG (4 warps) owns keys [start_n + WG * BLOCK_N/2, +BLOCK_N/2): the loop of
     :func:`hopper_bwd_dkdv_kernel` on every tile pair of the ring, which it then hands back (empty barrier)."""
     ROWS: gl.constexpr = BLOCK_N // 2
@@ -349,18 +373,21 @@ def _ws_dkdv_consumer(q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, DK,
         i = i_lo + n
         slot = n % STAGES
         mbarrier.wait(ready.index(slot), (n // STAGES) & 1)
-        dk, dv = _dkdv_tile(k_t, v_t, q_smem.index(slot), do_smem.index(slot), dk, dv, s_zero, keys, i, bh, M2, L2,
-                            Delta, N_q, qk_scale, slope2, win_left, win_right, BLOCK_M, CAUSAL, WINDOW, ALIBI, col_s,
-                            p_layout)
+        dk, dv = _dkdv_tile(k_t, v_t, q_smem.index(slot), do_smem.index(slot), dk, dv, s_zero, keys, first_key, i, bh,
+                            M2, L2, Delta, N_q, qk_scale, slope2, win_left, win_right, seed, drop_below, keep_scale,
+                            BLOCK_M, CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, ROWS, s_layout, col_s, p_layout)
         mbarrier.arrive(empty.index(slot), count=1)
+    if DROPOUT:
+        dv = dv * keep_scale
     _store_dkdv(DK, DV, dk, dv, first_key, bh, N_k, sm_scale, ROWS, HEAD_D, a_layout)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["seed", "drop_below"])  # 1 and 0 stay runtime values
 def hopper_ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, M2, L2, Delta, N_q, N_k, sm_scale, qk_scale,
-                              SLOPES, win_left, win_right, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
-                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                              WINDOW: gl.constexpr, ALIBI: gl.constexpr, num_warps: gl.constexpr):
+                              SLOPES, win_left, win_right, seed, drop_below, keep_scale, HEAD_D: gl.constexpr,
+                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                              CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr, DROPOUT: gl.constexpr,
+                              KEEP_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
     """The warp-specialized dK/dV kernel: program (pid_n, bh) owns BLOCK_N keys of head bh, split between two
     consumer warpgroups (the kernel's own 4 warps and a worker warpgroup), each with the K and V rows of its half;
     one worker warp copies every Q, dO tile pair once for both. As the forward's warp-specialized kernel, the
@@ -386,18 +413,20 @@ def hopper_ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, M2, L2, D
     i_lo, n_tiles = _query_tiles(start_n, N_q, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     gl.warp_specialize([
         (_ws_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, M2, L2, Delta, bh,
-                             start_n, i_lo, n_tiles, N_q, N_k, sm_scale, qk_scale, SLOPES, win_left, win_right, 0,
-                             HEAD_D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, ALIBI)),
+                             start_n, i_lo, n_tiles, N_q, N_k, sm_scale, qk_scale, SLOPES, win_left, win_right, seed,
+                             drop_below, keep_scale, 0, HEAD_D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, ALIBI,
+                             DROPOUT, KEEP_LAYOUT)),
         (_ws_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty,
                              bh, start_n, i_lo, n_tiles, N_q, N_k, BLOCK_M, BLOCK_N, STAGES)),
         (_ws_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, M2, L2, Delta, bh,
-                             start_n, i_lo, n_tiles, N_q, N_k, sm_scale, qk_scale, SLOPES, win_left, win_right, 1,
-                             HEAD_D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, ALIBI)),
+                             start_n, i_lo, n_tiles, N_q, N_k, sm_scale, qk_scale, SLOPES, win_left, win_right, seed,
+                             drop_below, keep_scale, 1, HEAD_D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, ALIBI,
+                             DROPOUT, KEEP_LAYOUT)),
     ], [1, 4], [24, 240])
 
 
-def default_config(head_dim: int, part: str = "dkdv") -> dict:
-    """The tiles the ``part`` kernel ("dkdv" or "dq") launches with.
+def default_config(head_dim: int, part: str = "dkdv", dropout: bool = False) -> dict:
+    """The tiles the ``part`` kernel ("dkdv" or "dq") launches with (``dropout``: with dropout).
 
     dK/dV, the best of three on an H100 (fp16, B x N = 65536, H x d = 2048, N = 4K and 16K, causal and not): at
     d = 64, 64 keys a program in one warpgroup, 64 queries a step, Q and dO in a ring of 2 (measured 1.13-1.33x
@@ -409,11 +438,17 @@ def default_config(head_dim: int, part: str = "dkdv") -> dict:
     dQ: 64 queries a program in one warpgroup (one fp32 accumulator), 64 keys a step, K and V in a ring of 2, the
     best of four (or within 2% of it) at each head dim. Measured (profiler, same shapes) 1.15-1.20x the teaching
     dQ kernel's time without causal masking, 0.91-1.09x with it (the slowest at N = 16K, d = 64), before the
-    causal launch order was reversed."""
+    causal launch order was reversed.
+    With dropout the same tiles, but for dK/dV at d = 128: the warp-specialized kernel spills 0.8-1 KB a thread
+    with the mask's words and measured 0.65-0.70x the teaching kernel's speed (H100, B 8, H 16, N 4K, p = 0.1), so
+    one warpgroup takes 64 keys and steps 32 queries with a ring of 2 (1.12-1.24x the teaching kernel's speed; 64
+    queries a step, or a ring of 3, measured slower)."""
     if part not in ("dkdv", "dq"):
         raise ValueError(f"part must be 'dkdv' or 'dq', got {part!r}")
     if part == "dq":
         return dict(block_m=64, block_n=64, num_warps=4, stages=2)
+    if dropout and head_dim > 64:
+        return dict(block_m=32, block_n=64, num_warps=4, stages=2)
     if head_dim <= 64:
         return dict(block_m=64, block_n=64, num_warps=4, stages=2)
     return dict(block_m=64, block_n=128, num_warps=4, stages=2, warp_specialize=True)
@@ -440,9 +475,11 @@ def _descriptors(q, k, v, do, cfg: dict):
     return descs
 
 
-def _meta(d: int, causal: bool, cfg: dict, window, slopes2) -> dict:
+def _meta(d: int, causal: bool, cfg: dict, window, slopes2, dropout=None, keep_layout=None) -> dict:
     return dict(HEAD_D=d, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"],
-                CAUSAL=bool(causal), WINDOW=window is not None, ALIBI=slopes2 is not None, num_warps=cfg["num_warps"])
+                CAUSAL=bool(causal), WINDOW=window is not None, ALIBI=slopes2 is not None,
+                DROPOUT=dropout is not None, KEEP_LAYOUT=keep_layout if dropout is not None else None,
+                num_warps=cfg["num_warps"])
 
 
 def _mod_args(q, window, slopes2) -> tuple:
@@ -458,48 +495,61 @@ def _mod_args(q, window, slopes2) -> tuple:
     return slopes, int(win_left), int(win_right)
 
 
+def _drop_args(dropout) -> tuple:
+    """(seed, drop_below, keep_scale): ``dropout`` as :meth:`flashref.triton.ops.Features.scalars` gives them, or
+    stand-ins when None."""
+    return tuple(dropout) if dropout is not None else (0, 0, 1.0)
+
+
 def hopper_dkdv(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dict | None = None, *, window=None,
-                slopes2=None):
+                slopes2=None, dropout=None):
     """(dk, dv) from the Gluon kernel, for checked, :func:`supported` inputs; m2, l2, delta: (B, H, N_q) fp32.
     ``cfg`` as :func:`default_config` gives it; with ``warp_specialize=True``, the warp-specialized kernel
     (:func:`hopper_ws_bwd_dkdv_kernel`: block_n keys a program, two consumers' worth, num_warps 4). ``window``
-    and ``slopes2`` as :func:`_mod_args` takes them."""
+    and ``slopes2`` as :func:`_mod_args` takes them; ``dropout``: ``(seed, drop_below, keep_scale)``, or None."""
     B, H, N_q, d = q.shape
     N_k = k.shape[2]
-    cfg = cfg or default_config(d, "dkdv")
+    cfg = cfg or default_config(d, "dkdv", dropout is not None)
     dk = torch.empty((B, H, N_k, d), dtype=q.dtype, device=q.device)
     dv = torch.empty_like(dk)
     grid = (triton.cdiv(N_k, cfg["block_n"]), B * H)
     args = (dk, dv, m2.contiguous(), l2.contiguous(), delta, N_q, N_k, scale, scale * LOG2E,
-            *_mod_args(q, window, slopes2))
-    meta = _meta(d, causal, cfg, window, slopes2)
+            *_mod_args(q, window, slopes2), *_drop_args(dropout))
     if cfg.get("warp_specialize"):
         halves = dict(cfg, block_n=cfg["block_n"] // 2)  # each TMA copy of K or V is one consumer's rows
+        meta = _meta(d, causal, cfg, window, slopes2, dropout,
+                     hopper.keep_t_layout(halves["block_n"], cfg["block_m"], 4))
         hopper_ws_bwd_dkdv_kernel[grid](*_descriptors(q, k, v, do, halves), *args, **meta, maxnreg=hopper.WS_MAXNREG)
     else:
+        meta = _meta(d, causal, cfg, window, slopes2, dropout,
+                     hopper.keep_t_layout(cfg["block_n"], cfg["block_m"], cfg["num_warps"]))
         hopper_bwd_dkdv_kernel[grid](*_descriptors(q, k, v, do, cfg), *args, **meta)
     return dk, dv
 
 
 def hopper_dq(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dict | None = None, *, window=None,
-              slopes2=None):
+              slopes2=None, dropout=None):
     """dq from the Gluon kernel, for checked, :func:`supported` inputs; m2, l2, delta: (B, H, N_q) fp32;
-    ``window`` and ``slopes2`` as :func:`_mod_args` takes them."""
+    ``window`` and ``slopes2`` as :func:`_mod_args` takes them; ``dropout`` as :func:`hopper_dkdv` takes it."""
     B, H, N_q, d = q.shape
     cfg = cfg or default_config(d, "dq")
     dq = torch.empty((B, H, N_q, d), dtype=q.dtype, device=q.device)
     grid = (triton.cdiv(N_q, cfg["block_m"]), B * H)
     hopper_bwd_dq_kernel[grid](*_descriptors(q, k, v, do, cfg), dq, m2.contiguous(), l2.contiguous(), delta, N_q,
-                               k.shape[2], scale, scale * LOG2E, *_mod_args(q, window, slopes2),
-                               **_meta(d, causal, cfg, window, slopes2))
+                               k.shape[2], scale, scale * LOG2E, *_mod_args(q, window, slopes2), *_drop_args(dropout),
+                               **_meta(d, causal, cfg, window, slopes2, dropout,
+                                       hopper.keep_layout(cfg["block_m"], cfg["block_n"], cfg["num_warps"])))
     return dq
 
 
-def hopper_backward(q, k, v, do, m2, l2, delta, causal: bool, scale: float, *, window=None, slopes2=None):
+def hopper_backward(q, k, v, do, m2, l2, delta, causal: bool, scale: float, *, window=None, slopes2=None,
+                    dropout=None):
     """(dq, dk, dv) from the two Gluon kernels at their default tiles, for checked, :func:`supported` inputs
     (``delta`` = rowsum(dO * O), as the teaching preprocess kernel computes it): what
     :func:`flashref.triton.flash_attention`'s backward runs on an H100. Deterministic: each gradient element is
     written by one program. A sliding window (``window``) and ALiBi (``slopes2``), as :func:`_mod_args` takes
-    them, change the scores as the teaching kernels do, so either forward's statistics feed this backward."""
-    dk, dv = hopper_dkdv(q, k, v, do, m2, l2, delta, causal, scale, window=window, slopes2=slopes2)
-    return hopper_dq(q, k, v, do, m2, l2, delta, causal, scale, window=window, slopes2=slopes2), dk, dv
+    them, change the scores as the teaching kernels do, so either forward's statistics feed this backward; so does
+    ``dropout`` = ``(seed, drop_below, keep_scale)``, with the forward's mask."""
+    mods = dict(window=window, slopes2=slopes2, dropout=dropout)
+    dk, dv = hopper_dkdv(q, k, v, do, m2, l2, delta, causal, scale, **mods)
+    return hopper_dq(q, k, v, do, m2, l2, delta, causal, scale, **mods), dk, dv

@@ -5,6 +5,8 @@ Taught in notebooks ``07_triton_forward`` (the forward wrapper) and ``08_triton_
 
 from __future__ import annotations
 
+import contextlib
+
 import functools
 import importlib
 import os
@@ -424,20 +426,18 @@ def _gluon_module(name: str):
         return e
 
 
-def _hopper_refusal(q, k, v, feat: Features, backward: bool = False, dq_only: bool = False) -> str | None:
+def _hopper_refusal(q, k, v, feat: Features, backward: bool = False) -> str | None:
     """None when the Hopper forward (notebook ``14_flashattention3_on_hopper``) can take this checked call, else why
     it cannot: the teaching kernel takes it then. The Hopper forward takes a window (``window_size`` or a
-    bottom-right causal mask). ``backward``: the same for the Gluon backward, which also takes ALiBi (its
-    statistics come from either forward). Its kernels take a window too (``hopper_backward(window=)``), but its
-    dK/dV kernel measured slower there than the teaching one (1.69-1.76 ms against 1.44-1.47, H100, d = 128, a
-    causal window of 1024 keys, 32K tokens), so a window keeps the teaching dK/dV; ``dq_only``: whether the Gluon
-    dQ kernel alone can take the call, which it can with a window (see :func:`_backward_kernel`)."""
+    bottom-right causal mask) and dropout (the teaching kernel's mask, bit for bit; not both). ``backward``: the
+    same for the Gluon backward kernels, which also take ALiBi (their statistics come from either forward) and a
+    window (``hopper_backward(window=)``; which of them a window uses is :func:`_backward_kernel`'s choice)."""
     if INTERPRETED or not q.is_cuda:
         return "runs on an sm_90 GPU, not in Triton's CPU interpreter"
     if configs.device_capability(q.device) != 90:  # wgmma and setmaxnreg are sm_90a's
         return f"needs an sm_90 (Hopper) GPU, got sm_{configs.device_capability(q.device)}"
-    used = (("dropout_p", feat.dropout_p > 0.0), ("block_mask", feat.block_mask is not None),
-            ("window_size or causal_align='bottom_right'", feat.window and backward and not dq_only), ("softcap", feat.softcap),
+    used = (("block_mask", feat.block_mask is not None),
+            ("softcap", feat.softcap),
             ("alibi_slopes", feat.slopes2 is not None and not backward), ("packed batches", feat.varlen is not None))
     features = [name for name, on in used if on]
     if features:
@@ -447,6 +447,9 @@ def _hopper_refusal(q, k, v, feat: Features, backward: bool = False, dq_only: bo
     hopper = _gluon_module("hopper")
     if isinstance(hopper, ImportError):
         return f"needs Triton's Gluon with its Hopper ops, which this Triton {triton.__version__} lacks ({hopper})"
+    if feat.dropout_p > 0.0 and (feat.window or q.shape[3] not in hopper.DROPOUT_HEAD_DIMS):
+        return (f"takes dropout_p only without a window and at head dims {hopper.DROPOUT_HEAD_DIMS} (its dropout "
+                f"runs the overlapped loop, which has neither)")
     return hopper.supported(q, k, v)
 
 
@@ -477,26 +480,26 @@ def _backward_kernel(q, k, v, feat: Features, kernel: str, deterministic: bool) 
     kernel's atomic dQ). With a window at d = 128, ``"hopper dq"``: the Gluon dQ kernel beside the teaching
     dK/dV kernel, each the faster of its pair there (H100, causal window of 1024 keys, 32K tokens: dQ 0.76-0.78
     ms against the teaching kernel's 0.87-0.89, dK/dV 1.44-1.47 against the Gluon kernel's 1.69-1.76). At d = 64
-    the teaching dQ was the faster (0.86 ms against 0.96), so the window keeps both teaching kernels there."""
+    the teaching dQ was the faster (0.86 ms against 0.96), so the window keeps both teaching kernels there. Dropout
+    (without a window) runs both Gluon kernels, with the forward's mask."""
     _check_kernel(kernel)
-    if kernel == "triton" or not deterministic:
+    if kernel == "triton" or not deterministic or _hopper_refusal(q, k, v, feat, backward=True) is not None:
         return "triton"
-    whole = _hopper_refusal(q, k, v, feat, backward=True) is None
-    dq_alone = (not whole and feat.window and q.shape[3] == 128
-                and _hopper_refusal(q, k, v, feat, backward=True, dq_only=True) is None)
-    if not (whole or dq_alone):
+    if feat.window and q.shape[3] != 128:
         return "triton"
     backward = _gluon_module("hopper_backward")
     if isinstance(backward, ImportError) or backward.supported(q, k, v) is not None:
         return "triton"
-    return "hopper" if whole else "hopper dq"
+    return "hopper dq" if feat.window else "hopper"
 
 
 def _forward(q, k, v, scale: float, feat: Features, kernel: str = "triton"):
     if _forward_kernel(q, k, v, feat, kernel) == "hopper":
         hopper = _gluon_module("hopper")
         window = (feat.win_left, feat.win_right) if feat.window else None
-        return hopper.launch_forward(q, k, v, feat.causal, scale, hopper.default_config(q.shape[3]), window=window)
+        dropout = _dropout_scalars(feat)
+        cfg = hopper.dropout_config(q.shape[3]) if dropout is not None else hopper.default_config(q.shape[3])
+        return hopper.launch_forward(q, k, v, feat.causal, scale, cfg, window=window, dropout=dropout)
     B, H, N_q, d = q.shape
     N_k = k.shape[2]
     # A packed batch's o takes q's layout, (total_q, H, d), through the same view the kernel gets.
@@ -509,6 +512,14 @@ def _forward(q, k, v, scale: float, feat: Features, kernel: str = "triton"):
             **feat.scalars(), HEAD_DIM=d, BLOCK_D=max(16, _pow2(d)), CAUSAL=feat.causal,
             DOT=_dot_mode(q.dtype), **feat.meta)
     return o, lse, (m2, l2)
+
+
+def _dropout_scalars(feat: Features):
+    """(seed, drop_below, keep_scale) as the Gluon kernels take them, or None without dropout."""
+    if feat.dropout_p == 0.0:
+        return None
+    scalars = feat.scalars()
+    return scalars["seed"], scalars["drop_below"], scalars["keep_scale"]
 
 
 def _group_split(group: int, programs: int, device) -> int:
@@ -560,39 +571,49 @@ def _backward(q, k, v, o, stats, do, scale: float, deterministic: bool, feat: Fe
         delta = _delta(o, do)
     dq = dk = dv = None
     choice = _backward_kernel(q, k, v, feat, kernel, deterministic)
+    side = _dq_stream(q.device) if deterministic and parts == _BOTH and _dq_beside(feat, choice) else None
+    if side is not None:  # dQ beside dK/dV: see _dq_stream
+        here = torch.cuda.current_stream(q.device)
+        side.wait_stream(here)
     if choice != "triton":
         hopper = _gluon_module("hopper_backward")
-        mods = dict(window=(feat.win_left, feat.win_right) if feat.window else None, slopes2=feat.slopes2)
-        dq = hopper.hopper_dq(q, k, v, do, m2, l2, delta, feat.causal, scale, **mods) if want_dq else None
-        if choice == "hopper":
-            dk, dv = (hopper.hopper_dkdv(q, k, v, do, m2, l2, delta, feat.causal, scale, **mods) if want_dkdv
-                      else (None, None))
-            return dq, dk, dv
-        want_dq = False  # "hopper dq": dK and dV from the teaching kernel below
+        mods = dict(window=(feat.win_left, feat.win_right) if feat.window else None, slopes2=feat.slopes2,
+                    dropout=_dropout_scalars(feat))
     meta = dict(HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=feat.causal, DOT=_dot_mode(q.dtype),
                 TUNE_N=_bucket(max(feat.rows_q, feat.rows_k)), GROUP=H // H_kv, **feat.scalars(), **feat.meta)
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
     tail = (H, N_q, N_k, scale, scale * LOG2E)
-    side = _dq_stream(q.device) if deterministic and parts == _BOTH and feat.block_mask is not None else None
-    if deterministic and want_dq:
+    if deterministic and want_dq and choice != "triton":
+        dq = hopper.hopper_dq(q, k, v, do, m2, l2, delta, feat.causal, scale, **mods)  # (never beside: see below)
+    elif deterministic and want_dq:
+        # Allocated here, on the caller's stream (so are the block lists), whichever stream the kernel runs on.
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         bm_q, lists_q, bm_strides_q = feat.args(q)
-        dq_args = (q, k, v, do, dq, m2, l2, delta, bm_q, lists_q, *common, *_strides(dq), *bm_strides_q, *tail)
-    if side is not None:  # dQ beside dK/dV: see _dq_stream
-        side.wait_stream(torch.cuda.current_stream(q.device))
-        with torch.cuda.stream(side):
-            _launch(flash_bwd_dq_kernel, "dq", feat.rows_q, feat.batch * H, *dq_args, **meta)
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            _launch(flash_bwd_dq_kernel, "dq", feat.rows_q, feat.batch * H, q, k, v, do, dq, m2, l2, delta, bm_q,
+                    lists_q, *common, *_strides(dq), *bm_strides_q, *tail, **meta)
     if want_dkdv:
-        # Atomic dQ accumulates in fp32 (O(N d) more memory); the deterministic path passes a 1-element stand-in.
-        dq_acc = torch.zeros(q.shape if not deterministic else (1, 1, 1, 1), dtype=torch.float32, device=q.device)
-        dk, dv = _dkdv(q, k, v, do, dq_acc, m2, l2, delta, feat, deterministic, common, tail, meta)
-        if not deterministic:
-            return dq_acc.to(q.dtype), dk, dv
+        if choice == "hopper":
+            dk, dv = hopper.hopper_dkdv(q, k, v, do, m2, l2, delta, feat.causal, scale, **mods)
+        else:
+            # Atomic dQ accumulates in fp32 (O(N d) more memory); the deterministic path passes a 1-element
+            # stand-in.
+            dq_acc = torch.zeros(q.shape if not deterministic else (1, 1, 1, 1), dtype=torch.float32,
+                                 device=q.device)
+            dk, dv = _dkdv(q, k, v, do, dq_acc, m2, l2, delta, feat, deterministic, common, tail, meta)
+            if not deterministic:
+                dq = dq_acc.to(q.dtype)
     if side is not None:
-        torch.cuda.current_stream(q.device).wait_stream(side)  # what follows on this stream sees dQ
-    elif want_dq:
-        _launch(flash_bwd_dq_kernel, "dq", feat.rows_q, feat.batch * H, *dq_args, **meta)
+        here.wait_stream(side)  # what follows on this stream sees dQ
     return dq, dk, dv
+
+
+def _dq_beside(feat: Features, choice: str) -> bool:
+    """Whether the backward launches its dQ kernel on a side stream beside the dK/dV kernel (see
+    :func:`_dq_stream`): with a block mask, which only the teaching kernels take. Measured for the other backwards
+    too (H100, 16 shapes: windows, dense d = 64 to 256, GQA, softcap, dropout; Gluon and teaching kernels), side by
+    side gave 0.98-1.04x, 1.01x at the median: within the runs' spread, so they keep one stream."""
+    return choice == "triton" and feat.block_mask is not None
 
 
 def _dkdv(q, k, v, do, dq_acc, m2, l2, delta, feat: Features, deterministic: bool, common, tail, meta):
@@ -788,14 +809,15 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, deterministic=True, *,
     does not check either), and non-finite inputs then give non-finite outputs.
     ``kernel`` (default ``"auto"``): which forward runs. ``"triton"`` is the teaching kernel of notebook
     ``07_triton_forward``, on every GPU and in the CPU interpreter. ``"hopper"`` is the Gluon forward of notebook
-    ``14_flashattention3_on_hopper`` (:mod:`flashref.triton.hopper`): an sm_90 GPU, fp16 or bf16, d in 64, 128,
-    256, contiguous q, k, v with as many heads, no feature below; a call it cannot take is a ``ValueError`` saying
-    why. ``"auto"`` takes the Hopper forward where it can and the teaching kernel everywhere else
-    (:func:`forward_kernel` says which). Both give the same o, lse and row statistics. The backward follows:
-    under ``"auto"`` and ``"hopper"`` the Gluon dK/dV and dQ kernels of :mod:`flashref.triton.hopper_backward` run
-    wherever they can (the Hopper forward's conditions, d = 64 or 128, ``deterministic=True``; unlike the forward,
-    they also take ``alibi_slopes``), the teaching backward everywhere else; with a window at d = 128 the Gluon dQ
-    kernel runs beside the teaching dK/dV kernel (:func:`backward_kernel` says which).
+    ``14_flashattention3_on_hopper`` (:mod:`flashref.triton.hopper`): an sm_90 GPU, fp16 or bf16, d in 64, 128, 256,
+    contiguous q, k, v with as many heads, none of the features below but a window or (at d = 64 and 128, without a
+    window) dropout; a call it cannot take is a ``ValueError`` saying why. ``"auto"`` takes the Hopper forward where
+    it can and the teaching kernel everywhere else (:func:`forward_kernel` says which). Both give the same o, lse
+    and row statistics. The backward follows: under ``"auto"`` and ``"hopper"`` the Gluon dK/dV and dQ kernels of
+    :mod:`flashref.triton.hopper_backward` run wherever they can (the Hopper forward's conditions, dropout's
+    included, d = 64 or 128, ``deterministic=True``; unlike the forward, they also take ``alibi_slopes``), the
+    teaching backward everywhere else; with a window at d = 128 the Gluon dQ kernel runs beside the teaching dK/dV
+    kernel (:func:`backward_kernel` says which).
     Notebooks ``07_triton_forward`` and ``08_triton_backward``.
     """
     return FlashAttentionFunction.apply(q, k, v, causal, sm_scale, deterministic, check_finite, dropout_p, seed,
