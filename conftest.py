@@ -28,10 +28,19 @@ def openblas_core() -> str:
 
 
 def pytest_configure(config):
-    """tests/openblas_cores.py forces an OpenBLAS core type: make sure it is the one in use, in every worker."""
+    """tests/openblas_cores.py forces an OpenBLAS core type: make sure it is the one in use, in every worker.
+    Without CUDA, flashref.triton is imported first, in every worker: it switches Triton's interpreter on, which
+    must happen before triton is first imported. A test that imports triton itself (``results.versions()``
+    does), or under a faked GPU, would otherwise leave the kernels of every later test in that process
+    unable to run."""
     expected = os.environ.get("FLASHREF_EXPECT_OPENBLAS_CORE")
     if expected and openblas_core().lower() != expected.lower():
         raise pytest.UsageError(f"OPENBLAS_CORETYPE={expected} was asked for, but OpenBLAS runs {openblas_core()}")
+    if not cuda_available():
+        try:
+            import flashref.triton  # noqa: F401
+        except ImportError:  # no triton installed: the tests that need it skip
+            pass
 
 
 @functools.lru_cache(maxsize=None)
