@@ -1,10 +1,11 @@
-# Device call 2 of 3 (about 8-9 minutes): the rows the branch changes, each replacing its saved rows (--append).
-# The data files come back in $OUT/data.tgz: unpack over book/data. Order: the window's kernels (issue 16's
-# decision), the window and ALiBi forward + backward against Flex, then forward + backward against cuDNN.
+# Device call 2 (one call per argument, each under the 600 s limit):
+#   bash .pending/masked-tiles/land_gpu_2_bench.sh "mods --parts window-kernels window"
+#   bash .pending/masked-tiles/land_gpu_2_bench.sh "hopper --parts training"
+#   bash .pending/masked-tiles/land_gpu_2_bench.sh "mods --parts alibi"          (if time is left)
+# Each replaces its saved rows (--append replaces what it measures again, group by group). The data files come
+# back in $OUT/data.tgz, refreshed after each row's run: unpack over book/data.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-for part in "mods --parts window-kernels window --append" "hopper --parts training --append" \
-            "mods --parts alibi --append"; do
-    echo "== $part"; timeout 300 python3 -m flashref.bench $part 2>&1 | tee -a $OUT/bench.log | tail -40
-    tar czf $OUT/data.tgz book/data/*.json
-done
+echo "== $1"
+timeout 560 python3 -m flashref.bench $1 --append 2>&1 | tee $OUT/bench.log | tail -45
+tar czf $OUT/data.tgz book/data/*.json
