@@ -107,12 +107,12 @@ def _dkdv_tile(k_t, v_t, q_t, do_t, dk, dv, s_zero, keys, first_key, i, bh, M2, 
         dP^T = V_j dO_i^T,  dS^T = P^T * (dP^T - D),  dK_j += dS^T Q_i
 
     Query columns past N_q (the next head's rows, or TMA's zeros) get P = 0, so they add nothing. slope2,
-    win_left and win_right: as :func:`_scaled_scores` and :func:`_in_window` take them. DROPOUT: the forward's mask for these keys
-    (from ``first_key``) and queries, transposed (:func:`flashref.triton.hopper._keep_t`): dV sums the kept
-    entries of P^T (the caller scales dV by ``keep_scale`` at the end) and dP^T = dP~^T * keep * keep_scale, as
-    the teaching kernel computes them. ``masked`` may be False for the tiles :func:`_full_query_tiles` finds every
-    query of to see every key here: no mask is computed then. A constant (True, or False) compiles one version of
-    the tile; a runtime flag compiles both under a branch (``MASKS`` of :func:`dkdv_masks`)."""
+    win_left and win_right: as :func:`_scaled_scores` and :func:`_in_window` take them. DROPOUT: the forward's
+    mask for these keys (from ``first_key``) and queries, transposed (:func:`flashref.triton.hopper._keep_t`): dV
+    sums the kept entries of P^T (the caller scales dV by ``keep_scale`` at the end) and dP^T = dP~^T * keep *
+    keep_scale, as the teaching kernel computes them. ``masked`` may be False for the tiles
+    :func:`_full_query_tiles` finds every query of to see every key here: no mask is computed then. A constant
+    compiles one version of the tile; a runtime flag compiles both under a branch (:func:`dkdv_masks`)."""
     dtype: gl.constexpr = q_t.dtype
     # S^T and dP^T issued back to back: the second runs while the first's exponentials wait.
     St = warpgroup_mma(k_t, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -202,9 +202,8 @@ def _full_query_tiles(first_key, N_q, win_left, win_right, BLOCK_M: gl.constexpr
 def _mask_segments(first_key, i_lo, n_tiles, N_q, win_left, win_right, BLOCK_M: gl.constexpr, ROWS: gl.constexpr,
                    CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
     """(0, a, b, n_tiles): of the loop's steps 0 to n_tiles - 1 (query tile i_lo + n), [0, a) and [b, n_tiles) need
-    a mask and [a, b) do not (:func:`_full_query_tiles`). Each range runs a loop of its own, compiled with or
-    without the mask: one loop holding both versions of the tile under a branch keeps both live, and the
-    warp-specialized kernel at d = 128 spilled 30% more."""
+    a mask and [a, b) do not (:func:`_full_query_tiles`). How a kernel uses them (a loop for each range, or a
+    branch in one loop) is :func:`dkdv_masks`'s choice."""
     lo_full, hi_full = _full_query_tiles(first_key, N_q, win_left, win_right, BLOCK_M, ROWS, CAUSAL, WINDOW)
     a = gl.minimum(gl.maximum(lo_full - i_lo, 0), n_tiles)
     b = gl.minimum(gl.maximum(hi_full - i_lo, a), n_tiles)
@@ -334,7 +333,10 @@ def hopper_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, DQ, M2, L2, Delta, N_q
         j_lo = gl.maximum(start_m - win_left, 0) // BLOCK_N
         j_end = gl.minimum(j_end, gl.cdiv(gl.maximum(start_m + BLOCK_M + win_right, 0), BLOCK_N))
     n_tiles = j_end - j_lo  # may be <= 0: these queries see no key, dQ = 0
-    # Key tiles [lo_full, n_full) need no mask (the forward's ranges: every query row sees every key of them).
+    # Key tiles [lo_full, n_full) need no mask (the forward's ranges: every query row sees every key of them);
+    # the others take a branch. Against a mask on every tile (H100, as dkdv_masks): 0.72-0.74x the time causal
+    # at d = 64, 0.90-0.92x at d = 128, 0.80-0.92x with a window, 0.89x causal with dropout, 0.97-1.04x
+    # non-causal (one branch a tile, nothing to save).
     _, _, lo_full, n_full = hopper._key_tiles(start_m, N_k, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     kv_row = bh * N_k + j_lo * BLOCK_N
 
@@ -555,13 +557,14 @@ def dkdv_masks(warp_specialize: bool, window: bool, dropout: bool = False) -> st
     """How the dK/dV kernel spends its masks (``MASKS``): ``"every"`` tile masked, as the teaching kernel's; a
     ``"branch"`` in one loop around the tile with and without the mask; or separate ``"loops"`` for the masked
     tiles (the causal diagonal, a window's edges, the ragged end) and those without a mask. The results are the
-    same bits. Measured on an H100 (fp16, B x N = 32K, 16 heads, median of triton's do_bench; causal window of
-    1024 keys at N = 8K and 16K): one warpgroup (d = 64) is fastest with separate loops: 0.95x the time with a
-    mask on every tile causal, 0.99x non-causal, 0.81x with the window. The warp-specialized kernel (d = 128)
-    is not: its consumers hold 240 registers and spill more with either (ptxas: 336 bytes causal with a mask on
-    every tile, 432 with a branch, 572 with loops), and measured 1.08x (loops) to 1.12x (branch) the time
-    causal; but with a window the branch took 0.77-0.79x the time (loops 0.84-0.85x): beyond the diagonal, the
-    mask of every tile costs more than the spills. With dropout every tile keeps its mask, as measured in
+    same bits. Measured on an H100 (fp16, B x N = 32K, 16 or 32 heads, medians of triton's do_bench in two runs;
+    causal window of 1024 keys at N = 8K and 16K): one warpgroup (d = 64) is fastest with separate loops, 0.96-0.98x
+    the time with a mask on every tile causal, 0.99x non-causal, 0.79-0.81x with the window (0.86x a two-sided
+    window of 511 keys with ALiBi). The warp-specialized kernel (d = 128) is not: its consumers hold 240
+    registers and spill more with either (ptxas: 336 bytes a thread causal with a mask on every tile, 432 with
+    a branch, 572 with loops), and measured 1.05-1.08x (loops) and 1.12x (branch) the time causal, 0.98x and
+    1.06x non-causal; but with a window the branch took 0.77-0.79x the time (loops 0.84-0.85x): there the mask
+    on every tile costs more than the spills. With dropout every tile keeps its mask, as measured in
     :func:`default_config` (separate loops compile the mask's Philox rounds twice and spill 4-40 bytes)."""
     if dropout:
         return "every"
@@ -635,8 +638,9 @@ def hopper_dkdv(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dic
         halves = dict(cfg, block_n=cfg["block_n"] // 2)  # each TMA copy of K or V is one consumer's rows
         meta = _meta(d, causal, cfg, window, slopes2, dropout,
                      hopper.keep_t_layout(halves["block_n"], cfg["block_m"], 4))
-        hopper_ws_bwd_dkdv_kernel[grid](*_descriptors(q, k, v, do, halves), *args, **meta,
-                                        MASKS=dkdv_masks(True, window is not None, dropout is not None), maxnreg=hopper.WS_MAXNREG)
+        masks = dkdv_masks(True, window is not None, dropout is not None)
+        hopper_ws_bwd_dkdv_kernel[grid](*_descriptors(q, k, v, do, halves), *args, **meta, MASKS=masks,
+                                        maxnreg=hopper.WS_MAXNREG)
     else:
         meta = _meta(d, causal, cfg, window, slopes2, dropout,
                      hopper.keep_t_layout(cfg["block_n"], cfg["block_m"], cfg["num_warps"]))
