@@ -119,6 +119,10 @@ def test_append_adds_to_a_run_of_the_same_machine_and_refuses_another(tmp_path):
     # a library the file does not name (CuPy, in a file written before it was recorded) is no difference
     assert results.start(str(path), "GPU A", {"torch": "1", "cupy": None}, "c")["results"] == [{"case": "gqa fwd+bwd"}]
     assert results.start(str(tmp_path / "absent.json"), "GPU A", {}, "c")["results"] == []
+    # what a run measures again replaces the saved rows: none is in the file twice
+    path.write_text(json.dumps({**fresh, "results": [{"case": "gqa fwd+bwd"}, {"case": "dropout fwd+bwd"}]}))
+    again = results.start(str(path), "GPU A", {"torch": "1"}, "c", remeasured=lambda r: r["case"].startswith("gqa"))
+    assert again["results"] == [{"case": "dropout fwd+bwd"}]
 
 
 def test_the_model_bench_appends_to_its_committed_run():
@@ -261,6 +265,8 @@ def test_each_command_line_saves_the_schema_of_its_committed_file(fake_gpu, monk
     assert [r["case"] for r in saved["results"]] == ["gqa fwd+bwd", "dropout fwd+bwd"]
     assert saved["command"] == ("python -m flashref.bench features --parts gqa; "
                                 "python -m flashref.bench features --parts dropout")
+    assert features_bench.main(["--out", out, "--parts", "gqa", "--append"]) == 0  # measured again: replaced
+    assert [r["case"] for r in results.load("features.json", out)["results"]] == ["dropout fwd+bwd", "gqa fwd+bwd"]
 
     monkeypatch.setattr(model_bench, "compile_cases", lambda: iter([{"part": "compile", "attention": "sdpa"}]))
     out = str(tmp_path / "model.json")
@@ -287,3 +293,23 @@ def test_each_command_line_saves_the_schema_of_its_committed_file(fake_gpu, monk
     saved = results.load("hbm.json", out)
     assert set(saved) == _committed_keys("hbm_bench.json")
     assert saved["command"] == "python -m flashref.bench hbm --quick" and saved["complete"]
+
+
+def test_the_hopper_bench_measures_some_parts_again_in_place(fake_gpu, monkeypatch, tmp_path):
+    """``--parts training --append`` keeps the forward rows and replaces the forward + backward ones; the saved
+    command names the parts, not --append, as the other suites' do."""
+    from flashref.bench import hopper_bench
+
+    runs = iter([1.0, 2.0])
+    monkeypatch.setattr(hopper_bench, "cases", lambda: iter([{"case": "fwd", "impl": "a", "d": 64, "N": 1,
+                                                               "causal": False, "ms": 1.0, "tflops": 1.0}]))
+    monkeypatch.setattr(hopper_bench, "training_cases", lambda: iter([{"case": "fwd+bwd", "impl": "b", "d": 64, "N": 1,
+                                                                       "causal": False, "ms": next(runs),
+                                                                       "tflops": 1.0}]))
+    out = str(tmp_path / "hopper.json")
+    assert hopper_bench.main(["--out", out, "--parts", "steps", "training"]) == 0
+    assert hopper_bench.main(["--out", out, "--parts", "training", "--append"]) == 0
+    saved = results.load("hopper.json", out)
+    assert [(r["case"], r["ms"]) for r in saved["results"]] == [("fwd", 1.0), ("fwd+bwd", 2.0)]
+    assert saved["command"] == ("python -m flashref.bench hopper --out " + out + " --parts steps training; "
+                                "python -m flashref.bench hopper --out " + out + " --parts training")

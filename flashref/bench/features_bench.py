@@ -21,9 +21,9 @@ FLOPs are counted on the visible (query, key) pairs only (4 d per pair forward, 
 :func:`flashref.bench.results.pair_flops` of :func:`flashref.block_masks.visible_pairs`, notebook
 ``10_dropout_masks_sparsity``). fp16 unless a row says ``dtype``. Results go to
 ``book/data/features_bench.json`` with the device, library versions and command (:func:`load_results` reads
-them back); ``--parts`` runs some of them
-(gqa, dropout, sparse, flex), and ``--append`` adds them to the file's rows (one run split over several
-calls of the same machine). The whole run takes about 8 minutes on an H100, most of it compiling Flex.
+them back); ``--parts`` runs some of them (gqa, dropout, sparse, flex), and ``--append`` adds them to the
+file's rows in place of those it measures again (one run split over several calls of the same machine). The
+whole run takes about 8 minutes on an H100, most of it compiling Flex.
 """
 
 from __future__ import annotations
@@ -274,6 +274,21 @@ def load_results(path=None) -> dict:
     return results.load("features_bench.json", path)
 
 
+#: The cases each part's rows are named by
+PART_CASES = {"gqa": ("gqa fwd+bwd",), "dropout": ("dropout fwd+bwd",),
+              "sparse": ("block-sparse fwd", "block-sparse fwd+bwd", "dense fwd", "dense fwd+bwd"),
+              "flex": ("sparse vs flex fwd", "sparse vs flex fwd+bwd", "flex block mask")}
+
+
+def remeasured(row: dict, parts, flex_lengths=None) -> bool:
+    """Whether a saved row is one of those a run of ``parts`` measures again (of the flex part, at
+    ``flex_lengths`` only, when given): ``--append`` replaces it."""
+    for part in parts:
+        if row.get("case") in PART_CASES[part]:
+            return part != "flex" or flex_lengths is None or row.get("N") in flex_lengths
+    return False
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m flashref.bench features", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -283,7 +298,8 @@ def main(argv=None) -> int:
     p.add_argument("--flex-n", nargs="+", type=int, default=None, metavar="N",
                    help="only these sequence lengths of the FlexAttention comparison (4096 16384 65536)")
     p.add_argument("--append", action="store_true",
-                   help="add to the rows already in --out (a run split over several calls; same GPU and versions)")
+                   help="add to the rows already in --out (a run split over several calls; same GPU and versions), "
+                        "replacing those of the parts (and --flex-n lengths) measured again")
     args = p.parse_args(argv)
     import torch
 
@@ -292,7 +308,8 @@ def main(argv=None) -> int:
         return 2
     data = results.start(args.out if args.append else None, torch.cuda.get_device_name(), results.versions(),
                          "python -m flashref.bench features --parts " + " ".join(args.parts)
-                         + (f" --flex-n {' '.join(map(str, args.flex_n))}" if args.flex_n else ""), dtype="float16")
+                         + (f" --flex-n {' '.join(map(str, args.flex_n))}" if args.flex_n else ""),
+                         remeasured=lambda row: remeasured(row, args.parts, args.flex_n), dtype="float16")
     grid = [g for g in FLEX_GRID if args.flex_n is None or g[0] in args.flex_n]
     if not grid and "flex" in args.parts:
         p.error(f"--flex-n {args.flex_n}: none of the comparison's lengths {sorted({g[0] for g in FLEX_GRID})}")

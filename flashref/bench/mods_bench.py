@@ -33,9 +33,9 @@ forward or forward + backward, with its time and peak memory. FLOPs are counted 
 padding's wasted work shows as a lower rate. Flex builds its BlockMask once, outside the timing, as its users
 do; so do the SDPA masks. Results go to ``book/data/mods_bench.json`` with the device, library versions and
 command (:func:`load_results` reads them back); ``--parts`` runs some of them (window, softcap, alibi,
-varlen), ``--n`` some lengths, and ``--append`` adds them to the file's rows (one run split over several
-calls of the same machine). The whole run is sized to take under 6 minutes on an H100, most of it compiling
-Flex and autotuning the kernels.
+varlen), ``--n`` some lengths, and ``--append`` adds them to the file's rows in place of those it measures
+again (one run split over several calls of the same machine). The whole run is sized to take under 6 minutes
+on an H100, most of it compiling Flex and autotuning the kernels.
 """
 
 from __future__ import annotations
@@ -505,6 +505,12 @@ def window_kernel_table(rows) -> str:
     return "\n".join(lines)
 
 
+def remeasured(row: dict, parts, lengths=None) -> bool:
+    """Whether a saved row is one of those a run of ``parts`` (at ``lengths``, or all of them) measures again:
+    ``--append`` replaces it."""
+    return row.get("part") in parts and (lengths is None or row.get("N") in lengths)
+
+
 def load_results(path=None) -> dict:
     """The committed run, book/data/mods_bench.json (or ``path``), read by :func:`flashref.bench.results.load`."""
     return results.load("mods_bench.json", path)
@@ -518,7 +524,8 @@ def parse_args(argv=None):
     p.add_argument("--n", nargs="+", type=int, default=None, metavar="N",
                    help="only these sequence lengths of the window, softcap and alibi parts (4096 8192 16384)")
     p.add_argument("--append", action="store_true",
-                   help="add to the rows already in --out (a run split over several calls; same GPU and versions)")
+                   help="add to the rows already in --out (a run split over several calls; same GPU and versions), "
+                        "replacing those of the parts and lengths measured again")
     args = p.parse_args(argv)
     if args.n is not None and not _grid(GRID + WINDOW_EXTRA, args.n) and set(args.parts) - {"varlen"}:
         p.error(f"--n {args.n}: none of the lengths {sorted({g[0] for g in GRID + WINDOW_EXTRA})}")
@@ -535,7 +542,7 @@ def main(argv=None) -> int:
     command = ("python -m flashref.bench mods --parts " + " ".join(args.parts)
                + (f" --n {' '.join(map(str, args.n))}" if args.n else ""))
     data = results.start(args.out if args.append else None, torch.cuda.get_device_name(), results.versions(),
-                         command, dtype="float16")
+                         command, remeasured=lambda row: remeasured(row, args.parts, args.n), dtype="float16")
     parts = {"window": lambda: window_cases(args.n), "window-kernels": lambda: window_kernel_cases(args.n),
              "softcap": lambda: softcap_cases(args.n),
              "alibi": lambda: alibi_cases(args.n), "varlen": varlen_cases}

@@ -66,12 +66,13 @@ def command(suite: str, argv=None) -> str:
     return " ".join(["python -m flashref.bench", suite, shlex.join(sys.argv[1:] if argv is None else argv)]).strip()
 
 
-def start(append_to: str | None, device: str, versions: dict, command: str, **fields) -> dict:
+def start(append_to: str | None, device: str, versions: dict, command: str, *, remeasured=None, **fields) -> dict:
     """The results of a run, to fill: ``{device, versions, **fields, command, seconds: None, results: []}``,
     or (``append_to``, the path of an existing file) that file's, with ``command`` added to its commands and
-    ``fields`` set. Rows measured on another GPU or with other versions are not mixed in: that is an error
-    (a library the file does not name, such as CuPy in a file written before it was recorded, is no
-    difference)."""
+    ``fields`` set, less the rows ``remeasured(row)`` is true of (what this run measures again replaces them,
+    so a row is never in the file twice). Rows measured on another GPU or with other versions are not mixed
+    in: that is an error (a library the file does not name, such as CuPy in a file written before it was
+    recorded, is no difference)."""
     if append_to is None or not os.path.exists(append_to):
         return {"device": device, "versions": versions, **fields, "command": command, "seconds": None, "results": []}
     data = load(os.path.basename(append_to), append_to)
@@ -82,6 +83,8 @@ def start(append_to: str | None, device: str, versions: dict, command: str, **fi
                          f"this run is on {device} with {versions}; write a new file instead")
     data["command"] = f"{data['command']}; {command}"
     data.update(fields)
+    if remeasured is not None:
+        data["results"] = [row for row in data["results"] if not remeasured(row)]
     return data
 
 
