@@ -119,10 +119,6 @@ def test_append_adds_to_a_run_of_the_same_machine_and_refuses_another(tmp_path):
     # a library the file does not name (CuPy, in a file written before it was recorded) is no difference
     assert results.start(str(path), "GPU A", {"torch": "1", "cupy": None}, "c")["results"] == [{"case": "gqa fwd+bwd"}]
     assert results.start(str(tmp_path / "absent.json"), "GPU A", {}, "c")["results"] == []
-    # what a run measures again replaces the saved rows: none is in the file twice
-    path.write_text(json.dumps({**fresh, "results": [{"case": "gqa fwd+bwd"}, {"case": "dropout fwd+bwd"}]}))
-    again = results.start(str(path), "GPU A", {"torch": "1"}, "c", remeasured=lambda r: r["case"].startswith("gqa"))
-    assert again["results"] == [{"case": "dropout fwd+bwd"}]
 
 
 def test_the_model_bench_appends_to_its_committed_run():
@@ -293,6 +289,21 @@ def test_each_command_line_saves_the_schema_of_its_committed_file(fake_gpu, monk
     saved = results.load("hbm.json", out)
     assert set(saved) == _committed_keys("hbm_bench.json")
     assert saved["command"] == "python -m flashref.bench hbm --quick" and saved["complete"]
+
+
+def test_a_group_measured_again_replaces_its_saved_rows_when_its_first_new_row_comes(tmp_path):
+    """recorder(group=...): the saved rows of a group go when the run adds that group's first row (not before:
+    a run cut short earlier keeps them), the run's own rows of the group stay, other groups are untouched."""
+    data = {"device": "GPU A", "seconds": 1.0, "results": [{"g": 1, "v": "old"}, {"g": 2, "v": "old"}]}
+    path = str(tmp_path / "run.json")
+    add = results.recorder(data, path, group=lambda row: row["g"])
+    assert data["results"] == [{"g": 1, "v": "old"}, {"g": 2, "v": "old"}]
+    add({"g": 1, "v": "new"})
+    add({"g": 1, "v": "new 2"})
+    assert data["results"] == [{"g": 2, "v": "old"}, {"g": 1, "v": "new"}, {"g": 1, "v": "new 2"}]
+    add({"g": 3, "v": "new"})
+    assert results.load("run.json", path)["results"] == [{"g": 2, "v": "old"}, {"g": 1, "v": "new"},
+                                                          {"g": 1, "v": "new 2"}, {"g": 3, "v": "new"}]
 
 
 def test_the_hopper_bench_measures_some_parts_again_in_place(fake_gpu, monkeypatch, tmp_path):

@@ -280,13 +280,12 @@ PART_CASES = {"gqa": ("gqa fwd+bwd",), "dropout": ("dropout fwd+bwd",),
               "flex": ("sparse vs flex fwd", "sparse vs flex fwd+bwd", "flex block mask")}
 
 
-def remeasured(row: dict, parts, flex_lengths=None) -> bool:
-    """Whether a saved row is one of those a run of ``parts`` measures again (of the flex part, at
-    ``flex_lengths`` only, when given): ``--append`` replaces it."""
-    for part in parts:
-        if row.get("case") in PART_CASES[part]:
-            return part != "flex" or flex_lengths is None or row.get("N") in flex_lengths
-    return False
+def measures(row: dict) -> tuple:
+    """What a row measures, as :func:`flashref.bench.results.recorder` groups rows: its part, and for the
+    FlexAttention comparison its length too (``--flex-n``). ``--append`` replaces the saved rows of each group
+    a run measures again."""
+    part = next((name for name, cases in PART_CASES.items() if row.get("case") in cases), None)
+    return part, row.get("N") if part == "flex" else None
 
 
 def main(argv=None) -> int:
@@ -308,13 +307,12 @@ def main(argv=None) -> int:
         return 2
     data = results.start(args.out if args.append else None, torch.cuda.get_device_name(), results.versions(),
                          "python -m flashref.bench features --parts " + " ".join(args.parts)
-                         + (f" --flex-n {' '.join(map(str, args.flex_n))}" if args.flex_n else ""),
-                         remeasured=lambda row: remeasured(row, args.parts, args.flex_n), dtype="float16")
+                         + (f" --flex-n {' '.join(map(str, args.flex_n))}" if args.flex_n else ""), dtype="float16")
     grid = [g for g in FLEX_GRID if args.flex_n is None or g[0] in args.flex_n]
     if not grid and "flex" in args.parts:
         p.error(f"--flex-n {args.flex_n}: none of the comparison's lengths {sorted({g[0] for g in FLEX_GRID})}")
     parts = {"gqa": gqa_cases, "dropout": dropout_cases, "sparse": sparse_cases, "flex": lambda: flex_cases(grid)}
-    add = results.recorder(data, args.out, show=_print)  # saved after each row: a run cut short keeps what it measured
+    add = results.recorder(data, args.out, show=_print, group=measures)  # saved after each row
     for name in args.parts:
         for r in parts[name]():
             add(r)

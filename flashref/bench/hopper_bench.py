@@ -352,8 +352,6 @@ def _print(r):
 
 PARTS = {"steps": lambda: cases(), "errors": lambda: errors(), "dispatch": lambda: dispatch_cases(),
          "training": lambda: training_cases()}
-#: The case each part's rows are named by
-PART_CASES = {"steps": "fwd", "errors": "error", "dispatch": "dispatch", "training": "fwd+bwd"}
 
 
 def main(argv=None) -> int:
@@ -372,13 +370,11 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         print("flashref.bench hopper needs an sm_90 (Hopper) GPU", file=sys.stderr)
         return 2
-    again = {PART_CASES[part] for part in args.parts}
     given = sys.argv[1:] if argv is None else argv
     data = results.start(args.out if args.append else None, torch.cuda.get_device_name(), results.versions(),
-                         results.command("hopper", [a for a in given if a != "--append"]),
-                         remeasured=lambda row: row.get("case") in again,
-                         dtype="float16")
-    add = results.recorder(data, args.out, show=_print)  # saved after each row: a run cut short keeps what it measured
+                         results.command("hopper", [a for a in given if a != "--append"]), dtype="float16")
+    # saved after each row; with --append a part's first row replaces that part's saved rows (its case)
+    add = results.recorder(data, args.out, show=_print, group=lambda row: row.get("case"))
     for part, rows in PARTS.items():
         if part in args.parts:
             for row in rows():

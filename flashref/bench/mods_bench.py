@@ -476,16 +476,17 @@ def _print(r):
 
 
 #: The window's backward kernels as :func:`window_kernel_cases` names them, and the backwards they assemble:
-#: (dK/dV kernel, dQ kernel), each with the D pre-pass
+#: (dK/dV kernel, dQ kernel), each with the D pre-pass. ``flash_attention`` runs "teaching" with kernel="triton"
+#: and "gluon" on an H100; "gluon dQ" is the mix it ran while the Gluon dK/dV kernel masked every tile.
 WINDOW_KERNELS = ("teaching dK/dV", "teaching dQ", "gluon dK/dV", "gluon dQ", "D pre-pass", "flex backward")
 WINDOW_BACKWARDS = {"teaching": ("teaching dK/dV", "teaching dQ"), "gluon dQ": ("teaching dK/dV", "gluon dQ"),
                     "gluon": ("gluon dK/dV", "gluon dQ")}
 
 
 def window_kernel_table(rows) -> str:
-    """The ``window-kernels`` rows as a table: each kernel's time (ms) at each (N, d), then each backward that
-    ``flash_attention`` could assemble from them (:data:`WINDOW_BACKWARDS`, the D pre-pass included) as Flex's
-    time over its own: above 1, that backward is faster than Flex's. "-" where a kernel was not measured."""
+    """The ``window-kernels`` rows as a table: each kernel's time (ms) at each (N, d), then each backward
+    assembled from them (:data:`WINDOW_BACKWARDS`, the D pre-pass included) as Flex's time over its own: above
+    1, that backward is faster than Flex's. "-" where a kernel was not measured."""
     times = {}
     for r in rows:
         if r.get("part") == "window-kernels" and "ms" in r:
@@ -505,10 +506,11 @@ def window_kernel_table(rows) -> str:
     return "\n".join(lines)
 
 
-def remeasured(row: dict, parts, lengths=None) -> bool:
-    """Whether a saved row is one of those a run of ``parts`` (at ``lengths``, or all of them) measures again:
-    ``--append`` replaces it."""
-    return row.get("part") in parts and (lengths is None or row.get("N") in lengths)
+def measures(row: dict) -> tuple:
+    """What a row measures, as :func:`flashref.bench.results.recorder` groups rows: its part and length (a
+    varlen row's N is its longest document, not one of ``--n``: the part alone). ``--append`` replaces the
+    saved rows of each group a run measures again."""
+    return row.get("part"), None if row.get("part") == "varlen" else row.get("N")
 
 
 def load_results(path=None) -> dict:
@@ -542,11 +544,11 @@ def main(argv=None) -> int:
     command = ("python -m flashref.bench mods --parts " + " ".join(args.parts)
                + (f" --n {' '.join(map(str, args.n))}" if args.n else ""))
     data = results.start(args.out if args.append else None, torch.cuda.get_device_name(), results.versions(),
-                         command, remeasured=lambda row: remeasured(row, args.parts, args.n), dtype="float16")
+                         command, dtype="float16")
     parts = {"window": lambda: window_cases(args.n), "window-kernels": lambda: window_kernel_cases(args.n),
              "softcap": lambda: softcap_cases(args.n),
              "alibi": lambda: alibi_cases(args.n), "varlen": varlen_cases}
-    add = results.recorder(data, args.out, show=_print)  # saved after each row: a run cut short keeps what it measured
+    add = results.recorder(data, args.out, show=_print, group=measures)  # saved after each row
     for name in args.parts:
         for r in parts[name]():
             add(r)

@@ -66,13 +66,12 @@ def command(suite: str, argv=None) -> str:
     return " ".join(["python -m flashref.bench", suite, shlex.join(sys.argv[1:] if argv is None else argv)]).strip()
 
 
-def start(append_to: str | None, device: str, versions: dict, command: str, *, remeasured=None, **fields) -> dict:
+def start(append_to: str | None, device: str, versions: dict, command: str, **fields) -> dict:
     """The results of a run, to fill: ``{device, versions, **fields, command, seconds: None, results: []}``,
     or (``append_to``, the path of an existing file) that file's, with ``command`` added to its commands and
-    ``fields`` set, less the rows ``remeasured(row)`` is true of (what this run measures again replaces them,
-    so a row is never in the file twice). Rows measured on another GPU or with other versions are not mixed
-    in: that is an error (a library the file does not name, such as CuPy in a file written before it was
-    recorded, is no difference)."""
+    ``fields`` set. Rows measured on another GPU or with other versions are not mixed in: that is an error
+    (a library the file does not name, such as CuPy in a file written before it was recorded, is no
+    difference)."""
     if append_to is None or not os.path.exists(append_to):
         return {"device": device, "versions": versions, **fields, "command": command, "seconds": None, "results": []}
     data = load(os.path.basename(append_to), append_to)
@@ -83,18 +82,24 @@ def start(append_to: str | None, device: str, versions: dict, command: str, *, r
                          f"this run is on {device} with {versions}; write a new file instead")
     data["command"] = f"{data['command']}; {command}"
     data.update(fields)
-    if remeasured is not None:
-        data["results"] = [row for row in data["results"] if not remeasured(row)]
     return data
 
 
-def recorder(data: dict, path: str, show=None, indent: int | None = 1):
+def recorder(data: dict, path: str, show=None, indent: int | None = 1, group=None):
     """``add(row)``: appends ``row`` to ``data["results"]``, shows it (``show(row)``, when given) and saves
     ``data`` to ``path`` at once, so a run cut short keeps what it measured; ``data["seconds"]`` counts on
-    from the seconds the results held when the recorder was made."""
+    from the seconds the results held when the recorder was made. ``group(row)``: what a row measures (a
+    part, a length); the rows ``data`` held before (a run appended to) that are of a group this run measures
+    again are dropped when its first row of that group is added, so no measurement is in the file twice and a
+    run cut short loses at most the old rows of the group it was in."""
     started, seconds0 = time.time(), data["seconds"] or 0.0
+    earlier = {id(row) for row in data["results"]}
+    begun = set()
 
     def add(row: dict) -> None:
+        if group is not None and group(row) not in begun:
+            begun.add(group(row))
+            data["results"] = [r for r in data["results"] if id(r) not in earlier or group(r) != group(row)]
         data["results"].append(row)
         if show is not None:
             show(row)

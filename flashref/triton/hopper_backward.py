@@ -334,8 +334,8 @@ def hopper_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, DQ, M2, L2, Delta, N_q
         j_end = gl.minimum(j_end, gl.cdiv(gl.maximum(start_m + BLOCK_M + win_right, 0), BLOCK_N))
     n_tiles = j_end - j_lo  # may be <= 0: these queries see no key, dQ = 0
     # Key tiles [lo_full, n_full) need no mask (the forward's ranges: every query row sees every key of them);
-    # the others take a branch. Against a mask on every tile (H100, as dkdv_masks): 0.72-0.74x the time causal
-    # at d = 64, 0.90-0.92x at d = 128, 0.80-0.92x with a window, 0.89x causal with dropout, 0.97-1.04x
+    # the others take a branch. Against a mask on every tile (H100, as dkdv_masks): 0.72-0.77x the time causal
+    # at d = 64, 0.90-0.92x at d = 128, 0.80-0.93x with a window, 0.89x causal with dropout, 0.97-1.04x
     # non-causal (one branch a tile, nothing to save).
     _, _, lo_full, n_full = hopper._key_tiles(start_m, N_k, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     kv_row = bh * N_k + j_lo * BLOCK_N
@@ -558,14 +558,15 @@ def dkdv_masks(warp_specialize: bool, window: bool, dropout: bool = False) -> st
     ``"branch"`` in one loop around the tile with and without the mask; or separate ``"loops"`` for the masked
     tiles (the causal diagonal, a window's edges, the ragged end) and those without a mask. The results are the
     same bits. Measured on an H100 (fp16, B x N = 32K, 16 or 32 heads, medians of triton's do_bench in two runs;
-    causal window of 1024 keys at N = 8K and 16K): one warpgroup (d = 64) is fastest with separate loops, 0.96-0.98x
-    the time with a mask on every tile causal, 0.99x non-causal, 0.79-0.81x with the window (0.86x a two-sided
-    window of 511 keys with ALiBi). The warp-specialized kernel (d = 128) is not: its consumers hold 240
+    causal window of 1024 keys at N = 8K and 16K): one warpgroup (d = 64) is fastest with separate loops, 0.95-0.98x
+    the time with a mask on every tile causal, 0.98-0.99x non-causal, 0.79-0.81x with the window (0.86x a
+    two-sided window of 511 keys with ALiBi). The warp-specialized kernel (d = 128) is not: its consumers hold 240
     registers and spill more with either (ptxas: 336 bytes a thread causal with a mask on every tile, 432 with
     a branch, 572 with loops), and measured 1.05-1.08x (loops) and 1.12x (branch) the time causal, 0.98x and
     1.06x non-causal; but with a window the branch took 0.77-0.79x the time (loops 0.84-0.85x): there the mask
-    on every tile costs more than the spills. With dropout every tile keeps its mask, as measured in
-    :func:`default_config` (separate loops compile the mask's Philox rounds twice and spill 4-40 bytes)."""
+    on every tile costs more than the spills. With dropout every tile keeps its mask: those kernels were
+    measured that way (:func:`default_config`), and the other two were not (compiled, separate loops hold the
+    mask's Philox rounds twice and spill 20-40 bytes a thread causal where the shipped kernels spill none)."""
     if dropout:
         return "every"
     if not warp_specialize:
