@@ -178,6 +178,48 @@ def test_warp_specialized_dk_dv_within_the_rule(d, cfg, causal):
                 assert_within_tolerance(got, r, b, factor=3.0, name=f"{name} ({N_q}, {N_k}, {dtype}, causal={causal})")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,cfg", [(64, None), (128, None), (128, dict(block_m=32, block_n=64, num_warps=4, stages=2))],
+                         ids=["d64", "d128-ws", "d128-one-warpgroup"])
+def test_the_three_mask_schedules_give_the_same_bits(d, cfg):
+    """The dK/dV kernel's mask on every tile, in a branch, or in loops of their own (:func:`dkdv_masks` picks one
+    per kernel by speed): the same dK and dV, bit for bit, on uneven lengths with a two-sided window, a causal
+    window with ALiBi, causal and not, for both kernels (warp-specialized and one warpgroup)."""
+    from flashref.triton import flash_attention_forward, ops
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon backward needs an sm_90 GPU")
+    from flashref.triton import hopper_backward as hb
+
+    cases = [(False, (37, 90), False), (True, (100, 0), True), (True, (-1, -1), False), (False, (-1, -1), True)]
+    for i, ((N_q, N_k), (causal, window, alibi)) in enumerate(zip([(300, 700), (700, 300), (1023, 1024),
+                                                                     (129, 1)], cases)):
+        q, k, v, do = make_qkv(2, 3, N_q, N_k, d, torch.float16, "cuda", seed=i)
+        slopes = torch.rand(3, device="cuda") if alibi else None
+        o, lse = flash_attention_forward(q, k, v, causal, kernel="triton", window_size=window, alibi_slopes=slopes)
+        m2, l2 = ops._stats_from_lse(lse)
+        delta = (o.float() * do.float()).sum(-1).contiguous()
+        feat = ops.Features(q, k, causal=causal, scale=d ** -0.5, window_size=window, alibi_slopes=slopes,
+                            check_finite=False)
+        mods = dict(window=(feat.win_left, feat.win_right) if feat.window else None, slopes2=feat.slopes2)
+        got = {masks: hb.hopper_dkdv(q, k, v, do, m2, l2, delta, feat.causal, d ** -0.5, cfg, masks=masks, **mods)
+               for masks in ("every", "branch", "loops")}
+        for masks in ("branch", "loops"):
+            for name, a, b in zip(("dk", "dv"), got[masks], got["every"]):
+                assert torch.equal(a, b), f"{name} with {masks} ({N_q}, {N_k}, causal={causal}, window={window})"
+
+
+def test_the_mask_schedule_is_checked():
+    pytest.importorskip("triton.experimental.gluon")
+    from flashref.triton import hopper_backward as hb
+
+    q = torch.zeros(1, 1, 4, 64)
+    with pytest.raises(ValueError, match="masks must be"):
+        hb.hopper_dkdv(q, q, q, q, None, None, None, False, 1.0, masks="sometimes")
+    assert hb.dkdv_masks(False, False) == "loops" and hb.dkdv_masks(True, True) == "branch"
+    assert hb.dkdv_masks(True, False) == "every" and hb.dkdv_masks(False, True, dropout=True) == "every"
+
+
 # (causal, window, alibi, causal_align): windows both sides, one side unbounded, rows that see no key (N_q > N_k
 # with a window), ALiBi per head and per (batch, head), and bottom-right causal (a window's right side N_k - N_q).
 MODS = [(True, (100, 0), None, "top_left"), (False, (37, 90), None, "top_left"), (False, (-1, 20), None, "top_left"),

@@ -622,14 +622,19 @@ def _drop_args(dropout) -> tuple:
 
 
 def hopper_dkdv(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dict | None = None, *, window=None,
-                slopes2=None, dropout=None):
+                slopes2=None, dropout=None, masks: str | None = None):
     """(dk, dv) from the Gluon kernel, for checked, :func:`supported` inputs; m2, l2, delta: (B, H, N_q) fp32.
     ``cfg`` as :func:`default_config` gives it; with ``warp_specialize=True``, the warp-specialized kernel
     (:func:`hopper_ws_bwd_dkdv_kernel`: block_n keys a program, two consumers' worth, num_warps 4). ``window``
-    and ``slopes2`` as :func:`_mod_args` takes them; ``dropout``: ``(seed, drop_below, keep_scale)``, or None."""
+    and ``slopes2`` as :func:`_mod_args` takes them; ``dropout``: ``(seed, drop_below, keep_scale)``, or None.
+    ``masks``: ``"every"``, ``"branch"`` or ``"loops"`` (the same bits, another speed), default
+    :func:`dkdv_masks`'s choice."""
     B, H, N_q, d = q.shape
     N_k = k.shape[2]
     cfg = cfg or default_config(d, "dkdv", dropout is not None)
+    if masks not in (None, "every", "branch", "loops"):
+        raise ValueError(f"masks must be None, 'every', 'branch' or 'loops', got {masks!r}")
+    masks = masks or dkdv_masks(bool(cfg.get("warp_specialize")), window is not None, dropout is not None)
     dk = torch.empty((B, H, N_k, d), dtype=q.dtype, device=q.device)
     dv = torch.empty_like(dk)
     grid = (triton.cdiv(N_k, cfg["block_n"]), B * H)
@@ -639,14 +644,12 @@ def hopper_dkdv(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dic
         halves = dict(cfg, block_n=cfg["block_n"] // 2)  # each TMA copy of K or V is one consumer's rows
         meta = _meta(d, causal, cfg, window, slopes2, dropout,
                      hopper.keep_t_layout(halves["block_n"], cfg["block_m"], 4))
-        masks = dkdv_masks(True, window is not None, dropout is not None)
         hopper_ws_bwd_dkdv_kernel[grid](*_descriptors(q, k, v, do, halves), *args, **meta, MASKS=masks,
                                         maxnreg=hopper.WS_MAXNREG)
     else:
         meta = _meta(d, causal, cfg, window, slopes2, dropout,
                      hopper.keep_t_layout(cfg["block_n"], cfg["block_m"], cfg["num_warps"]))
-        hopper_bwd_dkdv_kernel[grid](*_descriptors(q, k, v, do, cfg), *args, **meta,
-                                     MASKS=dkdv_masks(False, window is not None, dropout is not None))
+        hopper_bwd_dkdv_kernel[grid](*_descriptors(q, k, v, do, cfg), *args, **meta, MASKS=masks)
     return dk, dv
 
 
