@@ -261,6 +261,8 @@ def test_each_command_line_saves_the_schema_of_its_committed_file(fake_gpu, monk
     assert [r["case"] for r in saved["results"]] == ["gqa fwd+bwd", "dropout fwd+bwd"]
     assert saved["command"] == ("python -m flashref.bench features --parts gqa; "
                                 "python -m flashref.bench features --parts dropout")
+    assert features_bench.main(["--out", out, "--parts", "gqa", "--append"]) == 0  # measured again: replaced
+    assert [r["case"] for r in results.load("features.json", out)["results"]] == ["dropout fwd+bwd", "gqa fwd+bwd"]
 
     monkeypatch.setattr(model_bench, "compile_cases", lambda: iter([{"part": "compile", "attention": "sdpa"}]))
     out = str(tmp_path / "model.json")
@@ -287,3 +289,38 @@ def test_each_command_line_saves_the_schema_of_its_committed_file(fake_gpu, monk
     saved = results.load("hbm.json", out)
     assert set(saved) == _committed_keys("hbm_bench.json")
     assert saved["command"] == "python -m flashref.bench hbm --quick" and saved["complete"]
+
+
+def test_a_group_measured_again_replaces_its_saved_rows_when_its_first_new_row_comes(tmp_path):
+    """recorder(group=...): the saved rows of a group go when the run adds that group's first row (not before:
+    a run cut short earlier keeps them), the run's own rows of the group stay, other groups are untouched."""
+    data = {"device": "GPU A", "seconds": 1.0, "results": [{"g": 1, "v": "old"}, {"g": 2, "v": "old"}]}
+    path = str(tmp_path / "run.json")
+    add = results.recorder(data, path, group=lambda row: row["g"])
+    assert data["results"] == [{"g": 1, "v": "old"}, {"g": 2, "v": "old"}]
+    add({"g": 1, "v": "new"})
+    add({"g": 1, "v": "new 2"})
+    assert data["results"] == [{"g": 2, "v": "old"}, {"g": 1, "v": "new"}, {"g": 1, "v": "new 2"}]
+    add({"g": 3, "v": "new"})
+    assert results.load("run.json", path)["results"] == [{"g": 2, "v": "old"}, {"g": 1, "v": "new"},
+                                                          {"g": 1, "v": "new 2"}, {"g": 3, "v": "new"}]
+
+
+def test_the_hopper_bench_measures_some_parts_again_in_place(fake_gpu, monkeypatch, tmp_path):
+    """``--parts training --append`` keeps the forward rows and replaces the forward + backward ones; the saved
+    command names the parts, not --append, as the other suites' do."""
+    from flashref.bench import hopper_bench
+
+    runs = iter([1.0, 2.0])
+    monkeypatch.setattr(hopper_bench, "cases", lambda: iter([{"case": "fwd", "impl": "a", "d": 64, "N": 1,
+                                                               "causal": False, "ms": 1.0, "tflops": 1.0}]))
+    monkeypatch.setattr(hopper_bench, "training_cases", lambda: iter([{"case": "fwd+bwd", "impl": "b", "d": 64, "N": 1,
+                                                                       "causal": False, "ms": next(runs),
+                                                                       "tflops": 1.0}]))
+    out = str(tmp_path / "hopper.json")
+    assert hopper_bench.main(["--out", out, "--parts", "steps", "training"]) == 0
+    assert hopper_bench.main(["--out", out, "--parts", "training", "--append"]) == 0
+    saved = results.load("hopper.json", out)
+    assert [(r["case"], r["ms"]) for r in saved["results"]] == [("fwd", 1.0), ("fwd+bwd", 2.0)]
+    assert saved["command"] == ("python -m flashref.bench hopper --out " + out + " --parts steps training; "
+                                "python -m flashref.bench hopper --out " + out + " --parts training")

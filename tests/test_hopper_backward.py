@@ -50,6 +50,8 @@ for part, d, causal, mods in itertools.product(("dkdv", "dq"), hb.HEAD_DIMS, (Fa
     cx = dict(HEAD_D=d, BLOCK_M=bm, BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], CAUSAL=causal,
               WINDOW=mods == "window+alibi", ALIBI=mods == "window+alibi", DROPOUT=dropout,
               KEEP_LAYOUT=keep if dropout else None, num_warps=cfg["num_warps"])
+    if part == "dkdv":
+        cx["MASKS"] = hb.dkdv_masks(ws, mods == "window+alibi", dropout)
     sig.update({k: "constexpr" for k in cx})
     options = dict(num_warps=cfg["num_warps"], **(dict(maxnreg=hopper.WS_MAXNREG) if ws else {}))
     k = triton.compile(GluonASTSource(kernel, sig, cx, {}), target=GPUTarget("cuda", 90, 32),
@@ -64,18 +66,20 @@ for part, d, causal, mods in itertools.product(("dkdv", "dq"), hb.HEAD_DIMS, (Fa
 
 #: Register spills allowed (bytes a thread): none, but where a measured-faster kernel spills (see the test).
 SPILL_BOUND = {("dkdv", "128", "1", "none"): 512, ("dkdv", "128", "1", "window+alibi"): 512,
-               ("dkdv", "64", "0", "dropout"): 128}
+               ("dkdv", "64", "0", "dropout"): 128, ("dkdv", "64", "0", "window+alibi"): 16}
 
 
 def test_compiles_for_the_h100_without_spills():
     """Both kernels, each head dim, causal and not, with and without a window and ALiBi, at the shipped tiles: TMA
     copies and wgmma products in the PTX, shared memory within the H100's 227 KB, and no register spills (in a
-    child process: compiling needs the interpreter off). The one exception is measured and bounded: the
-    warp-specialized dK/dV kernel shipped at d = 128 (64 queries a step) spills 260-330 bytes a thread (Triton 3.6
+    child process: compiling needs the interpreter off). The exceptions are measured and bounded: the
+    warp-specialized dK/dV kernel shipped at d = 128 (64 queries a step) spills 260-340 bytes a thread (Triton 3.6
     and 3.7) and is still 5-13% faster on the H100 than the one-warpgroup kernel that does not spill
     (default_config's docstring); so does the d = 64 dK/dV kernel with dropout, by 100 bytes (non-causal), at
-    1.09x the teaching kernel's speed. With dropout the mask's Philox constants are in the PTX, and at the same
-    tile no more shared memory than without it (the mask is drawn in the accumulator's own registers)."""
+    1.09x the teaching kernel's speed; and the d = 64 dK/dV kernel with a window and ALiBi, non-causal, by 4
+    bytes since its tiles without a mask run in a loop of their own, 0.86x the time of a mask on every tile
+    (dkdv_masks). With dropout the mask's Philox constants are in the PTX, and at the same tile no more shared
+    memory than without it (the mask is drawn in the accumulator's own registers)."""
     pytest.importorskip("triton.experimental.gluon")
     env = dict(os.environ, PYTHONPATH=ROOT)
     out = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, cwd=ROOT,
@@ -174,6 +178,48 @@ def test_warp_specialized_dk_dv_within_the_rule(d, cfg, causal):
                 assert_within_tolerance(got, r, b, factor=3.0, name=f"{name} ({N_q}, {N_k}, {dtype}, causal={causal})")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,cfg", [(64, None), (128, None), (128, dict(block_m=32, block_n=64, num_warps=4, stages=2))],
+                         ids=["d64", "d128-ws", "d128-one-warpgroup"])
+def test_the_three_mask_schedules_give_the_same_bits(d, cfg):
+    """The dK/dV kernel's mask on every tile, in a branch, or in loops of their own (:func:`dkdv_masks` picks one
+    per kernel by speed): the same dK and dV, bit for bit, on uneven lengths with a two-sided window, a causal
+    window with ALiBi, causal and not, for both kernels (warp-specialized and one warpgroup)."""
+    from flashref.triton import flash_attention_forward, ops
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon backward needs an sm_90 GPU")
+    from flashref.triton import hopper_backward as hb
+
+    cases = [(False, (37, 90), False), (True, (100, 0), True), (True, (-1, -1), False), (False, (-1, -1), True)]
+    for i, ((N_q, N_k), (causal, window, alibi)) in enumerate(zip([(300, 700), (700, 300), (1023, 1024),
+                                                                     (129, 1)], cases)):
+        q, k, v, do = make_qkv(2, 3, N_q, N_k, d, torch.float16, "cuda", seed=i)
+        slopes = torch.rand(3, device="cuda") if alibi else None
+        o, lse = flash_attention_forward(q, k, v, causal, kernel="triton", window_size=window, alibi_slopes=slopes)
+        m2, l2 = ops._stats_from_lse(lse)
+        delta = (o.float() * do.float()).sum(-1).contiguous()
+        feat = ops.Features(q, k, causal=causal, scale=d ** -0.5, window_size=window, alibi_slopes=slopes,
+                            check_finite=False)
+        mods = dict(window=(feat.win_left, feat.win_right) if feat.window else None, slopes2=feat.slopes2)
+        got = {masks: hb.hopper_dkdv(q, k, v, do, m2, l2, delta, feat.causal, d ** -0.5, cfg, masks=masks, **mods)
+               for masks in ("every", "branch", "loops")}
+        for masks in ("branch", "loops"):
+            for name, a, b in zip(("dk", "dv"), got[masks], got["every"]):
+                assert torch.equal(a, b), f"{name} with {masks} ({N_q}, {N_k}, causal={causal}, window={window})"
+
+
+def test_the_mask_schedule_is_checked():
+    pytest.importorskip("triton.experimental.gluon")
+    from flashref.triton import hopper_backward as hb
+
+    q = torch.zeros(1, 1, 4, 64)
+    with pytest.raises(ValueError, match="masks must be"):
+        hb.hopper_dkdv(q, q, q, q, None, None, None, False, 1.0, masks="sometimes")
+    assert hb.dkdv_masks(False, False) == "loops" and hb.dkdv_masks(True, True) == "branch"
+    assert hb.dkdv_masks(True, False) == "every" and hb.dkdv_masks(False, True, dropout=True) == "every"
+
+
 # (causal, window, alibi, causal_align): windows both sides, one side unbounded, rows that see no key (N_q > N_k
 # with a window), ALiBi per head and per (batch, head), and bottom-right causal (a window's right side N_k - N_q).
 MODS = [(True, (100, 0), None, "top_left"), (False, (37, 90), None, "top_left"), (False, (-1, 20), None, "top_left"),
@@ -209,8 +255,7 @@ def test_window_and_alibi_gradients_against_the_reference(d, dtype, causal, wind
         kw = dict(causal=causal, window_size=window, alibi_slopes=slopes, causal_align=align)
         feat = ops.Features(q, k, 0.0, 0, None, 128, causal=causal, scale=d ** -0.5, window_size=window,
                             alibi_slopes=slopes, check_finite=False, causal_align=align)
-        with_window = "hopper dq" if d == 128 else "triton"  # the Gluon dQ beside the teaching dK/dV at d = 128
-        assert backward_kernel(q, k, v, **kw) == (with_window if feat.window else "hopper")
+        assert backward_kernel(q, k, v, **kw) == "hopper"
         o, lse = flash_attention_forward(q, k, v, **kw, kernel="triton")
         m2, l2 = ops._stats_from_lse(lse)
         delta = (o.float() * do.float()).sum(-1).contiguous()
@@ -236,11 +281,11 @@ def test_window_and_alibi_gradients_against_the_reference(d, dtype, causal, wind
 @pytest.mark.parametrize("causal,window,align", [(True, (100, 0), "top_left"), (False, (37, 90), "top_left"),
                                                  (False, (-1, 20), "top_left"), (True, (-1, -1), "bottom_right")],
                          ids=lambda x: str(x).replace(" ", ""))
-def test_flash_attention_takes_the_gluon_dq_beside_the_teaching_dkdv_for_a_window(dtype, causal, window, align):
-    """flash_attention with a window (or bottom-right causal) at d = 128 on the H100: the Hopper forward, the Gluon
-    dQ kernel and the teaching dK/dV kernel (backward_kernel says "hopper dq"); o, dQ, dK, dV within the rule
-    against the float64 reference on lengths no tile divides, rows that see no key zero, and the same gradients,
-    bit for bit, on a second call."""
+def test_flash_attention_takes_the_gluon_backward_for_a_window(dtype, causal, window, align):
+    """flash_attention with a window (or bottom-right causal) at d = 128 on the H100: the Hopper forward and both
+    Gluon backward kernels (backward_kernel says "hopper"); o, dQ, dK, dV within the rule against the float64
+    reference on lengths no tile divides, rows that see no key zero, and the same gradients, bit for bit, on a
+    second call."""
     import numpy as np
 
     from flashref import reference
@@ -249,11 +294,11 @@ def test_flash_attention_takes_the_gluon_dq_beside_the_teaching_dkdv_for_a_windo
     from tests._triton_helpers import feature_inputs, np64, plain_with_features
 
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Gluon dQ kernel needs an sm_90 GPU")
+        pytest.skip("the Gluon backward needs an sm_90 GPU")
     for i, (N_q, N_k) in enumerate([(113, 203), (300, 97), (1, 239), (1023, 1024)]):
         q, k, v, do = feature_inputs(2, 3, 3, N_q, N_k, 128, dtype, seed=i)
         kw = dict(causal=causal, window_size=window, causal_align=align)
-        assert backward_kernel(q, k, v, **kw) == "hopper dq"
+        assert backward_kernel(q, k, v, **kw) == "hopper"
 
         def grads():
             qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))

@@ -266,16 +266,22 @@ def test_the_command_line_saves_and_appends(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "GPU A")
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(mods_bench, "window_cases", lambda n: iter([{"case": "window fwd", "impl": "flex", "n": n}]))
-    monkeypatch.setattr(mods_bench, "varlen_cases", lambda: iter([{"case": "varlen fwd", "impl": "sdpa-flash padded"}]))
+    monkeypatch.setattr(mods_bench, "window_cases",
+                        lambda n: iter([{"part": "window", "case": "window fwd", "impl": "flex", "N": N} for N in n]))
+    monkeypatch.setattr(mods_bench, "varlen_cases",
+                        lambda: iter([{"part": "varlen", "case": "varlen fwd", "impl": "sdpa-flash padded"}]))
     out = str(tmp_path / "mods.json")
-    assert mods_bench.main(["--out", out, "--parts", "window", "--n", "4096"]) == 0
+    assert mods_bench.main(["--out", out, "--parts", "window", "--n", "4096", "8192"]) == 0
     assert mods_bench.main(["--out", out, "--parts", "varlen", "--append"]) == 0
     saved = mods_bench.load_results(out)
-    assert saved["results"] == [{"case": "window fwd", "impl": "flex", "n": [4096]},
-                                {"case": "varlen fwd", "impl": "sdpa-flash padded"}]
-    assert saved["command"] == ("python -m flashref.bench mods --parts window --n 4096; "
+    assert [(r["case"], r.get("N")) for r in saved["results"]] == [("window fwd", 4096), ("window fwd", 8192),
+                                                                   ("varlen fwd", None)]
+    assert saved["command"] == ("python -m flashref.bench mods --parts window --n 4096 8192; "
                                 "python -m flashref.bench mods --parts varlen")
+    # a part measured again at some lengths replaces those rows only
+    assert mods_bench.main(["--out", out, "--parts", "window", "--n", "8192", "--append"]) == 0
+    assert [(r["part"], r.get("N")) for r in mods_bench.load_results(out)["results"]] == [
+        ("window", 4096), ("varlen", None), ("window", 8192)]
     assert saved["device"] == "GPU A" and saved["versions"] == results.versions() and saved["dtype"] == "float16"
     assert mods_bench.main(["--out", out, "--parts", "varlen"]) == 0  # no --append: a new file
     assert len(mods_bench.load_results(out)["results"]) == 1

@@ -21,9 +21,9 @@ FLOPs are counted on the visible (query, key) pairs only (4 d per pair forward, 
 :func:`flashref.bench.results.pair_flops` of :func:`flashref.block_masks.visible_pairs`, notebook
 ``10_dropout_masks_sparsity``). fp16 unless a row says ``dtype``. Results go to
 ``book/data/features_bench.json`` with the device, library versions and command (:func:`load_results` reads
-them back); ``--parts`` runs some of them
-(gqa, dropout, sparse, flex), and ``--append`` adds them to the file's rows (one run split over several
-calls of the same machine). The whole run takes about 8 minutes on an H100, most of it compiling Flex.
+them back); ``--parts`` runs some of them (gqa, dropout, sparse, flex), and ``--append`` adds them to the
+file's rows in place of those it measures again (one run split over several calls of the same machine). The
+whole run takes about 8 minutes on an H100, most of it compiling Flex.
 """
 
 from __future__ import annotations
@@ -274,6 +274,20 @@ def load_results(path=None) -> dict:
     return results.load("features_bench.json", path)
 
 
+#: The cases each part's rows are named by
+PART_CASES = {"gqa": ("gqa fwd+bwd",), "dropout": ("dropout fwd+bwd",),
+              "sparse": ("block-sparse fwd", "block-sparse fwd+bwd", "dense fwd", "dense fwd+bwd"),
+              "flex": ("sparse vs flex fwd", "sparse vs flex fwd+bwd", "flex block mask")}
+
+
+def measures(row: dict) -> tuple:
+    """What a row measures, as :func:`flashref.bench.results.recorder` groups rows: its part, and for the
+    FlexAttention comparison its length too (``--flex-n``). ``--append`` replaces the saved rows of each group
+    a run measures again."""
+    part = next((name for name, cases in PART_CASES.items() if row.get("case") in cases), None)
+    return part, row.get("N") if part == "flex" else None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m flashref.bench features", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -283,7 +297,8 @@ def main(argv=None) -> int:
     p.add_argument("--flex-n", nargs="+", type=int, default=None, metavar="N",
                    help="only these sequence lengths of the FlexAttention comparison (4096 16384 65536)")
     p.add_argument("--append", action="store_true",
-                   help="add to the rows already in --out (a run split over several calls; same GPU and versions)")
+                   help="add to the rows already in --out (a run split over several calls; same GPU and versions), "
+                        "replacing those of the parts (and --flex-n lengths) measured again")
     args = p.parse_args(argv)
     import torch
 
@@ -297,7 +312,7 @@ def main(argv=None) -> int:
     if not grid and "flex" in args.parts:
         p.error(f"--flex-n {args.flex_n}: none of the comparison's lengths {sorted({g[0] for g in FLEX_GRID})}")
     parts = {"gqa": gqa_cases, "dropout": dropout_cases, "sparse": sparse_cases, "flex": lambda: flex_cases(grid)}
-    add = results.recorder(data, args.out, show=_print)  # saved after each row: a run cut short keeps what it measured
+    add = results.recorder(data, args.out, show=_print, group=measures)  # saved after each row
     for name in args.parts:
         for r in parts[name]():
             add(r)

@@ -13,7 +13,8 @@ without incoherent processing. Then what :func:`flashref.triton.flash_attention`
 ``kernel="triton"`` against the Hopper forward over sequence lengths from 128 to 16K (:func:`dispatch_cases`, the
 evidence for where ``kernel="auto"`` takes which), and forward + backward, ``kernel="auto"`` and ``"triton"``, beside
 SDPA's backends on the grid (:func:`training_cases`). Results go to ``book/data/hopper_bench.json`` with the device,
-versions and command (:func:`load_results`).
+versions and command (:func:`load_results`); ``--parts`` runs some of them, and ``--append`` adds them to the
+file's rows in place of those it measures again.
 """
 
 from __future__ import annotations
@@ -360,15 +361,20 @@ def main(argv=None) -> int:
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
                    help="which row types to measure (default: all): the forward steps with FP8, the error table, the "
                         "dispatch sweep, forward + backward through flash_attention")
+    p.add_argument("--append", action="store_true",
+                   help="add to the rows already in --out (same GPU and versions), replacing those of the parts "
+                        "measured again")
     args = p.parse_args(argv)
     import torch
 
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         print("flashref.bench hopper needs an sm_90 (Hopper) GPU", file=sys.stderr)
         return 2
-    data = results.start(None, torch.cuda.get_device_name(), results.versions(), results.command("hopper", argv),
-                         dtype="float16")
-    add = results.recorder(data, args.out, show=_print)  # saved after each row: a run cut short keeps what it measured
+    given = sys.argv[1:] if argv is None else argv
+    data = results.start(args.out if args.append else None, torch.cuda.get_device_name(), results.versions(),
+                         results.command("hopper", [a for a in given if a != "--append"]), dtype="float16")
+    # saved after each row; with --append a part's first row replaces that part's saved rows (its case)
+    add = results.recorder(data, args.out, show=_print, group=lambda row: row.get("case"))
     for part, rows in PARTS.items():
         if part in args.parts:
             for row in rows():

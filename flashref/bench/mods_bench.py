@@ -33,9 +33,9 @@ forward or forward + backward, with its time and peak memory. FLOPs are counted 
 padding's wasted work shows as a lower rate. Flex builds its BlockMask once, outside the timing, as its users
 do; so do the SDPA masks. Results go to ``book/data/mods_bench.json`` with the device, library versions and
 command (:func:`load_results` reads them back); ``--parts`` runs some of them (window, softcap, alibi,
-varlen), ``--n`` some lengths, and ``--append`` adds them to the file's rows (one run split over several
-calls of the same machine). The whole run is sized to take under 6 minutes on an H100, most of it compiling
-Flex and autotuning the kernels.
+varlen), ``--n`` some lengths, and ``--append`` adds them to the file's rows in place of those it measures
+again (one run split over several calls of the same machine). The whole run is sized to take under 6 minutes
+on an H100, most of it compiling Flex and autotuning the kernels.
 """
 
 from __future__ import annotations
@@ -476,16 +476,17 @@ def _print(r):
 
 
 #: The window's backward kernels as :func:`window_kernel_cases` names them, and the backwards they assemble:
-#: (dK/dV kernel, dQ kernel), each with the D pre-pass
+#: (dK/dV kernel, dQ kernel), each with the D pre-pass. ``flash_attention`` runs "teaching" with kernel="triton"
+#: and "gluon" on an H100; "gluon dQ" is the mix it ran while the Gluon dK/dV kernel masked every tile.
 WINDOW_KERNELS = ("teaching dK/dV", "teaching dQ", "gluon dK/dV", "gluon dQ", "D pre-pass", "flex backward")
 WINDOW_BACKWARDS = {"teaching": ("teaching dK/dV", "teaching dQ"), "gluon dQ": ("teaching dK/dV", "gluon dQ"),
                     "gluon": ("gluon dK/dV", "gluon dQ")}
 
 
 def window_kernel_table(rows) -> str:
-    """The ``window-kernels`` rows as a table: each kernel's time (ms) at each (N, d), then each backward that
-    ``flash_attention`` could assemble from them (:data:`WINDOW_BACKWARDS`, the D pre-pass included) as Flex's
-    time over its own: above 1, that backward is faster than Flex's. "-" where a kernel was not measured."""
+    """The ``window-kernels`` rows as a table: each kernel's time (ms) at each (N, d), then each backward
+    assembled from them (:data:`WINDOW_BACKWARDS`, the D pre-pass included) as Flex's time over its own: above
+    1, that backward is faster than Flex's. "-" where a kernel was not measured."""
     times = {}
     for r in rows:
         if r.get("part") == "window-kernels" and "ms" in r:
@@ -505,6 +506,13 @@ def window_kernel_table(rows) -> str:
     return "\n".join(lines)
 
 
+def measures(row: dict) -> tuple:
+    """What a row measures, as :func:`flashref.bench.results.recorder` groups rows: its part and length (a
+    varlen row's N is its longest document, not one of ``--n``: the part alone). ``--append`` replaces the
+    saved rows of each group a run measures again."""
+    return row.get("part"), None if row.get("part") == "varlen" else row.get("N")
+
+
 def load_results(path=None) -> dict:
     """The committed run, book/data/mods_bench.json (or ``path``), read by :func:`flashref.bench.results.load`."""
     return results.load("mods_bench.json", path)
@@ -518,7 +526,8 @@ def parse_args(argv=None):
     p.add_argument("--n", nargs="+", type=int, default=None, metavar="N",
                    help="only these sequence lengths of the window, softcap and alibi parts (4096 8192 16384)")
     p.add_argument("--append", action="store_true",
-                   help="add to the rows already in --out (a run split over several calls; same GPU and versions)")
+                   help="add to the rows already in --out (a run split over several calls; same GPU and versions), "
+                        "replacing those of the parts and lengths measured again")
     args = p.parse_args(argv)
     if args.n is not None and not _grid(GRID + WINDOW_EXTRA, args.n) and set(args.parts) - {"varlen"}:
         p.error(f"--n {args.n}: none of the lengths {sorted({g[0] for g in GRID + WINDOW_EXTRA})}")
@@ -539,7 +548,7 @@ def main(argv=None) -> int:
     parts = {"window": lambda: window_cases(args.n), "window-kernels": lambda: window_kernel_cases(args.n),
              "softcap": lambda: softcap_cases(args.n),
              "alibi": lambda: alibi_cases(args.n), "varlen": varlen_cases}
-    add = results.recorder(data, args.out, show=_print)  # saved after each row: a run cut short keeps what it measured
+    add = results.recorder(data, args.out, show=_print, group=measures)  # saved after each row
     for name in args.parts:
         for r in parts[name]():
             add(r)

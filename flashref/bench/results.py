@@ -85,13 +85,21 @@ def start(append_to: str | None, device: str, versions: dict, command: str, **fi
     return data
 
 
-def recorder(data: dict, path: str, show=None, indent: int | None = 1):
+def recorder(data: dict, path: str, show=None, indent: int | None = 1, group=None):
     """``add(row)``: appends ``row`` to ``data["results"]``, shows it (``show(row)``, when given) and saves
     ``data`` to ``path`` at once, so a run cut short keeps what it measured; ``data["seconds"]`` counts on
-    from the seconds the results held when the recorder was made."""
+    from the seconds the results held when the recorder was made. ``group(row)``: what a row measures (a
+    part, a length); the rows ``data`` held before (a run appended to) that are of a group this run measures
+    again are dropped when its first row of that group is added, so no measurement is in the file twice and a
+    run cut short loses at most the old rows of the group it was in."""
     started, seconds0 = time.time(), data["seconds"] or 0.0
+    earlier = {id(row) for row in data["results"]}
+    begun = set()
 
     def add(row: dict) -> None:
+        if group is not None and group(row) not in begun:
+            begun.add(group(row))
+            data["results"] = [r for r in data["results"] if id(r) not in earlier or group(r) != group(row)]
         data["results"].append(row)
         if show is not None:
             show(row)

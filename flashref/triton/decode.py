@@ -289,8 +289,9 @@ def split_count(programs: int, tiles: int, sms: int, good: float = 0.95, residen
     with 8 K/V heads, one program an SM: B = 1 gives 16 splits (128 programs), B = 4 gives 4, B = 16 gives 1;
     with ``resident=2``, 32, 8 and 2. :func:`flash_decode` counts one program an SM: an H100's SM has room
     for two of them at d = 128, but a sweep of fixed split counts (``book/data/decode_split_sweep.json``)
-    measured two an SM 1-8% slower than one at B = 1, and a decode run with two an SM was 0-4% slower than the
-    run before it with one at B = 4 and 16 (``book/data/decode_bench.json`` in git's history)."""
+    measured two an SM 2-17% slower than one at B = 1 with one query (7-51% with 16), and a decode run with
+    two an SM was 0-4% slower than the run before it with one at B = 4 and 16 (``book/data/decode_bench.json``
+    in git's history)."""
     validation.check_positive_int("programs", programs)
     validation.check_positive_int("sms", sms)
     validation.check_positive_int("resident", resident)

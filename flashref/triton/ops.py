@@ -473,24 +473,20 @@ def _forward_kernel(q, k, v, feat: Features, kernel: str) -> str:
 
 
 def _backward_kernel(q, k, v, feat: Features, kernel: str, deterministic: bool) -> str:
-    """``"hopper"``, ``"hopper dq"`` or ``"triton"``: which backward runs this checked call. ``"triton"`` keeps the
-    teaching kernels; ``"auto"`` and ``"hopper"`` take the Gluon dK/dV and dQ kernels
-    (:mod:`flashref.triton.hopper_backward`) wherever the Hopper forward could run, and also with ALiBi, d is 64
-    or 128 and the gradients are to be deterministic (theirs are: ``deterministic=False`` asks for the teaching
-    kernel's atomic dQ). With a window at d = 128, ``"hopper dq"``: the Gluon dQ kernel beside the teaching
-    dK/dV kernel, each the faster of its pair there (H100, causal window of 1024 keys, 32K tokens: dQ 0.76-0.78
-    ms against the teaching kernel's 0.87-0.89, dK/dV 1.44-1.47 against the Gluon kernel's 1.69-1.76). At d = 64
-    the teaching dQ was the faster (0.86 ms against 0.96), so the window keeps both teaching kernels there. Dropout
-    (without a window) runs both Gluon kernels, with the forward's mask."""
+    """``"hopper"`` or ``"triton"``: which backward runs this checked call. ``"triton"`` keeps the teaching
+    kernels; ``"auto"`` and ``"hopper"`` take the Gluon dK/dV and dQ kernels (:mod:`flashref.triton.hopper_backward`)
+    wherever the Hopper forward could run, and also with ALiBi, d is 64 or 128 and the gradients are to be
+    deterministic (theirs are: ``deterministic=False`` asks for the teaching kernel's atomic dQ). A window takes
+    them too since they mask only the tiles at its edges (H100, causal window of 1024 keys, N = 8K, fp16: Gluon
+    dK/dV 1.23 ms at d = 128 and 1.39 at d = 64 against the teaching kernel's 1.47 and 1.78; dQ 0.79 and 0.86
+    against 0.92 and 0.98). Dropout (without a window) runs both Gluon kernels, with the forward's mask."""
     _check_kernel(kernel)
     if kernel == "triton" or not deterministic or _hopper_refusal(q, k, v, feat, backward=True) is not None:
-        return "triton"
-    if feat.window and q.shape[3] != 128:
         return "triton"
     backward = _gluon_module("hopper_backward")
     if isinstance(backward, ImportError) or backward.supported(q, k, v) is not None:
         return "triton"
-    return "hopper dq" if feat.window else "hopper"
+    return "hopper"
 
 
 def _forward(q, k, v, scale: float, feat: Features, kernel: str = "triton"):
@@ -583,7 +579,7 @@ def _backward(q, k, v, o, stats, do, scale: float, deterministic: bool, feat: Fe
                 TUNE_N=_bucket(max(feat.rows_q, feat.rows_k)), GROUP=H // H_kv, **feat.scalars(), **feat.meta)
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
     tail = (H, N_q, N_k, scale, scale * LOG2E)
-    if deterministic and want_dq and choice != "triton":
+    if deterministic and want_dq and choice == "hopper":
         dq = hopper.hopper_dq(q, k, v, do, m2, l2, delta, feat.causal, scale, **mods)  # (never beside: see below)
     elif deterministic and want_dq:
         # Allocated here, on the caller's stream (so are the block lists), whichever stream the kernel runs on.
@@ -816,8 +812,7 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, deterministic=True, *,
     and row statistics. The backward follows: under ``"auto"`` and ``"hopper"`` the Gluon dK/dV and dQ kernels of
     :mod:`flashref.triton.hopper_backward` run wherever they can (the Hopper forward's conditions, dropout's
     included, d = 64 or 128, ``deterministic=True``; unlike the forward, they also take ``alibi_slopes``), the
-    teaching backward everywhere else; with a window at d = 128 the Gluon dQ kernel runs beside the teaching dK/dV
-    kernel (:func:`backward_kernel` says which).
+    teaching backward everywhere else (:func:`backward_kernel` says which).
     Notebooks ``07_triton_forward`` and ``08_triton_backward``.
     """
     return FlashAttentionFunction.apply(q, k, v, causal, sm_scale, deterministic, check_finite, dropout_p, seed,
@@ -840,9 +835,8 @@ def backward_kernel(q, k, v, causal=False, sm_scale=None, deterministic=True, *,
                     block_size=128, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, causal_align="top_left",
                     kernel="auto") -> str:
     """Which backward :func:`flash_attention` (and :func:`flash_attention_backward`) would run with these
-    arguments: ``"hopper"`` (the Gluon dK/dV and dQ kernels), ``"hopper dq"`` (the Gluon dQ kernel beside the
-    teaching dK/dV kernel: a window at d = 128) or ``"triton"`` (see ``kernel`` there). Checks as they do, without
-    reading the data."""
+    arguments: ``"hopper"`` (the Gluon dK/dV and dQ kernels) or ``"triton"`` (see ``kernel`` there). Checks as
+    they do, without reading the data."""
     _, scale = _check(q, k, v, causal, sm_scale, check_finite=False)
     validation.check_bool("deterministic", deterministic)
     feat = Features(q, k, dropout_p, 0, block_mask, block_size, causal=causal, scale=scale, window_size=window_size,
