@@ -712,13 +712,17 @@ def _mod_args(q, window, slopes2) -> tuple:
     return slopes, int(win_left), int(win_right)
 
 
+_NO_LISTS: dict = {}
+
+
 def _list_args(q, lists) -> tuple:
     """(LISTS, stride_lb, stride_lh, stride_li, H) and the constexprs (LISTED, BLOCK_SIZE): ``lists`` = (visible-block
     lists as :func:`flashref.triton.ops.visible_block_lists` gives them, int32 (B, H, n_blocks, n + 1), any
     strides; the mask's block_size), or None (a stand-in, never read)."""
     if lists is None:
-        stand_in = torch.zeros((1, 1, 1), dtype=torch.int32, device=q.device)
-        return (stand_in, 0, 0, 0, q.shape[1]), dict(LISTED=False, BLOCK_SIZE=1)
+        if q.device not in _NO_LISTS:  # made once a device: an allocation (and a fill) at every call would cost
+            _NO_LISTS[q.device] = torch.zeros((1, 1, 1), dtype=torch.int32, device=q.device)
+        return (_NO_LISTS[q.device], 0, 0, 0, q.shape[1]), dict(LISTED=False, BLOCK_SIZE=1)
     table, block_size = lists
     return (table, *table.stride()[:3], q.shape[1]), dict(LISTED=True, BLOCK_SIZE=int(block_size))
 
