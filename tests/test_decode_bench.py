@@ -119,3 +119,28 @@ def test_the_split_sweep_times_flash_decode_at_each_fixed_number_of_splits():
     want = flash_decode(q, k, v, seqlens)
     for name, fn in fns.items():
         torch.testing.assert_close(fn(q, k, v), want, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.gpu
+def test_graph_time_is_the_kernels_time_without_the_host():
+    """On the GPU: a decode call's time from CUDA-graph replay is positive and at most do_bench's (which adds the
+    host's time where the host is the slower), and a backend that cannot be captured gives None, not an error."""
+    import torch
+
+    from flashref.bench.features_bench import _time
+    from flashref.triton import flash_decode
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.float16, generator=g)
+    k, v = (torch.randn(1, 8, 4096, 128, device="cuda", dtype=torch.float16, generator=g) for _ in range(2))
+    call = lambda: flash_decode(q, k, v, check_finite=False)  # noqa: E731
+    call()
+    graph_us = decode_bench.graph_time_us(call)
+    ms, _ = _time(call, False, None)
+    assert graph_us is not None and 0 < graph_us <= ms * 1e3 * 1.1
+
+    def not_capturable():
+        torch.cuda.synchronize()  # synchronizing is not allowed while a stream is captured
+        return q * 2
+
+    assert decode_bench.graph_time_us(not_capturable) is None
