@@ -687,7 +687,7 @@ def _descriptors(q, k, v, do, cfg: dict):
     gdt = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
     descs = []
     for x, rows in ((q, cfg["block_m"]), (k, cfg["block_n"]), (v, cfg["block_n"]), (do, cfg["block_m"])):
-        lay = gl.NVMMASharedLayout.get_default_for([rows, d], gdt)
+        lay = hopper.shared_layout((rows, d), gdt)
         descs.append(TensorDescriptor.from_tensor(x.contiguous().view(-1, d), [rows, d], lay))
     return descs
 
