@@ -324,3 +324,23 @@ def test_the_hopper_bench_measures_some_parts_again_in_place(fake_gpu, monkeypat
     assert [(r["case"], r["ms"]) for r in saved["results"]] == [("fwd", 1.0), ("fwd+bwd", 2.0)]
     assert saved["command"] == ("python -m flashref.bench hopper --out " + out + " --parts steps training; "
                                 "python -m flashref.bench hopper --out " + out + " --parts training")
+
+
+def test_the_backward_kernel_table_puts_the_other_dkdv_kernel_last_and_names_it():
+    """hopper_bench.backward_kernel_table from synthetic rows: a column per kernel in the order measured, the other
+    dK/dV kernel of each head dim (a different one at d = 64 and 128) in the last column, with its name."""
+    from flashref.bench import hopper_bench
+
+    rows = []
+    for d in (64, 128):
+        other = hopper_bench.OTHER_DKDV[d][0]
+        for i, impl in enumerate(["gluon dK/dV", other, "gluon dQ", "teaching dK/dV", "teaching dQ"]):
+            rows.append({"case": "bwd kernel", "impl": impl, "d": d, "N": 4096, "causal": False, "ms": 1.0,
+                         "tflops": 100.0 * (i + 1) + d})
+    rows.append({"case": "fwd", "impl": "sdpa-cudnn", "d": 64, "N": 4096, "causal": False, "tflops": 1.0})
+    lines = hopper_bench.backward_kernel_table(rows).splitlines()
+    assert lines[0].split()[3:8] == ["gluon", "dK/dV", "gluon", "dQ", "teaching"]
+    assert lines[1].split()[:3] == ["64", "4096", "False"] and lines[1].split()[3:8] == ["164", "364", "464", "564",
+                                                                                         "264"]
+    assert lines[1].endswith("(warp-specialized)") and lines[2].endswith("(one warpgroup)")
+    assert len(lines) == 3

@@ -101,21 +101,47 @@ def test_host_table_from_a_saved_run():
 
 def test_the_split_sweep_times_flash_decode_at_each_fixed_number_of_splits():
     """``--num-splits`` adds one flash_decode per number of splits, named by :func:`split_impl`; each computes
-    what the chosen split does (run here in the interpreter on CPU tensors)."""
+    what the chosen split does (in the interpreter on CPU tensors here, compiled on a GPU machine)."""
     import torch
 
     from flashref.triton.decode import flash_decode
+    from tests._triton_helpers import DEVICE
 
     args = parse_args(["--num-splits", "8", "32", "--impls", "sdpa-cudnn"])
     assert args.num_splits == [8, 32] and args.impls == ["flashref-decode", "sdpa-cudnn"]
     with pytest.raises(SystemExit):
         parse_args(["--num-splits", "0"])
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 4, 1, 32, generator=g)
-    k, v = (torch.randn(2, 2, 150, 32, generator=g) for _ in range(2))
-    seqlens = torch.tensor([150, 77], dtype=torch.int32)
+    q = torch.randn(2, 4, 1, 32, generator=g).to(DEVICE)
+    k, v = (torch.randn(2, 2, 150, 32, generator=g).to(DEVICE) for _ in range(2))
+    seqlens = torch.tensor([150, 77], dtype=torch.int32, device=DEVICE)
     fns = decode_bench.implementations(1, 150, False, seqlens, impls=["flashref-decode"], splits=(1, 3))
     assert list(fns) == ["flashref-decode", decode_bench.split_impl(1), decode_bench.split_impl(3)]
     want = flash_decode(q, k, v, seqlens)
     for name, fn in fns.items():
         torch.testing.assert_close(fn(q, k, v), want, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.gpu
+def test_graph_time_is_the_kernels_time_without_the_host():
+    """On the GPU: a decode call's time from CUDA-graph replay is positive and at most do_bench's (which adds the
+    host's time where the host is the slower), and a backend that cannot be captured gives None, not an error."""
+    import torch
+
+    from flashref.bench.features_bench import _time
+    from flashref.triton import flash_decode
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.float16, generator=g)
+    k, v = (torch.randn(1, 8, 4096, 128, device="cuda", dtype=torch.float16, generator=g) for _ in range(2))
+    call = lambda: flash_decode(q, k, v, check_finite=False)  # noqa: E731
+    call()
+    graph_us = decode_bench.graph_time_us(call)
+    ms, _ = _time(call, False, None)
+    assert graph_us is not None and 0 < graph_us <= ms * 1e3 * 1.1
+
+    def not_capturable():
+        torch.cuda.synchronize()  # synchronizing is not allowed while a stream is captured
+        return q * 2
+
+    assert decode_bench.graph_time_us(not_capturable) is None

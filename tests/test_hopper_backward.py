@@ -32,7 +32,7 @@ OUTPUTS = {"dkdv": {"DK": "*fp16", "DV": "*fp16"}, "dq": {"DQ": "*fp16"}}
 
 KERNELS = {"dkdv": hb.hopper_bwd_dkdv_kernel, "dq": hb.hopper_bwd_dq_kernel}
 for part, d, causal, mods in itertools.product(("dkdv", "dq"), hb.HEAD_DIMS, (False, True),
-                                               ("none", "window+alibi", "dropout")):
+                                               ("none", "window+alibi", "dropout", "block")):
     cfg = hb.default_config(d, part, mods == "dropout")
     ws = cfg.get("warp_specialize", False)  # then each K, V copy is one consumer's half of block_n
     kernel = hb.hopper_ws_bwd_dkdv_kernel if ws else KERNELS[part]
@@ -43,15 +43,17 @@ for part, d, causal, mods in itertools.product(("dkdv", "dq"), hb.HEAD_DIMS, (Fa
            "v_desc": f"tensordesc<fp16[{bn}, {d}],{kl!r}>", "do_desc": f"tensordesc<fp16[{bm}, {d}],{ql!r}>",
            **OUTPUTS[part], "M2": "*fp32", "L2": "*fp32", "Delta": "*fp32",
            "N_q": "i32", "N_k": "i32", "sm_scale": "fp32", "qk_scale": "fp32", "SLOPES": "*fp32",
-           "win_left": "i32", "win_right": "i32", "seed": "i64", "drop_below": "i32", "keep_scale": "fp32"}
+           "win_left": "i32", "win_right": "i32", "seed": "i64", "drop_below": "i32", "keep_scale": "fp32",
+           "LISTS": "*i32", "stride_lb": "i32", "stride_lh": "i32", "stride_li": "i32", "H": "i32"}
     dropout = mods == "dropout"
     keep = (hopper.keep_t_layout(bn, bm, 4 if ws else cfg["num_warps"]) if part == "dkdv"
             else hopper.keep_layout(bm, bn, cfg["num_warps"]))
     cx = dict(HEAD_D=d, BLOCK_M=bm, BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], CAUSAL=causal,
               WINDOW=mods == "window+alibi", ALIBI=mods == "window+alibi", DROPOUT=dropout,
-              KEEP_LAYOUT=keep if dropout else None, num_warps=cfg["num_warps"])
+              KEEP_LAYOUT=keep if dropout else None, LISTED=mods == "block",
+              BLOCK_SIZE=128 if mods == "block" else 1, num_warps=cfg["num_warps"])
     if part == "dkdv":
-        cx["MASKS"] = hb.dkdv_masks(ws, mods == "window+alibi", dropout)
+        cx["MASKS"] = hb.dkdv_masks(ws, mods == "window+alibi", dropout, mods == "block")
     sig.update({k: "constexpr" for k in cx})
     options = dict(num_warps=cfg["num_warps"], **(dict(maxnreg=hopper.WS_MAXNREG) if ws else {}))
     k = triton.compile(GluonASTSource(kernel, sig, cx, {}), target=GPUTarget("cuda", 90, 32),
@@ -66,7 +68,8 @@ for part, d, causal, mods in itertools.product(("dkdv", "dq"), hb.HEAD_DIMS, (Fa
 
 #: Register spills allowed (bytes a thread): none, but where a measured-faster kernel spills (see the test).
 SPILL_BOUND = {("dkdv", "128", "1", "none"): 512, ("dkdv", "128", "1", "window+alibi"): 512,
-               ("dkdv", "64", "0", "dropout"): 128, ("dkdv", "64", "0", "window+alibi"): 16}
+               ("dkdv", "64", "0", "dropout"): 128, ("dkdv", "64", "0", "window+alibi"): 16,
+               ("dkdv", "128", "1", "block"): 512}
 
 
 def test_compiles_for_the_h100_without_spills():
@@ -86,7 +89,7 @@ def test_compiles_for_the_h100_without_spills():
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [line.split() for line in out.stdout.strip().splitlines()]
-    assert [line[0] for line in lines] == ["dkdv"] * 12 + ["dq"] * 12
+    assert [line[0] for line in lines] == ["dkdv"] * 16 + ["dq"] * 16
     shared_of = {}
     for part, d, causal, mods, ws, shared, spills, wgmma, tma, waits, philox in lines:
         what = (part, d, causal, mods, shared, spills)
@@ -319,3 +322,70 @@ def test_flash_attention_takes_the_gluon_backward_for_a_window(dtype, causal, wi
             assert_within_tolerance(x, r, b, factor=3.0, name=f"{name} ({N_q}, {N_k})")
         blind = np.isneginf(reference.attention(q64, k64, v64, return_lse=True, **kw)[1])
         assert np.all(np64(got[1])[blind] == 0), "rows that see no key: dq = 0"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d,block_size", [(64, 128), (128, 128), (64, 64), (128, 256)],
+                         ids=["d64-bs128", "d128-bs128", "d64-bs64", "d128-bs256"])
+def test_flash_attention_takes_the_gluon_backward_for_a_block_mask(d, block_size, causal):
+    """flash_attention with a block mask on the H100: the teaching forward and both Gluon backward kernels walking
+    the visible-block lists (backward_kernel says "hopper"); o, dQ, dK, dV within the rule against the float64
+    reference on lengths no tile divides, N_q != N_k, one query; a block row with no visible block gives zeros;
+    the same gradients, bit for bit, on a second call."""
+    import numpy as np
+
+    from flashref import reference
+    from flashref.tolerance import assert_within_tolerance
+    from flashref.triton import backward_kernel, flash_attention
+    from tests._triton_helpers import feature_inputs, np64, plain_with_features
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon backward needs an sm_90 GPU")
+    for i, (N_q, N_k) in enumerate([(300, 97), (1000, 1000), (1, 239), (700, 1300)]):
+        q, k, v, do = feature_inputs(2, 3, 3, N_q, N_k, d, torch.float16, seed=i)
+        n_i, n_j = -(-N_q // block_size), -(-N_k // block_size)
+        g = torch.Generator().manual_seed(100 + i)
+        mask = torch.rand(2, 1, n_i, n_j, generator=g) < 0.6
+        mask[:, :, :, 0] = True  # every block row sees key block 0 (causal rows see only it at first) ...
+        if n_i > 1:
+            mask[1, :, n_i - 1] = False  # ... but one, which sees nothing: zeros
+        mask = mask.cuda()
+        kw = dict(causal=causal, block_mask=mask, block_size=block_size)
+        assert backward_kernel(q, k, v, **kw) == "hopper", (N_q, N_k)
+
+        def grads():
+            qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
+            o = flash_attention(qq, kk, vv, **kw)
+            return (o, *torch.autograd.grad(o, (qq, kk, vv), do))
+
+        got, again = grads(), grads()
+        for name, x, y in zip(("o", "dq", "dk", "dv"), got, again):
+            assert torch.equal(x, y), f"{name}: not reproducible ({N_q}, {N_k})"
+        q64, k64, v64, do64 = (np64(x) for x in (q, k, v, do))
+        mask64 = mask.cpu().numpy()
+        rkw = dict(causal=causal, block_mask=mask64, block_size=block_size)
+        refs = [reference.attention(q64, k64, v64, **rkw), *reference.attention_backward(q64, k64, v64, do64, **rkw)]
+        rows = torch.arange(N_q) // block_size
+        cols = torch.arange(N_k) // block_size
+        visible = mask[:, :, rows][:, :, :, cols]  # (2, 1, N_q, N_k) token-level
+        base = plain_with_features(q, k, v, do, causal, visible=visible)
+        for name, x, r, b in zip(("o", "dq", "dk", "dv"), got, refs, base):
+            assert torch.isfinite(x).all(), f"{name}: non-finite values ({N_q}, {N_k})"
+            assert_within_tolerance(x, r, b, factor=3.0, name=f"{name} ({N_q}, {N_k}, bs {block_size})")
+        blind = np.isneginf(reference.attention(q64, k64, v64, return_lse=True, **rkw)[1])
+        assert np.all(np64(got[1])[blind] == 0), "rows that see no key: dq = 0"
+
+
+def test_the_gluon_backward_takes_a_block_mask_only_where_its_tiles_fit():
+    """lists_fit: a dK/dV program's keys and a dQ program's queries lie in one mask block, and so does every
+    streamed tile; the warp-specialized dK/dV kernel (d = 128) owns 128 keys, so block_size 64 keeps the teaching
+    kernels there; dkdv_masks takes no separate loops for a block mask (its tiles are not one run)."""
+    from flashref.triton import hopper_backward as hb
+
+    fits = {(d, part, bs): hb.lists_fit(hb.default_config(d, part), part, bs)
+            for d in (64, 128) for part in ("dkdv", "dq") for bs in (32, 64, 128, 192, 256)}
+    assert [bs for (d, part, bs), ok in fits.items() if ok and (d, part) == (128, "dkdv")] == [128, 256]
+    assert [bs for (d, part, bs), ok in fits.items() if ok and (d, part) == (64, "dkdv")] == [64, 128, 192, 256]
+    assert [bs for (d, part, bs), ok in fits.items() if ok and part == "dq" and d == 128] == [64, 128, 192, 256]
+    assert hb.dkdv_masks(False, False, listed=True) == "branch" and hb.dkdv_masks(True, False, listed=True) == "every"

@@ -179,7 +179,8 @@ def test_memory_is_linear_in_n():
 
 
 def test_block_sparse_backward_on_two_streams_matches_one_and_captures_in_a_cuda_graph(monkeypatch):
-    """A block-sparse backward launches dQ on a side stream beside dK/dV (ops._dq_stream). Its gradients
+    """A block-sparse backward on the teaching kernels (on an H100 ``kernel="triton"``; ``"auto"`` takes the Gluon
+    backward there, on one stream) launches dQ on a side stream beside dK/dV (ops._dq_stream). Its gradients
     equal, bit for bit, those of the same backward with both kernels on one stream, and the whole
     forward + backward replays from a CUDA graph with the same result (the side stream is forked from and
     joined to the capturing stream)."""
@@ -193,7 +194,7 @@ def test_block_sparse_backward_on_two_streams_matches_one_and_captures_in_a_cuda
 
     def grads():
         qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
-        flash_attention(qq, kk, vv, block_mask=mask, block_size=128).backward(do)
+        flash_attention(qq, kk, vv, block_mask=mask, block_size=128, kernel="triton").backward(do)
         return [qq.grad, kk.grad, vv.grad]
 
     two = grads()
@@ -207,13 +208,14 @@ def test_block_sparse_backward_on_two_streams_matches_one_and_captures_in_a_cuda
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up outside the graph, as torch.cuda.graph asks
-        flash_attention(qq, kk, vv, block_mask=mask, block_size=128).backward(do)
+        flash_attention(qq, kk, vv, block_mask=mask, block_size=128, kernel="triton").backward(do)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     for x in (qq, kk, vv):
         x.grad = None
     with torch.cuda.graph(graph):
-        flash_attention(qq, kk, vv, block_mask=mask, block_size=128, check_finite=False).backward(do)
+        flash_attention(qq, kk, vv, block_mask=mask, block_size=128, check_finite=False,
+                        kernel="triton").backward(do)
     for x in (qq, kk, vv):
         x.grad.zero_()
     graph.replay()
@@ -264,7 +266,7 @@ def test_auto_takes_the_teaching_kernel_where_the_hopper_forward_cannot_run():
              "float16 or bfloat16": ((q.float(), k.float(), v.float()), {}),
              "head dim": (tuple(x[..., :96].contiguous() for x in (q, k, v)), {}),
              "grouped-query": ((q, k[:, :1], v[:, :1]), {})}
-    gluon_backward_takes = ("alibi_slopes",)  # with the teaching forward's statistics
+    gluon_backward_takes = ("alibi_slopes", "block_mask")  # with the teaching forward's statistics
     for why, (args, kw) in calls.items():
         assert forward_kernel(*args, **kw) == "triton", why
         assert backward_kernel(*args, **kw) == ("hopper" if why in gluon_backward_takes else "triton"), why

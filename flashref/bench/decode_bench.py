@@ -281,6 +281,50 @@ def host_time_us(fn, calls: int = 100) -> float:
     return elapsed / calls * 1e6
 
 
+def graph_time_us(fn, replays: int = 20) -> float | None:
+    """Microseconds of GPU time one call takes with the host taken out: the call captured in a CUDA graph behind
+    a memset that empties the L2 cache (as ``do_bench`` does before each call), replayed, minus a graph of the
+    memset alone (medians of ``replays``). ``ms`` is what a loop of calls gets, host included where the host is
+    slower than the GPU; this is what the kernels take, the figure to compare kernels by on short caches (and
+    what a generation loop captured in a CUDA graph would see). None when the call cannot be captured."""
+    import statistics
+
+    import torch
+
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")  # do_bench's L2 flush buffer, 256 MiB
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(side):  # warm-up on a side stream, as torch's capture recipe asks
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graphs = {"flush": torch.cuda.CUDAGraph(), "both": torch.cuda.CUDAGraph()}
+        with torch.cuda.graph(graphs["flush"]):
+            flush.zero_()
+        with torch.cuda.graph(graphs["both"]):
+            flush.zero_()
+            fn()
+    except RuntimeError:  # a backend that cannot be captured
+        torch.cuda.synchronize()
+        return None
+
+    def replay_ms(graph):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        graph.replay()
+        times = []
+        for _ in range(replays):
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    gpu_us = (replay_ms(graphs["both"]) - replay_ms(graphs["flush"])) * 1e3
+    del graphs, flush
+    return gpu_us
+
+
 def measure_point(H_kv: int, N_q: int, N_k: int, B: int, impls=IMPLS, heads: int = H, d: int = D, peak_bw=DEFAULT_PEAK,
                   splits=()):
     """The rows of one point, one per implementation and one per fixed number of ``splits`` (a failure, out of
@@ -324,8 +368,10 @@ def measure_point(H_kv: int, N_q: int, N_k: int, B: int, impls=IMPLS, heads: int
                 del out
                 ms, peak = _time(lambda: fn(q, k, v), False, None)  # features_bench's: peak, then do_bench
                 host_us = host_time_us(lambda: fn(q, k, v))
+                graph_us = graph_time_us(lambda: fn(q, k, v))
             row.update(status="ok", ms=ms, gb_per_s=fields["bytes"] / (ms * 1e-3) / 1e9,
-                       bw_fraction=fields["bytes"] / (ms * 1e-3) / peak_bw, peak_extra_bytes=peak, host_us=host_us)
+                       bw_fraction=fields["bytes"] / (ms * 1e-3) / peak_bw, peak_extra_bytes=peak, host_us=host_us,
+                       graph_us=graph_us)
         except Exception as exc:  # noqa: BLE001 (a backend that refuses, or OOM, is recorded)
             row["status"] = _status(exc)
         torch.cuda.empty_cache()
@@ -341,7 +387,8 @@ def describe(r) -> str:
         return f"{head} {r.get('status')}"
     splits = f" splits={r['num_splits']}" if "num_splits" in r else ""
     return (f"{head} {r['ms']:8.4f} ms {r['gb_per_s']:7.0f} GB/s ({r['bw_fraction']:4.0%}) "
-            f"peak+ {r['peak_extra_bytes'] / 2**20:7.1f} MiB host {r.get('host_us', float('nan')):5.0f} us{splits}")
+            f"peak+ {r['peak_extra_bytes'] / 2**20:7.1f} MiB host {r.get('host_us', float('nan')):5.0f} us "
+            f"graph {r.get('graph_us') if r.get('graph_us') is not None else float('nan'):7.1f} us{splits}")
 
 
 def parse_args(argv=None):

@@ -12,7 +12,9 @@ relative RMS error of O against float32 attention, on Gaussian inputs and on inp
 without incoherent processing. Then what :func:`flashref.triton.flash_attention` makes of it: its forward with
 ``kernel="triton"`` against the Hopper forward over sequence lengths from 128 to 16K (:func:`dispatch_cases`, the
 evidence for where ``kernel="auto"`` takes which), and forward + backward, ``kernel="auto"`` and ``"triton"``, beside
-SDPA's backends on the grid (:func:`training_cases`). Results go to ``book/data/hopper_bench.json`` with the device,
+SDPA's backends on the grid (:func:`training_cases`), and the backward's kernels timed one by one, the Gluon ones in
+the tiles they ship with and in the other kind (:func:`backward_kernel_cases`: the evidence for
+:func:`flashref.triton.hopper_backward.default_config`). Results go to ``book/data/hopper_bench.json`` with the device,
 versions and command (:func:`load_results`); ``--parts`` runs some of them, and ``--append`` adds them to the
 file's rows in place of those it measures again.
 """
@@ -144,6 +146,70 @@ def training_cases(grid=GRID, d256=True):
                    "d": d, "causal": causal, "ms": ms, "tflops": work / (ms * 1e-3) / 1e12, "peak_extra_bytes": peak}
         del q, k, v, do
         torch.cuda.empty_cache()
+
+
+#: The other dK/dV kernel of each head dim, timed beside the shipped one (hopper_backward.default_config says why
+#: it is not shipped): at d = 64 the warp-specialized kernel, at d = 128 one warpgroup stepping 32 queries.
+OTHER_DKDV = {64: ("gluon dK/dV warp-specialized", dict(block_m=64, block_n=128, num_warps=4, stages=2,
+                                                        warp_specialize=True)),
+              128: ("gluon dK/dV one warpgroup", dict(block_m=32, block_n=64, num_warps=4, stages=3))}
+
+
+def backward_kernel_cases(grid=GRID):
+    """Rows ``{case: "bwd kernel", impl, B, H, N, d, causal, ms, tflops, matmuls}``: each backward kernel alone on
+    the same inputs and row statistics (the teaching forward's), at the grid's points: the Gluon dK/dV kernel in
+    its shipped tiles and in :data:`OTHER_DKDV`'s, the Gluon dQ kernel, the teaching dK/dV and dQ kernels.
+    TFLOP/s counts the kernel's own products (dK/dV four, dQ three), each 2 B H N^2 d FLOPs (half when causal):
+    half of :func:`flops`'s forward pass, which has two."""
+    import torch
+
+    from flashref.triton import flash_attention_forward, hopper_backward, ops
+
+    for d, N, causal in grid:
+        B, H = 65536 // N, 2048 // d
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, do = (torch.randn(B, H, N, d, device="cuda", dtype=torch.float16, generator=g) for _ in range(4))
+        scale = d ** -0.5
+        with torch.no_grad():
+            o, lse = flash_attention_forward(q, k, v, causal, check_finite=False, kernel="triton")
+            m2, l2 = ops._stats_from_lse(lse)
+            delta = ops._delta(o, do)
+        feat = ops.Features(q, k, causal=causal, scale=scale, check_finite=False)
+
+        def teaching(part):
+            return lambda: ops._backward(q, k, v, o, (m2, l2), do, scale, True, feat, "triton", parts=(part,),
+                                         delta=delta)
+
+        other_name, other_cfg = OTHER_DKDV[d]
+        kernels = {"gluon dK/dV": (4, lambda: hopper_backward.hopper_dkdv(q, k, v, do, m2, l2, delta, causal, scale)),
+                   other_name: (4, lambda: hopper_backward.hopper_dkdv(q, k, v, do, m2, l2, delta, causal, scale,
+                                                                        other_cfg)),
+                   "gluon dQ": (3, lambda: hopper_backward.hopper_dq(q, k, v, do, m2, l2, delta, causal, scale)),
+                   "teaching dK/dV": (4, teaching("dkdv")), "teaching dQ": (3, teaching("dq"))}
+        per_product = flops(B, H, N, N, d, causal) / 2
+        for impl, (matmuls, fn) in kernels.items():
+            ms, _ = _time(fn, False, None)
+            yield {"case": "bwd kernel", "impl": impl, "B": B, "H": H, "N": N, "d": d, "causal": causal, "ms": ms,
+                   "tflops": matmuls * per_product / (ms * 1e-3) / 1e12, "matmuls": matmuls}
+        del q, k, v, do, o, lse, m2, l2, delta
+        torch.cuda.empty_cache()
+
+
+def backward_kernel_table(results) -> str:
+    """TFLOP/s of each backward kernel alone, one line per point (see :func:`backward_kernel_cases`)."""
+    rows = [r for r in results if r["case"] == "bwd kernel"]
+    impls = list(dict.fromkeys(r["impl"] for r in rows if not r["impl"].startswith("gluon dK/dV ")))
+    get = {(r["d"], r["N"], r["causal"], r["impl"]): r for r in rows}
+    lines = [f"{'d':>3s} {'N':>6s} {'causal':>6s} " + " ".join(f"{i:>15s}" for i in impls)
+             + f" {'other dK/dV':>12s}  (which)"]
+    for d, N, causal in sorted({key[:3] for key in get}):
+        cells = [f"{get[d, N, causal, i]['tflops']:15.0f}" if (d, N, causal, i) in get else f"{'-':>15s}"
+                 for i in impls]
+        other = next((r for key, r in get.items() if key[:3] == (d, N, causal) and key[3].startswith("gluon dK/dV ")),
+                     None)
+        tail = f" {other['tflops']:12.0f}  ({other['impl'][len('gluon dK/dV '):]})" if other else ""
+        lines.append(f"{d:3d} {N:6d} {causal!s:>6s} " + " ".join(cells) + tail)
+    return "\n".join(lines)
 
 
 #: The error table's inputs: B, H, N, d and the share of Q and K entries given an outlier (std 10 more).
@@ -351,7 +417,7 @@ def _print(r):
 
 
 PARTS = {"steps": lambda: cases(), "errors": lambda: errors(), "dispatch": lambda: dispatch_cases(),
-         "training": lambda: training_cases()}
+         "training": lambda: training_cases(), "backward-kernels": lambda: backward_kernel_cases()}
 
 
 def main(argv=None) -> int:
@@ -360,7 +426,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="book/data/hopper_bench.json")
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
                    help="which row types to measure (default: all): the forward steps with FP8, the error table, the "
-                        "dispatch sweep, forward + backward through flash_attention")
+                        "dispatch sweep, forward + backward through flash_attention, the backward's kernels alone")
     p.add_argument("--append", action="store_true",
                    help="add to the rows already in --out (same GPU and versions), replacing those of the parts "
                         "measured again")

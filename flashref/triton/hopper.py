@@ -46,6 +46,7 @@ hopper`` and ``compile_check hopper`` hold its measurements.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -65,7 +66,20 @@ HEAD_DIMS = (64, 128, 256)
 WS_MAXNREG = 168  # 65536 registers / (12 warps * 32 threads), rounded down to a multiple of 8
 
 
+@functools.lru_cache(maxsize=None)
+def _shared_layout(block: tuple, dtype) -> gl.NVMMASharedLayout:
+    """The swizzled shared-memory layout a TMA descriptor of ``block`` (rows, columns) of ``dtype`` uses, made once
+    a signature: building a Gluon layout is pure Python (about 10 us), paid at every launch otherwise."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), dtype)
+
+
+def shared_layout(block, dtype) -> gl.NVMMASharedLayout:
+    """:func:`_shared_layout` of a list or tuple ``block``."""
+    return _shared_layout(tuple(block), dtype)
+
+
 # ---- Dropout: the teaching kernel's Philox mask, computed in the wgmma accumulator's own registers ---------------
+@functools.lru_cache(maxsize=None)  # pure in its integers: built once a tile shape
 def keep_layout(block_m: int, block_n: int, num_warps: int) -> gl.DistributedLinearLayout:
     """Where the dropout counters of a (block_m, block_n) tile of scores live: a layout of the 4-D tensor
     (i // 16, i % 8, j // 16, (j // 2) % 4) that puts each counter in the thread whose wgmma accumulator holds its
@@ -80,6 +94,7 @@ def keep_layout(block_m: int, block_n: int, num_warps: int) -> gl.DistributedLin
     return gl.DistributedLinearLayout(reg_bases, lane_bases, warp_bases, [], [block_m // 16, 8, block_n // 16, 4])
 
 
+@functools.lru_cache(maxsize=None)
 def keep_t_layout(block_n: int, block_m: int, num_warps: int) -> gl.DistributedLinearLayout:
     """:func:`keep_layout` for the transposed tile of the dK/dV kernels, keys in rows: the 4-D tensor (j // 16, j % 8,
     i // 16, i % 8), lanes carrying j % 8 and bits 1-2 of i, registers bit 0 of i and the 16-query blocks. Each
@@ -799,8 +814,8 @@ def launch_forward(q, k, v, causal: bool, scale: float, cfg: dict, window=None, 
     q_block, kv_block = _descriptor_blocks(cfg, d)
     q2, k2, v2 = (x.contiguous().view(-1, d) for x in (q, k, v))
     gdt = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
-    q_desc = TensorDescriptor.from_tensor(q2, q_block, gl.NVMMASharedLayout.get_default_for(q_block, gdt))
-    kv_lay = gl.NVMMASharedLayout.get_default_for(kv_block, gdt)
+    q_desc = TensorDescriptor.from_tensor(q2, q_block, shared_layout(q_block, gdt))
+    kv_lay = shared_layout(kv_block, gdt)
     k_desc = TensorDescriptor.from_tensor(k2, kv_block, kv_lay)
     v_desc = TensorDescriptor.from_tensor(v2, kv_block, kv_lay)
     o = torch.empty((B, H, N_q, d), dtype=q.dtype, device=q.device)
@@ -909,11 +924,11 @@ def fp8_attention(x: Fp8Inputs, causal=False, sm_scale=None, *, out_dtype=torch.
                          f"{2 * FP8_Q_ROWS}, got {cfg['block_m']}")
     f8 = gl.float8e4nv
     q_block, kv_block = [FP8_Q_ROWS, d], [x.block_n, d]
-    q_desc = TensorDescriptor.from_tensor(x.q.view(-1, d), q_block, gl.NVMMASharedLayout.get_default_for(q_block, f8))
-    k_desc = TensorDescriptor.from_tensor(x.k.view(-1, d), kv_block, gl.NVMMASharedLayout.get_default_for(kv_block, f8))
+    q_desc = TensorDescriptor.from_tensor(x.q.view(-1, d), q_block, shared_layout(q_block, f8))
+    k_desc = TensorDescriptor.from_tensor(x.k.view(-1, d), kv_block, shared_layout(kv_block, f8))
     vt_block = [d, x.block_n]
     v_desc = TensorDescriptor.from_tensor(x.vt.view(-1, x.vt.shape[-1]), vt_block,
-                                          gl.NVMMASharedLayout.get_default_for(vt_block, f8))
+                                          shared_layout(vt_block, f8))
     o = torch.empty((B, H, N_q, d), dtype=out_dtype, device=x.q.device)
     lse, m2, l2 = torch.empty((3, B, H, N_q), dtype=torch.float32, device=x.q.device).unbind(0)
     _, constexprs, options = kernel_and_constexprs(cfg, d, causal)

@@ -37,16 +37,61 @@ HEAD_DIMS = (64, 128)
 
 
 @gluon.jit
-def _load_pair(a_desc, b_desc, a_smem, b_smem, bars, row0, n, n_tiles, BLOCK: gl.constexpr, STAGES: gl.constexpr):
+def _load_pair(a_desc, b_desc, a_smem, b_smem, bars, base_row, tile, n, n_tiles, BLOCK: gl.constexpr,
+               STAGES: gl.constexpr):
     """Start the TMA copies of the program's n-th pair of streamed tiles (Q and dO in the dK/dV kernel, K and V in
-    the dQ kernel; rows row0 + n * BLOCK on) into slot n % STAGES, one barrier for both (nothing from n_tiles on).
-    n counts from the program's first tile, as the loop's waits do."""
+    the dQ kernel; the tile of index ``tile``, rows base_row + tile * BLOCK on) into slot n % STAGES, one barrier
+    for both (nothing from n_tiles on). n counts from the program's first tile, as the loop's waits do."""
     slot = n % STAGES
     go = n < n_tiles
-    row = row0 + n * BLOCK
+    row = base_row + tile * BLOCK
     mbarrier.expect(bars.index(slot), a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=go)
     tma.async_copy_global_to_shared(a_desc, [row, 0], bars.index(slot), a_smem.index(slot), pred=go)
     tma.async_copy_global_to_shared(b_desc, [row, 0], bars.index(slot), b_smem.index(slot), pred=go)
+
+
+# ---- Block-sparse: the loops walk lists of the visible blocks ------------------------------------------------
+# flashref.triton.ops.visible_block_lists gives, for each block of rows of the mask, [count, j_1 < ... < j_count,
+# padding]: the dQ kernel reads the list of its query block (the key blocks it sees), the dK/dV kernels the list of
+# their key block in the transposed mask (the query blocks that see it). A block holds BLOCK_SIZE / TILE of the
+# streamed tiles, so step n of a loop takes listed tile t = t_lo + n; [t_lo, t_hi) are the listed tiles inside the
+# range that causality or a window leaves (as :func:`flashref.triton.forward._listed_tiles_before` counts them).
+
+@gluon.jit
+def _listed_tiles_before(row, limit, BLOCK_SIZE: gl.constexpr, TILE: gl.constexpr, WARPS: gl.constexpr):
+    """How many tiles of the visible-block list at ``row`` lie before row (or key) ``limit``, a multiple of TILE:
+    every listed block is TILE-tiled and the list is in increasing order, so they are a prefix of its tiles."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    count = gl.load(row)
+    n = gl.to_tensor(0)
+    for e0 in range(0, count, 32 * WARPS):
+        e = e0 + gl.arange(0, 32 * WARPS, layout=layout)
+        start = gl.load(row + 1 + e, mask=e < count, other=0) * BLOCK_SIZE
+        before = gl.minimum(gl.maximum(limit - start, 0), BLOCK_SIZE) // TILE
+        n += gl.sum(gl.where(e < count, before, 0), axis=0)
+    return n
+
+
+@gluon.jit
+def _tile_of(n, first, t_lo, t_hi, list_row, LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr, TILE: gl.constexpr):
+    """The index of the streamed tile a loop's step n takes: ``first + n`` without a block mask, else listed tile
+    t_lo + n (clamped to the last one, so that a prefetch past the end reads inside the list; it copies nothing)."""
+    if LISTED:
+        t = gl.minimum(t_lo + n, gl.maximum(t_hi - 1, 0))
+        return gl.load(list_row + 1 + t // (BLOCK_SIZE // TILE)) * (BLOCK_SIZE // TILE) + t % (BLOCK_SIZE // TILE)
+    else:
+        return first + n
+
+
+@gluon.jit
+def _list_range(LISTS, bh, H, stride_lb, stride_lh, stride_li, block, first, n_tiles, BLOCK_SIZE: gl.constexpr,
+                TILE: gl.constexpr, WARPS: gl.constexpr):
+    """(list_row, t_lo, n_listed): the list of mask block ``block`` of head bh, and its listed tiles inside tiles
+    [first, first + n_tiles)."""
+    list_row = LISTS + (bh // H).to(gl.int64) * stride_lb + (bh % H) * stride_lh + block * stride_li
+    t_lo = _listed_tiles_before(list_row, first * TILE, BLOCK_SIZE, TILE, WARPS)
+    t_hi = _listed_tiles_before(list_row, gl.maximum(first + n_tiles, first) * TILE, BLOCK_SIZE, TILE, WARPS)
+    return list_row, t_lo, t_hi - t_lo
 
 
 @gluon.constexpr_function
@@ -211,32 +256,38 @@ def _mask_segments(first_key, i_lo, n_tiles, N_q, win_left, win_right, BLOCK_M: 
 
 
 @gluon.jit
-def _dkdv_step(n, masked, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_desc, q_row, n_tiles, dk, dv, s_zero, keys,
-               start_n, i_lo, bh, M2, L2, Delta, N_q, qk_scale, slope2, win_left, win_right, seed, drop_below,
-               keep_scale, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-               ALIBI: gl.constexpr, DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr, ROWS: gl.constexpr,
-               s_layout: gl.constexpr, col_s: gl.constexpr, p_layout: gl.constexpr):
-    """Step n of :func:`hopper_bwd_dkdv_kernel`'s loop: query tile i_lo + n from its ring slot, then the copies
-    of the tile STAGES ahead into the slot it frees."""
+def _dkdv_step(n, masked, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_desc, q_base, n_tiles, dk, dv, s_zero,
+               keys, start_n, i_lo, t_lo, list_row, bh, M2, L2, Delta, N_q, qk_scale, slope2, win_left, win_right,
+               seed, drop_below, keep_scale, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+               WINDOW: gl.constexpr, ALIBI: gl.constexpr, DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr,
+               ROWS: gl.constexpr, s_layout: gl.constexpr, col_s: gl.constexpr, p_layout: gl.constexpr,
+               LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr):
+    """Step n of :func:`hopper_bwd_dkdv_kernel`'s loop: query tile i_lo + n (listed tile t_lo + n with a block
+    mask) from its ring slot, then the copies of the tile STAGES ahead into the slot it frees."""
     slot = n % STAGES
     mbarrier.wait(bars.index(slot), (n // STAGES) & 1)
+    i = _tile_of(n, i_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_M)
     dk, dv = _dkdv_tile(k_smem, v_smem, q_smem.index(slot), do_smem.index(slot), dk, dv, s_zero, keys, start_n,
-                        i_lo + n, bh, M2, L2, Delta, N_q, qk_scale, slope2, win_left, win_right, seed, drop_below,
+                        i, bh, M2, L2, Delta, N_q, qk_scale, slope2, win_left, win_right, seed, drop_below,
                         keep_scale, masked, BLOCK_M, CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, ROWS, s_layout,
                         col_s, p_layout)
-    _load_pair(q_desc, do_desc, q_smem, do_smem, bars, q_row, n + STAGES, n_tiles, BLOCK_M, STAGES)
+    ahead = _tile_of(n + STAGES, i_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_M)
+    _load_pair(q_desc, do_desc, q_smem, do_smem, bars, q_base, ahead, n + STAGES, n_tiles, BLOCK_M, STAGES)
     return dk, dv
 
 
 @gluon.jit(do_not_specialize=["seed", "drop_below"])  # 1 and 0 stay runtime values
 def hopper_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, M2, L2, Delta, N_q, N_k, sm_scale, qk_scale,
-                           SLOPES, win_left, win_right, seed, drop_below, keep_scale, HEAD_D: gl.constexpr,
-                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                           WINDOW: gl.constexpr, ALIBI: gl.constexpr, DROPOUT: gl.constexpr,
-                           KEEP_LAYOUT: gl.constexpr, MASKS: gl.constexpr, num_warps: gl.constexpr):
+                           SLOPES, win_left, win_right, seed, drop_below, keep_scale, LISTS, stride_lb, stride_lh,
+                           stride_li, H, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                           STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr,
+                           DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr, MASKS: gl.constexpr,
+                           LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr, num_warps: gl.constexpr):
     """Program (pid_n, bh) writes dK and dV of keys [pid_n * BLOCK_N, +BLOCK_N) of head bh. The descriptors view
     Q, dO (B * H * N_q, d) and K, V (B * H * N_k, d); query columns past N_q (the next head's rows, or TMA's
-    zeros) get P = 0, so they add nothing; key rows past N_k are never stored."""
+    zeros) get P = 0, so they add nothing; key rows past N_k are never stored. LISTED: a block mask, whose
+    transposed visible-block lists LISTS (strides per batch, head and key block; H heads) name the query blocks
+    of BLOCK_SIZE rows that see this program's keys: only their tiles are loaded."""
     pid_n = gl.program_id(0)
     bh = gl.program_id(1)
     start_n = pid_n * BLOCK_N
@@ -251,13 +302,19 @@ def hopper_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, M2, L2, Delt
     k_smem, v_smem, q_smem, do_smem, kv_bar, bars = _backward_smem(k_desc, v_desc, q_desc, do_desc, STAGES)
 
     i_lo, n_tiles = _query_tiles(start_n, N_q, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
-    q_row = bh * N_q + i_lo * BLOCK_M
+    list_row = LISTS
+    t_lo = 0
+    if LISTED:  # n_tiles becomes the number of listed tiles in [i_lo, i_lo + n_tiles)
+        list_row, t_lo, n_tiles = _list_range(LISTS, bh, H, stride_lb, stride_lh, stride_li, start_n // BLOCK_SIZE,
+                                              i_lo, n_tiles, BLOCK_SIZE, BLOCK_M, num_warps)
+    q_base = bh * N_q
 
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [bh * N_k + start_n, 0], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [bh * N_k + start_n, 0], kv_bar, v_smem)
     for s in gl.static_range(STAGES):
-        _load_pair(q_desc, do_desc, q_smem, do_smem, bars, q_row, s, n_tiles, BLOCK_M, STAGES)
+        first = _tile_of(s, i_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_M)
+        _load_pair(q_desc, do_desc, q_smem, do_smem, bars, q_base, first, s, n_tiles, BLOCK_M, STAGES)
 
     dk = gl.zeros([BLOCK_N, HEAD_D], gl.float32, a_layout)
     dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, a_layout)
@@ -269,22 +326,30 @@ def hopper_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, M2, L2, Delt
     if ALIBI:
         slope2 = gl.load(SLOPES + bh)
     bounds = _mask_segments(start_n, i_lo, n_tiles, N_q, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    full = _full_query_tiles(start_n, N_q, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    gl.static_assert(not (LISTED and MASKS == "loops"), "a block mask's tiles are not contiguous: no separate loops")
     if MASKS == "loops":  # masked tiles, tiles without a mask, masked tiles: each loop its own code
         for part in gl.static_range(3):
             for n in range(bounds[part], bounds[part + 1]):
-                dk, dv = _dkdv_step(n, part != 1, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_desc, q_row,
-                                    n_tiles, dk, dv, s_zero, keys, start_n, i_lo, bh, M2, L2, Delta, N_q, qk_scale,
-                                    slope2, win_left, win_right, seed, drop_below, keep_scale, BLOCK_M, STAGES,
-                                    CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, BLOCK_N, s_layout, col_s, p_layout)
+                dk, dv = _dkdv_step(n, part != 1, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_desc, q_base,
+                                    n_tiles, dk, dv, s_zero, keys, start_n, i_lo, t_lo, list_row, bh, M2, L2, Delta,
+                                    N_q, qk_scale, slope2, win_left, win_right, seed, drop_below, keep_scale, BLOCK_M,
+                                    STAGES, CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, BLOCK_N, s_layout, col_s,
+                                    p_layout, LISTED, BLOCK_SIZE)
     else:
         for n in range(0, n_tiles):
             masked = True
             if MASKS == "branch":
-                masked = (n < bounds[1]) | (n >= bounds[2])
-            dk, dv = _dkdv_step(n, masked, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_desc, q_row, n_tiles,
-                                dk, dv, s_zero, keys, start_n, i_lo, bh, M2, L2, Delta, N_q, qk_scale, slope2,
-                                win_left, win_right, seed, drop_below, keep_scale, BLOCK_M, STAGES, CAUSAL, WINDOW,
-                                ALIBI, DROPOUT, KEEP_LAYOUT, BLOCK_N, s_layout, col_s, p_layout)
+                if LISTED:  # the listed tile's own index against the full range
+                    i = _tile_of(n, i_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_M)
+                    masked = (i < full[0]) | (i >= full[1])
+                else:
+                    masked = (n < bounds[1]) | (n >= bounds[2])
+            dk, dv = _dkdv_step(n, masked, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_desc, q_base, n_tiles,
+                                dk, dv, s_zero, keys, start_n, i_lo, t_lo, list_row, bh, M2, L2, Delta, N_q, qk_scale,
+                                slope2, win_left, win_right, seed, drop_below, keep_scale, BLOCK_M, STAGES, CAUSAL,
+                                WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, BLOCK_N, s_layout, col_s, p_layout, LISTED,
+                                BLOCK_SIZE)
 
     mbarrier.invalidate(kv_bar)
     for s in gl.static_range(STAGES):
@@ -297,17 +362,20 @@ def hopper_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, M2, L2, Delt
 
 @gluon.jit(do_not_specialize=["seed", "drop_below"])  # 1 and 0 stay runtime values
 def hopper_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, DQ, M2, L2, Delta, N_q, N_k, sm_scale, qk_scale,
-                         SLOPES, win_left, win_right, seed, drop_below, keep_scale, HEAD_D: gl.constexpr,
-                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                         WINDOW: gl.constexpr, ALIBI: gl.constexpr, DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr,
-                         num_warps: gl.constexpr):
+                         SLOPES, win_left, win_right, seed, drop_below, keep_scale, LISTS, stride_lb, stride_lh,
+                         stride_li, H, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr,
+                         DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr, LISTED: gl.constexpr,
+                         BLOCK_SIZE: gl.constexpr, num_warps: gl.constexpr):
     """Program (pid_m, bh) writes dQ of queries [pid_m * BLOCK_M, +BLOCK_M) of head bh: Q_i and dO_i resident, K_j
     and V_j streamed through the ring, in the forward's orientation (queries are the rows):
 
         S = Q_i K_j^T,  P = exp2(S * scale * log2 e - m2 - l2),  dP = dO_i V_j^T,  dS = P * (dP - D),  dQ_i += dS K_j
 
     Key rows past N_k (the next head's, or TMA's zeros) get P = 0 and so dS = 0: they add nothing. DROPOUT:
-    dP = dP~ * keep * keep_scale with the forward's mask (:func:`flashref.triton.hopper._keep`)."""
+    dP = dP~ * keep * keep_scale with the forward's mask (:func:`flashref.triton.hopper._keep`). LISTED: a block
+    mask, whose visible-block lists LISTS (strides per batch, head and query block; H heads) name the key blocks of
+    BLOCK_SIZE keys these queries see: only their tiles are loaded."""
     pid_m = gl.program_id(0)
     if CAUSAL:  # the last query tiles see the most keys: launch them first, so the short ones fill the tail
         pid_m = gl.num_programs(0) - 1 - pid_m
@@ -338,13 +406,19 @@ def hopper_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, DQ, M2, L2, Delta, N_q
     # at d = 64, 0.90-0.92x at d = 128, 0.80-0.93x with a window, 0.89x causal with dropout, 0.97-1.04x
     # non-causal (one branch a tile, nothing to save).
     _, _, lo_full, n_full = hopper._key_tiles(start_m, N_k, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
-    kv_row = bh * N_k + j_lo * BLOCK_N
+    list_row = LISTS
+    t_lo = 0
+    if LISTED:  # n_tiles becomes the number of listed tiles in [j_lo, j_lo + n_tiles)
+        list_row, t_lo, n_tiles = _list_range(LISTS, bh, H, stride_lb, stride_lh, stride_li, start_m // BLOCK_SIZE,
+                                              j_lo, n_tiles, BLOCK_SIZE, BLOCK_N, num_warps)
+    kv_base = bh * N_k
 
     mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [bh * N_q + start_m, 0], q_bar, q_smem)
     tma.async_copy_global_to_shared(do_desc, [bh * N_q + start_m, 0], q_bar, do_smem)
     for s in gl.static_range(STAGES):
-        _load_pair(k_desc, v_desc, k_smem, v_smem, bars, kv_row, s, n_tiles, BLOCK_N, STAGES)
+        first = _tile_of(s, j_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_N)
+        _load_pair(k_desc, v_desc, k_smem, v_smem, bars, kv_base, first, s, n_tiles, BLOCK_N, STAGES)
 
     queries = start_m + gl.arange(0, BLOCK_M, layout=row_s)
     live = queries < N_q
@@ -365,7 +439,7 @@ def hopper_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, DQ, M2, L2, Delta, N_q
         v_t = v_smem.index(slot)
         S = warpgroup_mma(q_smem, k_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dP = warpgroup_mma(do_smem, v_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        j = j_lo + n
+        j = _tile_of(n, j_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_N)
         keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
         S = warpgroup_mma_wait(1, deps=[S])
         S = _scaled_scores(S, gl.expand_dims(queries, 1), gl.expand_dims(keys, 0), qk_scale, slope2, ALIBI)
@@ -384,7 +458,8 @@ def hopper_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, DQ, M2, L2, Delta, N_q
         ds = gl.convert_layout((P * (dP - gl.expand_dims(D, 1))).to(dtype), ds_layout)
         dq = warpgroup_mma(ds, k_t, dq, is_async=True)
         dq, ds = warpgroup_mma_wait(0, deps=[dq, ds])  # (in flight on into the next tile measured slower)
-        _load_pair(k_desc, v_desc, k_smem, v_smem, bars, kv_row, n + STAGES, n_tiles, BLOCK_N, STAGES)
+        ahead = _tile_of(n + STAGES, j_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_N)
+        _load_pair(k_desc, v_desc, k_smem, v_smem, bars, kv_base, ahead, n + STAGES, n_tiles, BLOCK_N, STAGES)
 
     mbarrier.invalidate(q_bar)
     for s in gl.static_range(STAGES):
@@ -398,8 +473,8 @@ def hopper_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, DQ, M2, L2, Delta, N_q
 
 @gluon.jit
 def _ws_dkdv_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty,
-                      bh, start_n, i_lo, n_tiles, N_q, N_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      STAGES: gl.constexpr):
+                      bh, start_n, i_lo, n_tiles, t_lo, list_row, N_q, N_k, BLOCK_M: gl.constexpr,
+                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr):
     """One warp with few registers: the K and V rows of both consumers once, then every Q, dO tile pair into the
     ring. A slot is refilled once both consumers have arrived on its empty barrier."""
     ROWS: gl.constexpr = BLOCK_N // 2
@@ -408,26 +483,30 @@ def _ws_dkdv_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, 
         row = bh * N_k + start_n + wg * ROWS
         tma.async_copy_global_to_shared(k_desc, [row, 0], kv_bar, k_smem.index(wg))
         tma.async_copy_global_to_shared(v_desc, [row, 0], kv_bar, v_smem.index(wg))
-    q_row = bh * N_q + i_lo * BLOCK_M
+    q_base = bh * N_q
     for n in range(0, n_tiles):
         slot = n % STAGES
+        row = q_base + _tile_of(n, i_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_M) * BLOCK_M
         # A fresh mbarrier counts as having completed the phase before its first, so round 0 passes at once.
         mbarrier.wait(empty.index(slot), ((n // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row + n * BLOCK_M, 0], ready.index(slot), q_smem.index(slot))
-        tma.async_copy_global_to_shared(do_desc, [q_row + n * BLOCK_M, 0], ready.index(slot), do_smem.index(slot))
+        tma.async_copy_global_to_shared(q_desc, [row, 0], ready.index(slot), q_smem.index(slot))
+        tma.async_copy_global_to_shared(do_desc, [row, 0], ready.index(slot), do_smem.index(slot))
 
 
 @gluon.jit
-def _ws_dkdv_step(n, masked, k_t, v_t, q_smem, do_smem, ready, empty, dk, dv, s_zero, keys, first_key, i_lo, bh, M2, L2,
-                  Delta, N_q, qk_scale, slope2, win_left, win_right, seed, drop_below, keep_scale,
-                  BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                  ALIBI: gl.constexpr, DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr, ROWS: gl.constexpr,
-                  s_layout: gl.constexpr, col_s: gl.constexpr, p_layout: gl.constexpr):
-    """Step n of a consumer's loop: query tile i_lo + n from its ring slot, which it then hands back."""
+def _ws_dkdv_step(n, masked, k_t, v_t, q_smem, do_smem, ready, empty, dk, dv, s_zero, keys, first_key, i_lo, n_tiles,
+                  t_lo, list_row, bh, M2, L2, Delta, N_q, qk_scale, slope2, win_left, win_right, seed, drop_below,
+                  keep_scale, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                  WINDOW: gl.constexpr, ALIBI: gl.constexpr, DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr,
+                  ROWS: gl.constexpr, s_layout: gl.constexpr, col_s: gl.constexpr, p_layout: gl.constexpr,
+                  LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr):
+    """Step n of a consumer's loop: query tile i_lo + n (listed tile t_lo + n with a block mask) from its ring
+    slot, which it then hands back."""
     slot = n % STAGES
     mbarrier.wait(ready.index(slot), (n // STAGES) & 1)
-    dk, dv = _dkdv_tile(k_t, v_t, q_smem.index(slot), do_smem.index(slot), dk, dv, s_zero, keys, first_key, i_lo + n,
+    i = _tile_of(n, i_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_M)
+    dk, dv = _dkdv_tile(k_t, v_t, q_smem.index(slot), do_smem.index(slot), dk, dv, s_zero, keys, first_key, i,
                         bh, M2, L2, Delta, N_q, qk_scale, slope2, win_left, win_right, seed, drop_below, keep_scale,
                         masked, BLOCK_M, CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, ROWS, s_layout, col_s, p_layout)
     mbarrier.arrive(empty.index(slot), count=1)
@@ -436,10 +515,11 @@ def _ws_dkdv_step(n, masked, k_t, v_t, q_smem, do_smem, ready, empty, dk, dv, s_
 
 @gluon.jit
 def _ws_dkdv_consumer(q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, M2, L2, Delta, bh, start_n,
-                      i_lo, n_tiles, N_q, N_k, sm_scale, qk_scale, SLOPES, win_left, win_right, seed, drop_below,
-                      keep_scale, WG: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+                      i_lo, n_tiles, t_lo, list_row, N_q, N_k, sm_scale, qk_scale, SLOPES, win_left, win_right, seed,
+                      drop_below, keep_scale, WG: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                      ALIBI: gl.constexpr, DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr, MASKS: gl.constexpr):
+                      ALIBI: gl.constexpr, DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr, MASKS: gl.constexpr,
+                      LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr):
     """Consumer warpgroup WG (4 warps) owns keys [start_n + WG * BLOCK_N/2, +BLOCK_N/2): the loop of
     :func:`hopper_bwd_dkdv_kernel` on every tile pair of the ring, which it then hands back (empty barrier)."""
     ROWS: gl.constexpr = BLOCK_N // 2
@@ -459,23 +539,30 @@ def _ws_dkdv_consumer(q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, DK,
     if ALIBI:
         slope2 = gl.load(SLOPES + bh)
     bounds = _mask_segments(first_key, i_lo, n_tiles, N_q, win_left, win_right, BLOCK_M, ROWS, CAUSAL, WINDOW)
+    full = _full_query_tiles(first_key, N_q, win_left, win_right, BLOCK_M, ROWS, CAUSAL, WINDOW)
+    gl.static_assert(not (LISTED and MASKS == "loops"), "a block mask's tiles are not contiguous: no separate loops")
     mbarrier.wait(kv_bar, 0)
     if MASKS == "loops":  # as hopper_bwd_dkdv_kernel's loops
         for part in gl.static_range(3):
             for n in range(bounds[part], bounds[part + 1]):
                 dk, dv = _ws_dkdv_step(n, part != 1, k_t, v_t, q_smem, do_smem, ready, empty, dk, dv, s_zero, keys,
-                                       first_key, i_lo, bh, M2, L2, Delta, N_q, qk_scale, slope2, win_left, win_right,
-                                       seed, drop_below, keep_scale, BLOCK_M, STAGES, CAUSAL, WINDOW, ALIBI, DROPOUT,
-                                       KEEP_LAYOUT, ROWS, s_layout, col_s, p_layout)
+                                       first_key, i_lo, n_tiles, t_lo, list_row, bh, M2, L2, Delta, N_q, qk_scale,
+                                       slope2, win_left, win_right, seed, drop_below, keep_scale, BLOCK_M, STAGES,
+                                       CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, ROWS, s_layout, col_s, p_layout,
+                                       LISTED, BLOCK_SIZE)
     else:
         for n in range(0, n_tiles):
             masked = True
             if MASKS == "branch":
-                masked = (n < bounds[1]) | (n >= bounds[2])
+                if LISTED:  # the listed tile's own index against the full range
+                    i = _tile_of(n, i_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_M)
+                    masked = (i < full[0]) | (i >= full[1])
+                else:
+                    masked = (n < bounds[1]) | (n >= bounds[2])
             dk, dv = _ws_dkdv_step(n, masked, k_t, v_t, q_smem, do_smem, ready, empty, dk, dv, s_zero, keys,
-                                   first_key, i_lo, bh, M2, L2, Delta, N_q, qk_scale, slope2, win_left, win_right,
-                                   seed, drop_below, keep_scale, BLOCK_M, STAGES, CAUSAL, WINDOW, ALIBI, DROPOUT,
-                                   KEEP_LAYOUT, ROWS, s_layout, col_s, p_layout)
+                                   first_key, i_lo, n_tiles, t_lo, list_row, bh, M2, L2, Delta, N_q, qk_scale, slope2,
+                                   win_left, win_right, seed, drop_below, keep_scale, BLOCK_M, STAGES, CAUSAL, WINDOW,
+                                   ALIBI, DROPOUT, KEEP_LAYOUT, ROWS, s_layout, col_s, p_layout, LISTED, BLOCK_SIZE)
     if DROPOUT:
         dv = dv * keep_scale
     _store_dkdv(DK, DV, dk, dv, first_key, bh, N_k, sm_scale, ROWS, HEAD_D, a_layout)
@@ -483,10 +570,12 @@ def _ws_dkdv_consumer(q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, DK,
 
 @gluon.jit(do_not_specialize=["seed", "drop_below"])  # 1 and 0 stay runtime values
 def hopper_ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, M2, L2, Delta, N_q, N_k, sm_scale, qk_scale,
-                              SLOPES, win_left, win_right, seed, drop_below, keep_scale, HEAD_D: gl.constexpr,
-                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                              CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr, DROPOUT: gl.constexpr,
-                              KEEP_LAYOUT: gl.constexpr, MASKS: gl.constexpr, num_warps: gl.constexpr):
+                              SLOPES, win_left, win_right, seed, drop_below, keep_scale, LISTS, stride_lb,
+                              stride_lh, stride_li, H, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                              ALIBI: gl.constexpr, DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr,
+                              MASKS: gl.constexpr, LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                              num_warps: gl.constexpr):
     """The warp-specialized dK/dV kernel: program (pid_n, bh) owns BLOCK_N keys of head bh, split between two
     consumer warpgroups (the kernel's own 4 warps and a worker warpgroup), each with the K and V rows of its half;
     one worker warp copies every Q, dO tile pair once for both. As the forward's warp-specialized kernel, the
@@ -510,17 +599,23 @@ def hopper_ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, M2, L2, D
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)  # both consumers must be done with a slot
     i_lo, n_tiles = _query_tiles(start_n, N_q, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    list_row = LISTS
+    t_lo = 0
+    if LISTED:  # a block mask (see hopper_bwd_dkdv_kernel): the program's BLOCK_N keys lie in one mask block
+        list_row, t_lo, n_tiles = _list_range(LISTS, bh, H, stride_lb, stride_lh, stride_li, start_n // BLOCK_SIZE,
+                                              i_lo, n_tiles, BLOCK_SIZE, BLOCK_M, num_warps)
     gl.warp_specialize([
         (_ws_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, M2, L2, Delta, bh,
-                             start_n, i_lo, n_tiles, N_q, N_k, sm_scale, qk_scale, SLOPES, win_left, win_right, seed,
-                             drop_below, keep_scale, 0, HEAD_D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, ALIBI,
-                             DROPOUT, KEEP_LAYOUT, MASKS)),
+                             start_n, i_lo, n_tiles, t_lo, list_row, N_q, N_k, sm_scale, qk_scale, SLOPES, win_left,
+                             win_right, seed, drop_below, keep_scale, 0, HEAD_D, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
+                             WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, MASKS, LISTED, BLOCK_SIZE)),
         (_ws_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty,
-                             bh, start_n, i_lo, n_tiles, N_q, N_k, BLOCK_M, BLOCK_N, STAGES)),
+                             bh, start_n, i_lo, n_tiles, t_lo, list_row, N_q, N_k, BLOCK_M, BLOCK_N, STAGES, LISTED,
+                             BLOCK_SIZE)),
         (_ws_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, M2, L2, Delta, bh,
-                             start_n, i_lo, n_tiles, N_q, N_k, sm_scale, qk_scale, SLOPES, win_left, win_right, seed,
-                             drop_below, keep_scale, 1, HEAD_D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, ALIBI,
-                             DROPOUT, KEEP_LAYOUT, MASKS)),
+                             start_n, i_lo, n_tiles, t_lo, list_row, N_q, N_k, sm_scale, qk_scale, SLOPES, win_left,
+                             win_right, seed, drop_below, keep_scale, 1, HEAD_D, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
+                             WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, MASKS, LISTED, BLOCK_SIZE)),
     ], [1, 4], [24, 240])
 
 
@@ -553,7 +648,7 @@ def default_config(head_dim: int, part: str = "dkdv", dropout: bool = False) -> 
     return dict(block_m=64, block_n=128, num_warps=4, stages=2, warp_specialize=True)
 
 
-def dkdv_masks(warp_specialize: bool, window: bool, dropout: bool = False) -> str:
+def dkdv_masks(warp_specialize: bool, window: bool, dropout: bool = False, listed: bool = False) -> str:
     """How the dK/dV kernel spends its masks (``MASKS``): ``"every"`` tile masked, as the teaching kernel's; a
     ``"branch"`` in one loop around the tile with and without the mask; or separate ``"loops"`` for the masked
     tiles (the causal diagonal, a window's edges, the ragged end) and those without a mask. The results are the
@@ -569,6 +664,8 @@ def dkdv_masks(warp_specialize: bool, window: bool, dropout: bool = False) -> st
     mask's Philox rounds twice and spill 20-40 bytes a thread causal where the shipped kernels spill none)."""
     if dropout:
         return "every"
+    if listed:  # a block mask's visible tiles are not one contiguous run: no separate loops; a branch on each tile's
+        return "every" if warp_specialize else "branch"  # own index, or (ptxas: 524 bytes of spills) every tile
     if not warp_specialize:
         return "loops"
     return "branch" if window else "every"
@@ -590,7 +687,7 @@ def _descriptors(q, k, v, do, cfg: dict):
     gdt = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
     descs = []
     for x, rows in ((q, cfg["block_m"]), (k, cfg["block_n"]), (v, cfg["block_n"]), (do, cfg["block_m"])):
-        lay = gl.NVMMASharedLayout.get_default_for([rows, d], gdt)
+        lay = hopper.shared_layout((rows, d), gdt)
         descs.append(TensorDescriptor.from_tensor(x.contiguous().view(-1, d), [rows, d], lay))
     return descs
 
@@ -615,6 +712,28 @@ def _mod_args(q, window, slopes2) -> tuple:
     return slopes, int(win_left), int(win_right)
 
 
+_NO_LISTS: dict = {}
+
+
+def _list_args(q, lists) -> tuple:
+    """(LISTS, stride_lb, stride_lh, stride_li, H) and the constexprs (LISTED, BLOCK_SIZE): ``lists`` = (visible-block
+    lists as :func:`flashref.triton.ops.visible_block_lists` gives them, int32 (B, H, n_blocks, n + 1), any
+    strides; the mask's block_size), or None (a stand-in, never read)."""
+    if lists is None:
+        if q.device not in _NO_LISTS:  # made once a device: an allocation (and a fill) at every call would cost
+            _NO_LISTS[q.device] = torch.zeros((1, 1, 1), dtype=torch.int32, device=q.device)
+        return (_NO_LISTS[q.device], 0, 0, 0, q.shape[1]), dict(LISTED=False, BLOCK_SIZE=1)
+    table, block_size = lists
+    return (table, *table.stride()[:3], q.shape[1]), dict(LISTED=True, BLOCK_SIZE=int(block_size))
+
+
+def lists_fit(cfg: dict, part: str, block_size: int) -> bool:
+    """Whether a block mask of ``block_size`` maps onto the tiles of ``cfg`` for the ``part`` kernel: a program's
+    own rows (keys for dK/dV, queries for dQ) lie in one mask block, and every streamed tile in one block."""
+    own, streamed = (cfg["block_n"], cfg["block_m"]) if part == "dkdv" else (cfg["block_m"], cfg["block_n"])
+    return block_size % own == 0 and block_size % streamed == 0
+
+
 def _drop_args(dropout) -> tuple:
     """(seed, drop_below, keep_scale): ``dropout`` as :meth:`flashref.triton.ops.Features.scalars` gives them, or
     stand-ins when None."""
@@ -622,60 +741,77 @@ def _drop_args(dropout) -> tuple:
 
 
 def hopper_dkdv(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dict | None = None, *, window=None,
-                slopes2=None, dropout=None, masks: str | None = None):
+                slopes2=None, dropout=None, masks: str | None = None, lists=None):
     """(dk, dv) from the Gluon kernel, for checked, :func:`supported` inputs; m2, l2, delta: (B, H, N_q) fp32.
     ``cfg`` as :func:`default_config` gives it; with ``warp_specialize=True``, the warp-specialized kernel
     (:func:`hopper_ws_bwd_dkdv_kernel`: block_n keys a program, two consumers' worth, num_warps 4). ``window``
     and ``slopes2`` as :func:`_mod_args` takes them; ``dropout``: ``(seed, drop_below, keep_scale)``, or None.
     ``masks``: ``"every"``, ``"branch"`` or ``"loops"`` (the same bits, another speed), default
-    :func:`dkdv_masks`'s choice."""
+    :func:`dkdv_masks`'s choice. ``lists``: a block mask, as ``(transposed visible-block lists, block_size)``
+    (:func:`_list_args`; :func:`lists_fit` must hold): only the query tiles of visible blocks are loaded."""
     B, H, N_q, d = q.shape
     N_k = k.shape[2]
     cfg = cfg or default_config(d, "dkdv", dropout is not None)
     if masks not in (None, "every", "branch", "loops"):
         raise ValueError(f"masks must be None, 'every', 'branch' or 'loops', got {masks!r}")
-    masks = masks or dkdv_masks(bool(cfg.get("warp_specialize")), window is not None, dropout is not None)
+    masks = masks or dkdv_masks(bool(cfg.get("warp_specialize")), window is not None, dropout is not None,
+                                lists is not None)
+    if lists is not None and masks == "loops":
+        raise ValueError("masks='loops' needs contiguous query tiles: a block mask takes 'branch' or 'every'")
+    if lists is not None and not lists_fit(cfg, "dkdv", lists[1]):
+        raise ValueError(f"block_size {lists[1]} does not map onto the dK/dV tiles {cfg['block_n']} x {cfg['block_m']}")
+    list_args, list_meta = _list_args(q, lists)
     dk = torch.empty((B, H, N_k, d), dtype=q.dtype, device=q.device)
     dv = torch.empty_like(dk)
     grid = (triton.cdiv(N_k, cfg["block_n"]), B * H)
     args = (dk, dv, m2.contiguous(), l2.contiguous(), delta, N_q, N_k, scale, scale * LOG2E,
-            *_mod_args(q, window, slopes2), *_drop_args(dropout))
+            *_mod_args(q, window, slopes2), *_drop_args(dropout), *list_args)
     if cfg.get("warp_specialize"):
         halves = dict(cfg, block_n=cfg["block_n"] // 2)  # each TMA copy of K or V is one consumer's rows
         meta = _meta(d, causal, cfg, window, slopes2, dropout,
                      hopper.keep_t_layout(halves["block_n"], cfg["block_m"], 4))
         hopper_ws_bwd_dkdv_kernel[grid](*_descriptors(q, k, v, do, halves), *args, **meta, MASKS=masks,
-                                        maxnreg=hopper.WS_MAXNREG)
+                                        **list_meta, maxnreg=hopper.WS_MAXNREG)
     else:
         meta = _meta(d, causal, cfg, window, slopes2, dropout,
                      hopper.keep_t_layout(cfg["block_n"], cfg["block_m"], cfg["num_warps"]))
-        hopper_bwd_dkdv_kernel[grid](*_descriptors(q, k, v, do, cfg), *args, **meta, MASKS=masks)
+        hopper_bwd_dkdv_kernel[grid](*_descriptors(q, k, v, do, cfg), *args, **meta, MASKS=masks, **list_meta)
     return dk, dv
 
 
 def hopper_dq(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dict | None = None, *, window=None,
-              slopes2=None, dropout=None):
+              slopes2=None, dropout=None, lists=None):
     """dq from the Gluon kernel, for checked, :func:`supported` inputs; m2, l2, delta: (B, H, N_q) fp32;
-    ``window`` and ``slopes2`` as :func:`_mod_args` takes them; ``dropout`` as :func:`hopper_dkdv` takes it."""
+    ``window`` and ``slopes2`` as :func:`_mod_args` takes them; ``dropout`` as :func:`hopper_dkdv` takes it;
+    ``lists``: a block mask, as ``(visible-block lists, block_size)``: only the visible key tiles are loaded."""
     B, H, N_q, d = q.shape
     cfg = cfg or default_config(d, "dq")
+    if lists is not None and not lists_fit(cfg, "dq", lists[1]):
+        raise ValueError(f"block_size {lists[1]} does not map onto the dQ tiles {cfg['block_m']} x {cfg['block_n']}")
+    list_args, list_meta = _list_args(q, lists)
     dq = torch.empty((B, H, N_q, d), dtype=q.dtype, device=q.device)
     grid = (triton.cdiv(N_q, cfg["block_m"]), B * H)
     hopper_bwd_dq_kernel[grid](*_descriptors(q, k, v, do, cfg), dq, m2.contiguous(), l2.contiguous(), delta, N_q,
                                k.shape[2], scale, scale * LOG2E, *_mod_args(q, window, slopes2), *_drop_args(dropout),
-                               **_meta(d, causal, cfg, window, slopes2, dropout,
-                                       hopper.keep_layout(cfg["block_m"], cfg["block_n"], cfg["num_warps"])))
+                               *list_args, **_meta(d, causal, cfg, window, slopes2, dropout,
+                                                   hopper.keep_layout(cfg["block_m"], cfg["block_n"], cfg["num_warps"])),
+                               **list_meta)
     return dq
 
 
 def hopper_backward(q, k, v, do, m2, l2, delta, causal: bool, scale: float, *, window=None, slopes2=None,
-                    dropout=None):
+                    dropout=None, lists=None):
     """(dq, dk, dv) from the two Gluon kernels at their default tiles, for checked, :func:`supported` inputs
     (``delta`` = rowsum(dO * O), as the teaching preprocess kernel computes it): what
     :func:`flashref.triton.flash_attention`'s backward runs on an H100. Deterministic: each gradient element is
     written by one program. A sliding window (``window``) and ALiBi (``slopes2``), as :func:`_mod_args` takes
     them, change the scores as the teaching kernels do, so either forward's statistics feed this backward; so does
-    ``dropout`` = ``(seed, drop_below, keep_scale)``, with the forward's mask."""
+    ``dropout`` = ``(seed, drop_below, keep_scale)``, with the forward's mask. ``lists``: a block mask, as
+    ``((visible-block lists, transposed lists), block_size)`` (:func:`flashref.triton.ops.visible_block_lists`)."""
     mods = dict(window=window, slopes2=slopes2, dropout=dropout)
-    dk, dv = hopper_dkdv(q, k, v, do, m2, l2, delta, causal, scale, **mods)
-    return hopper_dq(q, k, v, do, m2, l2, delta, causal, scale, **mods), dk, dv
+    dkdv_lists = dq_lists = None
+    if lists is not None:
+        (rows, cols), block_size = lists
+        dq_lists, dkdv_lists = (rows, block_size), (cols, block_size)
+    dk, dv = hopper_dkdv(q, k, v, do, m2, l2, delta, causal, scale, **mods, lists=dkdv_lists)
+    return hopper_dq(q, k, v, do, m2, l2, delta, causal, scale, **mods, lists=dq_lists), dk, dv

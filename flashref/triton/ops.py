@@ -430,13 +430,14 @@ def _hopper_refusal(q, k, v, feat: Features, backward: bool = False) -> str | No
     """None when the Hopper forward (notebook ``14_flashattention3_on_hopper``) can take this checked call, else why
     it cannot: the teaching kernel takes it then. The Hopper forward takes a window (``window_size`` or a
     bottom-right causal mask) and dropout (the teaching kernel's mask, bit for bit; not both). ``backward``: the
-    same for the Gluon backward kernels, which also take ALiBi (their statistics come from either forward) and a
-    window (``hopper_backward(window=)``; which of them a window uses is :func:`_backward_kernel`'s choice)."""
+    same for the Gluon backward kernels, which also take ALiBi (their statistics come from either forward), a
+    window (``hopper_backward(window=)``; which of them a window uses is :func:`_backward_kernel`'s choice) and a
+    block mask (where :func:`_gluon_takes_block_mask` says so)."""
     if INTERPRETED or not q.is_cuda:
         return "runs on an sm_90 GPU, not in Triton's CPU interpreter"
     if configs.device_capability(q.device) != 90:  # wgmma and setmaxnreg are sm_90a's
         return f"needs an sm_90 (Hopper) GPU, got sm_{configs.device_capability(q.device)}"
-    used = (("block_mask", feat.block_mask is not None),
+    used = (("block_mask", feat.block_mask is not None and not backward),
             ("softcap", feat.softcap),
             ("alibi_slopes", feat.slopes2 is not None and not backward), ("packed batches", feat.varlen is not None))
     features = [name for name, on in used if on]
@@ -479,14 +480,29 @@ def _backward_kernel(q, k, v, feat: Features, kernel: str, deterministic: bool) 
     deterministic (theirs are: ``deterministic=False`` asks for the teaching kernel's atomic dQ). A window takes
     them too since they mask only the tiles at its edges (H100, causal window of 1024 keys, N = 8K, fp16: Gluon
     dK/dV 1.23 ms at d = 128 and 1.39 at d = 64 against the teaching kernel's 1.47 and 1.78; dQ 0.79 and 0.86
-    against 0.92 and 0.98). Dropout (without a window) runs both Gluon kernels, with the forward's mask."""
+    against 0.92 and 0.98). Dropout (without a window) runs both Gluon kernels, with the forward's mask. A block
+    mask runs them where its blocks fit their tiles (:func:`_gluon_takes_block_mask`): they walk the visible-block
+    lists the teaching kernels walk, behind the teaching forward."""
     _check_kernel(kernel)
     if kernel == "triton" or not deterministic or _hopper_refusal(q, k, v, feat, backward=True) is not None:
         return "triton"
     backward = _gluon_module("hopper_backward")
     if isinstance(backward, ImportError) or backward.supported(q, k, v) is not None:
         return "triton"
+    if feat.block_mask is not None and not _gluon_takes_block_mask(backward, q, feat):
+        return "triton"
     return "hopper"
+
+
+def _gluon_takes_block_mask(backward, q, feat: Features) -> bool:
+    """Whether the Gluon backward kernels take this call's block mask: its blocks map onto both kernels' tiles
+    (:func:`flashref.triton.hopper_backward.lists_fit`; the default block_size = 128 does), with causal or no
+    mask besides (a window, ALiBi and dropout with a block mask keep the teaching kernels)."""
+    d = q.shape[3]
+    if feat.window or feat.slopes2 is not None or feat.dropout_p > 0.0:
+        return False
+    return (backward.lists_fit(backward.default_config(d, "dkdv"), "dkdv", feat.block_size)
+            and backward.lists_fit(backward.default_config(d, "dq"), "dq", feat.block_size))
 
 
 def _forward(q, k, v, scale: float, feat: Features, kernel: str = "triton"):
@@ -575,12 +591,16 @@ def _backward(q, k, v, o, stats, do, scale: float, deterministic: bool, feat: Fe
         hopper = _gluon_module("hopper_backward")
         mods = dict(window=(feat.win_left, feat.win_right) if feat.window else None, slopes2=feat.slopes2,
                     dropout=_dropout_scalars(feat))
+        lists_dq = lists_dkdv = None
+        if feat.block_mask is not None:  # the visible-block lists of query blocks, and of key blocks (transposed)
+            lists_dq = (feat.args(q)[1], feat.block_size)
+            lists_dkdv = (feat.args(q, transposed=True)[1], feat.block_size)
     meta = dict(HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=feat.causal, DOT=_dot_mode(q.dtype),
                 TUNE_N=_bucket(max(feat.rows_q, feat.rows_k)), GROUP=H // H_kv, **feat.scalars(), **feat.meta)
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
     tail = (H, N_q, N_k, scale, scale * LOG2E)
     if deterministic and want_dq and choice == "hopper":
-        dq = hopper.hopper_dq(q, k, v, do, m2, l2, delta, feat.causal, scale, **mods)  # (never beside: see below)
+        dq = hopper.hopper_dq(q, k, v, do, m2, l2, delta, feat.causal, scale, **mods, lists=lists_dq)  # (one stream)
     elif deterministic and want_dq:
         # Allocated here, on the caller's stream (so are the block lists), whichever stream the kernel runs on.
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -590,7 +610,7 @@ def _backward(q, k, v, o, stats, do, scale: float, deterministic: bool, feat: Fe
                     lists_q, *common, *_strides(dq), *bm_strides_q, *tail, **meta)
     if want_dkdv:
         if choice == "hopper":
-            dk, dv = hopper.hopper_dkdv(q, k, v, do, m2, l2, delta, feat.causal, scale, **mods)
+            dk, dv = hopper.hopper_dkdv(q, k, v, do, m2, l2, delta, feat.causal, scale, **mods, lists=lists_dkdv)
         else:
             # Atomic dQ accumulates in fp32 (O(N d) more memory); the deterministic path passes a 1-element
             # stand-in.
@@ -606,7 +626,7 @@ def _backward(q, k, v, o, stats, do, scale: float, deterministic: bool, feat: Fe
 
 def _dq_beside(feat: Features, choice: str) -> bool:
     """Whether the backward launches its dQ kernel on a side stream beside the dK/dV kernel (see
-    :func:`_dq_stream`): with a block mask, which only the teaching kernels take. Measured for the other backwards
+    :func:`_dq_stream`): with a block mask on the teaching kernels. Measured for the other backwards
     too (H100, 16 shapes: windows, dense d = 64 to 256, GQA, softcap, dropout; Gluon and teaching kernels), side by
     side gave 0.98-1.04x, 1.01x at the median: within the runs' spread, so they keep one stream."""
     return choice == "triton" and feat.block_mask is not None
