@@ -8,7 +8,7 @@ import matplotlib
 import pytest
 
 from flashref.bench import decode_bench
-from flashref.bench.decode_bench import (IMPLS, bytes_moved, host_table, parse_args, peak_bandwidth, plot,
+from flashref.bench.decode_bench import (IMPLS, bytes_moved, graph_table, host_table, parse_args, peak_bandwidth, plot,
                                          points, speedup_table)
 
 matplotlib.use("Agg")
@@ -32,7 +32,8 @@ def _synthetic():
                 else:
                     ms = 0.01 * N_k / 4096 * B * slower[impl]
                     row.update(status="ok", ms=ms, gb_per_s=nbytes / ms / 1e6, bw_fraction=nbytes / ms * 1e3 / 3.35e12,
-                               peak_extra_bytes=1024, host_us=50.0 * slower[impl])
+                               peak_extra_bytes=1024, host_us=50.0 * slower[impl],
+                               graph_us=ms * 1e3 * 0.9)
                 rows.append(row)
     return {"device": "NVIDIA H100 80GB HBM3", "versions": {}, "command": "python -m flashref.bench decode",
             "peak_bytes_per_s": 3.35e12, "results": rows}
@@ -97,6 +98,15 @@ def test_host_table_from_a_saved_run():
     assert len(lines) == 1 + 4 and "decode us, host" in lines[0] and "flash us, host" in lines[0]
     # B = 1, N_k = 4096: decode 10 us on the GPU and 50 us of host time; sdpa-flash (4x slower) 40 and 200
     assert lines[1].split() == ["1", "4096", "10,", "50", "40,", "200", "50,", "250"]
+
+
+def test_graph_table_from_a_saved_run():
+    lines = graph_table(_synthetic()["results"]).splitlines()
+    assert len(lines) == 1 + 4 and "decode graph us" in lines[0] and "cudnn / decode" in lines[0]
+    # B = 1, N_k = 4096: graph times 9 us (decode), 36 (flash: 4x), 45 (cudnn: 5x); the ratios follow
+    assert lines[1].split() == ["1", "4096", "9.0", "36.0", "45.0", "4.00", "5.00"]
+    rows = [dict(r, graph_us=None) if r["impl"] == "sdpa-cudnn" else r for r in _synthetic()["results"]]
+    assert graph_table(rows).splitlines()[1].split() == ["1", "4096", "9.0", "36.0", "-", "4.00", "-"]
 
 
 def test_the_split_sweep_times_flash_decode_at_each_fixed_number_of_splits():

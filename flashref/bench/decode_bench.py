@@ -142,6 +142,24 @@ def host_table(rows, impls=("flashref-decode", "sdpa-flash", "sdpa-cudnn"), n_q:
     return "\n".join(lines)
 
 
+def graph_table(rows, impls=("flashref-decode", "sdpa-flash", "sdpa-cudnn"), n_q: int = 1, h_kv: int = H_KV) -> str:
+    """A text table, one line per (B, N_k) as :func:`host_table`'s: each of ``impls``' time per call with the host
+    taken out (``graph_us``, from CUDA-graph replay: :func:`graph_time_us`), then the peers' times over
+    flashref's (above 1: flashref's kernels are the faster). Where ``do_bench``'s time and this one differ, the
+    host set the pace of the timed calls."""
+    get = {(r["impl"], r["B"], r["N_k"]): r for r in _ok(rows) if r["N_q"] == n_q and r["H_kv"] == h_kv}
+    pts = sorted({(b, n_k) for _, b, n_k in get})
+    base, peers = impls[0], impls[1:]
+    lines = [f"{'B':>3s} {'N_k':>7s}  " + "  ".join(f"{_short(i) + ' graph us':>16s}" for i in impls) + "  "
+             + "  ".join(f"{_short(i) + ' / ' + _short(base):>16s}" for i in peers)]
+    for b, n_k in pts:
+        us = [get.get((i, b, n_k), {}).get("graph_us") for i in impls]
+        cells = [f"{u:16.1f}" if u is not None else f"{'-':>16s}" for u in us]
+        ratios = [f"{u / us[0]:16.2f}" if u is not None and us[0] else f"{'-':>16s}" for u in us[1:]]
+        lines.append(f"{b:3d} {n_k:7d}  " + "  ".join(cells + ratios))
+    return "\n".join(lines)
+
+
 def _status_word(status: str) -> str:
     if status == "OOM" or status == "-":
         return status
