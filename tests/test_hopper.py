@@ -42,11 +42,15 @@ for d, dtype, switches, causal, window in [
         (128, "float16", {"warp_specialize": True, "pingpong": True}, False, True),
         (64, "float16", {"dropout": True}, True, False), (128, "bfloat16", {"dropout": True}, False, False),
         (128, "float16", {"warp_specialize": False, "dropout": True}, False, True),
-        (256, "bfloat16", {"warp_specialize": False, "dropout": True}, True, False)]:
+        (256, "bfloat16", {"warp_specialize": False, "dropout": True}, True, False),
+        (64, "float16", {"block_size": 128}, True, False), (128, "bfloat16", {"block_size": 128}, False, False),
+        (256, "float16", {"block_size": 256}, True, False)]:
     switches = dict(switches or {})
     dropout = switches.pop("dropout", False)
+    block_size = switches.pop("block_size", None)
     switches = switches or None
-    k = compile_check.compile_hopper(d, switches, causal=causal, dtype=dtype, window=window, dropout=dropout)
+    k = compile_check.compile_hopper(d, switches, causal=causal, dtype=dtype, window=window, dropout=dropout,
+                                     block_size=block_size)
     shared_without = None
     if dropout:  # the same tile without dropout: the mask must take no shared memory (no layout moved through it)
         tile = switches or {n: v for n, v in hopper.dropout_config(d).items()}
@@ -54,6 +58,7 @@ for d, dtype, switches, causal, window in [
                                                       window=window).metadata.shared
     ptx = k.asm["ptx"]
     rows.append({"case": [d, dtype, switches, causal, window], "dropout": dropout, "shared_without": shared_without,
+                 "block_size": block_size, "lists_read": ptx.count("ld.global") if block_size else None,
                  "shared": k.metadata.shared, "warps": k.metadata.num_warps,
                  "wgmma": ptx.count("wgmma.mma_async"), "tma": ptx.count("cp.async.bulk.tensor"),
                  "mbarrier_waits": ptx.count("mbarrier.try_wait"), "philox": ptx.count("-845247145"),
@@ -89,6 +94,9 @@ def test_compiles_for_the_h100_with_tma_and_wgmma(compiled):
         d, dtype, switches, _, _ = row["case"]
         assert (row["e4m3_wgmma"] == row["wgmma"]) if dtype == "float8_e4m3" else row["e4m3_wgmma"] == 0, row
         cfg = hopper.dropout_config(d) if row["dropout"] and not switches else hopper.config(d, **(switches or {}))
+        if row["block_size"] is not None:  # the block mask's tile: one or two warpgroups, the lists read from memory
+            cfg = hopper.block_mask_config(d)
+            assert row["lists_read"] > 0 and row["warps"] == cfg["num_warps"], row
         if dtype == "float8_e4m3" or cfg["warp_specialize"]:
             # three warpgroups (a producer warp, rounded up, and two consumers); registers move from one to the others
             assert row["warps"] == 12 and {24, 240} <= set(row["setmaxnreg"]), row
@@ -564,3 +572,46 @@ def test_the_fused_quantizer_gives_the_torch_operations_bits(d):
         (vt, v_scale), (vt_cpu, v_scale_cpu) = hopper._quantize_v(v), hopper._quantize_v(v.cpu())
         assert torch.equal(vt.cpu().view(torch.uint8), vt_cpu.view(torch.uint8))
         assert torch.equal(v_scale.cpu(), v_scale_cpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d,block_size", [(64, 128), (128, 128), (128, 256), (256, 128)])
+def test_the_gluon_forward_walks_a_block_mask(d, block_size, causal):
+    """flash_attention's forward with a block mask on the H100 runs the Gluon kernel (forward_kernel says "hopper"),
+    visiting only the listed key tiles: o and lse within the rule against the float64 reference on lengths no tile
+    divides, N_q != N_k and one query; a block row that sees nothing gives o = 0 and lse = -inf, never NaN; the
+    teaching forward (kernel="triton") on the same mask gives the same answer within the rule."""
+    import numpy as np
+
+    from flashref import reference
+    from flashref.triton import flash_attention_forward, forward_kernel
+    from tests._triton_helpers import feature_inputs, np64, plain_with_features
+
+    _hopper_or_skip()
+    for i, (N_q, N_k) in enumerate([(300, 97), (1000, 1000), (1, 239), (700, 1300)]):
+        q, k, v, do = feature_inputs(2, 3, 3, N_q, N_k, d, torch.bfloat16 if d == 256 else torch.float16, seed=i)
+        n_i, n_j = -(-N_q // block_size), -(-N_k // block_size)
+        g = torch.Generator().manual_seed(200 + i)
+        mask = torch.rand(2, 3, n_i, n_j, generator=g) < 0.5
+        mask[:, :, :, 0] = True  # every block row sees key block 0 ...
+        if n_i > 1:
+            mask[1, 2, n_i - 1] = False  # ... but one, which sees nothing
+        mask = mask.cuda()
+        kw = dict(causal=causal, block_mask=mask, block_size=block_size)
+        assert forward_kernel(q, k, v, **kw) == "hopper", (N_q, N_k)
+        o, lse = flash_attention_forward(q, k, v, **kw)
+        o_t, lse_t = flash_attention_forward(q, k, v, **kw, kernel="triton")
+        rkw = dict(causal=causal, block_mask=mask.cpu().numpy(), block_size=block_size)
+        o_ref, lse_ref = reference.attention(*(np64(x) for x in (q, k, v)), return_lse=True, **rkw)
+        rows, cols = torch.arange(N_q) // block_size, torch.arange(N_k) // block_size
+        base = plain_with_features(q, k, v, do, causal, visible=mask[:, :, rows][:, :, :, cols])[0]
+        for name, x in (("gluon", o), ("teaching", o_t)):
+            assert torch.isfinite(x).all(), f"{name} o: non-finite ({N_q}, {N_k})"
+            assert_within_tolerance(x, o_ref, base, factor=3.0, name=f"{name} o ({N_q}, {N_k}, bs {block_size})")
+        blind = np.isneginf(lse_ref)
+        assert np.array_equal(np.isneginf(np64(lse)), blind), "lse = -inf exactly where a row sees no key"
+        assert np.all(np64(o)[blind] == 0), "rows that see no key: o = 0"
+        seen = ~blind
+        assert np.allclose(np64(lse)[seen], lse_ref[seen], atol=2e-2) and np.allclose(np64(lse_t)[seen], lse_ref[seen],
+                                                                                     atol=2e-2)

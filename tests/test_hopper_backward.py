@@ -329,15 +329,16 @@ def test_flash_attention_takes_the_gluon_backward_for_a_window(dtype, causal, wi
 @pytest.mark.parametrize("d,block_size", [(64, 128), (128, 128), (64, 64), (128, 256)],
                          ids=["d64-bs128", "d128-bs128", "d64-bs64", "d128-bs256"])
 def test_flash_attention_takes_the_gluon_backward_for_a_block_mask(d, block_size, causal):
-    """flash_attention with a block mask on the H100: the teaching forward and both Gluon backward kernels walking
-    the visible-block lists (backward_kernel says "hopper"); o, dQ, dK, dV within the rule against the float64
+    """flash_attention with a block mask on the H100: both Gluon backward kernels walking the visible-block lists
+    (backward_kernel says "hopper"), behind the Gluon forward where the blocks hold its tiles whole (d = 128, and
+    d = 64 at block_size 128) and the teaching one elsewhere; o, dQ, dK, dV within the rule against the float64
     reference on lengths no tile divides, N_q != N_k, one query; a block row with no visible block gives zeros;
     the same gradients, bit for bit, on a second call."""
     import numpy as np
 
     from flashref import reference
     from flashref.tolerance import assert_within_tolerance
-    from flashref.triton import backward_kernel, flash_attention
+    from flashref.triton import backward_kernel, flash_attention, forward_kernel
     from tests._triton_helpers import feature_inputs, np64, plain_with_features
 
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
@@ -353,6 +354,7 @@ def test_flash_attention_takes_the_gluon_backward_for_a_block_mask(d, block_size
         mask = mask.cuda()
         kw = dict(causal=causal, block_mask=mask, block_size=block_size)
         assert backward_kernel(q, k, v, **kw) == "hopper", (N_q, N_k)
+        assert forward_kernel(q, k, v, **kw) == ("triton" if (d, block_size) == (64, 64) else "hopper"), (N_q, N_k)
 
         def grads():
             qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))

@@ -216,14 +216,81 @@ def keep_mask(seed: int, B: int, H: int, N_q: int, N_k: int, drop_below: int, bl
     return keep.bool()
 
 
+# ---- Block-sparse: the loops walk lists of the visible blocks ------------------------------------------------
+# flashref.triton.ops.visible_block_lists gives, for each block of rows of the mask, [count, j_1 < ... < j_count,
+# padding]: the forward and the dQ kernel read the list of their query block (the key blocks it sees), the dK/dV
+# kernels the list of their key block in the transposed mask (the query blocks that see it). A block holds
+# BLOCK_SIZE / TILE of the streamed tiles, so step n of a loop takes listed tile t = t_lo + n; [t_lo, t_hi) are the listed tiles inside the
+# range that causality or a window leaves (as :func:`flashref.triton.forward._listed_tiles_before` counts them).
+
 @gluon.jit
-def _load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kv_row, j, n_tiles,
+def _listed_tiles_before(row, limit, BLOCK_SIZE: gl.constexpr, TILE: gl.constexpr, WARPS: gl.constexpr):
+    """How many tiles of the visible-block list at ``row`` lie before row (or key) ``limit``, a multiple of TILE:
+    every listed block is TILE-tiled and the list is in increasing order, so they are a prefix of its tiles."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    count = gl.load(row)
+    n = gl.to_tensor(0)
+    for e0 in range(0, count, 32 * WARPS):
+        e = e0 + gl.arange(0, 32 * WARPS, layout=layout)
+        start = gl.load(row + 1 + e, mask=e < count, other=0) * BLOCK_SIZE
+        before = gl.minimum(gl.maximum(limit - start, 0), BLOCK_SIZE) // TILE
+        n += gl.sum(gl.where(e < count, before, 0), axis=0)
+    return n
+
+
+@gluon.jit
+def _tile_of(n, first, t_lo, t_hi, list_row, LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr, TILE: gl.constexpr):
+    """The index of the streamed tile a loop's step n takes: ``first + n`` without a block mask, else listed tile
+    t_lo + n (clamped to the last one, so that a prefetch past the end reads inside the list; it copies nothing)."""
+    if LISTED:
+        t = gl.minimum(t_lo + n, gl.maximum(t_hi - 1, 0))
+        return gl.load(list_row + 1 + t // (BLOCK_SIZE // TILE)) * (BLOCK_SIZE // TILE) + t % (BLOCK_SIZE // TILE)
+    else:
+        return first + n
+
+
+@gluon.jit
+def _list_range(LISTS, bh, H, stride_lb, stride_lh, stride_li, block, first, n_tiles, BLOCK_SIZE: gl.constexpr,
+                TILE: gl.constexpr, WARPS: gl.constexpr):
+    """(list_row, t_lo, n_listed): the list of mask block ``block`` of head bh, and its listed tiles inside tiles
+    [first, first + n_tiles)."""
+    list_row = LISTS + (bh // H).to(gl.int64) * stride_lb + (bh % H) * stride_lh + block * stride_li
+    t_lo = _listed_tiles_before(list_row, first * TILE, BLOCK_SIZE, TILE, WARPS)
+    t_hi = _listed_tiles_before(list_row, gl.maximum(first + n_tiles, first) * TILE, BLOCK_SIZE, TILE, WARPS)
+    return list_row, t_lo, t_hi - t_lo
+
+
+_NO_LISTS: dict = {}
+
+
+def _list_args(q, lists) -> tuple:
+    """(LISTS, stride_lb, stride_lh, stride_li, H) and the constexprs (LISTED, BLOCK_SIZE): ``lists`` = (visible-block
+    lists as :func:`flashref.triton.ops.visible_block_lists` gives them, int32 (B, H, n_blocks, n + 1), any
+    strides; the mask's block_size), or None (a stand-in, never read)."""
+    if lists is None:
+        if q.device not in _NO_LISTS:  # made once a device: an allocation (and a fill) at every call would cost
+            _NO_LISTS[q.device] = torch.zeros((1, 1, 1), dtype=torch.int32, device=q.device)
+        return (_NO_LISTS[q.device], 0, 0, 0, q.shape[1]), dict(LISTED=False, BLOCK_SIZE=1)
+    table, block_size = lists
+    return (table, *table.stride()[:3], q.shape[1]), dict(LISTED=True, BLOCK_SIZE=int(block_size))
+
+
+def lists_fit(cfg: dict, part: str, block_size: int) -> bool:
+    """Whether a block mask of ``block_size`` maps onto the tiles of ``cfg`` for the ``part`` kernel: a program's
+    own rows (keys for dK/dV, queries for dQ and the forward) lie in one mask block, and every streamed tile in one block."""
+    own, streamed = (cfg["block_n"], cfg["block_m"]) if part == "dkdv" else (cfg["block_m"], cfg["block_n"])
+    return block_size % own == 0 and block_size % streamed == 0
+
+
+@gluon.jit
+def _load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kv_base, tile, j, n_tiles,
              BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Start the TMA copies of K and V tile j into slot j % STAGES (nothing when j is past the last tile).
-    K and V have a barrier each, so Q K^T can start while V is still on its way."""
+    """Start the TMA copies of K and V key tile ``tile`` of the head whose rows start at ``kv_base``, for the loop's
+    step j, into slot j % STAGES (nothing when j is past the last step). K and V have a barrier each, so Q K^T can
+    start while V is still on its way."""
     slot = j % STAGES
     go = j < n_tiles
-    row = kv_row + j * BLOCK_N
+    row = kv_base + tile * BLOCK_N
     mbarrier.expect(k_bars.index(slot), k_desc.block_type.nbytes, pred=go)
     tma.async_copy_global_to_shared(k_desc, [row, 0], k_bars.index(slot), k_smem.index(slot), pred=go)
     mbarrier.expect(v_bars.index(slot), v_desc.block_type.nbytes, pred=go)
@@ -316,9 +383,10 @@ def _store_rows(acc, m_i, l_i, O, LSE, M2, L2, bh, start_m, N_q, BLOCK_M: gl.con
 
 @gluon.jit(do_not_specialize=["seed", "drop_below"])  # 1 and 0 stay runtime values
 def hopper_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, N_q, N_k, qk_scale, win_left, win_right, seed,
-                      drop_below, keep_scale, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, WINDOW: gl.constexpr,
-                      DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
+                      drop_below, keep_scale, LISTS, stride_lb, stride_lh, stride_li, H, HEAD_D: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                      OVERLAP: gl.constexpr, WINDOW: gl.constexpr, DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr,
+                      LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr, num_warps: gl.constexpr):
     """Program (pid_m, bh) writes O rows [pid_m * BLOCK_M, +BLOCK_M) of head bh, its lse (natural log) and the
     backward's M2 (base-2 row max) and L2 (log2 of the row sum), as the teaching kernel does. WINDOW: query i
     sees keys i - win_left <= j <= i + win_right only, and the tiles outside every row's window are never
@@ -329,7 +397,13 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, N_q, N_k, qk_scale
     (keys), or their rows never stored (queries).
 
     DROPOUT: P is dropped where the teaching kernel's mask for ``seed`` drops it (:func:`_keep`, threshold
-    ``drop_below``) after l has summed it, and O is scaled by ``keep_scale`` = 1 / (1 - p) at the end."""
+    ``drop_below``) after l has summed it, and O is scaled by ``keep_scale`` = 1 / (1 - p) at the end.
+
+    LISTED: a block mask of BLOCK_SIZE (a multiple of both tiles): the loop visits only the key tiles of the
+    visible blocks in its query block's list (``LISTS``, as :func:`_list_range` reads it); a row that sees no key
+    stores O = 0 and lse = -inf, as in a window. Every visited tile starts at a key each row may see (blocks are
+    whole tiles, and a causal diagonal block starts at or before its rows), so no row meets a tile before its
+    first key."""
     pid_m = gl.program_id(0)
     if CAUSAL:  # the longest rows first, so the short ones fill the tail of the launch
         pid_m = gl.num_programs(0) - 1 - pid_m
@@ -360,13 +434,21 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, N_q, N_k, qk_scale
     # Key tiles [lo_full, n_full) need no mask; the others hold the ragged end, the causal diagonal or a
     # window's edges. The loop's j counts from tile j_lo (0 without a window).
     j_lo, n_tiles, lo_full, n_full = _key_tiles(start_m, N_k, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
-    kv_row = bh * N_k + j_lo * BLOCK_N
+    kv_base = bh * N_k
+    list_row = LISTS
+    t_lo = 0
+    if LISTED:  # n_tiles becomes the number of listed tiles in [j_lo, j_lo + n_tiles)
+        gl.static_assert(not OVERLAP, "the overlapped loop starts with a first key tile that a block mask may hide")
+        list_row, t_lo, n_tiles = _list_range(LISTS, bh, H, stride_lb, stride_lh, stride_li, start_m // BLOCK_SIZE,
+                                              j_lo, n_tiles, BLOCK_SIZE, BLOCK_N, num_warps)
 
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [bh * N_q + start_m, 0], q_bar, q_smem)
     # The overlapped loop keeps two tiles in use (K_j, V_{j-1}), so it prefetches one tile fewer.
     for j in gl.static_range(STAGES - 1 if OVERLAP else STAGES):
-        _load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kv_row, j, n_tiles, BLOCK_N, STAGES)
+        _load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kv_base,
+                 _tile_of(j, j_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_N), j, n_tiles,
+                 BLOCK_N, STAGES)
 
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
@@ -400,8 +482,8 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, N_q, N_k, qk_scale
             # Slot (j - 2) % STAGES was freed by the last step's wait: refill it now, before the softmax.
             # Issued after the wait for O instead, ptxas hoists that wait (with the barrier guarding the
             # slot) above the exponentials, and the overlap is gone.
-            _load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kv_row, j - 2 + STAGES, n_tiles,
-                     BLOCK_N, STAGES)
+            _load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kv_base, j - 2 + STAGES, j - 2 + STAGES,
+                     n_tiles, BLOCK_N, STAGES)
             S = warpgroup_mma_wait(1, deps=[S])
             P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, j, lo_full, n_full, start_m, N_k, qk_scale, win_left,
                                                win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, s_layout)
@@ -421,18 +503,21 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, N_q, N_k, qk_scale
             phase = (j // STAGES) & 1
             mbarrier.wait(k_bars.index(slot), phase)
             S = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            tile = _tile_of(j, j_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_N)  # its own index
             S = warpgroup_mma_wait(0, deps=[S])
-            P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, j_lo + j, lo_full, n_full, start_m, N_k, qk_scale,
+            P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, tile, lo_full, n_full, start_m, N_k, qk_scale,
                                                win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, s_layout)
             if DROPOUT:  # l has summed P before dropout, as in the teaching kernel
-                P = gl.where(_keep(seed, bh, start_m, (j_lo + j) * BLOCK_N, drop_below, BLOCK_M, BLOCK_N,
+                P = gl.where(_keep(seed, bh, start_m, tile * BLOCK_N, drop_below, BLOCK_M, BLOCK_N,
                                    KEEP_LAYOUT, s_layout), P, 0.0)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             mbarrier.wait(v_bars.index(slot), phase)
             p = gl.convert_layout(P.to(dtype), p_layout)
             acc = warpgroup_mma(p, v_smem.index(slot), acc, is_async=True)
             acc, p = warpgroup_mma_wait(0, deps=[acc, p])
-            _load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kv_row, j + STAGES, n_tiles, BLOCK_N, STAGES)
+            ahead = _tile_of(j + STAGES, j_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_N)
+            _load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kv_base, ahead, j + STAGES, n_tiles, BLOCK_N,
+                     STAGES)
 
     mbarrier.invalidate(q_bar)
     for s in gl.static_range(STAGES):
@@ -441,7 +526,8 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, N_q, N_k, qk_scale
 
     if DROPOUT:  # P~ = P * keep / (1 - p): one scaling of O instead of one per entry of P
         acc = acc * keep_scale
-    _store_rows(acc, m_i, l_i, O, LSE, M2, L2, bh, start_m, N_q, BLOCK_M, HEAD_D, s_layout, o_layout, WINDOW)
+    # A window or a block mask may leave a row no key: stored as O = 0, lse = -inf.
+    _store_rows(acc, m_i, l_i, O, LSE, M2, L2, bh, start_m, N_q, BLOCK_M, HEAD_D, s_layout, o_layout, WINDOW | LISTED)
 
 # ---- Warp specialization: a producer warp feeds two consumer warpgroups ---------------------------------------
 
@@ -763,12 +849,19 @@ def _descriptor_blocks(cfg: dict, head_dim: int):
     return [q_rows, head_dim], [cfg["block_n"], head_dim]
 
 
-def kernel_and_constexprs(cfg: dict, head_dim: int, causal: bool, window: bool = False, dropout: bool = False):
+def kernel_and_constexprs(cfg: dict, head_dim: int, causal: bool, window: bool = False, dropout: bool = False,
+                          block_size: int | None = None):
     """The Gluon kernel a config launches, its compile-time arguments and launch options. ``window``: the kernel
     that bounds each row's keys (``win_left``, ``win_right``); the overlapped loop has none. ``dropout``: the
-    kernel that drops P (``seed``, ``drop_below``, ``keep_scale``); the warp-specialized one has none."""
+    kernel that drops P (``seed``, ``drop_below``, ``keep_scale``); the warp-specialized one has none.
+    ``block_size``: the kernel that walks a block mask's lists of visible blocks (one warpgroup or two, without
+    overlap, warp specialization, a window or dropout: :func:`block_mask_config`'s tile)."""
     if dropout and cfg["warp_specialize"]:
         raise ValueError("warp_specialize=True takes no dropout: dropout runs the kernel without it")
+    if block_size is not None and (cfg["warp_specialize"] or cfg["overlap"] or window or dropout
+                                   or not lists_fit(cfg, "fwd", block_size)):
+        raise ValueError(f"a block mask runs the loop without overlap or warp specialization, without a window or "
+                         f"dropout, on tiles that its blocks ({block_size}) hold whole; got {cfg}")
     if window and cfg["overlap"]:
         raise ValueError("overlap=True takes no window: its loop starts with a first key tile that a window may "
                          "not have")
@@ -780,7 +873,14 @@ def kernel_and_constexprs(cfg: dict, head_dim: int, causal: bool, window: bool =
                 dict(maxnreg=WS_MAXNREG))
     keep = keep_layout(cfg["block_m"], cfg["block_n"], cfg["num_warps"]) if dropout else None
     return (hopper_fwd_kernel, dict(shape, OVERLAP=bool(cfg["overlap"]), DROPOUT=bool(dropout), KEEP_LAYOUT=keep,
+                                    LISTED=block_size is not None, BLOCK_SIZE=int(block_size or 1),
                                     num_warps=cfg["num_warps"]), {})
+
+
+def block_mask_config(head_dim: int) -> dict:
+    """The switches of the forward with a block mask: :func:`default_config`'s tile without warp specialization
+    (whose producer warp does not walk the lists), which at d = 64 is the default itself."""
+    return default_config(head_dim, warp_specialize=False)
 
 
 def hopper_forward(q, k, v, causal=False, sm_scale=None, *, window_size=(-1, -1), block_m=None, block_n=None,
@@ -802,12 +902,14 @@ def hopper_forward(q, k, v, causal=False, sm_scale=None, *, window_size=(-1, -1)
     return launch_forward(q, k, v, feat.causal, scale, cfg, window=window)
 
 
-def launch_forward(q, k, v, causal: bool, scale: float, cfg: dict, window=None, dropout=None):
+def launch_forward(q, k, v, causal: bool, scale: float, cfg: dict, window=None, dropout=None, lists=None):
     """:func:`hopper_forward` on inputs already checked (and :func:`supported`), with the switches ``cfg`` (what a
     dispatch from :func:`flashref.triton.flash_attention` will call: its checks are done by then). ``window``:
     ``(win_left, win_right)`` as :class:`flashref.triton.ops.Features` holds them, or None. ``dropout``: ``(seed,
     drop_below, keep_scale)`` as :meth:`flashref.triton.ops.Features.scalars` gives them, or None (with a
-    ``cfg`` without warp specialization: :func:`dropout_config`'s is the measured one)."""
+    ``cfg`` without warp specialization: :func:`dropout_config`'s is the measured one). ``lists``: (the
+    visible-block lists of a block mask, :func:`flashref.triton.ops.visible_block_lists`'s; its block_size), or
+    None; with :func:`block_mask_config`'s ``cfg``."""
     d = q.shape[3]
     B, H, N_q, _ = q.shape
     N_k = k.shape[2]
@@ -820,13 +922,15 @@ def launch_forward(q, k, v, causal: bool, scale: float, cfg: dict, window=None, 
     v_desc = TensorDescriptor.from_tensor(v2, kv_block, kv_lay)
     o = torch.empty((B, H, N_q, d), dtype=q.dtype, device=q.device)
     lse, m2, l2 = torch.empty((3, B, H, N_q), dtype=torch.float32, device=q.device).unbind(0)
-    kernel, constexprs, options = kernel_and_constexprs(cfg, d, causal, window is not None, dropout is not None)
+    kernel, constexprs, options = kernel_and_constexprs(cfg, d, causal, window is not None, dropout is not None,
+                                                        None if lists is None else lists[1])
     grid = (triton.cdiv(N_q, cfg["block_m"]), B * H)
     scales = (lse, lse, lse) if cfg["warp_specialize"] else ()  # FP8's scale pointers, unread here
     drop = () if cfg["warp_specialize"] else dropout if dropout is not None else (0, 0, 1.0)
+    listed = () if cfg["warp_specialize"] else _list_args(q, lists)[0]
     win_left, win_right = window if window is not None else (0, 0)
     kernel[grid](q_desc, k_desc, v_desc, o, lse, m2, l2, *scales, N_q, N_k, scale * LOG2E, win_left, win_right,
-                 *drop, **constexprs, **options)
+                 *drop, *listed, **constexprs, **options)
     return o, lse, (m2, l2)
 
 

@@ -31,6 +31,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashref.triton import hopper
+# The block-sparse lists' helpers live beside the forward, which walks them too.
+from flashref.triton.hopper import _list_args, _list_range, _listed_tiles_before, _tile_of, lists_fit  # noqa: F401
 from flashref.triton.forward import LOG2E
 
 HEAD_DIMS = (64, 128)
@@ -48,50 +50,6 @@ def _load_pair(a_desc, b_desc, a_smem, b_smem, bars, base_row, tile, n, n_tiles,
     mbarrier.expect(bars.index(slot), a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=go)
     tma.async_copy_global_to_shared(a_desc, [row, 0], bars.index(slot), a_smem.index(slot), pred=go)
     tma.async_copy_global_to_shared(b_desc, [row, 0], bars.index(slot), b_smem.index(slot), pred=go)
-
-
-# ---- Block-sparse: the loops walk lists of the visible blocks ------------------------------------------------
-# flashref.triton.ops.visible_block_lists gives, for each block of rows of the mask, [count, j_1 < ... < j_count,
-# padding]: the dQ kernel reads the list of its query block (the key blocks it sees), the dK/dV kernels the list of
-# their key block in the transposed mask (the query blocks that see it). A block holds BLOCK_SIZE / TILE of the
-# streamed tiles, so step n of a loop takes listed tile t = t_lo + n; [t_lo, t_hi) are the listed tiles inside the
-# range that causality or a window leaves (as :func:`flashref.triton.forward._listed_tiles_before` counts them).
-
-@gluon.jit
-def _listed_tiles_before(row, limit, BLOCK_SIZE: gl.constexpr, TILE: gl.constexpr, WARPS: gl.constexpr):
-    """How many tiles of the visible-block list at ``row`` lie before row (or key) ``limit``, a multiple of TILE:
-    every listed block is TILE-tiled and the list is in increasing order, so they are a prefix of its tiles."""
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-    count = gl.load(row)
-    n = gl.to_tensor(0)
-    for e0 in range(0, count, 32 * WARPS):
-        e = e0 + gl.arange(0, 32 * WARPS, layout=layout)
-        start = gl.load(row + 1 + e, mask=e < count, other=0) * BLOCK_SIZE
-        before = gl.minimum(gl.maximum(limit - start, 0), BLOCK_SIZE) // TILE
-        n += gl.sum(gl.where(e < count, before, 0), axis=0)
-    return n
-
-
-@gluon.jit
-def _tile_of(n, first, t_lo, t_hi, list_row, LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr, TILE: gl.constexpr):
-    """The index of the streamed tile a loop's step n takes: ``first + n`` without a block mask, else listed tile
-    t_lo + n (clamped to the last one, so that a prefetch past the end reads inside the list; it copies nothing)."""
-    if LISTED:
-        t = gl.minimum(t_lo + n, gl.maximum(t_hi - 1, 0))
-        return gl.load(list_row + 1 + t // (BLOCK_SIZE // TILE)) * (BLOCK_SIZE // TILE) + t % (BLOCK_SIZE // TILE)
-    else:
-        return first + n
-
-
-@gluon.jit
-def _list_range(LISTS, bh, H, stride_lb, stride_lh, stride_li, block, first, n_tiles, BLOCK_SIZE: gl.constexpr,
-                TILE: gl.constexpr, WARPS: gl.constexpr):
-    """(list_row, t_lo, n_listed): the list of mask block ``block`` of head bh, and its listed tiles inside tiles
-    [first, first + n_tiles)."""
-    list_row = LISTS + (bh // H).to(gl.int64) * stride_lb + (bh % H) * stride_lh + block * stride_li
-    t_lo = _listed_tiles_before(list_row, first * TILE, BLOCK_SIZE, TILE, WARPS)
-    t_hi = _listed_tiles_before(list_row, gl.maximum(first + n_tiles, first) * TILE, BLOCK_SIZE, TILE, WARPS)
-    return list_row, t_lo, t_hi - t_lo
 
 
 @gluon.constexpr_function
@@ -710,28 +668,6 @@ def _mod_args(q, window, slopes2) -> tuple:
         slopes = slopes2.float().expand(B, H).contiguous()
     win_left, win_right = window if window is not None else (0, 0)
     return slopes, int(win_left), int(win_right)
-
-
-_NO_LISTS: dict = {}
-
-
-def _list_args(q, lists) -> tuple:
-    """(LISTS, stride_lb, stride_lh, stride_li, H) and the constexprs (LISTED, BLOCK_SIZE): ``lists`` = (visible-block
-    lists as :func:`flashref.triton.ops.visible_block_lists` gives them, int32 (B, H, n_blocks, n + 1), any
-    strides; the mask's block_size), or None (a stand-in, never read)."""
-    if lists is None:
-        if q.device not in _NO_LISTS:  # made once a device: an allocation (and a fill) at every call would cost
-            _NO_LISTS[q.device] = torch.zeros((1, 1, 1), dtype=torch.int32, device=q.device)
-        return (_NO_LISTS[q.device], 0, 0, 0, q.shape[1]), dict(LISTED=False, BLOCK_SIZE=1)
-    table, block_size = lists
-    return (table, *table.stride()[:3], q.shape[1]), dict(LISTED=True, BLOCK_SIZE=int(block_size))
-
-
-def lists_fit(cfg: dict, part: str, block_size: int) -> bool:
-    """Whether a block mask of ``block_size`` maps onto the tiles of ``cfg`` for the ``part`` kernel: a program's
-    own rows (keys for dK/dV, queries for dQ) lie in one mask block, and every streamed tile in one block."""
-    own, streamed = (cfg["block_n"], cfg["block_m"]) if part == "dkdv" else (cfg["block_m"], cfg["block_n"])
-    return block_size % own == 0 and block_size % streamed == 0
 
 
 def _drop_args(dropout) -> tuple:

@@ -429,7 +429,8 @@ def _gluon_module(name: str):
 def _hopper_refusal(q, k, v, feat: Features, backward: bool = False) -> str | None:
     """None when the Hopper forward (notebook ``14_flashattention3_on_hopper``) can take this checked call, else why
     it cannot: the teaching kernel takes it then. The Hopper forward takes a window (``window_size`` or a
-    bottom-right causal mask) and dropout (the teaching kernel's mask, bit for bit; not both). ``backward``: the
+    bottom-right causal mask), dropout (the teaching kernel's mask, bit for bit; not both) and a block mask
+    (where :func:`_gluon_forward_takes_block_mask` says so). ``backward``: the
     same for the Gluon backward kernels, which also take ALiBi (their statistics come from either forward), a
     window (``hopper_backward(window=)``; which of them a window uses is :func:`_backward_kernel`'s choice) and a
     block mask (where :func:`_gluon_takes_block_mask` says so)."""
@@ -437,7 +438,7 @@ def _hopper_refusal(q, k, v, feat: Features, backward: bool = False) -> str | No
         return "runs on an sm_90 GPU, not in Triton's CPU interpreter"
     if configs.device_capability(q.device) != 90:  # wgmma and setmaxnreg are sm_90a's
         return f"needs an sm_90 (Hopper) GPU, got sm_{configs.device_capability(q.device)}"
-    used = (("block_mask", feat.block_mask is not None and not backward),
+    used = (("block_mask", feat.block_mask is not None and not backward and not _gluon_forward_takes_block_mask(q, feat)),
             ("softcap", feat.softcap),
             ("alibi_slopes", feat.slopes2 is not None and not backward), ("packed batches", feat.varlen is not None))
     features = [name for name, on in used if on]
@@ -482,7 +483,7 @@ def _backward_kernel(q, k, v, feat: Features, kernel: str, deterministic: bool) 
     dK/dV 1.23 ms at d = 128 and 1.39 at d = 64 against the teaching kernel's 1.47 and 1.78; dQ 0.79 and 0.86
     against 0.92 and 0.98). Dropout (without a window) runs both Gluon kernels, with the forward's mask. A block
     mask runs them where its blocks fit their tiles (:func:`_gluon_takes_block_mask`): they walk the visible-block
-    lists the teaching kernels walk, behind the teaching forward."""
+    lists the teaching kernels walk, as the Gluon forward does."""
     _check_kernel(kernel)
     if kernel == "triton" or not deterministic or _hopper_refusal(q, k, v, feat, backward=True) is not None:
         return "triton"
@@ -505,11 +506,23 @@ def _gluon_takes_block_mask(backward, q, feat: Features) -> bool:
             and backward.lists_fit(backward.default_config(d, "dq"), "dq", feat.block_size))
 
 
+def _gluon_forward_takes_block_mask(q, feat: Features) -> bool:
+    """Whether the Gluon forward takes this call's block mask: without a window, dropout or ALiBi, where the mask's
+    blocks hold :func:`flashref.triton.hopper.block_mask_config`'s tiles whole (the default block_size = 128 does)."""
+    hopper = _gluon_module("hopper")
+    if isinstance(hopper, ImportError) or feat.window or feat.dropout_p > 0.0 or feat.slopes2 is not None:
+        return False
+    return hopper.lists_fit(hopper.block_mask_config(q.shape[3]), "fwd", feat.block_size)
+
+
 def _forward(q, k, v, scale: float, feat: Features, kernel: str = "triton"):
     if _forward_kernel(q, k, v, feat, kernel) == "hopper":
         hopper = _gluon_module("hopper")
         window = (feat.win_left, feat.win_right) if feat.window else None
         dropout = _dropout_scalars(feat)
+        if feat.block_mask is not None:  # the loop that walks the lists of visible blocks, as the teaching kernel's
+            return hopper.launch_forward(q, k, v, feat.causal, scale, hopper.block_mask_config(q.shape[3]),
+                                         lists=(feat.args(q)[1], feat.block_size))
         cfg = hopper.dropout_config(q.shape[3]) if dropout is not None else hopper.default_config(q.shape[3])
         return hopper.launch_forward(q, k, v, feat.causal, scale, cfg, window=window, dropout=dropout)
     B, H, N_q, d = q.shape
