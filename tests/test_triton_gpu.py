@@ -227,7 +227,7 @@ def test_auto_takes_the_teaching_kernel_where_the_hopper_forward_cannot_run():
     """On an H100, kernel="auto" falls back for each thing the Hopper forward does not take, and kernel="hopper"
     refuses it naming it; the backward falls back with it (except for ALiBi, which the Gluon backward
     takes), and for d = 256 and deterministic=False too. A window (or bottom-right causal) takes the Hopper
-    forward and the Gluon backward, at d = 64 and 128.
+    forward and the Gluon backward, at d = 64 and 128; so does a block mask whose blocks hold their tiles whole.
     On any other GPU both say there is no sm_90."""
     from flashref.triton import backward_kernel, flash_attention, forward_kernel
 
@@ -259,14 +259,21 @@ def test_auto_takes_the_teaching_kernel_where_the_hopper_forward_cannot_run():
         assert backward_kernel(*args, dropout_p=0.1, **kw) == "triton"
         with pytest.raises(ValueError, match="dropout_p only without a window"):
             flash_attention(*args, dropout_p=0.1, **kw, kernel="hopper")
-    calls = {"block_mask": ((q, k, v), dict(block_mask=torch.ones(1, 1, 3, 3, dtype=torch.bool, device="cuda"))),
-             "softcap": ((q, k, v), dict(softcap=30.0)),
+    # A block mask: the Gluon forward and backward walk its lists where its blocks hold their tiles whole
+    mask = torch.ones(1, 1, 3, 3, dtype=torch.bool, device="cuda")
+    assert forward_kernel(q, k, v, block_mask=mask) == "hopper" and backward_kernel(q, k, v, block_mask=mask) == "hopper"
+    small = torch.ones(1, 1, 5, 5, dtype=torch.bool, device="cuda")  # 64-token blocks split d = 128's 128-query tiles
+    assert forward_kernel(q, k, v, block_mask=small, block_size=64) == "triton"
+    with pytest.raises(ValueError, match="block_mask"):
+        flash_attention(q, k, v, block_mask=small, block_size=64, kernel="hopper")
+    assert forward_kernel(q, k, v, block_mask=mask, dropout_p=0.1) == "triton"
+    calls = {"softcap": ((q, k, v), dict(softcap=30.0)),
              "alibi_slopes": ((q, k, v), dict(alibi_slopes=slopes)),
              "contiguous": ((q.transpose(1, 2).contiguous().transpose(1, 2), k, v), {}),
              "float16 or bfloat16": ((q.float(), k.float(), v.float()), {}),
              "head dim": (tuple(x[..., :96].contiguous() for x in (q, k, v)), {}),
              "grouped-query": ((q, k[:, :1], v[:, :1]), {})}
-    gluon_backward_takes = ("alibi_slopes", "block_mask")  # with the teaching forward's statistics
+    gluon_backward_takes = ("alibi_slopes",)  # with the teaching forward's statistics
     for why, (args, kw) in calls.items():
         assert forward_kernel(*args, **kw) == "triton", why
         assert backward_kernel(*args, **kw) == ("hopper" if why in gluon_backward_takes else "triton"), why
