@@ -279,6 +279,22 @@ def test_window_and_alibi_gradients_against_the_reference(d, dtype, causal, wind
         assert np.all(np64(got[0])[blind] == 0), "rows that see no key: dq = 0"
 
 
+def _reproducible_grads(q, k, v, do, kw):
+    """(o, dq, dk, dv) of flash_attention(q, k, v, **kw) backpropagating ``do``, after checking that a second call
+    gives the same four tensors bit for bit."""
+    from flashref.triton import flash_attention
+
+    def grads():
+        qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
+        o = flash_attention(qq, kk, vv, **kw)
+        return (o, *torch.autograd.grad(o, (qq, kk, vv), do))
+
+    got, again = grads(), grads()
+    for name, x, y in zip(("o", "dq", "dk", "dv"), got, again):
+        assert torch.equal(x, y), f"{name}: not reproducible ({q.shape[2]}, {k.shape[2]})"
+    return got
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("causal,window,align", [(True, (100, 0), "top_left"), (False, (37, 90), "top_left"),
@@ -293,7 +309,7 @@ def test_flash_attention_takes_the_gluon_backward_for_a_window(dtype, causal, wi
 
     from flashref import reference
     from flashref.tolerance import assert_within_tolerance
-    from flashref.triton import backward_kernel, flash_attention
+    from flashref.triton import backward_kernel
     from tests._triton_helpers import feature_inputs, np64, plain_with_features
 
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
@@ -302,15 +318,7 @@ def test_flash_attention_takes_the_gluon_backward_for_a_window(dtype, causal, wi
         q, k, v, do = feature_inputs(2, 3, 3, N_q, N_k, 128, dtype, seed=i)
         kw = dict(causal=causal, window_size=window, causal_align=align)
         assert backward_kernel(q, k, v, **kw) == "hopper"
-
-        def grads():
-            qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
-            o = flash_attention(qq, kk, vv, **kw)
-            return (o, *torch.autograd.grad(o, (qq, kk, vv), do))
-
-        got, again = grads(), grads()
-        for name, x, y in zip(("o", "dq", "dk", "dv"), got, again):
-            assert torch.equal(x, y), f"{name}: not reproducible ({N_q}, {N_k})"
+        got = _reproducible_grads(q, k, v, do, kw)
         q64, k64, v64, do64 = (np64(x) for x in (q, k, v, do))
         refs = [reference.attention(q64, k64, v64, **kw), *reference.attention_backward(q64, k64, v64, do64, **kw)]
         visible = None
@@ -338,7 +346,7 @@ def test_flash_attention_takes_the_gluon_backward_for_a_block_mask(d, block_size
 
     from flashref import reference
     from flashref.tolerance import assert_within_tolerance
-    from flashref.triton import backward_kernel, flash_attention, forward_kernel
+    from flashref.triton import backward_kernel, forward_kernel
     from tests._triton_helpers import feature_inputs, np64, plain_with_features
 
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
@@ -355,15 +363,7 @@ def test_flash_attention_takes_the_gluon_backward_for_a_block_mask(d, block_size
         kw = dict(causal=causal, block_mask=mask, block_size=block_size)
         assert backward_kernel(q, k, v, **kw) == "hopper", (N_q, N_k)
         assert forward_kernel(q, k, v, **kw) == ("triton" if (d, block_size) == (64, 64) else "hopper"), (N_q, N_k)
-
-        def grads():
-            qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
-            o = flash_attention(qq, kk, vv, **kw)
-            return (o, *torch.autograd.grad(o, (qq, kk, vv), do))
-
-        got, again = grads(), grads()
-        for name, x, y in zip(("o", "dq", "dk", "dv"), got, again):
-            assert torch.equal(x, y), f"{name}: not reproducible ({N_q}, {N_k})"
+        got = _reproducible_grads(q, k, v, do, kw)
         q64, k64, v64, do64 = (np64(x) for x in (q, k, v, do))
         mask64 = mask.cpu().numpy()
         rkw = dict(causal=causal, block_mask=mask64, block_size=block_size)
