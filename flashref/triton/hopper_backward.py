@@ -214,6 +214,20 @@ def _mask_segments(first_key, i_lo, n_tiles, N_q, win_left, win_right, BLOCK_M: 
 
 
 @gluon.jit
+def _step_is_masked(n, bounds, full, i_lo, t_lo, n_tiles, list_row, LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                    BLOCK_M: gl.constexpr):
+    """Whether step n of a dK/dV kernel's one loop (``MASKS == "branch"``) needs the mask: a listed tile's own
+    index against :func:`_full_query_tiles`'s range ``full`` (a block mask's tiles are not contiguous), else the
+    step against :func:`_mask_segments`'s ``bounds``."""
+    if LISTED:
+        i = _tile_of(n, i_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_M)
+        masked = (i < full[0]) | (i >= full[1])
+    else:
+        masked = (n < bounds[1]) | (n >= bounds[2])
+    return masked
+
+
+@gluon.jit
 def _dkdv_step(n, masked, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_desc, q_base, n_tiles, dk, dv, s_zero,
                keys, start_n, i_lo, t_lo, list_row, bh, M2, L2, Delta, N_q, qk_scale, slope2, win_left, win_right,
                seed, drop_below, keep_scale, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
@@ -296,13 +310,9 @@ def hopper_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, M2, L2, Delt
                                     p_layout, LISTED, BLOCK_SIZE)
     else:
         for n in range(0, n_tiles):
-            masked = True
+            masked = True  # a constant unless the branch decides: the mask's code then compiles away
             if MASKS == "branch":
-                if LISTED:  # the listed tile's own index against the full range
-                    i = _tile_of(n, i_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_M)
-                    masked = (i < full[0]) | (i >= full[1])
-                else:
-                    masked = (n < bounds[1]) | (n >= bounds[2])
+                masked = _step_is_masked(n, bounds, full, i_lo, t_lo, n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_M)
             dk, dv = _dkdv_step(n, masked, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_desc, q_base, n_tiles,
                                 dk, dv, s_zero, keys, start_n, i_lo, t_lo, list_row, bh, M2, L2, Delta, N_q, qk_scale,
                                 slope2, win_left, win_right, seed, drop_below, keep_scale, BLOCK_M, STAGES, CAUSAL,
@@ -510,13 +520,9 @@ def _ws_dkdv_consumer(q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, DK,
                                        LISTED, BLOCK_SIZE)
     else:
         for n in range(0, n_tiles):
-            masked = True
+            masked = True  # a constant unless the branch decides: the mask's code then compiles away
             if MASKS == "branch":
-                if LISTED:  # the listed tile's own index against the full range
-                    i = _tile_of(n, i_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_M)
-                    masked = (i < full[0]) | (i >= full[1])
-                else:
-                    masked = (n < bounds[1]) | (n >= bounds[2])
+                masked = _step_is_masked(n, bounds, full, i_lo, t_lo, n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_M)
             dk, dv = _ws_dkdv_step(n, masked, k_t, v_t, q_smem, do_smem, ready, empty, dk, dv, s_zero, keys,
                                    first_key, i_lo, n_tiles, t_lo, list_row, bh, M2, L2, Delta, N_q, qk_scale, slope2,
                                    win_left, win_right, seed, drop_below, keep_scale, BLOCK_M, STAGES, CAUSAL, WINDOW,
