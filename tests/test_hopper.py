@@ -576,7 +576,7 @@ def test_the_fused_quantizer_gives_the_torch_operations_bits(d):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d,block_size", [(64, 128), (128, 128), (128, 256), (256, 128)])
+@pytest.mark.parametrize("d,block_size", [(64, 128), (128, 128), (128, 64), (128, 256), (256, 128)])
 def test_the_gluon_forward_walks_a_block_mask(d, block_size, causal):
     """flash_attention's forward with a block mask on the H100 runs the Gluon kernel (forward_kernel says "hopper"),
     visiting only the listed key tiles: o and lse within the rule against the float64 reference on lengths no tile

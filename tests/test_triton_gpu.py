@@ -262,10 +262,12 @@ def test_auto_takes_the_teaching_kernel_where_the_hopper_forward_cannot_run():
     # A block mask: the Gluon forward and backward walk its lists where its blocks hold their tiles whole
     mask = torch.ones(1, 1, 3, 3, dtype=torch.bool, device="cuda")
     assert forward_kernel(q, k, v, block_mask=mask) == "hopper" and backward_kernel(q, k, v, block_mask=mask) == "hopper"
-    small = torch.ones(1, 1, 5, 5, dtype=torch.bool, device="cuda")  # 64-token blocks split d = 128's 128-query tiles
-    assert forward_kernel(q, k, v, block_mask=small, block_size=64) == "triton"
+    small = torch.ones(1, 1, 5, 5, dtype=torch.bool, device="cuda")  # 64-token blocks split d = 64's 128-key tiles
+    assert forward_kernel(q, k, v, block_mask=small, block_size=64) == "hopper"  # d = 128's 64 x 64 tiles fit
+    q64, k64, v64 = (x[..., :64].contiguous() for x in (q, k, v))
+    assert forward_kernel(q64, k64, v64, block_mask=small, block_size=64) == "triton"
     with pytest.raises(ValueError, match="block_mask"):
-        flash_attention(q, k, v, block_mask=small, block_size=64, kernel="hopper")
+        flash_attention(q64, k64, v64, block_mask=small, block_size=64, kernel="hopper")
     assert forward_kernel(q, k, v, block_mask=mask, dropout_p=0.1) == "triton"
     calls = {"softcap": ((q, k, v), dict(softcap=30.0)),
              "alibi_slopes": ((q, k, v), dict(alibi_slopes=slopes)),
