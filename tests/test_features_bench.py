@@ -63,3 +63,28 @@ def test_the_window_masks_hold_on_an_uneven_length():
         visible = (i[:, None] >= i[None, :]) & (i[:, None] // block - i[None, :] // block < w)
         assert pairs == int(visible.sum())
         assert torch.equal(mask[0, 0], block_masks.sliding_window(8, window=w, causal=True)[0, 0])
+
+
+def test_the_flex_table_gives_both_ratios_and_says_what_is_missing():
+    """flex_table: Flex's time over flashref's from do_bench's ms and from the kernels alone (graph_ms), a dash
+    where a row lacks graph_ms (runs before it was measured) or a side is missing, a failed call's status."""
+    from flashref.bench.features_bench import flex_table
+
+    def row(impl, mode, ms, graph_ms=None, **kw):
+        r = {"case": f"sparse vs flex {mode}", "impl": impl, "pattern": "bigbird", "N": 4096, "d": 64,
+             "density": 0.25, "dtype": "float16", **kw}
+        if ms is not None:
+            r.update(ms=ms, graph_ms=graph_ms)
+        return r
+
+    rows = [row("flashref-triton", "fwd", 0.5, 0.2), row("flex", "fwd", 1.0, 0.3),
+            row("flashref-triton", "fwd+bwd", 2.0), row("flex", "fwd+bwd", 1.0, 0.9),
+            dict(row("flex", "fwd", None, N=16384), status="RuntimeError: out of memory"),
+            row("flashref-triton", "fwd", 0.25, 0.1, N=16384)]
+    lines = flex_table(rows).splitlines()
+    assert len(lines) == 2 + 3 and "kernels" in lines[0]
+    fwd4k, big16k, fwdbwd = lines[2], lines[3], lines[4]
+    assert fwd4k.startswith("fwd ") and fwd4k.split()[-4:] == ["1.000", "2.00", "|", "1.50"], fwd4k
+    assert big16k.split()[-4:] == ["RuntimeErr", "-", "|", "-"], big16k  # Flex failed: no ratio either way
+    assert fwdbwd.startswith("fwd+bwd") and fwdbwd.split()[-3:] == ["0.50", "|", "-"], fwdbwd
+    assert flex_table([row("flashref-triton", "fwd", 0.5, 0.2)]) == "this run has no FlexAttention rows"

@@ -42,7 +42,7 @@ import contextlib
 import sys
 
 from flashref.bench import results
-from flashref.bench.features_bench import _time  # one timer for the suites: peak memory, then do_bench
+from flashref.bench.features_bench import _time, graph_time_us  # the suites' timers: do_bench's, and the kernels' alone
 
 IMPLS = ["flashref-decode", "flashref-decode num_splits=1", "flashref-triton", "sdpa-flash", "sdpa-cudnn",
          "sdpa-efficient", "sdpa-math", "sdpa causal_lower_right"]
@@ -297,50 +297,6 @@ def host_time_us(fn, calls: int = 100) -> float:
     elapsed = time.perf_counter() - start
     torch.cuda.synchronize()
     return elapsed / calls * 1e6
-
-
-def graph_time_us(fn, replays: int = 20) -> float | None:
-    """Microseconds of GPU time one call takes with the host taken out: the call captured in a CUDA graph behind
-    a memset that empties the L2 cache (as ``do_bench`` does before each call), replayed, minus a graph of the
-    memset alone (medians of ``replays``). ``ms`` is what a loop of calls gets, host included where the host is
-    slower than the GPU; this is what the kernels take, the figure to compare kernels by on short caches (and
-    what a generation loop captured in a CUDA graph would see). None when the call cannot be captured."""
-    import statistics
-
-    import torch
-
-    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")  # do_bench's L2 flush buffer, 256 MiB
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    try:
-        with torch.cuda.stream(side):  # warm-up on a side stream, as torch's capture recipe asks
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graphs = {"flush": torch.cuda.CUDAGraph(), "both": torch.cuda.CUDAGraph()}
-        with torch.cuda.graph(graphs["flush"]):
-            flush.zero_()
-        with torch.cuda.graph(graphs["both"]):
-            flush.zero_()
-            fn()
-    except RuntimeError:  # a backend that cannot be captured
-        torch.cuda.synchronize()
-        return None
-
-    def replay_ms(graph):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        graph.replay()
-        times = []
-        for _ in range(replays):
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
-
-    gpu_us = (replay_ms(graphs["both"]) - replay_ms(graphs["flush"])) * 1e3
-    del graphs, flush
-    return gpu_us
 
 
 def measure_point(H_kv: int, N_q: int, N_k: int, B: int, impls=IMPLS, heads: int = H, d: int = D, peak_bw=DEFAULT_PEAK,

@@ -15,7 +15,9 @@ block-sparse attention against its own dense time.
   same masks (:mod:`flashref.block_masks`: a causal sliding window, BigBird-like, causal), N = 4K to 64K;
   peak memory of each forward + backward. Flex builds its BlockMask once, outside the timing, as its
   users do; flashref takes the same boolean mask tensor at every call and builds its lists of visible
-  blocks on the first (one small kernel launch), as a model would.
+  blocks on the first (one small kernel launch), as a model would. Each row also has ``graph_ms``: the
+  same call's GPU time with the host taken out (:func:`graph_time_us`), since a call near a millisecond can
+  take less time on the GPU than in the Python that launches it.
 
 FLOPs are counted on the visible (query, key) pairs only (4 d per pair forward, 2.5x that backward:
 :func:`flashref.bench.results.pair_flops` of :func:`flashref.block_masks.visible_pairs`, notebook
@@ -51,6 +53,51 @@ def _time(fn, needs_grad, tensors):
     ms = triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=tensors if needs_grad else None,
                                  return_mode="median")
     return ms, int(peak)
+
+
+def graph_time_us(fn, replays: int = 20) -> float | None:
+    """Microseconds of GPU time one call takes with the host taken out: the call captured in a CUDA graph behind
+    a memset that empties the L2 cache (as ``do_bench`` does before each call), replayed, minus a graph of the
+    memset alone (medians of ``replays``). ``ms`` is what a loop of calls gets, host included where the host is
+    slower than the GPU; this is what the kernels take, the figure to compare kernels by where one call is short
+    (and what a loop captured in a CUDA graph, a decoding loop say, would see). None when the call cannot be
+    captured."""
+    import statistics
+
+    import torch
+
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")  # do_bench's L2 flush buffer, 256 MiB
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(side):  # warm-up on a side stream, as torch's capture recipe asks
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graphs = {"flush": torch.cuda.CUDAGraph(), "both": torch.cuda.CUDAGraph()}
+        with torch.cuda.graph(graphs["flush"]):
+            flush.zero_()
+        with torch.cuda.graph(graphs["both"]):
+            flush.zero_()
+            fn()
+    except RuntimeError:  # a backend that cannot be captured
+        torch.cuda.synchronize()
+        return None
+
+    def replay_ms(graph):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        graph.replay()
+        times = []
+        for _ in range(replays):
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    gpu_us = (replay_ms(graphs["both"]) - replay_ms(graphs["flush"])) * 1e3
+    del graphs, flush
+    return gpu_us
 
 
 def _inputs(B, H, H_kv, N, d, dtype="float16"):
@@ -214,6 +261,24 @@ FLEX_GRID = [(4096, 64, "float16", 4, 16), (16384, 64, "float16", 1, 16), (65536
              (16384, 128, "float16", 1, 16), (16384, 64, "bfloat16", 1, 16)]
 
 
+def _kernels_ms(run, tensors) -> float | None:
+    """Milliseconds of GPU time of ``run`` (a forward, or a forward + backward into fresh gradients of
+    ``tensors``) with the host taken out (:func:`graph_time_us`); None when it cannot be captured in a graph."""
+    def call():
+        for x in tensors:
+            x.grad = None
+        run()
+
+    try:
+        us = graph_time_us(call)
+    except Exception:  # noqa: BLE001 (a backend that refuses capture in its own way: the row keeps its ms)
+        import torch
+
+        torch.cuda.synchronize()
+        return None
+    return None if us is None else us / 1e3
+
+
 def flex_cases(grid=None, block=128):
     """flashref against FlexAttention on the same block masks, forward and forward + backward: yields each
     row as it is measured (the command line saves it at once: a run cut short keeps what it measured)."""
@@ -252,12 +317,44 @@ def flex_cases(grid=None, block=128):
                         else:
                             run = _fwd_bwd(fn, q, k, v, do)
                         ms, peak = _time(run, mode != "fwd", [q, k, v])
-                        yield _row(f"sparse vs flex {mode}", impl, B, H, H, N, d, causal, ms, peak, work, **extra)
+                        graph_ms = _kernels_ms(run, [q, k, v])
+                        yield _row(f"sparse vs flex {mode}", impl, B, H, H, N, d, causal, ms, peak, work,
+                                   graph_ms=graph_ms, **extra)
                     except Exception as exc:  # noqa: BLE001
                         yield {"case": f"sparse vs flex {mode}", "impl": impl, "N": N, "d": d, **extra,
                                "status": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
         del q, k, v, do
         torch.cuda.empty_cache()
+
+
+def flex_table(rows) -> str:
+    """The FlexAttention comparison as text: a line per pass, mask, N, d and dtype, with each side's time (ms,
+    do_bench: host included) and Flex's over flashref's (above 1: flashref is faster), then the same ratio of
+    the kernels alone (``graph_ms``; "-" where a run did not measure it or a call could not be captured)."""
+    table = {}
+    for r in rows:
+        if r.get("case", "").startswith("sparse vs flex"):
+            key = (r["case"].split()[-1], r.get("pattern", "-"), r["N"], r["d"], r.get("dtype", "float16"))
+            table.setdefault(key, {})[r["impl"]] = r
+    if not any("flex" in got for got in table.values()):
+        return "this run has no FlexAttention rows"
+
+    def ratio(got, field):
+        f, o = (got.get(i, {}).get(field) for i in ("flex", "flashref-triton"))
+        return f"{f / o:10.2f}" if f is not None and o is not None else f"{'-':>10}"
+
+    def ms(got, impl):
+        r = got.get(impl, {})
+        return f"{r['ms']:10.3f}" if "ms" in r else f"{r.get('status', '-')[:10]:>10}"
+
+    lines = [f"{'pass':8} {'pattern':15} {'N':>6} {'d':>4} {'dtype':9} {'density':>7} | {'flashref':>10} "
+             f"{'flex':>10} {'flex/ours':>10} | {'kernels':>10}",
+             f"{'':55}| {'ms':>10} {'ms':>10} {'':10} | {'flex/ours':>10}"]
+    for (mode, pattern, N, d, dtype), got in sorted(table.items()):
+        density = next(iter(got.values())).get("density", float("nan"))
+        lines.append(f"{mode:8} {pattern:15} {N:6} {d:4} {dtype:9} {density:7.3f} | {ms(got, 'flashref-triton')} "
+                     f"{ms(got, 'flex')} {ratio(got, 'ms')} | {ratio(got, 'graph_ms')}")
+    return "\n".join(lines)
 
 
 def _print(r):
