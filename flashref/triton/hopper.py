@@ -504,6 +504,9 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, N_q, N_k, qk_scale
             mbarrier.wait(k_bars.index(slot), phase)
             S = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             tile = _tile_of(j, j_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_N)  # its own index
+            # The tile STAGES ahead: with a block mask a load from its list, issued here so that its latency
+            # passes under this tile's products and softmax instead of delaying the copy at the loop's end.
+            ahead = _tile_of(j + STAGES, j_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_N)
             S = warpgroup_mma_wait(0, deps=[S])
             P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, tile, lo_full, n_full, start_m, N_k, qk_scale,
                                                win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, s_layout)
@@ -515,7 +518,6 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, N_q, N_k, qk_scale
             p = gl.convert_layout(P.to(dtype), p_layout)
             acc = warpgroup_mma(p, v_smem.index(slot), acc, is_async=True)
             acc, p = warpgroup_mma_wait(0, deps=[acc, p])
-            ahead = _tile_of(j + STAGES, j_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_N)
             _load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kv_base, ahead, j + STAGES, n_tiles, BLOCK_N,
                      STAGES)
 
