@@ -44,6 +44,7 @@ for d, dtype, switches, causal, window in [
         (128, "float16", {"warp_specialize": False, "dropout": True}, False, True),
         (256, "bfloat16", {"warp_specialize": False, "dropout": True}, True, False),
         (64, "float16", {"block_size": 128}, True, False), (128, "bfloat16", {"block_size": 128}, False, False),
+        (128, "float16", {"block_size": 64}, True, False),
         (256, "float16", {"block_size": 256}, True, False)]:
     switches = dict(switches or {})
     dropout = switches.pop("dropout", False)
@@ -98,9 +99,9 @@ def test_compiles_for_the_h100_with_tma_and_wgmma(compiled):
         d, dtype, switches, _, _ = row["case"]
         assert (row["e4m3_wgmma"] == row["wgmma"]) if dtype == "float8_e4m3" else row["e4m3_wgmma"] == 0, row
         cfg = hopper.dropout_config(d) if row["dropout"] and not switches else hopper.config(d, **(switches or {}))
-        if row["block_size"] is not None:  # the block mask's tile: one or two warpgroups, the lists read from memory
-            cfg = hopper.block_mask_config(d)
-            assert row["lists_read"] > 0 and row["warps"] == cfg["num_warps"], row
+        if row["block_size"] is not None:  # the block mask's tile (warp-specialized or not), lists read from memory
+            cfg = hopper.block_mask_config(d, row["block_size"])
+            assert row["lists_read"] > 0 and (cfg["warp_specialize"] or row["warps"] == cfg["num_warps"]), row
         if dtype == "float8_e4m3" or cfg["warp_specialize"]:
             # three warpgroups (a producer warp, rounded up, and two consumers); registers move from one to the others
             assert row["warps"] == 12 and {24, 240} <= set(row["setmaxnreg"]), row
@@ -619,3 +620,42 @@ def test_the_gluon_forward_walks_a_block_mask(d, block_size, causal):
         seen = ~blind
         assert np.allclose(np64(lse)[seen], lse_ref[seen], atol=2e-2) and np.allclose(np64(lse_t)[seen], lse_ref[seen],
                                                                                      atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d,block_size,pingpong", [(128, 128, False), (128, 256, True), (64, 128, False),
+                                                   (256, 128, False)])
+def test_the_warp_specialized_forward_walks_a_block_mask(d, block_size, pingpong, causal):
+    """The warp-specialized Gluon forward (producer warp, two consumer warpgroups) given a block mask's lists:
+    its producer and both consumers walk the same listed tiles. o within the rule against the float64 reference
+    on lengths no tile divides, N_q != N_k and one query; a block row that sees nothing gives o = 0 and
+    lse = -inf."""
+    import numpy as np
+
+    from flashref import reference
+    from flashref.triton.ops import visible_block_lists
+    from tests._triton_helpers import feature_inputs, np64, plain_with_features
+
+    hopper = _hopper_or_skip()
+    cfg = hopper.config(d, warp_specialize=True, pingpong=pingpong)
+    for i, (N_q, N_k) in enumerate([(300, 97), (1000, 1000), (1, 239), (700, 1300)]):
+        q, k, v, do = feature_inputs(2, 3, 3, N_q, N_k, d, torch.float16, seed=10 + i)
+        n_i, n_j = -(-N_q // block_size), -(-N_k // block_size)
+        g = torch.Generator().manual_seed(300 + i)
+        mask = torch.rand(2, 3, n_i, n_j, generator=g) < 0.5
+        mask[:, :, :, -1] = True  # every block row sees the last key block ...
+        if n_i > 1:
+            mask[0, 1, 0] = False  # ... but one, which sees nothing
+        lists = (visible_block_lists(mask.cuda()), block_size)
+        o, lse, _ = hopper.launch_forward(q, k, v, causal, d ** -0.5, cfg, lists=lists)
+        rkw = dict(causal=causal, block_mask=mask.numpy(), block_size=block_size)
+        o_ref, lse_ref = reference.attention(*(np64(x) for x in (q, k, v)), return_lse=True, **rkw)
+        rows, cols = torch.arange(N_q) // block_size, torch.arange(N_k) // block_size
+        base = plain_with_features(q, k, v, do, causal, visible=mask.cuda()[:, :, rows][:, :, :, cols])[0]
+        assert torch.isfinite(o).all(), f"o: non-finite ({N_q}, {N_k})"
+        assert_within_tolerance(o, o_ref, base, factor=3.0, name=f"o ({N_q}, {N_k}, bs {block_size})")
+        blind = np.isneginf(lse_ref)
+        assert np.array_equal(np.isneginf(np64(lse)), blind), "lse = -inf exactly where a row sees no key"
+        assert np.all(np64(o)[blind] == 0), "rows that see no key: o = 0"
+        assert np.allclose(np64(lse)[~blind], lse_ref[~blind], atol=2e-2)

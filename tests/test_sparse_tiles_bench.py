@@ -13,7 +13,7 @@ from flashref.bench import sparse_tiles_bench as stb
 def test_the_candidates_hold_the_shipped_tiles_and_fit_the_blocks():
     hopper = pytest.importorskip("flashref.triton.hopper")
     for d, tiles in stb.CANDIDATES.items():
-        shipped = hopper.block_mask_config(d)
+        shipped = hopper.block_mask_config(d, stb.BLOCK)
         assert any(all(shipped[k] == v for k, v in t.items()) for t in tiles), d
         for t in tiles:
             cfg = dict(shipped, **t)

@@ -4,14 +4,14 @@ register cap (:func:`flashref.triton.hopper._occupancy_options`).
 
     python -m flashref.bench sparse-tiles       # an H100, about two minutes
 
-For d = 64 and 128, 16K tokens (B 1 x N 16K and B 4 x N 4K, 16 heads, fp16) and four masks of 128-token blocks
-(a causal sliding window of 8 blocks, BigBird-like, causal, all-True), each candidate tile (block_m x block_n,
-warps, stages) is timed twice: by ``do_bench`` (``ms``, the host included where it is slower than the GPU) and
-kernel-only from CUDA-graph replay (``graph_ms``, :func:`flashref.bench.features_bench.graph_time_us`). At d = 64
-the shipped tile runs with and without its register cap (``capped``). The teaching forward on the same mask
-(``kernel="triton"``) and, for the all-True and causal masks, the dense forward without a mask are the
-references. Results go to ``book/data/sparse_tiles_bench.json`` (:func:`load_results`); :func:`table` prints
-them.
+For d = 64 and 128, 16K tokens (B 1 x N 16K and B 4 x N 4K, 16 heads, fp16) and four masks of 128-token blocks (a
+causal sliding window of 8 blocks, BigBird-like, causal, all-True), each candidate tile (block_m x block_n, warps,
+stages; "ws": warp-specialized, "pp": with ping-pong) is timed twice: by ``do_bench`` (``ms``, the host included
+where it is slower than the GPU) and kernel-only from CUDA-graph replay (``graph_ms``,
+:func:`flashref.bench.features_bench.graph_time_us`). At d = 64 the shipped tile runs with and without its register
+cap (``capped``). The teaching forward on the same mask (``kernel="triton"``) and, for the all-True and causal
+masks, the dense forward without a mask are the references. Results go to ``book/data/sparse_tiles_bench.json``
+(:func:`load_results`); :func:`table` prints them.
 """
 
 from __future__ import annotations
@@ -33,12 +33,17 @@ CANDIDATES = {
           dict(block_m=64, block_n=64, num_warps=4, stages=2), dict(block_m=64, block_n=64, num_warps=4, stages=3),
           dict(block_m=64, block_n=128, num_warps=4, stages=2), dict(block_m=128, block_n=128, num_warps=8, stages=2)],
 }
+#: Warp-specialized tiles (a producer warp, two consumer warpgroups of 64 rows), with and without ping-pong.
+for _d in CANDIDATES:
+    CANDIDATES[_d] += [dict(block_m=128, block_n=128, num_warps=4, stages=2, warp_specialize=True, pingpong=pp)
+                       for pp in (False, True)]
 SHAPES = [(1, 16, 16384), (4, 16, 4096)]
 BLOCK = 128
 
 
 def tile_name(cfg: dict) -> str:
-    return f"{cfg['block_m']}x{cfg['block_n']} w{cfg['num_warps']} s{cfg['stages']}"
+    ws = (" ws" + (" pp" if cfg.get("pingpong") else "")) if cfg.get("warp_specialize") else ""
+    return f"{cfg['block_m']}x{cfg['block_n']} w{cfg['num_warps']} s{cfg['stages']}{ws}"
 
 
 def masks(n: int, device=None) -> dict:
@@ -88,7 +93,7 @@ def cases(head_dims=(64, 128)):
                     ms, graph = _both(lambda: flash_attention(q, k, v, causal=causal, check_finite=False))
                     yield dict(base, impl="dense", tile=None, capped=None, ms=ms, graph_ms=graph)
                 lists = (visible_block_lists(mask.expand(B, H, n, n)), BLOCK)
-                shipped = hopper.block_mask_config(d)
+                shipped = hopper.block_mask_config(d, BLOCK)
                 for tile in CANDIDATES[d]:
                     cfg = dict(shipped, **tile)
                     runs = [True, False] if hopper._occupancy_options(cfg, d) else [None]

@@ -133,7 +133,7 @@ def compile_hopper(head_dim: int, switches: dict | None = None, causal: bool = F
     if dropout and not switches:  # the tile flash_attention runs dropout on
         cfg = hopper.dropout_config(head_dim)
     elif block_size is not None and not switches:  # the tile flash_attention runs a block mask on
-        cfg = hopper.block_mask_config(head_dim)
+        cfg = hopper.block_mask_config(head_dim, block_size)
     else:
         cfg = hopper.config(head_dim, **dict(switches or {}, **({"warp_specialize": True} if fp8 else {})))
     ty, gdt = {"float16": ("fp16", gl.float16), "bfloat16": ("bf16", gl.bfloat16),
@@ -149,8 +149,8 @@ def compile_hopper(head_dim: int, switches: dict | None = None, causal: bool = F
         signature.update(QS="*fp32", KS="*fp32", VS="*fp32")
     signature.update({"N_q": "i32", "N_k": "i32", "qk_scale": "fp32", "win_left": "i32", "win_right": "i32"})
     if not cfg["warp_specialize"]:
-        signature.update({"seed": "i64", "drop_below": "i32", "keep_scale": "fp32", "LISTS": "*i32",
-                          "stride_lb": "i32", "stride_lh": "i32", "stride_li": "i32", "H": "i32"})
+        signature.update({"seed": "i64", "drop_below": "i32", "keep_scale": "fp32"})
+    signature.update({"LISTS": "*i32", "stride_lb": "i32", "stride_lh": "i32", "stride_li": "i32", "H": "i32"})
     fn, constexprs, options = hopper.kernel_and_constexprs(cfg, head_dim, causal, window, dropout, block_size)
     if fp8:
         constexprs["FP8"] = True

@@ -250,14 +250,19 @@ def _tile_of(n, first, t_lo, t_hi, list_row, LISTED: gl.constexpr, BLOCK_SIZE: g
 
 
 @gluon.jit
-def _list_range(LISTS, bh, H, stride_lb, stride_lh, stride_li, block, first, n_tiles, BLOCK_SIZE: gl.constexpr,
-                TILE: gl.constexpr, WARPS: gl.constexpr):
-    """(list_row, t_lo, n_listed): the list of mask block ``block`` of head bh, and its listed tiles inside tiles
-    [first, first + n_tiles)."""
-    list_row = LISTS + (bh // H).to(gl.int64) * stride_lb + (bh % H) * stride_lh + block * stride_li
-    t_lo = _listed_tiles_before(list_row, first * TILE, BLOCK_SIZE, TILE, WARPS)
-    t_hi = _listed_tiles_before(list_row, gl.maximum(first + n_tiles, first) * TILE, BLOCK_SIZE, TILE, WARPS)
-    return list_row, t_lo, t_hi - t_lo
+def _list_range(LISTED: gl.constexpr, LISTS, bh, H, stride_lb, stride_lh, stride_li, block, first, n_tiles,
+                BLOCK_SIZE: gl.constexpr, TILE: gl.constexpr, WARPS: gl.constexpr):
+    """(list_row, t_lo, n): with a block mask (LISTED), the list of mask block ``block`` of head bh, and its
+    listed tiles inside tiles [first, first + n_tiles): n of them from the list's tile t_lo. Without one, the
+    loop's own range: (LISTS, 0, n_tiles), which :func:`_tile_of` never reads. WARPS: the warps running it."""
+    list_row = LISTS
+    t_lo = 0
+    n = n_tiles
+    if LISTED:
+        list_row = LISTS + (bh // H).to(gl.int64) * stride_lb + (bh % H) * stride_lh + block * stride_li
+        t_lo = _listed_tiles_before(list_row, first * TILE, BLOCK_SIZE, TILE, WARPS)
+        n = _listed_tiles_before(list_row, gl.maximum(first + n_tiles, first) * TILE, BLOCK_SIZE, TILE, WARPS) - t_lo
+    return list_row, t_lo, n
 
 
 _NO_LISTS: dict = {}
@@ -435,12 +440,10 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, N_q, N_k, qk_scale
     # window's edges. The loop's j counts from tile j_lo (0 without a window).
     j_lo, n_tiles, lo_full, n_full = _key_tiles(start_m, N_k, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     kv_base = bh * N_k
-    list_row = LISTS
-    t_lo = 0
-    if LISTED:  # n_tiles becomes the number of listed tiles in [j_lo, j_lo + n_tiles)
-        gl.static_assert(not OVERLAP, "the overlapped loop starts with a first key tile that a block mask may hide")
-        list_row, t_lo, n_tiles = _list_range(LISTS, bh, H, stride_lb, stride_lh, stride_li, start_m // BLOCK_SIZE,
-                                              j_lo, n_tiles, BLOCK_SIZE, BLOCK_N, num_warps)
+    gl.static_assert(not (LISTED and OVERLAP), "the overlapped loop starts with a first key tile a block mask may hide")
+    # With a block mask n_tiles becomes the number of listed tiles in [j_lo, j_lo + n_tiles).
+    list_row, t_lo, n_tiles = _list_range(LISTED, LISTS, bh, H, stride_lb, stride_lh, stride_li,
+                                          start_m // BLOCK_SIZE, j_lo, n_tiles, BLOCK_SIZE, BLOCK_N, num_warps)
 
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [bh * N_q + start_m, 0], q_bar, q_smem)
@@ -534,27 +537,43 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, N_q, N_k, qk_scale
 # ---- Warp specialization: a producer warp feeds two consumer warpgroups ---------------------------------------
 
 @gluon.jit
+def _ws_tiles(pid_m, bh, N_k, win_left, win_right, LISTS, stride_lb, stride_lh, stride_li, H, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, LISTED: gl.constexpr,
+              BLOCK_SIZE: gl.constexpr, WARPS: gl.constexpr):
+    """(j_lo, n_tiles, lo_full, n_full, list_row, t_lo): the key tiles of the program's whole BLOCK_M rows, which
+    every partition must agree on (the producer loads these tiles and each consumer takes all of them), as
+    :func:`_key_tiles` and, with a block mask, :func:`_list_range` give them. WARPS: the partition's warps."""
+    j_lo, n_tiles, lo_full, n_full = _key_tiles(pid_m * BLOCK_M, N_k, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL,
+                                                WINDOW)
+    list_row, t_lo, n_tiles = _list_range(LISTED, LISTS, bh, H, stride_lb, stride_lh, stride_li,
+                                          pid_m * BLOCK_M // BLOCK_SIZE, j_lo, n_tiles, BLOCK_SIZE, BLOCK_N, WARPS)
+    return j_lo, n_tiles, lo_full, n_full, list_row, t_lo
+
+
+@gluon.jit
 def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
-                 pid_m, bh, N_q, N_k, win_left, win_right, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
-                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                 FP8: gl.constexpr):
+                 pid_m, bh, N_q, N_k, win_left, win_right, LISTS, stride_lb, stride_lh, stride_li, H,
+                 HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 CAUSAL: gl.constexpr, WINDOW: gl.constexpr, FP8: gl.constexpr, LISTED: gl.constexpr,
+                 BLOCK_SIZE: gl.constexpr):
     """One warp with few registers: it issues every TMA copy. Each consumer warpgroup's Q half has a barrier of
     its own; a K or V slot is refilled once both consumers have arrived on its empty barrier. In FP8, V comes
     transposed, (B * H * d, N_k): the tensor cores take 8-bit operands only with the reduced dimension
-    contiguous, and P V reduces over keys."""
+    contiguous, and P V reduces over keys. With a block mask it reads each tile's index from the list; the
+    load waits here, in the warp that runs ahead, not in the consumers."""
     ROWS: gl.constexpr = BLOCK_M // 2
     for wg in gl.static_range(2):
         mbarrier.expect(q_bars.index(wg), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [bh * N_q + pid_m * BLOCK_M + wg * ROWS, 0], q_bars.index(wg),
                                         q_smem.index(wg))
-    # The program's whole BLOCK_M rows, which every partition must agree on: the producer loads these tiles and
-    # each consumer takes all of them.
-    j_lo, n_tiles, lo_full, n_full = _key_tiles(pid_m * BLOCK_M, N_k, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL,
-                                                WINDOW)
-    for j in range(n_tiles):  # j counts from tile j_lo: the slots' phases follow the loop, not the keys
+    j_lo, n_tiles, lo_full, n_full, list_row, t_lo = _ws_tiles(pid_m, bh, N_k, win_left, win_right, LISTS,
+                                                               stride_lb, stride_lh, stride_li, H, BLOCK_M, BLOCK_N,
+                                                               CAUSAL, WINDOW, LISTED, BLOCK_SIZE, 1)
+    for j in range(n_tiles):  # j counts the visited tiles: the slots' phases follow the loop, not the keys
         slot = j % STAGES
         phase = (j // STAGES) & 1
-        row = bh * N_k + (j_lo + j) * BLOCK_N
+        tile = _tile_of(j, j_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_N)
+        row = bh * N_k + tile * BLOCK_N
         # A fresh mbarrier counts as having completed the phase before its first, so round 0 passes at once.
         mbarrier.wait(k_empty.index(slot), phase ^ 1)
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
@@ -562,7 +581,7 @@ def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready
         mbarrier.wait(v_empty.index(slot), phase ^ 1)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
         if FP8:
-            tma.async_copy_global_to_shared(v_desc, [bh * HEAD_D, (j_lo + j) * BLOCK_N], v_ready.index(slot),
+            tma.async_copy_global_to_shared(v_desc, [bh * HEAD_D, tile * BLOCK_N], v_ready.index(slot),
                                             v_smem.index(slot))
         else:
             tma.async_copy_global_to_shared(v_desc, [row, 0], v_ready.index(slot), v_smem.index(slot))
@@ -619,22 +638,25 @@ def _issue_pv(acc, alpha, P, v_smem, v_ready, turns, t, row_o: gl.constexpr, p_l
 
 @gluon.jit
 def _ws_rounds(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns, acc, m_i, l_i, s_zero, q_scale,
-               k_scales, j_lo, n_tiles, lo_full, n_full, start_m, N_k, win_left, win_right, row_o: gl.constexpr,
-               p_layout: gl.constexpr, s_layout: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-               STAGES: gl.constexpr, WG: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-               PINGPONG: gl.constexpr, FP8: gl.constexpr, P_SHIFT: gl.constexpr):
-    """A consumer's rounds over its n_tiles >= 1 key tiles (tile j_lo + t in round t): (acc, m, l) at the end."""
+               k_scales, j_lo, n_tiles, lo_full, n_full, list_row, t_lo, start_m, N_k, win_left, win_right,
+               row_o: gl.constexpr, p_layout: gl.constexpr, s_layout: gl.constexpr, ROWS: gl.constexpr,
+               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr, CAUSAL: gl.constexpr,
+               WINDOW: gl.constexpr, PINGPONG: gl.constexpr, FP8: gl.constexpr, P_SHIFT: gl.constexpr,
+               LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr):
+    """A consumer's rounds over its n_tiles >= 1 key tiles (in round t tile j_lo + t, or with a block mask the
+    list's tile t_lo + t): (acc, m, l) at the end. A tile's index is read while its scores are in flight."""
     # Round 0: S_0 alone.
     _take_turn(turns, 0, WG, PINGPONG)
     mbarrier.wait(k_ready.index(0), 0)
     S = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     _give_turn(turns, WG, PINGPONG)
+    tile = _tile_of(0, j_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_N)
     S = warpgroup_mma_wait(0, deps=[S])
     mbarrier.arrive(k_empty.index(0), count=1)
     s_scale = q_scale
     if FP8:
-        s_scale = q_scale * gl.load(k_scales + j_lo)
-    P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, j_lo, lo_full, n_full, start_m, N_k, s_scale, win_left,
+        s_scale = q_scale * gl.load(k_scales + tile)
+    P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, tile, lo_full, n_full, start_m, N_k, s_scale, win_left,
                                        win_right, ROWS, BLOCK_N, CAUSAL, WINDOW, s_layout, P_SHIFT)
     for t in range(1, n_tiles):
         slot = t % STAGES
@@ -643,13 +665,14 @@ def _ws_rounds(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns, acc
         mbarrier.wait(k_ready.index(slot), (t // STAGES) & 1)
         S = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         _give_turn(turns, WG, PINGPONG)
+        tile = _tile_of(t, j_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_N)
         acc, S = _wait_products(acc, p, S, FP8)
         mbarrier.arrive(v_empty.index(prev), count=1)
         mbarrier.arrive(k_empty.index(slot), count=1)
         s_scale = q_scale
         if FP8:
-            s_scale = q_scale * gl.load(k_scales + j_lo + t)
-        P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, j_lo + t, lo_full, n_full, start_m, N_k, s_scale,
+            s_scale = q_scale * gl.load(k_scales + tile)
+        P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, tile, lo_full, n_full, start_m, N_k, s_scale,
                                            win_left, win_right, ROWS, BLOCK_N, CAUSAL, WINDOW, s_layout, P_SHIFT)
     # The last round: P V of the last tile alone.
     last = (n_tiles - 1) % STAGES
@@ -662,9 +685,10 @@ def _ws_rounds(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns, acc
 
 @gluon.jit
 def _ws_consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turns, O, LSE, M2, L2,
-                 QS, KS, VS, pid_m, bh, N_q, N_k, qk_scale, win_left, win_right, WG: gl.constexpr,
-                 HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 CAUSAL: gl.constexpr, WINDOW: gl.constexpr, PINGPONG: gl.constexpr, FP8: gl.constexpr):
+                 QS, KS, VS, pid_m, bh, N_q, N_k, qk_scale, win_left, win_right, LISTS, stride_lb, stride_lh,
+                 stride_li, H, WG: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, PINGPONG: gl.constexpr,
+                 FP8: gl.constexpr, LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr):
     """Consumer warpgroup WG (4 warps) owns rows [WG * BLOCK_M/2, +BLOCK_M/2) of the program's tile. Round t
     issues O += P_{t-1} V_{t-1} and S_t = Q K_t^T back to back, waits for both, frees their slots, then runs
     softmax t. With PINGPONG, the rounds of the two warpgroups take turns on the tensor cores: one issues its
@@ -684,10 +708,9 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_em
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     start_m = pid_m * BLOCK_M + WG * ROWS
-    # The program's whole BLOCK_M rows, which every partition must agree on: the producer loads these tiles and
-    # each consumer takes all of them.
-    j_lo, n_tiles, lo_full, n_full = _key_tiles(pid_m * BLOCK_M, N_k, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL,
-                                                WINDOW)
+    j_lo, n_tiles, lo_full, n_full, list_row, t_lo = _ws_tiles(pid_m, bh, N_k, win_left, win_right, LISTS,
+                                                               stride_lb, stride_lh, stride_li, H, BLOCK_M, BLOCK_N,
+                                                               CAUSAL, WINDOW, LISTED, BLOCK_SIZE, 4)
     q = q_smem.index(WG)
     q_scale = qk_scale
     k_scales = KS
@@ -702,33 +725,36 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_em
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     mbarrier.wait(q_bars.index(WG), 0)
 
-    if WINDOW:
-        if n_tiles > 0:  # a window may leave every row of the program without a key: then nothing is loaded
+    if WINDOW | LISTED:
+        # a window or a block mask may leave every row of the program without a key: then nothing is loaded
+        if n_tiles > 0:
             acc, m_i, l_i = _ws_rounds(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns, acc, m_i, l_i,
-                                       s_zero, q_scale, k_scales, j_lo, n_tiles, lo_full, n_full, start_m, N_k,
-                                       win_left, win_right, row_o, p_layout, s_layout, ROWS, BLOCK_N, STAGES, WG,
-                                       CAUSAL, WINDOW, PINGPONG, FP8, P_SHIFT)
+                                       s_zero, q_scale, k_scales, j_lo, n_tiles, lo_full, n_full, list_row, t_lo,
+                                       start_m, N_k, win_left, win_right, row_o, p_layout, s_layout, ROWS, BLOCK_N,
+                                       STAGES, WG, CAUSAL, WINDOW, PINGPONG, FP8, P_SHIFT, LISTED, BLOCK_SIZE)
     else:
         acc, m_i, l_i = _ws_rounds(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns, acc, m_i, l_i,
-                                   s_zero, q_scale, k_scales, j_lo, n_tiles, lo_full, n_full, start_m, N_k,
-                                   win_left, win_right, row_o, p_layout, s_layout, ROWS, BLOCK_N, STAGES, WG,
-                                   CAUSAL, WINDOW, PINGPONG, FP8, P_SHIFT)
+                                   s_zero, q_scale, k_scales, j_lo, n_tiles, lo_full, n_full, list_row, t_lo,
+                                   start_m, N_k, win_left, win_right, row_o, p_layout, s_layout, ROWS, BLOCK_N,
+                                   STAGES, WG, CAUSAL, WINDOW, PINGPONG, FP8, P_SHIFT, LISTED, BLOCK_SIZE)
     if FP8:  # undo the 2^8 on P (in acc and l alike) and V's scale
         acc = acc * (gl.load(VS + bh) / 256.0)
         l_i = l_i / 256.0
-    _store_rows(acc, m_i, l_i, O, LSE, M2, L2, bh, start_m, N_q, ROWS, HEAD_D, s_layout, o_layout, WINDOW)
+    _store_rows(acc, m_i, l_i, O, LSE, M2, L2, bh, start_m, N_q, ROWS, HEAD_D, s_layout, o_layout, WINDOW | LISTED)
 
 
 @gluon.jit
 def hopper_ws_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, QS, KS, VS, N_q, N_k, qk_scale, win_left, win_right,
-                         HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                         CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, FP8: gl.constexpr, WINDOW: gl.constexpr,
+                         LISTS, stride_lb, stride_lh, stride_li, H, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+                         FP8: gl.constexpr, WINDOW: gl.constexpr, LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr,
                          num_warps: gl.constexpr):
     """The warp-specialized forward: program (pid_m, bh) as in :func:`hopper_fwd_kernel`, its work split among
     three partitions. The kernel's own 4 warps are consumer warpgroup 0; a worker warpgroup of 4 is consumer 1;
     one worker warp is the producer. The launch caps registers so that 12 warps fit an SM, and the partitions'
     requests move them: 24 a thread for the producer, 240 for each consumer. FP8 (e4m3 Q, K, V^T with the scales
-    QS, KS, VS; see :func:`_ws_consumer`) is a switch of this kernel: the schedule is the same."""
+    QS, KS, VS; see :func:`_ws_consumer`) is a switch of this kernel: the schedule is the same. LISTED: a block
+    mask's lists, as :func:`hopper_fwd_kernel` walks them (BLOCK_SIZE a multiple of BLOCK_M and BLOCK_N)."""
     gl.static_assert(num_warps == 4, "the kernel's own warps are one consumer warpgroup")
     pid_m = gl.program_id(0)
     if CAUSAL:
@@ -757,14 +783,16 @@ def hopper_ws_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, QS, KS, VS, N_q
     # Tuples built here keep constexprs as constexprs only when written out whole (a sum of tuples does not).
     gl.warp_specialize([
         (_ws_consumer, (q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turns, O, LSE, M2, L2,
-                        QS, KS, VS, pid_m, bh, N_q, N_k, qk_scale, win_left, win_right, 0, HEAD_D, BLOCK_M, BLOCK_N,
-                        STAGES, CAUSAL, WINDOW, PINGPONG, FP8)),
+                        QS, KS, VS, pid_m, bh, N_q, N_k, qk_scale, win_left, win_right, LISTS, stride_lb, stride_lh,
+                        stride_li, H, 0, HEAD_D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, PINGPONG, FP8, LISTED,
+                        BLOCK_SIZE)),
         (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
-                        pid_m, bh, N_q, N_k, win_left, win_right, HEAD_D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW,
-                        FP8)),
+                        pid_m, bh, N_q, N_k, win_left, win_right, LISTS, stride_lb, stride_lh, stride_li, H, HEAD_D,
+                        BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, FP8, LISTED, BLOCK_SIZE)),
         (_ws_consumer, (q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turns, O, LSE, M2, L2,
-                        QS, KS, VS, pid_m, bh, N_q, N_k, qk_scale, win_left, win_right, 1, HEAD_D, BLOCK_M, BLOCK_N,
-                        STAGES, CAUSAL, WINDOW, PINGPONG, FP8)),
+                        QS, KS, VS, pid_m, bh, N_q, N_k, qk_scale, win_left, win_right, LISTS, stride_lb, stride_lh,
+                        stride_li, H, 1, HEAD_D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, PINGPONG, FP8, LISTED,
+                        BLOCK_SIZE)),
     ], [1, 4], [24, 240])
 
 
@@ -856,26 +884,25 @@ def kernel_and_constexprs(cfg: dict, head_dim: int, causal: bool, window: bool =
     """The Gluon kernel a config launches, its compile-time arguments and launch options. ``window``: the kernel
     that bounds each row's keys (``win_left``, ``win_right``); the overlapped loop has none. ``dropout``: the
     kernel that drops P (``seed``, ``drop_below``, ``keep_scale``); the warp-specialized one has none.
-    ``block_size``: the kernel that walks a block mask's lists of visible blocks (one warpgroup or two, without
-    overlap, warp specialization, a window or dropout: :func:`block_mask_config`'s tile)."""
+    ``block_size``: the kernel that walks a block mask's lists of visible blocks (one warpgroup, two, or
+    warp-specialized; without overlap, a window or dropout: :func:`block_mask_config`'s tile)."""
     if dropout and cfg["warp_specialize"]:
         raise ValueError("warp_specialize=True takes no dropout: dropout runs the kernel without it")
-    if block_size is not None and (cfg["warp_specialize"] or cfg["overlap"] or window or dropout
-                                   or not lists_fit(cfg, "fwd", block_size)):
-        raise ValueError(f"a block mask runs the loop without overlap or warp specialization, without a window or "
-                         f"dropout, on tiles that its blocks ({block_size}) hold whole; got {cfg}")
+    if block_size is not None and (cfg["overlap"] or window or dropout or not lists_fit(cfg, "fwd", block_size)):
+        raise ValueError(f"a block mask runs a loop without overlap, without a window or dropout, on tiles that its "
+                         f"blocks ({block_size}) hold whole; got {cfg}")
     if window and cfg["overlap"]:
         raise ValueError("overlap=True takes no window: its loop starts with a first key tile that a window may "
                          "not have")
     shape = dict(HEAD_D=head_dim, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"],
-                 CAUSAL=bool(causal), WINDOW=bool(window))
+                 CAUSAL=bool(causal), WINDOW=bool(window), LISTED=block_size is not None,
+                 BLOCK_SIZE=int(block_size or 1))
     if cfg["warp_specialize"]:
         # 12 warps (3 warpgroups) at WS_MAXNREG each fit the SM's 64K registers; the partitions then move them.
         return (hopper_ws_fwd_kernel, dict(shape, PINGPONG=bool(cfg["pingpong"]), FP8=False, num_warps=4),
                 dict(maxnreg=WS_MAXNREG))
     keep = keep_layout(cfg["block_m"], cfg["block_n"], cfg["num_warps"]) if dropout else None
     return (hopper_fwd_kernel, dict(shape, OVERLAP=bool(cfg["overlap"]), DROPOUT=bool(dropout), KEEP_LAYOUT=keep,
-                                    LISTED=block_size is not None, BLOCK_SIZE=int(block_size or 1),
                                     num_warps=cfg["num_warps"]),
             _occupancy_options(cfg, head_dim) if block_size is not None else {})
 
@@ -890,7 +917,8 @@ def _occupancy_options(cfg: dict, head_dim: int) -> dict:
     at 128 registers (65536 / (4 x 128)) so that registers do not hold them to three. Left to itself, ptxas
     gives this loop 132-134 registers, which round up to 136; asked for 128 it compiles it in 126 without
     spilling (the compile test checks). On an H100 (kernels alone, fp16, causal, sliding-window and BigBird
-    masks at B x N = 16K-64K) the cap measured 1.00-1.12x; at density 1, 1.04x at N = 16K and 0.97x at 4K.
+    masks, B x N = 16K tokens at N = 1K-16K) the cap measured 1.00-1.12x; at density 1, 1.04x at N = 16K and 0.97x
+    at 4K (``python -m flashref.bench sparse-tiles`` times it with and without the cap).
     The dense loop gets no cap: it measured 0.97-1.02x with one. Other tiles get no option."""
     smem = 2 * head_dim * (cfg["block_m"] + 2 * cfg["stages"] * cfg["block_n"])  # Q, then K and V in each stage
     if cfg["num_warps"] != 4 or H100_SMEM_PER_SM // smem < 4:
@@ -898,13 +926,22 @@ def _occupancy_options(cfg: dict, head_dim: int) -> dict:
     return dict(maxnreg=H100_REGISTERS_PER_SM // (4 * 32 * cfg["num_warps"]) // 8 * 8)
 
 
-def block_mask_config(head_dim: int) -> dict:
-    """The switches of the forward with a block mask: no warp specialization (its producer warp does not walk the
-    lists). d = 64: :func:`default_config`'s tile. d = 128: 64 x 64 tiles, one warpgroup, three stages, the fastest
-    of six tiles on an H100 (fp16, sliding window, BigBird, causal and all-True masks of 128-token blocks, B 1 N 16K
-    and B 4 N 4K): 1.07-1.29x the teaching forward where the default's 128 x 64 tile of two warpgroups measured
-    0.92-1.22x. d = 256: the default's tile (three 64-row stages would not fit in shared memory)."""
+def block_mask_config(head_dim: int, block_size: int = 128) -> dict:
+    """The switches of the forward with a block mask of ``block_size``, the fastest of the tiles that
+    ``python -m flashref.bench sparse-tiles`` times on an H100 (fp16, sliding window, BigBird, causal and all-True
+    masks of 128-token blocks, B 1 N 16K and B 4 N 4K; ``book/data/sparse_tiles_bench.json``), as the teaching
+    forward's time over the tile's, kernels alone.
+
+    d = 64: :func:`default_config`'s tile (64 x 128, one warpgroup, one stage, with :func:`_occupancy_options`'
+    register cap): 1.13-1.19x, where the warp-specialized tile gave 0.94-1.13x. d = 128 with blocks of 128 keys
+    or a multiple: the warp-specialized tile of the dense forward (a producer warp reads the lists and loads the
+    listed tiles; two consumer warpgroups of 64 rows): 1.22-1.44x, where the best tile without warp
+    specialization (64 x 64, one warpgroup, three stages) gave 0.97-1.22x. It is also within 5% of the dense
+    forward on the all-True and causal masks. Smaller blocks at d = 128 take that 64 x 64 tile. d = 256: the
+    default's tile without warp specialization (not measured with block masks)."""
     if head_dim == 128:
+        if block_size % 128 == 0:
+            return default_config(head_dim, warp_specialize=True)
         return dict(block_m=64, block_n=64, num_warps=4, stages=3, overlap=False, warp_specialize=False,
                     pingpong=False)
     return default_config(head_dim, warp_specialize=False)
@@ -954,7 +991,7 @@ def launch_forward(q, k, v, causal: bool, scale: float, cfg: dict, window=None, 
     grid = (triton.cdiv(N_q, cfg["block_m"]), B * H)
     scales = (lse, lse, lse) if cfg["warp_specialize"] else ()  # FP8's scale pointers, unread here
     drop = () if cfg["warp_specialize"] else dropout if dropout is not None else (0, 0, 1.0)
-    listed = () if cfg["warp_specialize"] else _list_args(q, lists)[0]
+    listed = _list_args(q, lists)[0]
     win_left, win_right = window if window is not None else (0, 0)
     kernel[grid](q_desc, k_desc, v_desc, o, lse, m2, l2, *scales, N_q, N_k, scale * LOG2E, win_left, win_right,
                  *drop, *listed, **constexprs, **options)
@@ -1065,7 +1102,7 @@ def fp8_attention(x: Fp8Inputs, causal=False, sm_scale=None, *, out_dtype=torch.
     _, constexprs, options = kernel_and_constexprs(cfg, d, causal)
     grid = (triton.cdiv(N_q, cfg["block_m"]), B * H)
     hopper_ws_fwd_kernel[grid](q_desc, k_desc, v_desc, o, lse, m2, l2, x.q_scale, x.k_scale, x.v_scale, N_q, N_k,
-                               scale * LOG2E, 0, 0, **dict(constexprs, FP8=True), **options)
+                               scale * LOG2E, 0, 0, *_list_args(x.q, None)[0], **dict(constexprs, FP8=True), **options)
     return o, lse
 
 

@@ -274,11 +274,9 @@ def hopper_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, M2, L2, Delt
     k_smem, v_smem, q_smem, do_smem, kv_bar, bars = _backward_smem(k_desc, v_desc, q_desc, do_desc, STAGES)
 
     i_lo, n_tiles = _query_tiles(start_n, N_q, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
-    list_row = LISTS
-    t_lo = 0
-    if LISTED:  # n_tiles becomes the number of listed tiles in [i_lo, i_lo + n_tiles)
-        list_row, t_lo, n_tiles = _list_range(LISTS, bh, H, stride_lb, stride_lh, stride_li, start_n // BLOCK_SIZE,
-                                              i_lo, n_tiles, BLOCK_SIZE, BLOCK_M, num_warps)
+    # With a block mask n_tiles becomes the number of listed tiles in [i_lo, i_lo + n_tiles).
+    list_row, t_lo, n_tiles = _list_range(LISTED, LISTS, bh, H, stride_lb, stride_lh, stride_li,
+                                          start_n // BLOCK_SIZE, i_lo, n_tiles, BLOCK_SIZE, BLOCK_M, num_warps)
     q_base = bh * N_q
 
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
@@ -374,11 +372,9 @@ def hopper_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, DQ, M2, L2, Delta, N_q
     # at d = 64, 0.90-0.92x at d = 128, 0.80-0.93x with a window, 0.89x causal with dropout, 0.97-1.04x
     # non-causal (one branch a tile, nothing to save).
     _, _, lo_full, n_full = hopper._key_tiles(start_m, N_k, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
-    list_row = LISTS
-    t_lo = 0
-    if LISTED:  # n_tiles becomes the number of listed tiles in [j_lo, j_lo + n_tiles)
-        list_row, t_lo, n_tiles = _list_range(LISTS, bh, H, stride_lb, stride_lh, stride_li, start_m // BLOCK_SIZE,
-                                              j_lo, n_tiles, BLOCK_SIZE, BLOCK_N, num_warps)
+    # With a block mask n_tiles becomes the number of listed tiles in [j_lo, j_lo + n_tiles).
+    list_row, t_lo, n_tiles = _list_range(LISTED, LISTS, bh, H, stride_lb, stride_lh, stride_li,
+                                          start_m // BLOCK_SIZE, j_lo, n_tiles, BLOCK_SIZE, BLOCK_N, num_warps)
     kv_base = bh * N_k
 
     mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
@@ -563,11 +559,9 @@ def hopper_ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, M2, L2, D
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)  # both consumers must be done with a slot
     i_lo, n_tiles = _query_tiles(start_n, N_q, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
-    list_row = LISTS
-    t_lo = 0
-    if LISTED:  # a block mask (see hopper_bwd_dkdv_kernel): the program's BLOCK_N keys lie in one mask block
-        list_row, t_lo, n_tiles = _list_range(LISTS, bh, H, stride_lb, stride_lh, stride_li, start_n // BLOCK_SIZE,
-                                              i_lo, n_tiles, BLOCK_SIZE, BLOCK_M, num_warps)
+    # A block mask (see hopper_bwd_dkdv_kernel): the program's BLOCK_N keys lie in one mask block.
+    list_row, t_lo, n_tiles = _list_range(LISTED, LISTS, bh, H, stride_lb, stride_lh, stride_li,
+                                          start_n // BLOCK_SIZE, i_lo, n_tiles, BLOCK_SIZE, BLOCK_M, num_warps)
     gl.warp_specialize([
         (_ws_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, M2, L2, Delta, bh,
                              start_n, i_lo, n_tiles, t_lo, list_row, N_q, N_k, sm_scale, qk_scale, SLOPES, win_left,

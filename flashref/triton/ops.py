@@ -512,7 +512,7 @@ def _gluon_forward_takes_block_mask(q, feat: Features) -> bool:
     hopper = _gluon_module("hopper")
     if isinstance(hopper, ImportError) or feat.window or feat.dropout_p > 0.0 or feat.slopes2 is not None:
         return False
-    return hopper.lists_fit(hopper.block_mask_config(q.shape[3]), "fwd", feat.block_size)
+    return hopper.lists_fit(hopper.block_mask_config(q.shape[3], feat.block_size), "fwd", feat.block_size)
 
 
 def _forward(q, k, v, scale: float, feat: Features, kernel: str = "triton"):
@@ -521,8 +521,8 @@ def _forward(q, k, v, scale: float, feat: Features, kernel: str = "triton"):
         window = (feat.win_left, feat.win_right) if feat.window else None
         dropout = _dropout_scalars(feat)
         if feat.block_mask is not None:  # the loop that walks the lists of visible blocks, as the teaching kernel's
-            return hopper.launch_forward(q, k, v, feat.causal, scale, hopper.block_mask_config(q.shape[3]),
-                                         lists=(feat.args(q)[1], feat.block_size))
+            cfg = hopper.block_mask_config(q.shape[3], feat.block_size)
+            return hopper.launch_forward(q, k, v, feat.causal, scale, cfg, lists=(feat.args(q)[1], feat.block_size))
         cfg = hopper.dropout_config(q.shape[3]) if dropout is not None else hopper.default_config(q.shape[3])
         return hopper.launch_forward(q, k, v, feat.causal, scale, cfg, window=window, dropout=dropout)
     B, H, N_q, d = q.shape
