@@ -179,6 +179,10 @@ def windows(N, block, device=None):
 
 
 def sparse_cases(N=16384, d=64, B=1, H=16, block=128):
+    """flashref's time against the density of a causal sliding window (:func:`windows`), and at density 1 an
+    all-True mask against no mask at all, forward and forward + backward. Both sides take the package's default
+    dispatch (the Hopper kernels on an H100), so density 1 measures what the lists of visible blocks cost a user;
+    each row carries ``graph_ms`` beside ``ms``, the kernels alone (:func:`_kernels_ms`)."""
     import torch
 
     from flashref import block_masks
@@ -187,37 +191,29 @@ def sparse_cases(N=16384, d=64, B=1, H=16, block=128):
     rows = []
     q, k, v, do = _inputs(B, H, H, N, d)
     n = block_masks.n_blocks(N, block)
+
+    def timed(case, mode, causal, work, **kw):
+        def run(kw=kw, mode=mode):
+            o = flash_attention(q, k, v, causal=causal, check_finite=False, **kw)
+            if mode != "fwd":
+                o.backward(do)
+        ms, peak = _time(run, mode != "fwd", [q, k, v])
+        graph_ms = _kernels_ms(run, [q, k, v] if mode != "fwd" else [])
+        return _row(case, "flashref-triton", B, H, H, N, d, causal, ms, peak, work, graph_ms=graph_ms)
+
     for w, mask, visible_pairs, density in windows(N, block, q.device):
         for mode in ("fwd", "fwd+bwd"):
-            work = pair_flops(B, H, visible_pairs, d, mode)
-
-            def fn(q=q, k=k, v=v, mask=mask, mode=mode):
-                o = flash_attention(q, k, v, causal=True, block_mask=mask, block_size=block, check_finite=False)
-                if mode != "fwd":
-                    o.backward(do)
-            ms, peak = _time(fn, mode != "fwd", [q, k, v])
-            rows.append(_row(f"block-sparse {mode}", "flashref-triton", B, H, H, N, d, True, ms, peak, work,
-                             window_blocks=w, density=density))
+            rows.append(dict(timed(f"block-sparse {mode}", mode, True, pair_flops(B, H, visible_pairs, d, mode),
+                                   block_mask=mask, block_size=block), window_blocks=w, density=density))
         for mode in ("fwd", "fwd+bwd"):
             if w == n:  # the dense kernel, causal: the reference time for density 1
-                def dense(q=q, k=k, v=v, mode=mode):
-                    o = flash_attention(q, k, v, causal=True, check_finite=False, kernel="triton")
-                    if mode != "fwd":
-                        o.backward(do)
-                ms, peak = _time(dense, mode != "fwd", [q, k, v])
-                rows.append(_row(f"dense {mode}", "flashref-triton", B, H, H, N, d, True, ms, peak,
-                                 flops(B, H, N, N, d, True, mode)))
+                rows.append(timed(f"dense {mode}", mode, True, flops(B, H, N, N, d, True, mode)))
     for mode in ("fwd", "fwd+bwd"):  # density 1 without causality: an all-True mask against the dense kernel
         mask = torch.ones(1, 1, n, n, dtype=torch.bool, device=q.device)
         work = flops(B, H, N, N, d, False, mode)
         for kw in (dict(block_mask=mask, block_size=block), {}):
-            def fn(q=q, k=k, v=v, kw=kw, mode=mode):
-                o = flash_attention(q, k, v, check_finite=False, kernel="triton", **kw)
-                if mode != "fwd":
-                    o.backward(do)
-            ms, peak = _time(fn, mode != "fwd", [q, k, v])
-            rows.append(_row(f"{'block-sparse' if kw else 'dense'} {mode}", "flashref-triton", B, H, H, N, d, False,
-                             ms, peak, work, window_blocks=n if kw else None, density=1.0))
+            row = timed(f"{'block-sparse' if kw else 'dense'} {mode}", mode, False, work, **kw)
+            rows.append(dict(row, window_blocks=n if kw else None, density=1.0))
     return rows
 
 
