@@ -10,7 +10,8 @@ block-sparse attention against its own dense time.
   kind, where one backward kernel draws the mask instead of two), and the teaching kernels (``kernel="triton"``)
   with dropout beside the Gluon ones that an H100 runs.
 - Block-sparse: a causal sliding window of ``w`` blocks of 128 keys, time against density (visible
-  blocks / all blocks) next to the dense kernel's time; forward and forward + backward.
+  blocks / all blocks) next to the dense kernel's time, and an all-True mask against no mask; forward and
+  forward + backward, each side through the default dispatch, with ``graph_ms`` beside ``ms``.
 - Block-sparse against FlexAttention (``torch.compile(flex_attention)`` with ``create_block_mask``) on the
   same masks (:mod:`flashref.block_masks`: a causal sliding window, BigBird-like, causal), N = 4K to 64K;
   peak memory of each forward + backward. Flex builds its BlockMask once, outside the timing, as its

@@ -2,12 +2,12 @@
 forward and the dense kernel: the measurement behind :func:`flashref.triton.hopper.block_mask_config` and its
 register cap (:func:`flashref.triton.hopper._occupancy_options`).
 
-    python -m flashref.bench sparse-tiles       # an H100, about two minutes
+    python -m flashref.bench sparse-tiles       # an H100, about three minutes
 
-For d = 64 and 128, 16K tokens (B 1 x N 16K and B 4 x N 4K, 16 heads, fp16) and four masks of 128-token blocks (a
-causal sliding window of 8 blocks, BigBird-like, causal, all-True), each candidate tile (block_m x block_n, warps,
-stages; "ws": warp-specialized, "pp": with ping-pong) is timed twice: by ``do_bench`` (``ms``, the host included
-where it is slower than the GPU) and kernel-only from CUDA-graph replay (``graph_ms``,
+For d = 64, 128 and 256, 16K tokens (B 1 x N 16K and B 4 x N 4K, 16 heads, fp16) and four masks of 128-token blocks
+(a causal sliding window of 8 blocks, BigBird-like, causal, all-True), each candidate tile (block_m x block_n,
+warps, stages; "ws": warp-specialized, "pp": with ping-pong) is timed twice: by ``do_bench`` (``ms``, the host
+included where it is slower than the GPU) and kernel-only from CUDA-graph replay (``graph_ms``,
 :func:`flashref.bench.features_bench.graph_time_us`). At d = 64 the shipped tile runs with and without its register
 cap (``capped``). The teaching forward on the same mask (``kernel="triton"``) and, for the all-True and causal
 masks, the dense forward without a mask are the references. Results go to ``book/data/sparse_tiles_bench.json``
@@ -32,11 +32,13 @@ CANDIDATES = {
     128: [dict(block_m=128, block_n=64, num_warps=8, stages=2), dict(block_m=128, block_n=64, num_warps=8, stages=3),
           dict(block_m=64, block_n=64, num_warps=4, stages=2), dict(block_m=64, block_n=64, num_warps=4, stages=3),
           dict(block_m=64, block_n=128, num_warps=4, stages=2), dict(block_m=128, block_n=128, num_warps=8, stages=2)],
+    256: [dict(block_m=128, block_n=64, num_warps=8, stages=2), dict(block_m=64, block_n=64, num_warps=4, stages=2)],
 }
-#: Warp-specialized tiles (a producer warp, two consumer warpgroups of 64 rows), with and without ping-pong.
+#: Warp-specialized tiles (a producer warp, two consumer warpgroups of 64 rows), with and without ping-pong:
+#: the dense forward's key tiles (64 keys at d = 256, where two stages of 128 would not fit in shared memory).
 for _d in CANDIDATES:
-    CANDIDATES[_d] += [dict(block_m=128, block_n=128, num_warps=4, stages=2, warp_specialize=True, pingpong=pp)
-                       for pp in (False, True)]
+    CANDIDATES[_d] += [dict(block_m=128, block_n=128 if _d <= 128 else 64, num_warps=4, stages=2,
+                            warp_specialize=True, pingpong=pp) for pp in (False, True)]
 SHAPES = [(1, 16, 16384), (4, 16, 4096)]
 BLOCK = 128
 
@@ -71,7 +73,7 @@ def _both(fn) -> tuple:
     return ms, None if us is None else us / 1e3
 
 
-def cases(head_dims=(64, 128)):
+def cases(head_dims=(64, 128, 256)):
     """Yields a row a timing: ``{d, B, H, N, pattern, causal, density, impl, tile, capped, ms, graph_ms}``."""
     import torch
 
@@ -138,7 +140,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m flashref.bench sparse-tiles", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="book/data/sparse_tiles_bench.json")
-    p.add_argument("--head-dims", nargs="+", type=int, default=[64, 128], choices=[64, 128])
+    p.add_argument("--head-dims", nargs="+", type=int, default=[64, 128, 256], choices=[64, 128, 256])
     args = p.parse_args(argv)
     import torch
 
