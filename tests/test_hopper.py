@@ -44,7 +44,7 @@ for d, dtype, switches, causal, window in [
         (128, "float16", {"warp_specialize": False, "dropout": True}, False, True),
         (256, "bfloat16", {"warp_specialize": False, "dropout": True}, True, False),
         (64, "float16", {"block_size": 128}, True, False), (128, "bfloat16", {"block_size": 128}, False, False),
-        (128, "float16", {"block_size": 64}, True, False),
+        (128, "float16", {"block_size": 64}, True, False), (256, "bfloat16", {"block_size": 64}, False, False),
         (256, "float16", {"block_size": 256}, True, False)]:
     switches = dict(switches or {})
     dropout = switches.pop("dropout", False)
@@ -581,7 +581,7 @@ def test_the_fused_quantizer_gives_the_torch_operations_bits(d):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d,block_size", [(64, 128), (128, 128), (128, 64), (128, 256), (256, 128)])
+@pytest.mark.parametrize("d,block_size", [(64, 128), (128, 128), (128, 64), (128, 256), (256, 128), (256, 64)])
 def test_the_gluon_forward_walks_a_block_mask(d, block_size, causal):
     """flash_attention's forward with a block mask on the H100 runs the Gluon kernel (forward_kernel says "hopper"),
     visiting only the listed key tiles: o and lse within the rule against the float64 reference on lengths no tile

@@ -17,6 +17,7 @@ def test_the_candidates_hold_the_shipped_tiles_and_fit_the_blocks():
         assert any(all(shipped[k] == v for k, v in t.items()) for t in tiles), d
         for t in tiles:
             cfg = dict(shipped, **t)
+            assert cfg == hopper.config(d, **t), cfg  # each candidate names every switch the kernels check
             assert hopper.lists_fit(cfg, "fwd", stb.BLOCK), cfg
             hopper.kernel_and_constexprs(cfg, d, causal=True, block_size=stb.BLOCK)  # raises on a tile it cannot run
 

@@ -36,7 +36,9 @@ CANDIDATES = {
 }
 #: Warp-specialized tiles (a producer warp, two consumer warpgroups of 64 rows), with and without ping-pong:
 #: the dense forward's key tiles (64 keys at d = 256, where two stages of 128 would not fit in shared memory).
+#: Every candidate names both switches, so that none inherits the shipped tile's.
 for _d in CANDIDATES:
+    CANDIDATES[_d] = [dict(t, warp_specialize=False, pingpong=False) for t in CANDIDATES[_d]]
     CANDIDATES[_d] += [dict(block_m=128, block_n=128 if _d <= 128 else 64, num_warps=4, stages=2,
                             warp_specialize=True, pingpong=pp) for pp in (False, True)]
 SHAPES = [(1, 16, 16384), (4, 16, 4096)]

@@ -932,18 +932,20 @@ def block_mask_config(head_dim: int, block_size: int = 128) -> dict:
     masks of 128-token blocks, B 1 N 16K and B 4 N 4K; ``book/data/sparse_tiles_bench.json``), as the teaching
     forward's time over the tile's, kernels alone.
 
-    d = 64: :func:`default_config`'s tile (64 x 128, one warpgroup, one stage, with :func:`_occupancy_options`'
-    register cap): 1.13-1.19x, where the warp-specialized tile gave 0.94-1.13x. d = 128 with blocks of 128 keys
-    or a multiple: the warp-specialized tile of the dense forward (a producer warp reads the lists and loads the
-    listed tiles; two consumer warpgroups of 64 rows): 1.22-1.44x, where the best tile without warp
-    specialization (64 x 64, one warpgroup, three stages) gave 0.97-1.22x. It is also within 5% of the dense
-    forward on the all-True and causal masks. Smaller blocks at d = 128 take that 64 x 64 tile. d = 256: the
-    default's tile without warp specialization (not measured with block masks)."""
-    if head_dim == 128:
+    d = 64: :func:`default_config`'s tile (64 x 128, one warpgroup, one stage, with :func:`_occupancy_options`' register
+    cap): 1.07-1.17x, where the warp-specialized tile gave 0.95-1.14x. d = 128 and 256 with blocks of 128 keys or a
+    multiple: the warp-specialized tile of the dense forward (a producer warp reads the lists and loads the listed
+    tiles; two consumer warpgroups of 64 rows). At d = 128 it measured 1.12-1.41x, where the best tile without warp
+    specialization (64 x 64, one warpgroup, three stages) gave 0.95-1.22x; at d = 256 1.54-1.94x, where the default's
+    two-warpgroup 128 x 64 tile gave 1.39-1.60x. With ping-pong the same tile measured 0.92-1.13x its speed without,
+    mask by mask: no steady gain, so it stays off as in the dense forward. Smaller blocks take 64 x 64 tiles of one
+    warpgroup (three stages at d = 128, two at d = 256, where a third does not fit in shared memory); at d = 64 they
+    keep the teaching kernel."""
+    if head_dim >= 128:
         if block_size % 128 == 0:
             return default_config(head_dim, warp_specialize=True)
-        return dict(block_m=64, block_n=64, num_warps=4, stages=3, overlap=False, warp_specialize=False,
-                    pingpong=False)
+        return dict(block_m=64, block_n=64, num_warps=4, stages=3 if head_dim <= 128 else 2, overlap=False,
+                    warp_specialize=False, pingpong=False)
     return default_config(head_dim, warp_specialize=False)
 
 
