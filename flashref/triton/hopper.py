@@ -36,8 +36,10 @@ rotates Q and K by a random Hadamard matrix first, which spreads an outlier chan
 Supported: fp16 and bf16, head dims 64, 128 and 256, any N_q and N_k (N = 1 too), top-left causal or not, and
 a window (``window_size``, which also carries a bottom-right causal mask): each program visits only the key tiles
 some row of it sees, and masks only the tiles on a window's edges; or dropout (``launch_forward(dropout=)``, the
-teaching kernel's Philox mask bit for bit, drawn in the accumulator's own registers: :func:`_keep`). No other
-feature (block masks, GQA, softcap, ALiBi: those stay on the teaching kernel). Outputs match
+teaching kernel's Philox mask bit for bit, drawn in the accumulator's own registers: :func:`_keep`); or a block
+mask (``launch_forward(lists=)``: each program walks its query block's list of visible key blocks, on
+:func:`block_mask_config`'s tile, warp-specialized at d = 128 and 256, where the producer warp reads the list).
+No other feature (GQA, softcap, ALiBi: those stay on the teaching kernel). Outputs match
 :func:`flashref.triton.flash_attention_forward`: O, the natural-log lse, and the backward's (m2, l2).
 It needs an sm_90 GPU; :func:`supported` says whether a call qualifies. :func:`flashref.triton.flash_attention`
 runs it (``kernel="auto"``, the default, or ``"hopper"``) for the calls it supports, with its contiguous inputs. Taught in notebook ``14_flashattention3_on_hopper``; ``python -m flashref.bench
