@@ -143,6 +143,45 @@ def test_fp8_quantization_round_trips_and_the_rotation_keeps_scores():
         hopper.random_rotation(80)
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("block_size", [64, 128, 256])
+def test_the_block_mask_tile_fits_its_blocks(d, block_size):
+    """block_mask_config's tile for each head dim and block size: the warp-specialized tile where 128-key blocks
+    (or a multiple) hold it at d = 128 and 256, 64 x 64 tiles of one warpgroup for 64-key blocks there (three
+    stages at d = 128, two at d = 256, in shared memory), d = 64's own tile otherwise. A tile the mask's blocks
+    hold is one the kernel takes; one they do not hold (d = 64 with 64-key blocks) is refused by name, and
+    flash_attention keeps the teaching kernel for it."""
+    from flashref.triton import hopper
+
+    cfg = hopper.block_mask_config(d, block_size)
+    assert cfg == hopper.config(d, **cfg), cfg  # a combination the kernels run
+    if d >= 128 and block_size % 128 == 0:
+        assert cfg["warp_specialize"] and not cfg["pingpong"] and cfg == hopper.default_config(d, True), cfg
+    elif d >= 128:
+        assert (cfg["block_m"], cfg["block_n"], cfg["num_warps"], cfg["warp_specialize"]) == (64, 64, 4, False)
+        assert cfg["stages"] == (3 if d == 128 else 2), cfg
+        smem = 2 * d * (cfg["block_m"] + 2 * cfg["stages"] * cfg["block_n"])  # Q, then K and V in each stage
+        assert smem <= H100_SHARED, smem
+    else:
+        assert cfg == hopper.default_config(64, False), cfg
+    fits = hopper.lists_fit(cfg, "fwd", block_size)
+    assert fits == (d >= 128 or block_size % 128 == 0), (d, block_size, cfg)
+    if fits:
+        kernel, constexprs, _ = hopper.kernel_and_constexprs(cfg, d, causal=True, block_size=block_size)
+        assert constexprs["LISTED"] and constexprs["BLOCK_SIZE"] == block_size
+        assert kernel is (hopper.hopper_ws_fwd_kernel if cfg["warp_specialize"] else hopper.hopper_fwd_kernel)
+    else:
+        with pytest.raises(ValueError, match=f"blocks \\({block_size}\\) hold whole"):
+            hopper.kernel_and_constexprs(cfg, d, causal=True, block_size=block_size)
+    # the dispatch asks the same question of the same tile
+    from flashref.triton import ops
+
+    q = torch.zeros(1, 2, 300, d, dtype=torch.float16)
+    n = -(-300 // block_size)
+    feat = ops.Features(q, q, block_mask=torch.ones(1, 1, n, n, dtype=torch.bool), block_size=block_size)
+    assert ops._gluon_forward_takes_block_mask(q, feat) == fits
+
+
 def test_refuses_what_it_cannot_run_naming_why():
     from flashref.triton import hopper
 
