@@ -23,8 +23,9 @@ from unittest import mock
 
 from flashref.bench import results
 
-#: Candidate tiles a head dim, in :func:`flashref.triton.hopper.hopper_forward`'s switches (no warp
-#: specialization, no overlap: what the list-walking loop runs). The shipped tile is among them.
+#: Candidate tiles a head dim, in :func:`flashref.triton.hopper.hopper_forward`'s switches (no overlap, which
+#: takes no block mask): tiles of one or two warpgroups here, warp-specialized ones below. The shipped tile is
+#: among them.
 CANDIDATES = {
     64: [dict(block_m=64, block_n=128, num_warps=4, stages=1), dict(block_m=64, block_n=128, num_warps=4, stages=2),
          dict(block_m=64, block_n=64, num_warps=4, stages=2), dict(block_m=64, block_n=64, num_warps=4, stages=3),
@@ -63,16 +64,14 @@ def masks(n: int, device=None) -> dict:
 
 
 def _both(fn) -> tuple:
-    """(ms by do_bench, ms kernel-only from CUDA-graph replay or None)."""
+    """(ms by do_bench, ms kernel-only from CUDA-graph replay or None: the features bench's own timer)."""
     import torch
     import triton
 
-    from flashref.bench.features_bench import graph_time_us
+    from flashref.bench.features_bench import _kernels_ms
 
     with torch.no_grad():
-        ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-        us = graph_time_us(fn, replays=30)
-    return ms, None if us is None else us / 1e3
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"), _kernels_ms(fn, [])
 
 
 def cases(head_dims=(64, 128, 256)):
