@@ -382,7 +382,8 @@ def test_flash_attention_takes_the_gluon_backward_for_a_block_mask(d, block_size
 def test_the_gluon_backward_takes_a_block_mask_only_where_its_tiles_fit():
     """lists_fit: a dK/dV program's keys and a dQ program's queries lie in one mask block, and so does every
     streamed tile; the warp-specialized dK/dV kernel (d = 128) owns 128 keys, so block_size 64 keeps the teaching
-    kernels there; dkdv_masks takes no separate loops for a block mask (its tiles are not one run)."""
+    kernels there; dkdv_masks takes separate loops for a block mask in the one-warpgroup kernel (the tiles that
+    need a mask are the first and the last it lists) and every tile masked in the warp-specialized one."""
     from flashref.triton import hopper_backward as hb
 
     fits = {(d, part, bs): hb.lists_fit(hb.default_config(d, part), part, bs)
@@ -390,4 +391,4 @@ def test_the_gluon_backward_takes_a_block_mask_only_where_its_tiles_fit():
     assert [bs for (d, part, bs), ok in fits.items() if ok and (d, part) == (128, "dkdv")] == [128, 256]
     assert [bs for (d, part, bs), ok in fits.items() if ok and (d, part) == (64, "dkdv")] == [64, 128, 192, 256]
     assert [bs for (d, part, bs), ok in fits.items() if ok and part == "dq" and d == 128] == [64, 128, 192, 256]
-    assert hb.dkdv_masks(False, False, listed=True) == "branch" and hb.dkdv_masks(True, False, listed=True) == "every"
+    assert hb.dkdv_masks(False, False, listed=True) == "loops" and hb.dkdv_masks(True, False, listed=True) == "every"
