@@ -613,8 +613,8 @@ def default_config(head_dim: int, part: str = "dkdv", dropout: bool = False) -> 
     the teaching dK/dV kernel's speed); the warp-specialized kernel is no faster there (405-462 against 418-461
     TFLOP/s). At d = 128 one warpgroup must step 32 queries (64 spill: dK and dV's fp32 accumulators alone take
     128 registers a thread), so the warp-specialized kernel wins: two consumer warpgroups of 64 keys each step 64
-    queries with 240 registers a thread, a producer warp copying Q and dO once for both (520-552 TFLOP/s against
-    466-509 for one warpgroup of 64 keys, 32 queries a step, a ring of 3).
+    queries with 240 registers a thread, a producer warp copying Q and dO once for both (489-559 TFLOP/s against
+    436-463 for one warpgroup of 64 keys, 32 queries a step, a ring of 3: ``hopper --parts backward-kernels``).
     dQ: 64 queries a program in one warpgroup (one fp32 accumulator), 64 keys a step, K and V in a ring of 2, the
     best of four (or within 2% of it) at each head dim. Measured (profiler, same shapes) 1.15-1.20x the teaching
     dQ kernel's time without causal masking, 0.91-1.09x with it (the slowest at N = 16K, d = 64), before the
