@@ -654,9 +654,9 @@ def dkdv_masks(warp_specialize: bool, window: bool, dropout: bool = False, liste
     1.06x non-causal; but with a window the branch took 0.77-0.79x the time (loops 0.84-0.85x): there the mask
     on every tile costs more than the spills. Measured again once the consumers' tile index became opaque where
     it helps (:func:`_opaque`; kernel alone, do_bench, best of three interleaved rounds, N = 2K-16K): without
-    causal masking the time over every tile's was 1.02-1.09x with loops and 0.99-1.03x with the branch; causal,
-    1.12-1.15x with loops and 1.17-1.21x with the branch; with a window the branch is still the fastest (every
-    tile 1.15-1.42x its time). With dropout every tile keeps its mask: those kernels were
+    causal masking the time over every tile's was 1.04-1.09x with loops and 0.95-1.05x with the branch (two
+    timings of the same kernel differed by up to 6% in that run); causal, 1.11-1.14x with loops and 1.15-1.19x
+    with the branch; with a window the branch is still the fastest (every tile 1.15-1.42x its time). With dropout every tile keeps its mask: those kernels were
     measured that way (:func:`default_config`), and the other two were not (compiled, separate loops hold the
     mask's Philox rounds twice and spill 20-40 bytes a thread causal where the shipped kernels spill none)."""
     if dropout:
