@@ -45,6 +45,14 @@ shares of its own K/V; then the K/V blocks go round and each rank sums the dQ sh
 sums stay on their owner in float32, rounded once at the end (on two ranks, in the gradients' own dtype: one
 addition, rounded once, gives the same bits). Each ring moves two tensors of N/R tokens per step, as the
 forward does, and ends with its last block's compute: there is no hop home.
+
+**Large shards go round a head group at a time.** What a rank holds beside its inputs and gradients is
+transient: the block in transit, its causal half copied out, a step's partial outputs. With whole shards that
+is about three more shard-sized tensors, and the longest sequence two GPUs fit stays near 1.4x one GPU's.
+Attention is independent per head, so where a K shard is larger than :data:`HEAD_GROUP_BYTES` the rings run
+once per group of heads (:func:`head_groups`), each group's gradients written into the whole ones: the
+transient tensors are then a group's, a fraction of a shard, for the same results (O and the gradients bit
+for bit).
 """
 
 from __future__ import annotations
@@ -68,7 +76,8 @@ from flashref.triton import ops
 from flashref.triton.ops import _check
 
 __all__ = ["ring_attention", "ring_attention_forward", "ring_attention_backward", "RingAttentionFunction",
-           "shard_sequence", "gather_sequence", "sequence_positions", "block_visibility", "simulate_ring"]
+           "shard_sequence", "gather_sequence", "sequence_positions", "block_visibility", "simulate_ring",
+           "head_groups", "HEAD_GROUP_BYTES"]
 
 # Message tags: K/V blocks and visiting queries are separate streams of messages between two ranks
 # (gloo matches messages by tag; NCCL by order, which is the same on every rank anyway).
@@ -350,8 +359,44 @@ def _rows(x, rows: slice):
     return x[:, :, rows].contiguous()
 
 
+#: The most bytes one K/V head group of a rank's shard may hold before the ring takes the heads group by group
+#: (:func:`head_groups`): above it, the blocks in transit, their copies and the partial outputs would be whole
+#: shards again beside the inputs and gradients, and those transient shards are what keeps the longest sequence
+#: on R GPUs short of R times one GPU's.
+HEAD_GROUP_BYTES = 1 << 30
+
+
+def head_groups(k) -> int:
+    """How many groups of K/V heads (each with its query heads) the ring takes one after another: the fewest,
+    dividing H_kv, whose share of this rank's K shard is at most :data:`HEAD_GROUP_BYTES` (H_kv when even
+    one head is larger). Attention is independent per head, so the groups give the same result; what changes
+    is that only one group's blocks travel and wait at a time. Every rank has the same shapes, so the same G."""
+    H_kv = k.shape[1]
+    per_head = k[:, :1].numel() * k.element_size()
+    return next((g for g in range(1, H_kv + 1) if H_kv % g == 0 and per_head * H_kv // g <= HEAD_GROUP_BYTES), H_kv)
+
+
+def _head_slices(q, k, G: int):
+    """(query heads, K/V heads) of each of the G groups: whole K/V heads and the query heads that share them."""
+    per_kv, per_q = k.shape[1] // G, q.shape[1] // G
+    return [(slice(g * per_q, (g + 1) * per_q), slice(g * per_kv, (g + 1) * per_kv)) for g in range(G)]
+
+
 def _forward(q, k, v, causal: bool, scale: float, ring: _Ring):
-    """(O in q's dtype, lse in float64) of this rank's queries against every rank's keys."""
+    """(O in q's dtype, lse in float64) of this rank's queries against every rank's keys, a head group at a time
+    where the shard is large (:func:`head_groups`)."""
+    G = head_groups(k)
+    if G == 1:
+        return _forward_heads(q, k, v, causal, scale, ring)
+    O = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], dtype=torch.float64, device=q.device)
+    for hq, hkv in _head_slices(q, k, G):
+        O[:, hq], lse[:, hq] = _forward_heads(q[:, hq], k[:, hkv], v[:, hkv], causal, scale, ring)
+    return O, lse
+
+
+def _forward_heads(q, k, v, causal: bool, scale: float, ring: _Ring):
+    """:func:`_forward` on these heads in one ring."""
     n = q.shape[2]
     k_cur, v_cur = k.contiguous(), v.contiguous()  # what is sent must be contiguous
     O = lse = None
@@ -373,7 +418,20 @@ def _forward(q, k, v, causal: bool, scale: float, ring: _Ring):
 
 
 def _backward(q, k, v, O, lse, dO, causal: bool, scale: float, ring: _Ring):
-    """(dQ, dK, dV) of this rank's shards, in two rings that each run one of the two backward kernels. First this
+    """(dQ, dK, dV) of this rank's shards (:func:`_backward_heads`), a head group at a time where the shard is
+    large (:func:`head_groups`): the whole gradients are allocated once and each group's written into them."""
+    G = head_groups(k)
+    if G == 1:
+        return _backward_heads(q, k, v, O, lse, dO, causal, scale, ring)
+    dQ, dK, dV = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    for hq, hkv in _head_slices(q, k, G):
+        dQ[:, hq], dK[:, hkv], dV[:, hkv] = _backward_heads(q[:, hq], k[:, hkv], v[:, hkv], O[:, hq], lse[:, hq],
+                                                            dO[:, hq], causal, scale, ring)
+    return dQ, dK, dV
+
+
+def _backward_heads(q, k, v, O, lse, dO, causal: bool, scale: float, ring: _Ring):
+    """(dQ, dK, dV) of these heads, in two rings that each run one of the two backward kernels. First this
     rank's queries go round (Q, dO and the row statistics m2, l2, D: what the dK/dV kernel reads of a query) and
     dK, dV sum their shares locally; then the K/V blocks go round and dQ sums its own (in this order the second
     ring's step outputs are one tensor, dQ's, beside the finished dK and dV). No partial sum travels and no

@@ -357,6 +357,34 @@ def test_simulate_ring_matches_the_reference(world_size, B, H, H_kv, N, causal):
     assert not _simulated_threads_alive()
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("world_size, B, H, H_kv", [(2, 2, 4, 2), (3, 1, 4, 4), (2, 1, 4, 1)])
+def test_the_ring_takes_large_shards_a_head_group_at_a_time(monkeypatch, world_size, B, H, H_kv, causal):
+    """head_groups: the fewest groups of K/V heads (dividing H_kv) whose share of a rank's K shard fits
+    HEAD_GROUP_BYTES. With the bound at one head's bytes (or two heads'), the ring runs group by group, B > 1
+    giving strided head slices: O and the gradients are bit for bit the ring's in one group (the kernels run each
+    head on its own), the float64 lse within a few units in its last place (torch's logaddexp may round a
+    strided slice's last bit otherwise than a contiguous one's), and so all within the reference's tolerance."""
+    from flashref import ring_attention as ra
+
+    N = 4 * world_size
+    q, k, v, do = feature_inputs(B, H, H_kv, N, N, 16, torch.float32, seed=11 * world_size + H_kv)
+    whole = simulate_ring(q, k, v, world_size, causal=causal, do=do)
+    one_head = B * (N // world_size) * 16 * 4  # bytes of one head of a rank's K shard
+    assert ra.head_groups(torch.empty(B, H_kv, N // world_size, 16)) == 1
+    for bound, groups in ((one_head, H_kv), (2 * one_head, max(1, H_kv // 2))):
+        monkeypatch.setattr(ra, "HEAD_GROUP_BYTES", bound)
+        assert ra.head_groups(torch.empty(B, H_kv, N // world_size, 16)) == groups
+        grouped = simulate_ring(q, k, v, world_size, causal=causal, do=do)
+        assert all(torch.equal(grouped[i], whole[i]) for i in (0, 2, 3, 4)), (bound, groups)
+        torch.testing.assert_close(grouped[1], whole[1], rtol=1e-15, atol=0)
+    monkeypatch.setattr(ra, "HEAD_GROUP_BYTES", 1)  # smaller than a head: one head a group
+    assert ra.head_groups(torch.empty(B, H_kv, N // world_size, 16)) == H_kv
+    lse_like = torch.empty(B, H, N, dtype=torch.float64)
+    _assert_matches(simulate_ring(q, k, v, world_size, causal=causal, do=do),
+                    _simulated_reference(q, k, v, do, causal), (q, lse_like, q, k, v))
+
+
 def test_simulate_ring_takes_sm_scale_and_gradients_that_require_grad():
     q, k, v, do = feature_inputs(1, 2, 1, 12, 12, 16, torch.float32, seed=3)
     qq = q.clone().requires_grad_()  # the threads run without autograd, whatever the inputs ask for
