@@ -209,3 +209,28 @@ def test_a_ring_probe_that_never_answered_is_recorded():
     assert unanswered_probe_row(probing, [fit], []) is None
     assert unanswered_probe_row(None, [fit], failures) is None
     assert unanswered_probe_row(("probing", "ring 2 GPUs", 2, 262144, 16, 128), [fit], failures) is None
+
+
+def test_append_replaces_what_a_run_measures_again(tmp_path):
+    """ring_bench.measures groups rows for --append: one implementation's series of longest probes is replaced
+    whole by a run that probes again (a probe series cut shorter leaves no stale longer rows), a scaling point
+    by its own (impl, N, causal), and what the run does not measure stays."""
+    from flashref.bench import results
+
+    def longest(impl, N):
+        return {"part": "longest", "impl": impl, "N": N}
+
+    def scaling(impl, N, causal):
+        return {"part": "scaling", "impl": impl, "N": N, "causal": causal}
+
+    old = [longest("ring 2 GPUs", n) for n in (1, 2, 3)] + [longest("flashref-triton 1 GPU", n) for n in (1, 2)]
+    old += [scaling("ring 2 GPUs", 8, False), scaling("ring 2 GPUs", 16, False)]
+    data = {"seconds": 1.0, "results": list(old)}
+    add = results.recorder(data, str(tmp_path / "ring.json"), group=ring_bench.measures)
+    for row in (longest("ring 2 GPUs", 1), longest("ring 2 GPUs", 2), scaling("ring 2 GPUs", 16, False)):
+        add(row)
+    kept = [(r["part"], r["impl"], r["N"]) for r in data["results"]]
+    assert kept == [("longest", "flashref-triton 1 GPU", 1), ("longest", "flashref-triton 1 GPU", 2),
+                    ("scaling", "ring 2 GPUs", 8), ("longest", "ring 2 GPUs", 1), ("longest", "ring 2 GPUs", 2),
+                    ("scaling", "ring 2 GPUs", 16)]
+    assert data["results"][-1] is not old[-1]  # the re-measured point is the new row, once

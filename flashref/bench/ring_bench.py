@@ -767,6 +767,15 @@ def parse_args(argv=None):
     return args
 
 
+def measures(row: dict) -> tuple:
+    """What a row measures, for ``--append``: a scaling point (one implementation, length and mask), or one
+    implementation's whole series of longest probes. A run that measures it again replaces the file's rows of
+    it, so the file never holds a measurement twice."""
+    if row.get("part") == "scaling":
+        return ("scaling", row.get("impl"), row.get("N"), row.get("causal"))
+    return (row.get("part"), row.get("impl"))
+
+
 def plan_of(args) -> Plan:
     """The :class:`Plan` of parsed arguments: the defaults of the device (the rehearsal's shapes on the CPU),
     then what the command line gave."""
@@ -794,7 +803,7 @@ def main(argv=None) -> int:
         if kind == "device":
             state["data"] = results.start(args.out if args.append else None, msg[1], results.versions(), command,
                                           dtype="float16", gpus=gpus, nccl=msg[2])
-            state["add"] = results.recorder(state["data"], args.out, show=_print)
+            state["add"] = results.recorder(state["data"], args.out, show=_print, group=measures)
         elif kind == "pinned":
             state["pinned"] = msg[1]
             state["data"]["pinned_configs"] = {k: dataclasses.asdict(v) for k, v in msg[1].items()}
