@@ -77,10 +77,12 @@ def _error_cases(rank, world_size):
     }
 
 
-def _worker(rank, world_size, init_file, cases, results):
+def _worker(rank, world_size, init_file, cases, group_bytes, results):
     try:
         torch.set_num_threads(1)
         os.environ["FLASHREF_TRITON_AUTOTUNE"] = "0"
+        if group_bytes is not None:  # large shards' head groups (ring_attention.head_groups) at these small ones
+            ring_module.HEAD_GROUP_BYTES = group_bytes
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=JOIN_TIMEOUT))
         for i, case in enumerate(cases):
@@ -100,11 +102,12 @@ def _worker(rank, world_size, init_file, cases, results):
         results.put(("error", rank, traceback.format_exc()))
 
 
-def spawn_ring(world_size, cases, timeout=JOIN_TIMEOUT):
+def spawn_ring(world_size, cases, timeout=JOIN_TIMEOUT, group_bytes=None):
     """Run :func:`_worker` on ``world_size`` spawned processes (the ring benchmark's launcher); returns
     ``{(case, rank): arrays}``, ``{rank: errors}``. A worker's exception fails with its traceback; a hang fails
     after ``timeout`` seconds. Skipped where CUDA is visible: gloo carries CPU tensors, which only Triton's
-    interpreter runs (CI's machine); on a GPU, tests/test_ring_gpu.py runs the ring over NCCL."""
+    interpreter runs (CI's machine); on a GPU, tests/test_ring_gpu.py runs the ring over NCCL. ``group_bytes``:
+    the workers' ``HEAD_GROUP_BYTES``."""
     if DEVICE != "cpu":
         pytest.skip("the gloo ring runs on CPU tensors under Triton's interpreter; tests/test_ring_gpu.py is the GPU's")
     store = os.path.join(tempfile.mkdtemp(prefix="flashref_ring_"), "store")
@@ -116,8 +119,8 @@ def spawn_ring(world_size, cases, timeout=JOIN_TIMEOUT):
         elif msg[0] == "errors":
             errors[msg[1]] = msg[2]
 
-    failures = ring_bench._run([(_worker, (r, world_size, store, cases)) for r in range(world_size)], on_message,
-                               timeout=timeout)
+    failures = ring_bench._run([(_worker, (r, world_size, store, cases, group_bytes)) for r in range(world_size)],
+                               on_message, timeout=timeout)
     if failures:
         pytest.fail("\n".join(failures), pytrace=False)
     return out, errors
@@ -320,6 +323,22 @@ def test_bad_inputs_name_the_argument(one_rank_group):
     out = ring_attention(qq, q, q)
     with pytest.raises(ValueError, match="gradient of o"):
         out.backward(torch.full_like(out, math.inf))
+
+
+def test_the_gloo_ring_takes_a_head_group_at_a_time(ring_runs):
+    """Over gloo (processes as ranks, the real point-to-point transfers) with HEAD_GROUP_BYTES of one byte: every
+    K/V head its own group, B = 2 making each group's slices strided. O and the gradients are bit for bit the
+    one-group ring's, the float64 lse within 1e-15 (as the simulated ring's test explains)."""
+    indices = (1, 3)  # (B 2, H 2, H_kv 1 and 2, N 76, causal, float32)
+    grouped, _ = spawn_ring(2, [CASES[2][i] for i in indices], group_bytes=1)
+    whole, _ = ring_runs(2)
+    for i, index in enumerate(indices):
+        for rank in range(2):
+            (got, same), (want, _) = grouped[(i, rank)], whole[(index, rank)]
+            assert same, "autograd and the functions agree"
+            for a, b in zip(got[:4], want[:4]):
+                np.testing.assert_array_equal(a, b)
+            np.testing.assert_allclose(got[4], want[4], rtol=1e-15, atol=0)
 
 
 # ---- simulate_ring: the ring with threads as ranks, in this process --------------------------------------------
