@@ -418,50 +418,61 @@ def _forward_heads(q, k, v, causal: bool, scale: float, ring: _Ring):
 
 
 def _backward(q, k, v, O, lse, dO, causal: bool, scale: float, ring: _Ring):
-    """(dQ, dK, dV) of this rank's shards (:func:`_backward_heads`), a head group at a time where the shard is
-    large (:func:`head_groups`): the whole gradients are allocated once and each group's written into them."""
-    G = head_groups(k)
-    if G == 1:
-        return _backward_heads(q, k, v, O, lse, dO, causal, scale, ring)
+    """(dQ, dK, dV) of this rank's shards: the whole gradients allocated once, and each head group's
+    (:func:`head_groups`; one group of every head where the shard is small) summed straight into its heads of
+    them by :func:`_backward_heads`."""
     dQ, dK, dV = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    for hq, hkv in _head_slices(q, k, G):
-        dQ[:, hq], dK[:, hkv], dV[:, hkv] = _backward_heads(q[:, hq], k[:, hkv], v[:, hkv], O[:, hq], lse[:, hq],
-                                                            dO[:, hq], causal, scale, ring)
+    for hq, hkv in _head_slices(q, k, head_groups(k)):
+        _backward_heads(q[:, hq], k[:, hkv], v[:, hkv], O[:, hq], lse[:, hq], dO[:, hq],
+                        (dQ[:, hq], dK[:, hkv], dV[:, hkv]), causal, scale, ring)
     return dQ, dK, dV
 
 
-def _backward_heads(q, k, v, O, lse, dO, causal: bool, scale: float, ring: _Ring):
-    """(dQ, dK, dV) of these heads, in two rings that each run one of the two backward kernels. First this
-    rank's queries go round (Q, dO and the row statistics m2, l2, D: what the dK/dV kernel reads of a query) and
-    dK, dV sum their shares locally; then the K/V blocks go round and dQ sums its own (in this order the second
-    ring's step outputs are one tensor, dQ's, beside the finished dK and dV). No partial sum travels and no
-    float32 buffer is sent or received: what a step adds is the block in transit and its share of the
-    gradients, computed in pieces of at most :data:`_CHUNK` tokens where the block is a whole rectangle."""
+def _backward_heads(q, k, v, O, lse, dO, out, causal: bool, scale: float, ring: _Ring):
+    """The gradients of these heads written into ``out`` = (dQ, dK, dV) (views of the whole gradients), in two
+    rings that each run one of the two backward kernels. First this rank's queries go round (Q, dO and the row
+    statistics m2, l2, D: what the dK/dV kernel reads of a query) and dK, dV sum their shares locally; then the
+    K/V blocks go round and dQ sums its own (in this order the second ring's step outputs are one tensor, dQ's,
+    beside the finished dK and dV). No partial sum travels and no float32 buffer is sent or received: what a
+    step adds is the block in transit and its share of the gradients, computed in pieces of at most
+    :data:`_CHUNK` tokens where the block is a whole rectangle."""
     stats = ops._stats_from_lse(lse)
     delta = ops._delta(O, dO)
-    dK, dV = _dkdv_ring(q, k, v, stats, delta, dO, causal, scale, ring)
-    dQ = _dq_ring(q, k, v, stats, delta, dO, causal, scale, ring)
-    return dQ, dK, dV
+    dQ, dK, dV = out
+    _dkdv_ring(q, k, v, stats, delta, dO, (dK, dV), causal, scale, ring)
+    _dq_ring(q, k, v, stats, delta, dO, dQ, causal, scale, ring)
 
 
-def _first_share(x_b, ring):
-    """A gradient's running sum, started from its first share: float32 when more than two shares are added
-    (each addition in fp16 or bf16 would round once more). With two, the gradient's own dtype: one addition of
-    two fp16 (or bf16) numbers is exact in float32 and rounded once, the very bits a float32 sum rounded at the
-    end gives, without the float32 copy (on two GPUs, 2 tensors of N/R tokens less per rank)."""
-    return x_b.float() if ring.size > 2 else x_b
+class _GradientSum:
+    """A gradient's running sum over the ring's steps, ending in ``out`` (a view of the whole gradient). On more
+    than two ranks the sum is float32 (each addition in fp16 or bf16 would round once more) and copied into
+    ``out`` at the end. On one or two it is ``out`` itself: one addition of two fp16 (or bf16) numbers is exact
+    in float32 and rounded once, the very bits a float32 sum rounded at the end gives, and no second buffer
+    of the group's size exists beside the gradient (what the longest sequence that fits is made of)."""
 
+    def __init__(self, out, ring):
+        self.out, self.total = out, None
+        self.wide = ring.size > 2
 
-def _add_share(total, share, index: slice, like, ring):
-    """``total[:, :, index] += share``, the running sum of a gradient (shaped ``like``). The first share starts
-    it (:func:`_first_share`) when it covers every token; a first share of some tokens only starts it from
-    zeros in the sum's dtype (adding to 0 is exact, so the bits are the same)."""
-    if total is None:
-        if tuple(share.shape) == tuple(like.shape):
-            return _first_share(share, ring)
-        total = torch.zeros(like.shape, dtype=torch.float32 if ring.size > 2 else like.dtype, device=like.device)
-    total[:, :, index] += share
-    return total
+    def add(self, share, index: slice):
+        """``sum[:, :, index] += share``. The first share starts the sum: copied when it covers every token,
+        added to zeros otherwise (adding to 0 is exact, so the bits are the same)."""
+        if self.total is None:
+            self.total = torch.empty(self.out.shape, dtype=torch.float32, device=self.out.device) if self.wide \
+                else self.out
+            if tuple(share.shape) == tuple(self.out.shape):
+                self.total.copy_(share)
+                return
+            self.total.zero_()
+        self.total[:, :, index] += share
+
+    def finish(self):
+        """Writes the sum into ``out`` (zeros if no share came) and frees a float32 sum."""
+        if self.total is None:
+            self.out.zero_()
+        elif self.total is not self.out:
+            self.out.copy_(self.total)
+        self.total = None
 
 
 #: A step of the backward computes the shares of at most this many keys (dK/dV ring) or queries (dQ ring) at a
@@ -479,12 +490,12 @@ def _chunks(index: slice, n: int, causal: bool) -> list:
     return [slice(a, min(a + _CHUNK, stop)) for a in range(start, stop, _CHUNK)]
 
 
-def _dq_ring(q, k, v, stats, delta, dO, causal, scale, ring):
-    """dQ: this rank's queries against every rank's K/V block, its shares summed (:func:`_add_share`), a
-    whole block's rows in pieces (:func:`_chunks`)."""
+def _dq_ring(q, k, v, stats, delta, dO, dQ, causal, scale, ring):
+    """dQ, written into ``dQ``: this rank's queries against every rank's K/V block, its shares summed
+    (:class:`_GradientSum`), a whole block's rows in pieces (:func:`_chunks`)."""
     n = q.shape[2]
     k_cur, v_cur = k.contiguous(), v.contiguous()
-    dQ = None
+    total = _GradientSum(dQ, ring)
     for step in range(ring.size):
         source = (ring.rank - step) % ring.size
         incoming = ring.exchange([k_cur, v_cur], _TAG_KV) if step < ring.size - 1 else None
@@ -493,22 +504,23 @@ def _dq_ring(q, k, v, stats, delta, dO, causal, scale, ring):
         for sub in _chunks(rows, n, blk_causal):
             dQ_b = _block_backward(_rows(q, sub), k_s, v_s, [_rows(s, sub) for s in stats], _rows(delta, sub),
                                    _rows(dO, sub), blk_causal, scale, ("dq",))[0]
-            dQ = _add_share(dQ, dQ_b, sub, q, ring)
+            total.add(dQ_b, sub)
             del dQ_b  # before the next piece allocates its own
         del k_s, v_s
         if incoming is not None:
             k_cur, v_cur = incoming.wait()
     del k_cur, v_cur
-    return dQ.to(q.dtype)
+    total.finish()
 
 
-def _dkdv_ring(q, k, v, stats, delta, dO, causal, scale, ring):
-    """(dK, dV): every rank's queries (Q, dO, m2, l2, D) against this rank's K/V, the shares summed as dQ's are,
-    a whole block's columns in pieces. At step t this rank holds the queries of rank ``rank - t``, so the
-    visible part is ``block_visibility(source, rank)``: rows of the visiting queries, columns of the own keys."""
+def _dkdv_ring(q, k, v, stats, delta, dO, out, causal, scale, ring):
+    """(dK, dV), written into ``out``: every rank's queries (Q, dO, m2, l2, D) against this rank's K/V, the
+    shares summed as dQ's are, a whole block's columns in pieces. At step t this rank holds the queries of rank
+    ``rank - t``, so the visible part is ``block_visibility(source, rank)``: rows of the visiting queries,
+    columns of the own keys."""
     n = q.shape[2]
     visiting = [x.contiguous() for x in (q, dO, *stats, delta)]
-    dK = dV = None
+    dK, dV = (_GradientSum(x, ring) for x in out)
     for step in range(ring.size):
         source = (ring.rank - step) % ring.size
         incoming = ring.exchange(visiting, _TAG_Q) if step < ring.size - 1 else None
@@ -517,14 +529,15 @@ def _dkdv_ring(q, k, v, stats, delta, dO, causal, scale, ring):
         for sub in _chunks(cols, n, blk_causal):
             _, dK_b, dV_b = _block_backward(q_s, _rows(k, sub), _rows(v, sub), (m2_s, l2_s), delta_s, dO_s,
                                             blk_causal, scale, ("dkdv",))
-            dK, dV = _add_share(dK, dK_b, sub, k, ring), _add_share(dV, dV_b, sub, v, ring)
+            dK.add(dK_b, sub)
+            dV.add(dV_b, sub)
             del dK_b, dV_b
         del q_s, dO_s, m2_s, l2_s, delta_s
         if incoming is not None:
             visiting = incoming.wait()
     del visiting
-    dK = dK.to(k.dtype)  # one float32 sum (R > 2) freed before the other is cast
-    return dK, dV.to(v.dtype)
+    dK.finish()  # one float32 sum (R > 2) freed before the other is copied
+    dV.finish()
 
 
 def ring_attention_forward(q, k, v, causal=False, sm_scale=None, group=None, *, check_finite=True):

@@ -404,6 +404,32 @@ def test_the_ring_takes_large_shards_a_head_group_at_a_time(monkeypatch, world_s
                     _simulated_reference(q, k, v, do, causal), (q, lse_like, q, k, v))
 
 
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_a_gradient_sum_on_two_ranks_is_the_gradient_itself(ranks):
+    """_GradientSum: on one or two ranks the running sum is the output view itself (no buffer of its size
+    beside it); on more, a float32 sum copied into it at the end. Either way a first share of some tokens
+    starts from zeros, and the result is the sum of the shares."""
+    from types import SimpleNamespace
+
+    out_whole = torch.full((1, 3, 6, 4), float("nan"), dtype=torch.float16)
+    out = out_whole[:, 1:]  # a view, as a head group's slice of the whole gradient
+    total = ring_module._GradientSum(out, SimpleNamespace(size=ranks))
+    a, b = torch.randn(1, 2, 4, 4).half(), torch.randn(1, 2, 6, 4).half()
+    total.add(a, slice(2, 6))
+    assert (total.total is out) == (ranks <= 2)
+    assert total.total.dtype == (torch.float16 if ranks <= 2 else torch.float32)
+    total.add(b, slice(0, 6))
+    total.finish()
+    expected = b.clone()
+    expected[:, :, 2:] += a
+    assert torch.equal(out, expected if ranks <= 2 else (b.float() + torch.nn.functional.pad(
+        a.float(), (0, 0, 2, 0))).half())
+    assert torch.isnan(out_whole[:, 0]).all()  # the other heads untouched
+    empty = ring_module._GradientSum(out, SimpleNamespace(size=ranks))
+    empty.finish()
+    assert torch.equal(out, torch.zeros_like(out))
+
+
 def test_simulate_ring_takes_sm_scale_and_gradients_that_require_grad():
     q, k, v, do = feature_inputs(1, 2, 1, 12, 12, 16, torch.float32, seed=3)
     qq = q.clone().requires_grad_()  # the threads run without autograd, whatever the inputs ask for

@@ -178,6 +178,33 @@ def test_probe_lengths_grow_by_quarter_doublings():
     assert probe_lengths(128, 256, 1) == [128, 256]
 
 
+def test_next_probe_climbs_the_ladder_then_bisects_the_gap():
+    from flashref.bench.ring_bench import next_probe, probe_lengths
+
+    ladder = probe_lengths(262144, 1 << 23, 4)
+    limit = 4_600_000  # what "fits"
+
+    def run(refine):
+        tried = {}
+        while (N := next_probe(tried, 262144, 1 << 23, 4, refine)) is not None:
+            assert N not in tried
+            tried[N] = N <= limit
+        return tried
+
+    tried = run(3)
+    climbed = [N for N in ladder if N <= 4980736]
+    assert list(tried)[:len(climbed)] == climbed  # up the ladder to the first that does not fit ...
+    bisected = list(tried)[len(climbed):]
+    assert len(bisected) == 3 and all(N % 16384 == 0 for N in bisected)  # ... then three halvings of the gap
+    best = max(N for N, ok in tried.items() if ok)
+    worst = min(N for N, ok in tried.items() if not ok)
+    assert best <= limit < worst and worst - best <= (4980736 - 4194304) / 8 + 16384
+    assert list(run(0)) == climbed  # no refinement: the ladder alone
+    assert next_probe({262144: False}, 262144, 1 << 23, 4, 3) is None  # nothing fits: nothing to bisect
+    assert next_probe({N: True for N in ladder}, 262144, 1 << 23, 4, 3) is None  # everything fits
+    assert next_probe({128: True, 192: False}, 128, 256, 4, 3) is None  # a gap of one quantum: done
+
+
 def test_longest_table_counts_the_peaks_in_shard_tensors():
     from flashref.bench.ring_bench import _probe_row
 

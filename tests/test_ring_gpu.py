@@ -24,20 +24,24 @@ def _worker(rank, port, queue):
     try:
         import torch.distributed as dist
 
+        import flashref.ring_attention as ring_module
         from flashref.ring_attention import ring_attention, shard_sequence
         from tests._triton_helpers import feature_inputs
 
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", rank=rank, world_size=WORLD)
-        out = []
+        out, default = [], ring_module.HEAD_GROUP_BYTES
         for B, H, H_kv, N, d, causal, dtype in CASES:
             q, k, v, do = feature_inputs(B, H, H_kv, N, N, d, getattr(torch, dtype), seed=N)
             shards = [shard_sequence(x, rank, WORLD, causal).contiguous() for x in (q, k, v, do)]
-            qs, ks, vs = (x.clone().requires_grad_() for x in shards[:3])
-            o = ring_attention(qs, ks, vs, causal=causal)
-            o.backward(shards[3])
-            out.append([x.detach().cpu() for x in (o, qs.grad, ks.grad, vs.grad)])
+            for bound in (default, 1):  # the heads in one group, then one K/V head a group
+                ring_module.HEAD_GROUP_BYTES = bound
+                qs, ks, vs = (x.clone().requires_grad_() for x in shards[:3])
+                o = ring_attention(qs, ks, vs, causal=causal)
+                o.backward(shards[3])
+                out.append([x.detach().cpu() for x in (o, qs.grad, ks.grad, vs.grad)])
+            ring_module.HEAD_GROUP_BYTES = default
         queue.put((rank, out))
         dist.barrier()
         dist.destroy_process_group()
@@ -46,6 +50,8 @@ def _worker(rank, port, queue):
 
 
 def test_ring_over_nccl_matches_the_reference():
+    """Every case twice: the heads in one ring, and one ring per K/V head (``HEAD_GROUP_BYTES`` = 1, what a shard
+    past the bound does), both within the tolerance rule."""
     import torch.multiprocessing as mp
 
     from flashref import reference
@@ -68,10 +74,12 @@ def test_ring_over_nccl_matches_the_reference():
         assert not isinstance(res, str), f"rank {rank} failed:\n{res}"
     for i, (B, H, H_kv, N, d, causal, dtype) in enumerate(CASES):
         q, k, v, do = feature_inputs(B, H, H_kv, N, N, d, getattr(torch, dtype), seed=N)
-        full = [gather_sequence([got[r][i][j] for r in range(WORLD)], causal) for j in range(4)]
         q64, k64, v64, do64 = (np64(x) for x in (q, k, v, do))
         refs = [reference.attention(q64, k64, v64, causal=causal),
                 *reference.attention_backward(q64, k64, v64, do64, causal=causal)]
         base = plain_with_features(*(x.cuda() for x in (q, k, v, do)), causal)
-        for name, x, r, b in zip(("o", "dq", "dk", "dv"), full, refs, base):
-            assert_within_tolerance(x, r, b.cpu(), factor=2.0 if name == "o" else 3.0, name=f"{name} {CASES[i]}")
+        for grouped in (0, 1):
+            full = [gather_sequence([got[r][2 * i + grouped][j] for r in range(WORLD)], causal) for j in range(4)]
+            for name, x, r, b in zip(("o", "dq", "dk", "dv"), full, refs, base):
+                assert_within_tolerance(x, r, b.cpu(), factor=2.0 if name == "o" else 3.0,
+                                        name=f"{name} {CASES[i]}{' a head a group' if grouped else ''}")

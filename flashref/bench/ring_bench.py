@@ -13,8 +13,9 @@ each worker has its GPU's whole memory.
   rank's time), tokens/s, TFLOP/s (the whole sequence's FLOPs, :func:`flashref.bench.results.flops`, so the
   ring's figure is all GPUs together) and the peak memory of the busiest GPU; the ring's rows carry
   ``speedup`` = 1-GPU time / ring time (the ratio of tokens/s).
-- ``longest``: N from 256K, four steps per doubling (:func:`probe_lengths`), until out of memory, for 1 GPU and
-  for the ring, with the peak memory per GPU, the forward's and the backward's apart. The probe runs one
+- ``longest``: N from 256K, four steps per doubling (:func:`probe_lengths`), until out of memory, then three
+  halvings of the gap between the longest that fit and the shortest that did not (:func:`next_probe`), for
+  1 GPU and for the ring, with the peak memory per GPU, the forward's and the backward's apart. The probe runs one
   forward + backward with a causal window of 128 keys (``window_size=(127, 0)``): the kernels allocate exactly
   what the dense ones do (the window only skips tiles), so what fits is the same, and a probe takes seconds
   rather than the minutes of dense attention at millions of tokens.
@@ -55,7 +56,8 @@ TUNE_N = 16384
 TRACE_N = 131072
 LONGEST_FROM = 262144
 LONGEST_MAX = 1 << 24
-LONGEST_STEPS = 4  # probes per doubling of N: the longest fit is known to within 19%, not a factor of 2
+LONGEST_STEPS = 4  # probes per doubling of N: the longest fit is known to within 19%, not a factor of 2 ...
+LONGEST_REFINE = 3  # ... then bisections of that gap: within 2.4%
 PROBE_WINDOW = (127, 0)
 BUDGET_S = 1.5
 MAX_REPS = 10
@@ -272,11 +274,12 @@ class Plan:
     longest_from: int = LONGEST_FROM
     longest_max: int = LONGEST_MAX
     longest_steps: int = LONGEST_STEPS
+    longest_refine: int = LONGEST_REFINE
 
 
 #: The rehearsal's shapes: small enough for Triton's interpreter, the zigzag layout's chunks still uneven tiles.
 REHEARSAL = dict(H=2, d=16, lengths=(192,), tune_n=128, trace_n=128, longest_from=128, longest_max=256,
-                 longest_steps=4)
+                 longest_steps=4, longest_refine=LONGEST_REFINE)
 
 
 class _Device:
@@ -533,8 +536,34 @@ def probe_lengths(start: int, stop: int, steps: int) -> list:
     return out
 
 
+def next_probe(tried: dict, start: int, stop: int, steps: int, refine: int):
+    """The next N of a ``longest`` probe, given ``tried`` ({N: whether it fit}), or None when done: the
+    :func:`probe_lengths` ladder until a length does not fit, then up to ``refine`` bisections of the gap between
+    the longest that fit and the shortest that did not (rounded down to the ladder's multiple)."""
+    ladder = probe_lengths(start, stop, steps)
+    for i, N in enumerate(ladder):
+        if N not in tried:
+            return N
+        if not tried[N]:
+            break
+    else:
+        return None  # everything up to ``stop`` fit
+    fit = [n for n, ok in tried.items() if ok]
+    if not fit or len(tried) - (i + 1) >= refine:
+        return None
+    lo, hi = max(fit), min(n for n, ok in tried.items() if not ok)
+    quantum = max(64, start // 16)
+    mid = (lo + hi) // 2 // quantum * quantum
+    return mid if mid > lo else None
+
+
+def _next_length(tried: dict, plan):
+    return next_probe(tried, plan.longest_from, plan.longest_max, plan.longest_steps, plan.longest_refine)
+
+
 def _longest_one_gpu(flash_attention, dev, plan):
-    for N in probe_lengths(plan.longest_from, plan.longest_max, plan.longest_steps):
+    tried = {}
+    while (N := _next_length(tried, plan)) is not None:
         dev.fresh()
         try:
             q, k, v, do = _inputs(dev, plan, N, 2)
@@ -543,9 +572,8 @@ def _longest_one_gpu(flash_attention, dev, plan):
         except Exception as exc:  # noqa: BLE001 (out of memory is the result)
             status, peaks = _status(exc), (None, None)
         q = k = v = do = None
+        tried[N] = status == "ok"
         yield _probe_row("flashref-triton 1 GPU", 1, N, status, peaks, plan.H, plan.d)
-        if status != "ok":
-            return
 
 
 def _ring_worker(rank, world, port, plan: Plan, pinned, out):
@@ -581,8 +609,8 @@ def _ring_worker(rank, world, port, plan: Plan, pinned, out):
                     if rank == 0:
                         out.put(("row", row))
                     if row["status"] != "ok":
-                        # After out of memory the ring's transfers may be half done: no synchronization now
-                        # (it could wait forever), and no orderly shutdown of NCCL either.
+                        # After out of memory the ring's transfers may be half done: no synchronization at the
+                        # end (it could wait forever), and no orderly shutdown of NCCL either.
                         exit_hard = True
         if not exit_hard:
             ranks.barrier()
@@ -644,8 +672,9 @@ def _ring_trace(N, causal, rank, world, dev, plan, ranks):
 
 
 def _longest_ring(rank, world, dev, plan, ranks, announce=lambda N: None):
-    """N from ``plan.longest_from`` as :func:`probe_lengths` grows it; every rank learns whether all ranks fit
-    before anything synchronizes. ``announce(N)`` before each probe tells the parent which N is in flight, so
+    """N as :func:`next_probe` picks it (up the ladder, then bisecting past the first that did not fit); every
+    rank learns whether all ranks fit before anything synchronizes. Both ranks run out of memory at the same
+    allocation (same shapes), so the ring's transfers stay paired and the bisection can go on. ``announce(N)`` before each probe tells the parent which N is in flight, so
     that a probe no rank comes back from (one rank out of memory inside the ring, its peer waiting in NCCL
     until the ring's timeout ends the process) is still recorded: :func:`unanswered_probe_row`."""
     import flashref.ring_attention as ring_module
@@ -655,8 +684,9 @@ def _longest_ring(rank, world, dev, plan, ranks, announce=lambda N: None):
     ring_module._block_forward = partial(saved[0], window_size=PROBE_WINDOW)
     ring_module._block_backward = partial(saved[1], window_size=PROBE_WINDOW)
     impl = f"ring {world} GPUs"
+    tried = {}
     try:
-        for N in probe_lengths(plan.longest_from, plan.longest_max, plan.longest_steps):
+        while (N := _next_length(tried, plan)) is not None:
             announce(N)
             dev.fresh()
             try:
@@ -667,13 +697,13 @@ def _longest_ring(rank, world, dev, plan, ranks, announce=lambda N: None):
                 status = _status(exc)
             q = k = v = do = None
             failed = ranks.reduce(0.0 if status == "ok" else 1.0, "SUM")
+            tried[N] = failed == 0
             if failed == 0:
                 peaks = tuple(None if p is None else int(ranks.reduce(p, "MAX")) for p in peaks)
                 yield _probe_row(impl, world, N, "ok", peaks, plan.H, plan.d)
                 continue
             yield _probe_row(impl, world, N, status if status != "ok" else f"OOM on {int(failed)} of {world} ranks",
                              (None, None), plan.H, plan.d)
-            return
     finally:
         ring_module._block_forward, ring_module._block_backward = saved
 
@@ -751,6 +781,8 @@ def parse_args(argv=None):
     p.add_argument("--longest-max", type=int, default=None, help=f"stop probing N past this (default {LONGEST_MAX})")
     p.add_argument("--longest-steps", type=int, default=None,
                    help=f"probes per doubling of N (default {LONGEST_STEPS})")
+    p.add_argument("--longest-refine", type=int, default=None,
+                   help=f"bisections of the gap past the ladder's longest fit (default {LONGEST_REFINE})")
     p.add_argument("--append", action="store_true",
                    help="add to the rows already in --out (a run split over several calls; same GPU and versions)")
     args = p.parse_args(argv)
@@ -759,6 +791,8 @@ def parse_args(argv=None):
             p.error(f"sequence lengths must be positive multiples of 64 (the zigzag layout's 2R chunks), got {N}")
     if args.longest_steps is not None and args.longest_steps < 1:
         p.error(f"--longest-steps must be at least 1, got {args.longest_steps}")
+    if args.longest_refine is not None and args.longest_refine < 0:
+        p.error(f"--longest-refine must be at least 0, got {args.longest_refine}")
     if args.gpus is not None and args.gpus < 1:
         p.error(f"--gpus must be at least 1, got {args.gpus}")
     if args.out is None:
@@ -780,7 +814,8 @@ def plan_of(args) -> Plan:
     """The :class:`Plan` of parsed arguments: the defaults of the device (the rehearsal's shapes on the CPU),
     then what the command line gave."""
     given = {"parts": tuple(args.parts), "lengths": tuple(args.n) if args.n else None, "trace_n": args.trace_n,
-             "longest_max": args.longest_max, "longest_steps": args.longest_steps}
+             "longest_max": args.longest_max, "longest_steps": args.longest_steps,
+             "longest_refine": args.longest_refine}
     base = dict(REHEARSAL) if args.device == "cpu" else {}
     base.update({k: v for k, v in given.items() if v is not None})
     return Plan(device=args.device, **base)
