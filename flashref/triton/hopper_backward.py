@@ -241,12 +241,12 @@ def _step_is_masked(n, bounds, full, i_lo, t_lo, n_tiles, list_row, LISTED: gl.c
 
 
 @gluon.jit
-def _dkdv_step(n, masked, FULL: gl.constexpr, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_desc, q_base, n_tiles, dk, dv, s_zero,
-               keys, start_n, i_lo, t_lo, list_row, bh, M2, L2, Delta, N_q, qk_scale, slope2, win_left, win_right,
-               seed, drop_below, keep_scale, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-               WINDOW: gl.constexpr, ALIBI: gl.constexpr, DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr,
-               ROWS: gl.constexpr, s_layout: gl.constexpr, col_s: gl.constexpr, p_layout: gl.constexpr,
-               LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr):
+def _dkdv_step(n, masked, FULL: gl.constexpr, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_desc, q_base, n_tiles,
+               dk, dv, s_zero, keys, start_n, i_lo, t_lo, list_row, bh, M2, L2, Delta, N_q, qk_scale, slope2, win_left,
+               win_right, seed, drop_below, keep_scale, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+               CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr, DROPOUT: gl.constexpr,
+               KEEP_LAYOUT: gl.constexpr, ROWS: gl.constexpr, s_layout: gl.constexpr, col_s: gl.constexpr,
+               p_layout: gl.constexpr, LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr):
     """Step n of :func:`hopper_bwd_dkdv_kernel`'s loop: query tile i_lo + n (listed tile t_lo + n with a block
     mask) from its ring slot, then the copies of the tile STAGES ahead into the slot it frees."""
     slot = n % STAGES
@@ -316,20 +316,20 @@ def hopper_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, M2, L2, Delt
     if MASKS == "loops":  # masked tiles, tiles without a mask, masked tiles: each loop its own code
         for part in gl.static_range(3):
             for n in range(bounds[part], bounds[part + 1]):
-                dk, dv = _dkdv_step(n, part != 1, part == 1, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_desc, q_base,
-                                    n_tiles, dk, dv, s_zero, keys, start_n, i_lo, t_lo, list_row, bh, M2, L2, Delta,
-                                    N_q, qk_scale, slope2, win_left, win_right, seed, drop_below, keep_scale, BLOCK_M,
-                                    STAGES, CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, BLOCK_N, s_layout, col_s,
-                                    p_layout, LISTED, BLOCK_SIZE)
+                dk, dv = _dkdv_step(n, part != 1, part == 1, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_desc,
+                                    q_base, n_tiles, dk, dv, s_zero, keys, start_n, i_lo, t_lo, list_row, bh, M2, L2,
+                                    Delta, N_q, qk_scale, slope2, win_left, win_right, seed, drop_below, keep_scale,
+                                    BLOCK_M, STAGES, CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, BLOCK_N, s_layout,
+                                    col_s, p_layout, LISTED, BLOCK_SIZE)
     else:
         for n in range(0, n_tiles):
             masked = True  # a constant unless the branch decides: the mask's code then compiles away
             if MASKS == "branch":
                 masked = _step_is_masked(n, bounds, full, i_lo, t_lo, n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_M)
-            dk, dv = _dkdv_step(n, masked, False, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_desc, q_base, n_tiles,
-                                dk, dv, s_zero, keys, start_n, i_lo, t_lo, list_row, bh, M2, L2, Delta, N_q, qk_scale,
-                                slope2, win_left, win_right, seed, drop_below, keep_scale, BLOCK_M, STAGES, CAUSAL,
-                                WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, BLOCK_N, s_layout, col_s, p_layout, LISTED,
+            dk, dv = _dkdv_step(n, masked, False, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_desc, q_base,
+                                n_tiles, dk, dv, s_zero, keys, start_n, i_lo, t_lo, list_row, bh, M2, L2, Delta, N_q,
+                                qk_scale, slope2, win_left, win_right, seed, drop_below, keep_scale, BLOCK_M, STAGES,
+                                CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, BLOCK_N, s_layout, col_s, p_layout, LISTED,
                                 BLOCK_SIZE)
 
     mbarrier.invalidate(kv_bar)
@@ -483,12 +483,12 @@ def _opaque(x):
 
 
 @gluon.jit
-def _ws_dkdv_step(n, masked, FULL: gl.constexpr, k_t, v_t, q_smem, do_smem, ready, empty, dk, dv, s_zero, keys, first_key, i_lo, n_tiles,
-                  t_lo, list_row, bh, M2, L2, Delta, N_q, qk_scale, slope2, win_left, win_right, seed, drop_below,
-                  keep_scale, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                  WINDOW: gl.constexpr, ALIBI: gl.constexpr, DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr,
-                  ROWS: gl.constexpr, s_layout: gl.constexpr, col_s: gl.constexpr, p_layout: gl.constexpr,
-                  LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr, OPAQUE: gl.constexpr):
+def _ws_dkdv_step(n, masked, FULL: gl.constexpr, k_t, v_t, q_smem, do_smem, ready, empty, dk, dv, s_zero, keys,
+                  first_key, i_lo, n_tiles, t_lo, list_row, bh, M2, L2, Delta, N_q, qk_scale, slope2, win_left,
+                  win_right, seed, drop_below, keep_scale, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                  CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr, DROPOUT: gl.constexpr,
+                  KEEP_LAYOUT: gl.constexpr, ROWS: gl.constexpr, s_layout: gl.constexpr, col_s: gl.constexpr,
+                  p_layout: gl.constexpr, LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr, OPAQUE: gl.constexpr):
     """Step n of a consumer's loop: query tile i_lo + n (listed tile t_lo + n with a block mask) from its ring
     slot, which it then hands back. OPAQUE: the index passes through :func:`_opaque`."""
     slot = n % STAGES
@@ -543,8 +543,8 @@ def _ws_dkdv_consumer(q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, DK,
     if MASKS == "loops":  # as hopper_bwd_dkdv_kernel's loops
         for part in gl.static_range(3):
             for n in range(bounds[part], bounds[part + 1]):
-                dk, dv = _ws_dkdv_step(n, part != 1, part == 1, k_t, v_t, q_smem, do_smem, ready, empty, dk, dv, s_zero, keys,
-                                       first_key, i_lo, n_tiles, t_lo, list_row, bh, M2, L2, Delta, N_q, qk_scale,
+                dk, dv = _ws_dkdv_step(n, part != 1, part == 1, k_t, v_t, q_smem, do_smem, ready, empty, dk, dv, s_zero,
+                                       keys, first_key, i_lo, n_tiles, t_lo, list_row, bh, M2, L2, Delta, N_q, qk_scale,
                                        slope2, win_left, win_right, seed, drop_below, keep_scale, BLOCK_M, STAGES,
                                        CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, ROWS, s_layout, col_s, p_layout,
                                        LISTED, BLOCK_SIZE, OPAQUE)
@@ -656,9 +656,10 @@ def dkdv_masks(warp_specialize: bool, window: bool, dropout: bool = False, liste
     it helps (:func:`_opaque`; kernel alone, do_bench, best of three interleaved rounds, N = 2K-16K): without
     causal masking the time over every tile's was 1.04-1.09x with loops and 0.95-1.05x with the branch (two
     timings of the same kernel differed by up to 6% in that run); causal, 1.11-1.14x with loops and 1.15-1.19x
-    with the branch; with a window the branch is still the fastest (every tile 1.15-1.42x its time). With dropout every tile keeps its mask: those kernels were
-    measured that way (:func:`default_config`), and the other two were not (compiled, separate loops hold the
-    mask's Philox rounds twice and spill 20-40 bytes a thread causal where the shipped kernels spill none)."""
+    with the branch; with a window the branch is still the fastest (every tile 1.15-1.42x its time). With
+    dropout every tile keeps its mask: those kernels were measured that way (:func:`default_config`), and the
+    other two were not (compiled, separate loops hold the mask's Philox rounds twice and spill 20-40 bytes a
+    thread causal where the shipped kernels spill none)."""
     if dropout:
         return "every"
     if not warp_specialize:  # (with a block mask too: its masked tiles are the first and the last it lists)
@@ -769,8 +770,9 @@ def hopper_dq(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dict 
     grid = (triton.cdiv(N_q, cfg["block_m"]), B * H)
     hopper_bwd_dq_kernel[grid](*_descriptors(q, k, v, do, cfg), dq, m2.contiguous(), l2.contiguous(), delta, N_q,
                                k.shape[2], scale, scale * LOG2E, *_mod_args(q, window, slopes2), *_drop_args(dropout),
-                               *list_args, **_meta(d, causal, cfg, window, slopes2, dropout,
-                                                   hopper.keep_layout(cfg["block_m"], cfg["block_n"], cfg["num_warps"])),
+                               *list_args,
+                               **_meta(d, causal, cfg, window, slopes2, dropout,
+                                       hopper.keep_layout(cfg["block_m"], cfg["block_n"], cfg["num_warps"])),
                                **list_meta)
     return dq
 
