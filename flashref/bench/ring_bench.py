@@ -129,7 +129,8 @@ def longest_table(rows) -> str:
     lines += [f"{r['gpus']:>4d} {r['N']:>9d} {r['status'][:10]:>10s} {_gib(r.get('peak_bytes')):>12s} "
               f"{_in_shards(r):>31s}" for r in sel]
     for g, (N, peak) in sorted(longest_fit(rows).items()):
-        lines.append(f"longest on {g} GPU{'s' if g > 1 else ''}: N = {N} ({N // 1024}K tokens), {_gib(peak)} GiB per GPU")
+        gpus = f"{g} GPU{'s' if g > 1 else ''}"
+        lines.append(f"longest on {gpus}: N = {N} ({N // 1024}K tokens), {_gib(peak)} GiB per GPU")
     return "\n".join(lines)
 
 
@@ -211,7 +212,8 @@ def plot_timeline(data, ax=None, title=None):
 
     trace = data.get("trace", data)
     events = trace["events"]
-    streams = sorted({e[0] for e in events}, key=lambda s: (any(is_communication(e[1]) for e in events if e[0] == s), s))
+    streams = sorted({e[0] for e in events},
+                     key=lambda s: (any(is_communication(e[1]) for e in events if e[0] == s), s))
     if ax is None:
         fig, ax = plt.subplots(figsize=(10, 0.6 + 0.55 * max(1, len(streams))))
     else:
@@ -673,10 +675,11 @@ def _ring_trace(N, causal, rank, world, dev, plan, ranks):
 
 def _longest_ring(rank, world, dev, plan, ranks, announce=lambda N: None):
     """N as :func:`next_probe` picks it (up the ladder, then bisecting past the first that did not fit); every
-    rank learns whether all ranks fit before anything synchronizes. Both ranks run out of memory at the same
-    allocation (same shapes), so the ring's transfers stay paired and the bisection can go on. ``announce(N)`` before each probe tells the parent which N is in flight, so
-    that a probe no rank comes back from (one rank out of memory inside the ring, its peer waiting in NCCL
-    until the ring's timeout ends the process) is still recorded: :func:`unanswered_probe_row`."""
+    rank learns whether all ranks fit before anything synchronizes. Where the ranks run out of memory at the
+    same allocation, the ring's transfers stay paired and the bisection goes on. Where one rank runs out inside
+    the ring alone, its peer waits in NCCL until the ring's timeout ends both processes: ``announce(N)`` before
+    each probe tells the parent which N is in flight, so that probe is still recorded
+    (:func:`unanswered_probe_row`), and it is the last."""
     import flashref.ring_attention as ring_module
 
     saved = ring_module._block_forward, ring_module._block_backward
