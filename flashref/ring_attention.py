@@ -383,23 +383,24 @@ def _head_slices(q, k, G: int):
 
 
 def _forward(q, k, v, causal: bool, scale: float, ring: _Ring):
-    """(O in q's dtype, lse in float64) of this rank's queries against every rank's keys, a head group at a time
-    where the shard is large (:func:`head_groups`)."""
-    G = head_groups(k)
-    if G == 1:
-        return _forward_heads(q, k, v, causal, scale, ring)
+    """(O in q's dtype, lse in float64) of this rank's queries against every rank's keys: both allocated once,
+    and each head group's (:func:`head_groups`; one group of every head where the shard is small) written into
+    its heads of them by :func:`_forward_heads`."""
     O = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float64, device=q.device)
-    for hq, hkv in _head_slices(q, k, G):
-        O[:, hq], lse[:, hq] = _forward_heads(q[:, hq], k[:, hkv], v[:, hkv], causal, scale, ring)
+    for hq, hkv in _head_slices(q, k, head_groups(k)):
+        _forward_heads(q[:, hq], k[:, hkv], v[:, hkv], (O[:, hq], lse[:, hq]), causal, scale, ring)
     return O, lse
 
 
-def _forward_heads(q, k, v, causal: bool, scale: float, ring: _Ring):
-    """:func:`_forward` on these heads in one ring."""
+def _forward_heads(q, k, v, out, causal: bool, scale: float, ring: _Ring):
+    """These heads' O and lse written into ``out`` (views of the whole ones) in one ring. The merge runs on an
+    fp32 O (each merge in fp16 would round once more) and on ``out``'s float64 lse itself; the fp32 O is
+    rounded once into ``out`` at the end."""
+    O_out, lse = out
     n = q.shape[2]
     k_cur, v_cur = k.contiguous(), v.contiguous()  # what is sent must be contiguous
-    O = lse = None
+    O = None
     for step in range(ring.size):
         source = (ring.rank - step) % ring.size
         # The next block's transfer first, so it runs while this block is computed.
@@ -407,14 +408,15 @@ def _forward_heads(q, k, v, causal: bool, scale: float, ring: _Ring):
         rows, cols, blk_causal = block_visibility(ring.rank, source, n, causal)
         O_b, lse_b = _block_forward(_rows(q, rows), _rows(k_cur, cols), _rows(v_cur, cols), blk_causal, scale)
         if O is None:  # step 0 is the own block, which every local query sees
-            O, lse = O_b.float(), lse_b
+            O = O_b.float()
+            lse.copy_(lse_b)
         else:  # exact: notebook 02's merge of two partial softmaxes over disjoint key sets (O in fp32), in place
             merge_outputs(O[:, :, rows], lse[:, :, rows], O_b, lse_b, inplace=True)
         del O_b, lse_b  # before the next step allocates its own
         if incoming is not None:
             k_cur, v_cur = incoming.wait()
-    del k_cur, v_cur  # the last visiting block, before O's cast allocates
-    return O.to(q.dtype), lse
+    del k_cur, v_cur  # the last visiting block
+    O_out.copy_(O)
 
 
 def _backward(q, k, v, O, lse, dO, causal: bool, scale: float, ring: _Ring):
@@ -422,25 +424,54 @@ def _backward(q, k, v, O, lse, dO, causal: bool, scale: float, ring: _Ring):
     (:func:`head_groups`; one group of every head where the shard is small) summed straight into its heads of
     them by :func:`_backward_heads`."""
     dQ, dK, dV = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    for hq, hkv in _head_slices(q, k, head_groups(k)):
+    G = head_groups(k)
+    for hq, hkv in _head_slices(q, k, G):
         _backward_heads(q[:, hq], k[:, hkv], v[:, hkv], O[:, hq], lse[:, hq], dO[:, hq],
-                        (dQ[:, hq], dK[:, hkv], dV[:, hkv]), causal, scale, ring)
+                        (dQ[:, hq], dK[:, hkv], dV[:, hkv]), causal, scale, ring, hide_first=G == 1)
     return dQ, dK, dV
 
 
-def _backward_heads(q, k, v, O, lse, dO, out, causal: bool, scale: float, ring: _Ring):
+def _backward_heads(q, k, v, O, lse, dO, out, causal: bool, scale: float, ring: _Ring, hide_first=True):
     """The gradients of these heads written into ``out`` = (dQ, dK, dV) (views of the whole gradients), in two
     rings that each run one of the two backward kernels. First this rank's queries go round (Q, dO and the row
     statistics m2, l2, D: what the dK/dV kernel reads of a query) and dK, dV sum their shares locally; then the
     K/V blocks go round and dQ sums its own (in this order the second ring's step outputs are one tensor, dQ's,
     beside the finished dK and dV). No partial sum travels and no float32 buffer is sent or received: what a
     step adds is the block in transit and its share of the gradients, computed in pieces of at most
-    :data:`_CHUNK` tokens where the block is a whole rectangle."""
+    :data:`_CHUNK` tokens where the block is a whole rectangle. ``hide_first``: see :class:`_Transfers`."""
     stats = ops._stats_from_lse(lse)
     delta = ops._delta(O, dO)
     dQ, dK, dV = out
-    _dkdv_ring(q, k, v, stats, delta, dO, (dK, dV), causal, scale, ring)
-    _dq_ring(q, k, v, stats, delta, dO, dQ, causal, scale, ring)
+    _dkdv_ring(q, k, v, stats, delta, dO, (dK, dV), causal, scale, ring, hide_first)
+    _dq_ring(q, k, v, stats, delta, dO, dQ, causal, scale, ring, hide_first)
+
+
+class _Transfers:
+    """When a backward ring posts each step's transfer of the block it holds to the next rank. From step 1 on,
+    before the step's kernels, so the transfer runs while they compute. The first transfer the same way where
+    every head goes round in one ring (``hide_first``); where the shard is taken in head groups, after step 0's
+    shares are summed into the gradients. Then the buffers that receive the next block do not exist beside
+    step 0's shares (the own block's, whole: the largest of the ring), and on two ranks, where the sum is the
+    gradient itself (:class:`_GradientSum`), a rank holds two of the group's tensors beside its eight, not
+    four. The price is each group's first transfer waiting unhidden: one group's block, milliseconds, beside
+    the seconds that a step of such a shard computes."""
+
+    def __init__(self, ring, tag, hide_first: bool):
+        self.ring, self.tag, self.hide_first = ring, tag, hide_first
+        self.pending = None
+
+    def before_step(self, step: int, block):
+        if step < self.ring.size - 1 and (step > 0 or self.hide_first):
+            self.pending = self.ring.exchange(block, self.tag)
+
+    def after_step(self, step: int, block):
+        """The next block (the received one), or ``block`` after the last step."""
+        if step < self.ring.size - 1 and self.pending is None:
+            self.pending = self.ring.exchange(block, self.tag)
+        if self.pending is None:
+            return block
+        received, self.pending = self.pending.wait(), None
+        return received
 
 
 class _GradientSum:
@@ -490,15 +521,16 @@ def _chunks(index: slice, n: int, causal: bool) -> list:
     return [slice(a, min(a + _CHUNK, stop)) for a in range(start, stop, _CHUNK)]
 
 
-def _dq_ring(q, k, v, stats, delta, dO, dQ, causal, scale, ring):
+def _dq_ring(q, k, v, stats, delta, dO, dQ, causal, scale, ring, hide_first=True):
     """dQ, written into ``dQ``: this rank's queries against every rank's K/V block, its shares summed
     (:class:`_GradientSum`), a whole block's rows in pieces (:func:`_chunks`)."""
     n = q.shape[2]
     k_cur, v_cur = k.contiguous(), v.contiguous()
     total = _GradientSum(dQ, ring)
+    transfers = _Transfers(ring, _TAG_KV, hide_first)
     for step in range(ring.size):
         source = (ring.rank - step) % ring.size
-        incoming = ring.exchange([k_cur, v_cur], _TAG_KV) if step < ring.size - 1 else None
+        transfers.before_step(step, [k_cur, v_cur])
         rows, cols, blk_causal = block_visibility(ring.rank, source, n, causal)
         k_s, v_s = _rows(k_cur, cols), _rows(v_cur, cols)
         for sub in _chunks(rows, n, blk_causal):
@@ -507,13 +539,12 @@ def _dq_ring(q, k, v, stats, delta, dO, dQ, causal, scale, ring):
             total.add(dQ_b, sub)
             del dQ_b  # before the next piece allocates its own
         del k_s, v_s
-        if incoming is not None:
-            k_cur, v_cur = incoming.wait()
+        k_cur, v_cur = transfers.after_step(step, [k_cur, v_cur])
     del k_cur, v_cur
     total.finish()
 
 
-def _dkdv_ring(q, k, v, stats, delta, dO, out, causal, scale, ring):
+def _dkdv_ring(q, k, v, stats, delta, dO, out, causal, scale, ring, hide_first=True):
     """(dK, dV), written into ``out``: every rank's queries (Q, dO, m2, l2, D) against this rank's K/V, the
     shares summed as dQ's are, a whole block's columns in pieces. At step t this rank holds the queries of rank
     ``rank - t``, so the visible part is ``block_visibility(source, rank)``: rows of the visiting queries,
@@ -521,9 +552,10 @@ def _dkdv_ring(q, k, v, stats, delta, dO, out, causal, scale, ring):
     n = q.shape[2]
     visiting = [x.contiguous() for x in (q, dO, *stats, delta)]
     dK, dV = (_GradientSum(x, ring) for x in out)
+    transfers = _Transfers(ring, _TAG_Q, hide_first)
     for step in range(ring.size):
         source = (ring.rank - step) % ring.size
-        incoming = ring.exchange(visiting, _TAG_Q) if step < ring.size - 1 else None
+        transfers.before_step(step, visiting)
         rows, cols, blk_causal = block_visibility(source, ring.rank, n, causal)
         q_s, dO_s, m2_s, l2_s, delta_s = (_rows(x, rows) for x in visiting)
         for sub in _chunks(cols, n, blk_causal):
@@ -533,8 +565,7 @@ def _dkdv_ring(q, k, v, stats, delta, dO, out, causal, scale, ring):
             dV.add(dV_b, sub)
             del dK_b, dV_b
         del q_s, dO_s, m2_s, l2_s, delta_s
-        if incoming is not None:
-            visiting = incoming.wait()
+        visiting = transfers.after_step(step, visiting)
     del visiting
     dK.finish()  # one float32 sum (R > 2) freed before the other is copied
     dV.finish()

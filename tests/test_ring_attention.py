@@ -430,6 +430,46 @@ def test_a_gradient_sum_on_two_ranks_is_the_gradient_itself(ranks):
     assert torch.equal(out, torch.zeros_like(out))
 
 
+@pytest.mark.parametrize("hide_first", [True, False])
+def test_a_grouped_backward_posts_its_first_transfer_after_the_own_block(monkeypatch, hide_first):
+    """Both backward rings, on a recording ring of two ranks: from step 1 on (and at step 0 where every head goes
+    round at once, ``hide_first``) the transfer is posted before the step's kernel, so it runs beside it; where
+    the shard is taken in head groups, step 0's kernel runs and its shares are summed before the first transfer
+    is posted, so the receiving buffers never exist beside step 0's shares."""
+    from types import SimpleNamespace
+
+    events = []
+
+    class Pending:
+        def __init__(self, tensors):
+            self.tensors = tensors
+
+        def wait(self):
+            events.append("wait")
+            return [t.clone() for t in self.tensors]
+
+    def exchange(tensors, tag):
+        events.append("post")
+        return Pending(tensors)
+
+    def block_backward(q, k, v, stats, delta, dO, causal, scale, parts, **features):
+        events.append("kernel")
+        if parts == ("dq",):
+            return torch.zeros_like(q), None, None
+        return None, torch.zeros_like(k), torch.zeros_like(v)
+
+    monkeypatch.setattr(ring_module, "_block_backward", block_backward)
+    ring = SimpleNamespace(size=2, rank=0, exchange=exchange)
+    q, k, v, do = (torch.randn(1, 1, 8, 4) for _ in range(4))
+    stats, delta = (torch.zeros(1, 1, 8), torch.ones(1, 1, 8)), torch.zeros(1, 1, 8)
+    dQ, dK, dV = (torch.full_like(x, float("nan")) for x in (q, k, v))
+    ring_module._dkdv_ring(q, k, v, stats, delta, do, (dK, dV), False, 0.5, ring, hide_first)
+    ring_module._dq_ring(q, k, v, stats, delta, do, dQ, False, 0.5, ring, hide_first)
+    one_ring = ["post", "kernel", "wait", "kernel"] if hide_first else ["kernel", "post", "wait", "kernel"]
+    assert events == one_ring + one_ring
+    assert all(torch.equal(x, torch.zeros_like(x)) for x in (dQ, dK, dV)), "every share summed into the gradients"
+
+
 def test_simulate_ring_takes_sm_scale_and_gradients_that_require_grad():
     q, k, v, do = feature_inputs(1, 2, 1, 12, 12, 16, torch.float32, seed=3)
     qq = q.clone().requires_grad_()  # the threads run without autograd, whatever the inputs ask for
