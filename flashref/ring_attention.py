@@ -383,24 +383,28 @@ def _head_slices(q, k, G: int):
 
 
 def _forward(q, k, v, causal: bool, scale: float, ring: _Ring):
-    """(O in q's dtype, lse in float64) of this rank's queries against every rank's keys: both allocated once,
-    and each head group's (:func:`head_groups`; one group of every head where the shard is small) written into
-    its heads of them by :func:`_forward_heads`."""
-    O = torch.empty_like(q)
-    lse = torch.empty(q.shape[:3], dtype=torch.float64, device=q.device)
+    """(O in q's dtype, lse in float64) of this rank's queries against every rank's keys, a head group at a time
+    where the shard is large (:func:`head_groups`; one group of every head where it is small): each group's
+    written into its heads of the whole O and lse, which are allocated when the first group's ring is done (its
+    blocks in transit and partial outputs freed by then, so the whole O is not held beside them)."""
+    O = lse = None
     for hq, hkv in _head_slices(q, k, head_groups(k)):
-        _forward_heads(q[:, hq], k[:, hkv], v[:, hkv], (O[:, hq], lse[:, hq]), causal, scale, ring)
+        O_g, lse_g = _forward_heads(q[:, hq], k[:, hkv], v[:, hkv], causal, scale, ring)
+        if O is None:
+            O = torch.empty_like(q)
+            lse = torch.empty(q.shape[:3], dtype=torch.float64, device=q.device)
+        O[:, hq] = O_g  # the fp32 sum of the merges rounded once, into q's dtype
+        lse[:, hq] = lse_g
+        del O_g, lse_g
     return O, lse
 
 
-def _forward_heads(q, k, v, out, causal: bool, scale: float, ring: _Ring):
-    """These heads' O and lse written into ``out`` (views of the whole ones) in one ring. The merge runs on an
-    fp32 O (each merge in fp16 would round once more) and on ``out``'s float64 lse itself; the fp32 O is
-    rounded once into ``out`` at the end."""
-    O_out, lse = out
+def _forward_heads(q, k, v, causal: bool, scale: float, ring: _Ring):
+    """These heads' (O in float32, lse in float64) in one ring: the merges run on an fp32 O (each merge in
+    fp16 would round once more), which :func:`_forward` rounds into q's dtype."""
     n = q.shape[2]
     k_cur, v_cur = k.contiguous(), v.contiguous()  # what is sent must be contiguous
-    O = None
+    O = lse = None
     for step in range(ring.size):
         source = (ring.rank - step) % ring.size
         # The next block's transfer first, so it runs while this block is computed.
@@ -408,15 +412,14 @@ def _forward_heads(q, k, v, out, causal: bool, scale: float, ring: _Ring):
         rows, cols, blk_causal = block_visibility(ring.rank, source, n, causal)
         O_b, lse_b = _block_forward(_rows(q, rows), _rows(k_cur, cols), _rows(v_cur, cols), blk_causal, scale)
         if O is None:  # step 0 is the own block, which every local query sees
-            O = O_b.float()
-            lse.copy_(lse_b)
+            O, lse = O_b.float(), lse_b
         else:  # exact: notebook 02's merge of two partial softmaxes over disjoint key sets (O in fp32), in place
             merge_outputs(O[:, :, rows], lse[:, :, rows], O_b, lse_b, inplace=True)
         del O_b, lse_b  # before the next step allocates its own
         if incoming is not None:
             k_cur, v_cur = incoming.wait()
     del k_cur, v_cur  # the last visiting block
-    O_out.copy_(O)
+    return O, lse
 
 
 def _backward(q, k, v, O, lse, dO, causal: bool, scale: float, ring: _Ring):
