@@ -40,7 +40,10 @@ def _worker(rank, port, queue):
                 qs, ks, vs = (x.clone().requires_grad_() for x in shards[:3])
                 o = ring_attention(qs, ks, vs, causal=causal)
                 o.backward(shards[3])
-                out.append([x.detach().cpu() for x in (o, qs.grad, ks.grad, vs.grad)])
+                # NumPy arrays travel by value: a CPU tensor would travel as a file descriptor that its process
+                # shares only while it lives, and a rank may be gone before the parent unpickles it. float32 holds
+                # fp16 and bf16 exactly; the parent casts back.
+                out.append([x.detach().float().cpu().numpy() for x in (o, qs.grad, ks.grad, vs.grad)])
             ring_module.HEAD_GROUP_BYTES = default
         queue.put((rank, out))
         dist.barrier()
@@ -79,7 +82,8 @@ def test_ring_over_nccl_matches_the_reference():
                 *reference.attention_backward(q64, k64, v64, do64, causal=causal)]
         base = plain_with_features(*(x.cuda() for x in (q, k, v, do)), causal)
         for grouped in (0, 1):
-            full = [gather_sequence([got[r][2 * i + grouped][j] for r in range(WORLD)], causal) for j in range(4)]
+            full = [gather_sequence([torch.from_numpy(got[r][2 * i + grouped][j]).to(getattr(torch, dtype))
+                                     for r in range(WORLD)], causal) for j in range(4)]
             for name, x, r, b in zip(("o", "dq", "dk", "dv"), full, refs, base):
                 assert_within_tolerance(x, r, b.cpu(), factor=2.0 if name == "o" else 3.0,
                                         name=f"{name} {CASES[i]}{' a head a group' if grouped else ''}")
