@@ -98,16 +98,11 @@ def keep_layout(block_m: int, block_n: int, num_warps: int) -> gl.DistributedLin
 
 @functools.lru_cache(maxsize=None)
 def keep_t_layout(block_n: int, block_m: int, num_warps: int) -> gl.DistributedLinearLayout:
-    """:func:`keep_layout` for the transposed tile of the dK/dV kernels, keys in rows: the 4-D tensor (j // 16, j % 8,
-    i // 16, i % 8), lanes carrying j % 8 and bits 1-2 of i, registers bit 0 of i and the 16-query blocks. Each
-    thread then holds half of each Philox word it computes (the two halves of a word belong to neighbouring keys,
-    held four lanes apart), so the dK/dV kernel draws each call twice, as the teaching kernel's ``_keep_t`` does."""
     a_bits, w_bits, c_bits = (int(math.log2(x)) for x in (block_n // 16, num_warps, block_m // 16))
     warp_bases = [[1 << t, 0, 0, 0] for t in range(min(w_bits, a_bits))] + [[0, 0, 0, 0]] * max(0, w_bits - a_bits)
-    reg_bases = ([[0, 0, 0, 1]] + [[0, 0, 1 << t, 0] for t in range(c_bits)]
-                 + [[1 << t, 0, 0, 0] for t in range(w_bits, a_bits)])
-    lane_bases = [[0, 0, 0, 2], [0, 0, 0, 4], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]]
-    return gl.DistributedLinearLayout(reg_bases, lane_bases, warp_bases, [], [block_n // 16, 8, block_m // 16, 8])
+    reg_bases = [[0, 0, 1 << t, 0] for t in range(c_bits)] + [[1 << t, 0, 0, 0] for t in range(w_bits, a_bits)]
+    lane_bases = [[0, 0, 0, 1], [0, 0, 0, 2], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]]
+    return gl.DistributedLinearLayout(reg_bases, lane_bases, warp_bases, [], [block_n // 16, 8, block_m // 16, 4])
 
 
 @gluon.jit
@@ -162,22 +157,38 @@ def _keep(seed, bh, start_m, start_n, drop_below, BLOCK_M: gl.constexpr, BLOCK_N
 
 
 @gluon.jit
+def _swap_with_lane_4_apart(x):
+    return gl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, 4, 31, 0xffffffff;", "=r,r", [x], dtype=gl.uint32,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def _own_halves(r, selector):
+    """(this lane's key half of query i) | (of query i + 1) << 16, from its word r and the partner's."""
+    p = _swap_with_lane_4_apart(r)
+    return gl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [r, p, selector], dtype=gl.uint32,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
 def _keep_t(seed, bh, start_m, start_n, drop_below, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
             KEEP_LAYOUT: gl.constexpr, s_layout: gl.constexpr):
-    """:func:`_keep`'s mask transposed: the (keys start_n : +BLOCK_N) x (queries start_m : +BLOCK_M) tile, in the
-    accumulator layout ``s_layout`` of the dK/dV kernels (``flashref.triton.forward._keep_t``, the same bits);
-    ``KEEP_LAYOUT`` is :func:`keep_t_layout`'s for this tile and warp count."""
-    # a: j // 16, b: bits 0-2 of j, c: i // 16, e: bits 0-2 of i
-    a, b, c, e = _axes4(BLOCK_N // 16, 8, BLOCK_M // 16, 8, KEEP_LAYOUT)
-    key = ((start_n // 16 + a) * 8 + b).to(gl.uint32)  # j without bit 3
-    qry = ((start_m // 16 + c) * 8 + e).to(gl.uint32)  # i without bit 3
+    a, b, c, e = _axes4(BLOCK_N // 16, 8, BLOCK_M // 16, 4, KEEP_LAYOUT)
+    key = ((start_n // 16 + a) * 8 + b).to(gl.uint32)
+    parity = (b & 1).to(gl.uint32)
+    qry = ((start_m // 16 + c) * 8 + e * 2).to(gl.uint32) + parity
     zero = key * 0 + qry * 0
     r0, r1, r2, r3 = _philox(seed, (key >> 1) + zero, qry + zero, zero + bh.to(gl.uint32), zero, PHILOX_ROUNDS)
+    # even lane: lo(r) | lo(partner) << 16 (bytes 0 1 4 5); odd lane: hi(partner) | hi(r) << 16 (bytes 6 7 2 3)
+    selector = gl.where(parity == 0, 0x5410, 0x3276).to(gl.uint32) + zero
+    y0 = _own_halves(r0, selector)
+    y1 = _own_halves(r1, selector)
+    y2 = _own_halves(r2, selector)
+    y3 = _own_halves(r3, selector)
+    w = gl.join(gl.join(y0, y2), gl.join(y1, y3))  # (a, b, c, e, bit3(i), bit3(j))
     t = drop_below.to(gl.uint32) << 16
-    shift = (16 - 16 * (b & 1)).to(gl.uint32)  # half j % 2 of each word, moved to the top
-    kept = gl.join(gl.join((r0 << shift) >= t, (r2 << shift) >= t),
-                   gl.join((r1 << shift) >= t, (r3 << shift) >= t))  # (a, b, c, e, bit3(i), bit3(j))
-    kept = gl.permute(kept, (0, 5, 1, 2, 4, 3))  # (a, bit3(j), b, c, bit3(i), e): j, i in order
+    kept = gl.join((w << 16) >= t, w >= t)  # (a, b, c, e, bit3(i), bit3(j), bit0(i))
+    kept = gl.permute(kept, (0, 5, 1, 2, 4, 3, 6))  # (a, bit3(j), b, c, bit3(i), e, bit0(i)): j, i in order
     return gl.convert_layout(gl.reshape(kept, (BLOCK_N, BLOCK_M)), s_layout)
 
 
