@@ -434,7 +434,7 @@ def _backward(q, k, v, O, lse, dO, causal: bool, scale: float, ring: _Ring):
     return dQ, dK, dV
 
 
-def _backward_heads(q, k, v, O, lse, dO, out, causal: bool, scale: float, ring: _Ring, hide_first=True):
+def _backward_heads(q, k, v, O, lse, dO, out, causal: bool, scale: float, ring: _Ring, hide_first: bool):
     """The gradients of these heads written into ``out`` = (dQ, dK, dV) (views of the whole gradients), in two
     rings that each run one of the two backward kernels. First this rank's queries go round (Q, dO and the row
     statistics m2, l2, D: what the dK/dV kernel reads of a query) and dK, dV sum their shares locally; then the
@@ -456,7 +456,8 @@ class _Transfers:
     shares are summed into the gradients. Then the buffers that receive the next block do not exist beside
     step 0's shares (the own block's, whole: the largest of the ring), and on two ranks, where the sum is the
     gradient itself (:class:`_GradientSum`), a rank holds two of the group's tensors beside its eight, not
-    four. The price is each group's first transfer waiting unhidden: one group's block, milliseconds, beside
+    four; a group of several heads also copies half a block in a causal step (a strided slice of its heads),
+    three in all (measured: 8 + 3/G shard tensors at G groups, 8 + 2/G with one head a group). The price is each group's first transfer waiting unhidden: one group's block, milliseconds, beside
     the seconds that a step of such a shard computes."""
 
     def __init__(self, ring, tag, hide_first: bool):
@@ -524,7 +525,7 @@ def _chunks(index: slice, n: int, causal: bool) -> list:
     return [slice(a, min(a + _CHUNK, stop)) for a in range(start, stop, _CHUNK)]
 
 
-def _dq_ring(q, k, v, stats, delta, dO, dQ, causal, scale, ring, hide_first=True):
+def _dq_ring(q, k, v, stats, delta, dO, dQ, causal, scale, ring, hide_first: bool):
     """dQ, written into ``dQ``: this rank's queries against every rank's K/V block, its shares summed
     (:class:`_GradientSum`), a whole block's rows in pieces (:func:`_chunks`)."""
     n = q.shape[2]
@@ -547,7 +548,7 @@ def _dq_ring(q, k, v, stats, delta, dO, dQ, causal, scale, ring, hide_first=True
     total.finish()
 
 
-def _dkdv_ring(q, k, v, stats, delta, dO, out, causal, scale, ring, hide_first=True):
+def _dkdv_ring(q, k, v, stats, delta, dO, out, causal, scale, ring, hide_first: bool):
     """(dK, dV), written into ``out``: every rank's queries (Q, dO, m2, l2, D) against this rank's K/V, the
     shares summed as dQ's are, a whole block's columns in pieces. At step t this rank holds the queries of rank
     ``rank - t``, so the visible part is ``block_visibility(source, rank)``: rows of the visiting queries,

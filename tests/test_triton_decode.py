@@ -293,6 +293,30 @@ def test_launch_cache_reuses_only_what_the_data_cannot_change():
         flash_decode(q, k[:1], v[:1], seqlens, causal=True, check_finite=False)
 
 
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_launch_cache_gives_the_checked_calls_outputs(num_splits):
+    """The cached launches write into a fresh output and one workspace (partial O, partial lse and, unless
+    returned, lse): with and without return_lse, split or direct, a call taken by the cache returns exactly
+    what the checked first call of its signature returned, and new data gets a new answer."""
+    q, k, v, _ = _inputs(2, 4, 2, 3, 90, 16, torch.float32, 8)
+    seqlens = torch.tensor([90, 33], dtype=torch.int32, device=DEVICE)
+    decode._LAUNCHES.clear()
+    for return_lse in (True, False):
+        kw = dict(causal=True, num_splits=num_splits, return_lse=return_lse, check_finite=False)
+        checked = flash_decode(q, k, v, seqlens, **kw)
+        cached = [flash_decode(q, k, v, seqlens, **kw) for _ in range(2)]
+        as_pair = (lambda out: out) if return_lse else (lambda out: (out,))
+        for out in cached:
+            assert all(torch.equal(got, want) for got, want in zip(as_pair(out), as_pair(checked)))
+        assert as_pair(cached[0])[0].data_ptr() != as_pair(cached[1])[0].data_ptr()  # each call its own o
+    assert len(decode._LAUNCHES) == 2
+    q2 = torch.randn_like(q)
+    o2, lse2 = flash_decode(q2, k, v, seqlens, causal=True, num_splits=num_splits, return_lse=True, check_finite=False)
+    ref_o, ref_lse = _reference(q2, k, v, seqlens, True)
+    np.testing.assert_allclose(_np64(o2), ref_o, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(_np64(lse2), ref_lse, rtol=0, atol=1e-5)
+
+
 def test_kv_cache_prefill_then_decode():
     """Append a prompt, attend with its queries (causal), then decode token by token: each step equals
     flash_decode on the concatenated cache and the float64 reference."""

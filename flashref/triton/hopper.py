@@ -98,6 +98,11 @@ def keep_layout(block_m: int, block_n: int, num_warps: int) -> gl.DistributedLin
 
 @functools.lru_cache(maxsize=None)
 def keep_t_layout(block_n: int, block_m: int, num_warps: int) -> gl.DistributedLinearLayout:
+    """:func:`keep_layout` for the dK/dV kernels' transposed tiles (keys in rows, queries in columns): a layout of the
+    4-D tensor (j // 16, j % 8, i // 16, (i // 2) % 4) that puts each Philox counter in the thread whose accumulator
+    holds rows (keys) j and j + 8 and columns (queries) i, i + 1, i + 8, i + 9. A call is (key pair j // 2, query
+    i), so a thread's eight entries need two calls, one for query i and one for i + 1, and each uses half of every
+    word: :func:`_keep_t` makes each lane draw one of the two and trade halves with its partner."""
     a_bits, w_bits, c_bits = (int(math.log2(x)) for x in (block_n // 16, num_warps, block_m // 16))
     warp_bases = [[1 << t, 0, 0, 0] for t in range(min(w_bits, a_bits))] + [[0, 0, 0, 0]] * max(0, w_bits - a_bits)
     reg_bases = [[0, 0, 1 << t, 0] for t in range(c_bits)] + [[1 << t, 0, 0, 0] for t in range(w_bits, a_bits)]
@@ -158,6 +163,8 @@ def _keep(seed, bh, start_m, start_n, drop_below, BLOCK_M: gl.constexpr, BLOCK_N
 
 @gluon.jit
 def _swap_with_lane_4_apart(x):
+    """The 32-bit ``x`` of the lane four apart (lane ^ 4, ``shfl.sync.bfly``): in a wgmma accumulator the lanes
+    that hold keys j and j + 1 of the same rows (queries) are four apart."""
     return gl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, 4, 31, 0xffffffff;", "=r,r", [x], dtype=gl.uint32,
                                      is_pure=True, pack=1)
 
@@ -173,6 +180,17 @@ def _own_halves(r, selector):
 @gluon.jit
 def _keep_t(seed, bh, start_m, start_n, drop_below, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
             KEEP_LAYOUT: gl.constexpr, s_layout: gl.constexpr):
+    """:func:`_keep`'s mask of the same queries and keys, transposed: the (keys start_n : +BLOCK_N) x (queries
+    start_m : +BLOCK_M) tile that the dK/dV kernels hold, in their accumulator layout ``s_layout`` (``KEEP_LAYOUT`` is
+    :func:`keep_t_layout`'s), bit for bit the teaching kernel's (``flashref.triton.forward._keep_t``).
+
+    A word of a call holds the 16-bit numbers of two neighbouring keys (j even in its low half, j + 1 in its high
+    half) for one query; the accumulator gives keys j and j + 1 to lanes four apart, and queries i and i + 1 to the
+    same lane. So every Philox call is drawn once: the lane of even j draws query i's call and its partner (the lane
+    four apart) query i + 1's, they swap words (:func:`_swap_with_lane_4_apart`), and one ``prmt`` a word puts this
+    lane's two halves side by side, the half of query i low (selector 0x5410 on the even lane: bytes 0-1 of its
+    own word, then 0-1 of the partner's; 0x3276 on the odd lane: bytes 2-3 of the partner's, then 2-3 of its own).
+    The comparisons are then :func:`_keep`'s: each lane draws one call where it uses half of two."""
     a, b, c, e = _axes4(BLOCK_N // 16, 8, BLOCK_M // 16, 4, KEEP_LAYOUT)
     key = ((start_n // 16 + a) * 8 + b).to(gl.uint32)
     parity = (b & 1).to(gl.uint32)
@@ -946,13 +964,14 @@ def block_mask_config(head_dim: int, block_size: int = 128) -> dict:
     forward's time over the tile's, kernels alone.
 
     d = 64: :func:`default_config`'s tile (64 x 128, one warpgroup, one stage, with :func:`_occupancy_options`' register
-    cap): 1.07-1.17x, where the warp-specialized tile gave 0.95-1.14x. d = 128 and 256 with blocks of 128 keys or a
+    cap): 1.09-1.18x, where the warp-specialized tile gave 0.93-1.13x. d = 128 and 256 with blocks of 128 keys or a
     multiple: the warp-specialized tile of the dense forward (a producer warp reads the lists and loads the listed
-    tiles; two consumer warpgroups of 64 rows). At d = 128 it measured 1.12-1.41x, where the best tile without warp
-    specialization (64 x 64, one warpgroup, three stages) gave 0.95-1.22x; at d = 256 1.54-1.94x, where the default's
-    two-warpgroup 128 x 64 tile gave 1.39-1.60x. With ping-pong the same tile measured 0.92-1.13x its speed without,
-    mask by mask: no steady gain, so it stays off as in the dense forward. Smaller blocks take 64 x 64 tiles of one
-    warpgroup (three stages at d = 128, two at d = 256, where a third does not fit in shared memory); at d = 64 they
+    tiles; two consumer warpgroups of 64 rows). At d = 128 it measured 1.22-1.42x, where the best tile without warp
+    specialization (64 x 64, one warpgroup, two or three stages) gave 0.96-1.22x; at d = 256 1.54-1.95x, where the
+    default's two-warpgroup 128 x 64 tile gave 1.41-1.59x. With ping-pong the same tile measured 1.26-1.39x at d = 128
+    and 1.52-1.89x at d = 256: no steady gain, so it stays off as in the dense forward. Smaller blocks take 64 x 64
+    tiles of one warpgroup (three stages at d = 128, two at d = 256, where a third does not fit in shared memory); at
+    d = 64 they
     keep the teaching kernel."""
     if head_dim >= 128:
         if block_size % 128 == 0:
