@@ -317,6 +317,25 @@ def test_launch_cache_gives_the_checked_calls_outputs(num_splits):
     np.testing.assert_allclose(_np64(lse2), ref_lse, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [(1, 4, 1, 16, 3), (3, 6, 5, 24, 7), (2, 8, 16, 80, 2)])
+def test_launch_workspace_parts_start_on_256_byte_boundaries(shape):
+    """The cached launch's one workspace holds the partial O, the partial lse and lse, each part starting a
+    multiple of 256 bytes from the workspace's start (the kernels were compiled for 16-byte aligned pointers)
+    and none overlapping the next; the parts have the shapes the kernels write."""
+    B, H, N_q, d, S = shape
+    q = torch.zeros(B, H, N_q, d)
+    k = torch.zeros(B, 1, 64, d)
+    plan = dict(decode_plan(q, k, num_splits=S), num_splits=S)
+    launch = decode._Launch(q, k, k, False, 1.0, plan, {}, None)
+    work = torch.empty(launch.workspace, dtype=torch.float32)
+    parts = launch.parts(work)
+    assert [tuple(x.shape) for x in parts] == [(B, H, S, N_q, d), (B, H, S, N_q), (B, H, N_q)]
+    starts = [(x.data_ptr() - work.data_ptr()) for x in parts]
+    assert all(at % 256 == 0 for at in starts)
+    ends = [at + x.numel() * 4 for at, x in zip(starts, parts)]
+    assert ends[0] <= starts[1] and ends[1] <= starts[2] and ends[2] <= launch.workspace * 4
+
+
 def test_kv_cache_prefill_then_decode():
     """Append a prompt, attend with its queries (causal), then decode token by token: each step equals
     flash_decode on the concatenated cache and the float64 reference."""
