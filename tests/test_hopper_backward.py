@@ -80,8 +80,8 @@ def test_compiles_for_the_h100_without_spills():
     and 3.7) and is still 5-13% faster on the H100 than the one-warpgroup kernel that does not spill
     (default_config's docstring); the d = 64 dK/dV kernel with dropout spilled 100 bytes (non-causal) while each
     thread drew every Philox call it needed, and compiles without spills with Triton 3.7 since pairs of lanes
-    trade the halves of one call (hopper._keep_t): its bound stays until Triton 3.6, the GPU machine's, is
-    checked again; and the d = 64 dK/dV kernel with a window and ALiBi, non-causal, by 4
+    trade the halves of one call (hopper._keep_t); under Triton 3.6, the GPU machine's, this test passed with
+    the bound kept (its figure there not read), so the bound stays; and the d = 64 dK/dV kernel with a window and ALiBi, non-causal, by 4
     bytes since its tiles without a mask run in a loop of their own, 0.86x the time of a mask on every tile
     (dkdv_masks). With dropout the mask's Philox constants are in the PTX, and at the same tile no more shared
     memory than without it (the mask is drawn in the accumulator's own registers)."""
