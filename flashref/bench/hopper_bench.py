@@ -37,11 +37,13 @@ STEPS = [
     ("+ intra-warpgroup overlap, as written",
      dict(block_m=128, block_n=128, num_warps=8, stages=3, overlap=True, warp_specialize=False)),
     ("smaller programs, several an SM", dict(warp_specialize=False)),
-    ("warp specialization: a producer warp, two consumer warpgroups", dict(warp_specialize=True, pingpong=False)),
-    ("+ ping-pong between the consumers", dict(warp_specialize=True, pingpong=True)),
+    ("warp specialization: a producer warp, two consumer warpgroups",
+     dict(warp_specialize=True, pingpong=False, overlap=False)),
+    ("+ ping-pong between the consumers", dict(warp_specialize=True, pingpong=True, overlap=False)),
+    ("warp specialization + overlap inside each consumer", dict(warp_specialize=True, pingpong=False, overlap=True)),
 ]
 #: The FP8 forward's switches: warp-specialized, 128 keys a tile at every d (8-bit tiles take half the room).
-FP8 = dict(warp_specialize=True, block_n=128, pingpong=True)
+FP8 = dict(warp_specialize=True, block_n=128, pingpong=True, overlap=False)
 #: The steps measured at d = 256 (the 128 x 128 tiles of the first three do not fit its shared memory).
 STEPS_D256 = STEPS[3:]
 GRID = [(d, N, causal) for d in (64, 128) for N in (4096, 16384) for causal in (False, True)]

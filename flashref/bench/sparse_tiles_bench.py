@@ -41,7 +41,7 @@ CANDIDATES = {
 for _d in CANDIDATES:
     CANDIDATES[_d] = [dict(t, warp_specialize=False, pingpong=False) for t in CANDIDATES[_d]]
     CANDIDATES[_d] += [dict(block_m=128, block_n=128 if _d <= 128 else 64, num_warps=4, stages=2,
-                            warp_specialize=True, pingpong=pp) for pp in (False, True)]
+                            warp_specialize=True, pingpong=pp, overlap=False) for pp in (False, True)]
 SHAPES = [(1, 16, 16384), (4, 16, 4096)]
 BLOCK = 128
 

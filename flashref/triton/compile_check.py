@@ -135,7 +135,9 @@ def compile_hopper(head_dim: int, switches: dict | None = None, causal: bool = F
     elif block_size is not None and not switches:  # the tile flash_attention runs a block mask on
         cfg = hopper.block_mask_config(head_dim, block_size)
     else:
-        cfg = hopper.config(head_dim, **dict(switches or {}, **({"warp_specialize": True} if fp8 else {})))
+        # FP8 runs warp-specialized, without overlap (as fp8_attention does)
+        fp8_switches = {"warp_specialize": True, "overlap": False} if fp8 else {}
+        cfg = hopper.config(head_dim, **dict(switches or {}, **fp8_switches))
     ty, gdt = {"float16": ("fp16", gl.float16), "bfloat16": ("bf16", gl.bfloat16),
                "float8_e4m3": ("fp8e4nv", gl.float8e4nv)}[dtype]
     q_block, kv_block = hopper._descriptor_blocks(cfg, head_dim)
@@ -229,12 +231,49 @@ def wgmma_report() -> str:
             f"waits for the tensor cores: {len(waits)}; waits until no product is in flight: {waits.count(0)}")
 
 
+def sass(compiled) -> str:
+    """The SASS (the GPU's own instructions, after ptxas) of a compiled kernel, as the ``cuobjdump`` that ships
+    beside Triton's ``ptxas`` disassembles its cubin."""
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    tool = os.path.join(os.path.dirname(get_ptxas(90).path), "cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "kernel.cubin")
+        with open(cubin, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        return subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+
+
+def exponentials_under_a_product(sass_text: str) -> int:
+    """The most exponentials (``MUFU.EX2``) the SASS runs between a wait that leaves one product in flight
+    (``WARPGROUP.DEPBAR.LE gsb0, 0x1``) and the next wait for every product (``0x0``): the softmax work that
+    overlaps a product on the tensor cores inside one warpgroup. 0 where the wait for the product comes first."""
+    import re
+
+    best, counting, n = 0, False, 0
+    for op in re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x([01])|(MUFU\.EX2)", sass_text):
+        if op[0] == "1":
+            counting, n = True, 0
+        elif op[0] == "0":
+            if counting:
+                best = max(best, n)
+            counting = False
+        elif counting:
+            n += 1
+    return best
+
+
 def hopper_report(head_dim: int = 128) -> str:
     """For each step of :data:`flashref.bench.hopper_bench.STEPS`, what the Gluon forward compiled for an H100
     holds: shared memory, registers a thread (so programs an SM), its TMA copies, wgmma instructions, its
-    waits for the tensor cores (``wait 1`` lets one product run on while the program goes on) and, when
-    warp-specialized, the register counts ``setmaxnreg`` sets: 24 a thread for the producer, 240 for each consumer
-    (256 is the kernel's own warps before they split, 120 the workers' while they wait for their partition)."""
+    waits for the tensor cores (``wait 1`` lets one product run on while the program goes on), the exponentials
+    its SASS runs while a product is in flight (:func:`exponentials_under_a_product`: the PTX's order is not the
+    GPU's) and, when warp-specialized, the register counts ``setmaxnreg`` sets: 24 a thread for the producer, 240
+    for each consumer (256 is the kernel's own warps before they split, 120 the workers' while they wait for their
+    partition)."""
     import re
 
     from flashref.bench.hopper_bench import STEPS
@@ -251,7 +290,8 @@ def hopper_report(head_dim: int = 128) -> str:
         regs = f"setmaxnreg {'/'.join(map(str, moves))}" if moves else f"{use['registers']} registers"
         lines.append(f"  {name}: {k.metadata.shared // 1024} KB shared, {warps} warps, {regs}, "
                      f"{per_sm} program(s) an SM, {ptx.count('cp.async.bulk.tensor')} TMA copies, "
-                     f"{ptx.count('wgmma.mma_async')} wgmma, waits {' '.join(waits)}")
+                     f"{ptx.count('wgmma.mma_async')} wgmma, waits {' '.join(waits)}, "
+                     f"exp2 under a product {exponentials_under_a_product(sass(k))}")
     return "\n".join(lines)
 
 

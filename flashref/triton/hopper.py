@@ -15,16 +15,18 @@ products (wgmma). The switches of :func:`hopper_forward`, each measured on its o
     while one program computes exponentials, another keeps the tensor cores busy.
 ``overlap``
     Intra-warpgroup overlap, written as FlashAttention-3 does: S_j = Q K_j^T and O += P_{j-1} V_{j-1}
-    are issued, the program waits for S_j only, runs softmax j, then waits for O. Needs ``stages >= 3``.
-    Read in the SASS: ptxas (CUDA 13) moves the wait for O up to before softmax j's exponentials, so
-    P V and the exponentials do not overlap after all. What remains is two products queued back to back
-    (S_j behind P_{j-1} V_{j-1}), worth a few percent where the registers still allow the same occupancy.
+    are issued, the program waits for S_j only, runs softmax j, then waits for O. Without warp specialization
+    it needs ``stages >= 3``, and read in the SASS, ptxas (CUDA 13) moves the wait for O up to before softmax
+    j's exponentials, so P V and the exponentials do not overlap after all. What remains is two products queued
+    back to back (S_j behind P_{j-1} V_{j-1}), worth a few percent where the registers still allow the same
+    occupancy. With ``warp_specialize`` each consumer runs this order with the wait for O in a basic block of
+    its own (:func:`_ws_rounds_overlapped`), where ptxas leaves it after the exponentials: the overlap is real.
 ``warp_specialize``
     A second kernel (:func:`hopper_ws_fwd_kernel`) whose warps do different jobs, as FlashAttention-3's do: one
     producer warp issues every TMA copy and waits only for free slots; two consumer warpgroups of 64 rows each
     issue products and compute softmax. ``setmaxnreg`` moves registers from the producer (24 a thread) to the
     consumers (240). A consumer's round issues P_{t-1} V_{t-1} and S_t back to back, waits for both, then runs
-    softmax t.
+    softmax t (with ``overlap``, softmax t runs under P_{t-1} V_{t-1}).
 ``pingpong``
     With ``warp_specialize``: the consumers take turns, an mbarrier handing the tensor cores from one to the other,
     so one warpgroup's exponentials run while the other's products do.
@@ -673,9 +675,15 @@ def _ws_rounds(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns, acc
                row_o: gl.constexpr, p_layout: gl.constexpr, s_layout: gl.constexpr, ROWS: gl.constexpr,
                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr, CAUSAL: gl.constexpr,
                WINDOW: gl.constexpr, PINGPONG: gl.constexpr, FP8: gl.constexpr, P_SHIFT: gl.constexpr,
-               LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr):
+               LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr, OVERLAP: gl.constexpr = False):
     """A consumer's rounds over its n_tiles >= 1 key tiles (in round t tile j_lo + t, or with a block mask the
-    list's tile t_lo + t): (acc, m, l) at the end. A tile's index is read while its scores are in flight."""
+    list's tile t_lo + t): (acc, m, l) at the end. A tile's index is read while its scores are in flight.
+    OVERLAP: :func:`_ws_rounds_overlapped`'s order instead."""
+    if OVERLAP:
+        return _ws_rounds_overlapped(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns, acc, m_i, l_i,
+                                     s_zero, q_scale, k_scales, j_lo, n_tiles, lo_full, n_full, list_row, t_lo,
+                                     start_m, N_k, win_left, win_right, row_o, p_layout, s_layout, ROWS, BLOCK_N,
+                                     STAGES, WG, CAUSAL, WINDOW, PINGPONG, FP8, P_SHIFT, LISTED, BLOCK_SIZE)
     # Round 0: S_0 alone.
     _take_turn(turns, 0, WG, PINGPONG)
     mbarrier.wait(k_ready.index(0), 0)
@@ -715,11 +723,81 @@ def _ws_rounds(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns, acc
 
 
 @gluon.jit
+def _opaque_positive(t):
+    """t > 0 for a t >= 1, through an instruction the compilers cannot see into, so that neither can decide it."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [t], dtype=gl.int32, is_pure=True, pack=1) > 0
+
+
+@gluon.jit
+def _ws_rounds_overlapped(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns, acc, m_i, l_i, s_zero,
+                          q_scale, k_scales, j_lo, n_tiles, lo_full, n_full, list_row, t_lo, start_m, N_k, win_left,
+                          win_right, row_o: gl.constexpr, p_layout: gl.constexpr, s_layout: gl.constexpr,
+                          ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr,
+                          CAUSAL: gl.constexpr, WINDOW: gl.constexpr, PINGPONG: gl.constexpr, FP8: gl.constexpr,
+                          P_SHIFT: gl.constexpr, LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr):
+    """:func:`_ws_rounds` with FlashAttention-3's intra-warpgroup overlap: round t rescales O by alpha_{t-1},
+    issues S_t = Q K_t^T, then O += P_{t-1} V_{t-1}, waits for S_t alone (``warpgroup_mma_wait(1)``) and runs
+    softmax t while P_{t-1} V_{t-1} is still on the tensor cores; then it waits for O.
+
+    Where that last wait stands decides everything. ptxas (read in the SASS, CUDA 12.8 and 13) schedules a wgmma
+    wait at the top of the basic block it is in: written after the exponentials in their own block, it runs
+    before them, and the overlap is gone (what :func:`hopper_fwd_kernel`'s ``overlap`` shows). Here the wait
+    stands in a block of its own, behind a branch on ``t > 0`` that the compilers cannot decide (t >= 1, so it is
+    always taken); the other side of the branch waits too, on other registers, so that LLVM does not merge the
+    two sides back into one block."""
+    _take_turn(turns, 0, WG, PINGPONG)
+    mbarrier.wait(k_ready.index(0), 0)
+    S = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    _give_turn(turns, WG, PINGPONG)
+    tile = _tile_of(0, j_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_N)
+    S = warpgroup_mma_wait(0, deps=[S])
+    mbarrier.arrive(k_empty.index(0), count=1)
+    s_scale = q_scale
+    if FP8:
+        s_scale = q_scale * gl.load(k_scales + tile)
+    P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, tile, lo_full, n_full, start_m, N_k, s_scale, win_left,
+                                       win_right, ROWS, BLOCK_N, CAUSAL, WINDOW, s_layout, P_SHIFT)
+    for t in range(1, n_tiles):
+        slot = t % STAGES
+        prev = (t - 1) % STAGES
+        # O is rescaled now, while no product writes it
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        p = gl.convert_layout(P.to(v_smem.dtype), p_layout)
+        _take_turn(turns, t, WG, PINGPONG)
+        mbarrier.wait(k_ready.index(slot), (t // STAGES) & 1)
+        S = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(prev), ((t - 1) // STAGES) & 1)
+        acc = warpgroup_mma(p, _v_operand(v_smem, prev, FP8), acc, is_async=True)
+        _give_turn(turns, WG, PINGPONG)
+        tile = _tile_of(t, j_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_N)
+        S = warpgroup_mma_wait(1, deps=[S])  # S_t is done; P_{t-1} V_{t-1} may still run
+        mbarrier.arrive(k_empty.index(slot), count=1)
+        s_scale = q_scale
+        if FP8:
+            s_scale = q_scale * gl.load(k_scales + tile)
+        P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, tile, lo_full, n_full, start_m, N_k, s_scale,
+                                           win_left, win_right, ROWS, BLOCK_N, CAUSAL, WINDOW, s_layout, P_SHIFT)
+        if _opaque_positive(t):  # always: the wait for P_{t-1} V_{t-1}, in a block of its own
+            done, S = _wait_products(acc, p, s_zero, FP8)
+        else:
+            done, S = warpgroup_mma_wait(0, deps=[acc, s_zero])
+        acc = done
+        mbarrier.arrive(v_empty.index(prev), count=1)
+    # The last tile's P V alone.
+    last = (n_tiles - 1) % STAGES
+    acc, p = _issue_pv(acc, alpha, P, v_smem, v_ready, turns, n_tiles, row_o, p_layout, STAGES, WG, PINGPONG, FP8)
+    _give_turn(turns, WG, PINGPONG)
+    acc, S = _wait_products(acc, p, s_zero, FP8)
+    mbarrier.arrive(v_empty.index(last), count=1)
+    return acc, m_i, l_i
+
+
+@gluon.jit
 def _ws_consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turns, O, LSE, M2, L2,
                  QS, KS, VS, pid_m, bh, N_q, N_k, qk_scale, win_left, win_right, LISTS, stride_lb, stride_lh,
                  stride_li, H, WG: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, PINGPONG: gl.constexpr,
-                 FP8: gl.constexpr, LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr):
+                 FP8: gl.constexpr, LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr, OVERLAP: gl.constexpr):
     """Consumer warpgroup WG (4 warps) owns rows [WG * BLOCK_M/2, +BLOCK_M/2) of the program's tile. Round t
     issues O += P_{t-1} V_{t-1} and S_t = Q K_t^T back to back, waits for both, frees their slots, then runs
     softmax t. With PINGPONG, the rounds of the two warpgroups take turns on the tensor cores: one issues its
@@ -762,12 +840,13 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_em
             acc, m_i, l_i = _ws_rounds(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns, acc, m_i, l_i,
                                        s_zero, q_scale, k_scales, j_lo, n_tiles, lo_full, n_full, list_row, t_lo,
                                        start_m, N_k, win_left, win_right, row_o, p_layout, s_layout, ROWS, BLOCK_N,
-                                       STAGES, WG, CAUSAL, WINDOW, PINGPONG, FP8, P_SHIFT, LISTED, BLOCK_SIZE)
+                                       STAGES, WG, CAUSAL, WINDOW, PINGPONG, FP8, P_SHIFT, LISTED, BLOCK_SIZE,
+                                       OVERLAP)
     else:
         acc, m_i, l_i = _ws_rounds(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns, acc, m_i, l_i,
                                    s_zero, q_scale, k_scales, j_lo, n_tiles, lo_full, n_full, list_row, t_lo,
                                    start_m, N_k, win_left, win_right, row_o, p_layout, s_layout, ROWS, BLOCK_N,
-                                   STAGES, WG, CAUSAL, WINDOW, PINGPONG, FP8, P_SHIFT, LISTED, BLOCK_SIZE)
+                                   STAGES, WG, CAUSAL, WINDOW, PINGPONG, FP8, P_SHIFT, LISTED, BLOCK_SIZE, OVERLAP)
     if FP8:  # undo the 2^8 on P (in acc and l alike) and V's scale
         acc = acc * (gl.load(VS + bh) / 256.0)
         l_i = l_i / 256.0
@@ -779,7 +858,7 @@ def hopper_ws_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, QS, KS, VS, N_q
                          LISTS, stride_lb, stride_lh, stride_li, H, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
                          FP8: gl.constexpr, WINDOW: gl.constexpr, LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-                         num_warps: gl.constexpr):
+                         num_warps: gl.constexpr, OVERLAP: gl.constexpr = False):
     """The warp-specialized forward: program (pid_m, bh) as in :func:`hopper_fwd_kernel`, its work split among
     three partitions. The kernel's own 4 warps are consumer warpgroup 0; a worker warpgroup of 4 is consumer 1;
     one worker warp is the producer. The launch caps registers so that 12 warps fit an SM, and the partitions'
@@ -816,14 +895,14 @@ def hopper_ws_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, QS, KS, VS, N_q
         (_ws_consumer, (q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turns, O, LSE, M2, L2,
                         QS, KS, VS, pid_m, bh, N_q, N_k, qk_scale, win_left, win_right, LISTS, stride_lb, stride_lh,
                         stride_li, H, 0, HEAD_D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, PINGPONG, FP8, LISTED,
-                        BLOCK_SIZE)),
+                        BLOCK_SIZE, OVERLAP)),
         (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
                         pid_m, bh, N_q, N_k, win_left, win_right, LISTS, stride_lb, stride_lh, stride_li, H, HEAD_D,
                         BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, FP8, LISTED, BLOCK_SIZE)),
         (_ws_consumer, (q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turns, O, LSE, M2, L2,
                         QS, KS, VS, pid_m, bh, N_q, N_k, qk_scale, win_left, win_right, LISTS, stride_lb, stride_lh,
                         stride_li, H, 1, HEAD_D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, PINGPONG, FP8, LISTED,
-                        BLOCK_SIZE)),
+                        BLOCK_SIZE, OVERLAP)),
     ], [1, 4], [24, 240])
 
 
@@ -852,13 +931,15 @@ def default_config(head_dim: int, warp_specialize: bool | None = None) -> dict:
     d = 64: one warpgroup over 64 x 128 tiles, four programs an SM, no warp specialization (it measured 0.9-1.1x
     there). d = 128 and 256: warp-specialized, a producer warp and two consumer warpgroups of 64 rows; ping-pong
     measured 0.84-1.13x of that in fp16 across two runs, no steadier than the runs' spread, so it is off (FP8,
-    where it measured 0.98-1.10x, gaining at N = 16K, keeps it on). ``warp_specialize`` picks the best tile of
-    either kind."""
+    where it measured 0.98-1.10x, gaining at N = 16K, keeps it on). At d = 256 each consumer overlaps its
+    softmax with its P V product (``overlap``): in two scratch runs on an H100 (fp16, B 8, H 8, N 4K) that was
+    1.05-1.07x without the causal mask and 1.02-1.04x with it; at d = 128, 0.97-1.04x, no steady gain, so it
+    is off there. ``warp_specialize`` picks the best tile of either kind."""
     if warp_specialize is None:
         warp_specialize = head_dim > 64
     if warp_specialize:
-        return dict(block_m=128, block_n=128 if head_dim <= 128 else 64, num_warps=4, stages=2, overlap=False,
-                    warp_specialize=True, pingpong=False)
+        return dict(block_m=128, block_n=128 if head_dim <= 128 else 64, num_warps=4, stages=2,
+                    overlap=head_dim > 128, warp_specialize=True, pingpong=False)
     if head_dim <= 64:
         return dict(block_m=64, block_n=128, num_warps=4, stages=1, overlap=False, warp_specialize=False,
                     pingpong=False)
@@ -894,11 +975,11 @@ def config(head_dim: int, **switches) -> dict:
     cfg = dict(default_config(head_dim, given.get("warp_specialize")), **given)
     if cfg["pingpong"] and not cfg["warp_specialize"]:
         raise ValueError("pingpong=True takes turns between the consumer warpgroups of warp_specialize=True")
-    if cfg["warp_specialize"] and (cfg["overlap"] or cfg["num_warps"] != 4 or cfg["block_m"] % 128):
-        raise ValueError(f"warp_specialize=True runs its own schedule: it needs overlap=False, num_warps=4 (one "
-                         f"consumer warpgroup) and block_m a multiple of 128 (two consumers of 64 rows or more), got "
-                         f"overlap={cfg['overlap']}, num_warps={cfg['num_warps']}, block_m={cfg['block_m']}")
-    if cfg["overlap"] and cfg["stages"] < 3:
+    if cfg["warp_specialize"] and (cfg["num_warps"] != 4 or cfg["block_m"] % 128):
+        raise ValueError(f"warp_specialize=True runs its own schedule: it needs num_warps=4 (one consumer warpgroup) "
+                         f"and block_m a multiple of 128 (two consumers of 64 rows or more), got "
+                         f"num_warps={cfg['num_warps']}, block_m={cfg['block_m']}")
+    if cfg["overlap"] and cfg["stages"] < 3 and not cfg["warp_specialize"]:
         raise ValueError(f"overlap=True needs stages >= 3 (K_j and V_(j-1) are in use while a third tile loads), "
                          f"got stages={cfg['stages']}")
     return cfg
@@ -913,7 +994,8 @@ def _descriptor_blocks(cfg: dict, head_dim: int):
 def kernel_and_constexprs(cfg: dict, head_dim: int, causal: bool, window: bool = False, dropout: bool = False,
                           block_size: int | None = None):
     """The Gluon kernel a config launches, its compile-time arguments and launch options. ``window``: the kernel
-    that bounds each row's keys (``win_left``, ``win_right``); the overlapped loop has none. ``dropout``: the
+    that bounds each row's keys (``win_left``, ``win_right``); the one-program overlapped loop has none (the
+    warp-specialized one has). ``dropout``: the
     kernel that drops P (``seed``, ``drop_below``, ``keep_scale``); the warp-specialized one has none.
     ``block_size``: the kernel that walks a block mask's lists of visible blocks (one warpgroup, two, or
     warp-specialized; without overlap, a window or dropout: :func:`block_mask_config`'s tile)."""
@@ -922,15 +1004,16 @@ def kernel_and_constexprs(cfg: dict, head_dim: int, causal: bool, window: bool =
     if block_size is not None and (cfg["overlap"] or window or dropout or not lists_fit(cfg, "fwd", block_size)):
         raise ValueError(f"a block mask runs a loop without overlap, without a window or dropout, on tiles that its "
                          f"blocks ({block_size}) hold whole; got {cfg}")
-    if window and cfg["overlap"]:
-        raise ValueError("overlap=True takes no window: its loop starts with a first key tile that a window may "
-                         "not have")
+    if window and cfg["overlap"] and not cfg["warp_specialize"]:
+        raise ValueError("overlap=True takes no window without warp_specialize: its loop starts with a first key "
+                         "tile that a window may not have")
     shape = dict(HEAD_D=head_dim, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"],
                  CAUSAL=bool(causal), WINDOW=bool(window), LISTED=block_size is not None,
                  BLOCK_SIZE=int(block_size or 1))
     if cfg["warp_specialize"]:
         # 12 warps (3 warpgroups) at WS_MAXNREG each fit the SM's 64K registers; the partitions then move them.
-        return (hopper_ws_fwd_kernel, dict(shape, PINGPONG=bool(cfg["pingpong"]), FP8=False, num_warps=4),
+        return (hopper_ws_fwd_kernel, dict(shape, PINGPONG=bool(cfg["pingpong"]), OVERLAP=bool(cfg["overlap"]),
+                                           FP8=False, num_warps=4),
                 dict(maxnreg=WS_MAXNREG))
     keep = keep_layout(cfg["block_m"], cfg["block_n"], cfg["num_warps"]) if dropout else None
     return (hopper_fwd_kernel, dict(shape, OVERLAP=bool(cfg["overlap"]), DROPOUT=bool(dropout), KEEP_LAYOUT=keep,
@@ -969,13 +1052,13 @@ def block_mask_config(head_dim: int, block_size: int = 128) -> dict:
     tiles; two consumer warpgroups of 64 rows). At d = 128 it measured 1.22-1.42x, where the best tile without warp
     specialization (64 x 64, one warpgroup, two or three stages) gave 0.96-1.22x; at d = 256 1.54-1.95x, where the
     default's two-warpgroup 128 x 64 tile gave 1.41-1.59x. With ping-pong the same tile measured 1.26-1.39x at d = 128
-    and 1.52-1.89x at d = 256: no steady gain, so it stays off as in the dense forward. Smaller blocks take 64 x 64
-    tiles of one warpgroup (three stages at d = 128, two at d = 256, where a third does not fit in shared memory); at
-    d = 64 they
-    keep the teaching kernel."""
+    and 1.52-1.89x at d = 256: no steady gain, so it stays off as in the dense forward; so does ``overlap``, which
+    the dense forward takes at d = 256 but this tile was not measured with. Smaller blocks take 64 x 64 tiles of
+    one warpgroup (three stages at d = 128, two at d = 256, where a third does not fit in shared memory); at d = 64
+    they keep the teaching kernel."""
     if head_dim >= 128:
-        if block_size % 128 == 0:
-            return default_config(head_dim, warp_specialize=True)
+        if block_size % 128 == 0:  # the tile measured: without overlap
+            return dict(default_config(head_dim, warp_specialize=True), overlap=False)
         return dict(block_m=64, block_n=64, num_warps=4, stages=3 if head_dim <= 128 else 2, overlap=False,
                     warp_specialize=False, pingpong=False)
     return default_config(head_dim, warp_specialize=False)
@@ -1120,7 +1203,7 @@ def fp8_attention(x: Fp8Inputs, causal=False, sm_scale=None, *, out_dtype=torch.
     B, H, N_q, d = x.q.shape
     N_k = x.k.shape[2]
     scale = d ** -0.5 if sm_scale is None else float(sm_scale)
-    cfg = config(d, warp_specialize=True, block_n=x.block_n, stages=stages, pingpong=pingpong)
+    cfg = config(d, warp_specialize=True, block_n=x.block_n, stages=stages, pingpong=pingpong, overlap=False)
     if cfg["block_m"] != 2 * FP8_Q_ROWS:
         raise ValueError(f"fp8_attention's Q scales cover {FP8_Q_ROWS} rows, one consumer's: block_m must be "
                          f"{2 * FP8_Q_ROWS}, got {cfg['block_m']}")
@@ -1149,7 +1232,7 @@ def hopper_fp8_forward(q, k, v, causal=False, sm_scale=None, *, incoherent=False
     d, scale = _check(q, k, v, causal, sm_scale)
     # 8-bit tiles take half the shared memory: 128 keys a tile at every head dim
     cfg = config(d, warp_specialize=True, block_n=128 if block_n is None else block_n, stages=stages,
-                 pingpong=pingpong)
+                 pingpong=pingpong, overlap=False)
     why = supported(q, k, v)
     if why is not None:
         raise ValueError(f"hopper_fp8_forward {why}")
