@@ -297,7 +297,7 @@ def step_table(results) -> str:
     for n, (step, _) in enumerate(STEPS, start=1):
         line(f"{n}. {step}", "flashref-hopper", step)
     for impl, label in FP8_ROWS:
-        line(label, impl, next(r["step"] for r in results if r["impl"] == impl))
+        line(label, impl, next(r["step"] for r in results if r["case"] == "fwd" and r["impl"] == impl))
     return "\n".join(lines)
 
 

@@ -295,7 +295,26 @@ def hopper_report(head_dim: int = 128) -> str:
     return "\n".join(lines)
 
 
-REPORTS = {"shared": shared_report, "wgmma": wgmma_report, "hopper": hopper_report}
+def overlap_report(head_dim: int = 128) -> str:
+    """Whether the softmax of the overlapped loops runs under P V on the GPU: for step 3 (one warpgroup, the wait
+    for O after the exponentials as written) and step 7 (each consumer, the wait in a block of its own) of
+    :data:`flashref.bench.hopper_bench.STEPS`, the exponentials a thread's SASS runs between the wait for S (one
+    product left in flight) and the wait for O: none, or the whole softmax (one per score a thread holds, and
+    alpha's)."""
+    from flashref.bench.hopper_bench import STEPS
+    from flashref.triton import hopper
+
+    lines = []
+    for name, switches in (STEPS[2], STEPS[6]):
+        k = compile_hopper(head_dim, switches)
+        scores = hopper.config(head_dim, **switches)["block_n"] // 2  # a warpgroup's 64 rows over its 128 threads
+        n = exponentials_under_a_product(sass(k))
+        under = "none" if n == 0 else "the whole softmax" if n >= scores else "part of the softmax"
+        lines.append(f"{name:52s} exponentials under P V: {under}")
+    return "\n".join(lines)
+
+
+REPORTS = {"shared": shared_report, "wgmma": wgmma_report, "hopper": hopper_report, "overlap": overlap_report}
 
 
 def report_in_child(name: str) -> str:

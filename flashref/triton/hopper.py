@@ -932,9 +932,10 @@ def default_config(head_dim: int, warp_specialize: bool | None = None) -> dict:
     there). d = 128 and 256: warp-specialized, a producer warp and two consumer warpgroups of 64 rows; ping-pong
     measured 0.84-1.13x of that in fp16 across two runs, no steadier than the runs' spread, so it is off (FP8,
     where it measured 0.98-1.10x, gaining at N = 16K, keeps it on). At d = 256 each consumer overlaps its
-    softmax with its P V product (``overlap``): in two scratch runs on an H100 (fp16, B 8, H 8, N 4K) that was
-    1.05-1.07x without the causal mask and 1.02-1.04x with it; at d = 128, 0.97-1.04x, no steady gain, so it
-    is off there. ``warp_specialize`` picks the best tile of either kind."""
+    softmax with its P V product (``overlap``): the benchmark's step 7 over step 5 (fp16, B 8, H 8, N 4K) is
+    1.07x without the causal mask and 1.05x with it (1.05-1.07x and 1.02-1.04x in two earlier runs); at d = 128
+    0.99-1.01x (0.97-1.04x before), no steady gain, so it is off there. ``warp_specialize`` picks the best tile
+    of either kind."""
     if warp_specialize is None:
         warp_specialize = head_dim > 64
     if warp_specialize:
