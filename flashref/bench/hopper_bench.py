@@ -382,8 +382,8 @@ def plot(data, point=(128, 16384, False)):
     results = data["results"]
     rows = [(label, _get(results, impl, point)) for impl, label in PEERS]
     rows += [(f"{n}. {step}", _get(results, "flashref-hopper", point, step)) for n, (step, _) in enumerate(STEPS, 1)]
-    rows += [(label, next(r for r in results if r["impl"] == impl and (r["d"], r["N"], r["causal"]) == point))
-             for impl, label in FP8_ROWS]
+    rows += [(label, next(r for r in results if r["case"] == "fwd" and r["impl"] == impl
+                          and (r["d"], r["N"], r["causal"]) == point)) for impl, label in FP8_ROWS]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [3, 2]})
     colours = ["0.6"] * len(PEERS) + ["tab:blue"] * len(STEPS) + ["tab:orange"] * len(FP8_ROWS)
     ax.barh(range(len(rows)), [r["tflops"] for _, r in rows], color=colours)
