@@ -344,3 +344,25 @@ def test_the_backward_kernel_table_puts_the_other_dkdv_kernel_last_and_names_it(
                                                                                          "264"]
     assert lines[1].endswith("(warp-specialized)") and lines[2].endswith("(one warpgroup)")
     assert len(lines) == 3
+
+
+def test_the_hopper_tables_and_plot_read_forward_rows_in_any_order():
+    """``--append`` can leave the error rows (whose impl names FP8 too, but which have no step, d or causal) before
+    the forward rows: the step table, the goals table and the plot must pick FP8's rows from the forward ones."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from flashref.bench import hopper_bench
+
+    data = hopper_bench.load_results()
+    errors = [r for r in data["results"] if r["case"] == "error"]
+    rest = [r for r in data["results"] if r["case"] != "error"]
+    assert errors and rest
+    for rows in (errors + rest, rest + errors):
+        table = hopper_bench.step_table(rows)
+        assert all(label[:52] in table for _, label in hopper_bench.FP8_ROWS), table
+        assert len(hopper_bench.goals_table(rows).splitlines()) == 1 + len(hopper_bench._points(rows))
+        hopper_bench.plot(dict(data, results=rows), point=(128, 16384, False))
+        plt.close("all")
