@@ -193,6 +193,44 @@ def test_the_block_mask_tile_fits_its_blocks(d, block_size):
     assert ops._gluon_forward_takes_block_mask(q, feat) == fits
 
 
+def test_the_warp_specialized_kernel_takes_overlap_where_its_loop_can():
+    """overlap=True with warp_specialize=True runs each consumer's overlapped loop (any stages, a window too, ping-pong
+    too); the shipped default takes it at d = 256 only; a block mask's tile and FP8 keep it off; the one-program
+    overlapped loop still needs three stages and takes no window."""
+    from flashref.triton import hopper
+
+    assert [hopper.default_config(d)["overlap"] for d in (64, 128, 256)] == [False, False, True]
+    assert not hopper.block_mask_config(256, 128)["overlap"] and not hopper.block_mask_config(128, 128)["overlap"]
+    for d in (64, 128, 256):
+        cfg = hopper.config(d, warp_specialize=True, overlap=True, stages=2, pingpong=True)
+        fn, constexprs, _ = hopper.kernel_and_constexprs(cfg, d, causal=True, window=True)
+        assert fn is hopper.hopper_ws_fwd_kernel and constexprs["OVERLAP"] and constexprs["PINGPONG"]
+        fn, constexprs, _ = hopper.kernel_and_constexprs(hopper.config(d, warp_specialize=True, overlap=False), d,
+                                                         causal=False)
+        assert fn is hopper.hopper_ws_fwd_kernel and not constexprs["OVERLAP"]
+        with pytest.raises(ValueError, match="block mask runs a loop without overlap"):
+            hopper.kernel_and_constexprs(hopper.config(d, warp_specialize=True, overlap=True), d, False,
+                                         block_size=128)
+    with pytest.raises(ValueError, match="stages >= 3"):
+        hopper.config(64, warp_specialize=False, overlap=True, stages=2)
+    with pytest.raises(ValueError, match="takes no window without warp_specialize"):
+        hopper.kernel_and_constexprs(hopper.config(64, warp_specialize=False, overlap=True, stages=3), 64, False,
+                                     window=True)
+
+
+def test_the_sass_count_tells_a_wait_that_stands_before_the_exponentials():
+    """exponentials_under_a_product on hand-written SASS: the exponentials between a wait that leaves one product in
+    flight and the next wait for all of them, the most over the kernel; none when the wait for all comes first."""
+    from flashref.triton.compile_check import exponentials_under_a_product
+
+    hoisted = "WARPGROUP.DEPBAR.LE gsb0, 0x1 ;\nWARPGROUP.DEPBAR.LE gsb0, 0x0 ;\n" + "MUFU.EX2 R4, R4 ;\n" * 64
+    overlapped = "WARPGROUP.DEPBAR.LE gsb0, 0x1 ;\n" + "MUFU.EX2 R4, R4 ;\n" * 66 + "WARPGROUP.DEPBAR.LE gsb0, 0x0 ;\n"
+    assert exponentials_under_a_product(hoisted) == 0
+    assert exponentials_under_a_product(overlapped) == 66
+    assert exponentials_under_a_product(hoisted + overlapped + hoisted) == 66
+    assert exponentials_under_a_product("MUFU.EX2 R4, R4 ;\n" * 8) == 0  # no product in flight at all
+
+
 def test_refuses_what_it_cannot_run_naming_why():
     from flashref.triton import hopper
 
