@@ -457,8 +457,9 @@ class _Transfers:
     step 0's shares (the own block's, whole: the largest of the ring), and on two ranks, where the sum is the
     gradient itself (:class:`_GradientSum`), a rank holds two of the group's tensors beside its eight, not
     four; a group of several heads also copies half a block in a causal step (a strided slice of its heads),
-    three in all (measured: 8 + 3/G shard tensors at G groups, 8 + 2/G with one head a group). The price is each group's first transfer waiting unhidden: one group's block, milliseconds, beside
-    the seconds that a step of such a shard computes."""
+    three in all (measured: 8 + 3/G shard tensors at G groups, 8 + 2/G with one head a group). The price is
+    each group's first transfer waiting unhidden: one group's block, milliseconds, beside the seconds that a
+    step of such a shard computes."""
 
     def __init__(self, ring, tag, hide_first: bool):
         self.ring, self.tag, self.hide_first = ring, tag, hide_first

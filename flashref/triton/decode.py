@@ -561,7 +561,7 @@ class _Launch:
     A call allocates the output ``o``, and where it merges one float32 workspace that holds the partial O, the
     partial lse and (unless returned) lse, each part starting on a 256-byte boundary (the kernels were
     compiled for 16-byte aligned pointers). On a GPU the kernels get the parts as plain addresses: a
-    caching-allocator call is the dearest step of a fast call (about 8 us of host time each, measured on the
+    caching-allocator call is the dearest step of a fast call (7-8 us of host time each, measured on the
     H100 machine), and an address skips the launcher's per-pointer driver query. The workspace is freed
     when the call returns; the stream orders the next use of its memory after these kernels, as for any
     temporary tensor."""

@@ -20,7 +20,7 @@ products (wgmma). The switches of :func:`hopper_forward`, each measured on its o
     j's exponentials, so P V and the exponentials do not overlap after all. What remains is two products queued
     back to back (S_j behind P_{j-1} V_{j-1}), worth a few percent where the registers still allow the same
     occupancy. With ``warp_specialize`` each consumer runs this order with the wait for O in a basic block of
-    its own (:func:`_ws_rounds_overlapped`), where ptxas leaves it after the exponentials: the overlap is real.
+    its own (:func:`_ws_rounds` with ``OVERLAP``), where ptxas leaves it after the exponentials: the overlap is real.
 ``warp_specialize``
     A second kernel (:func:`hopper_ws_fwd_kernel`) whose warps do different jobs, as FlashAttention-3's do: one
     producer warp issues every TMA copy and waits only for free slots; two consumer warpgroups of 64 rows each
@@ -670,6 +670,12 @@ def _issue_pv(acc, alpha, P, v_smem, v_ready, turns, t, row_o: gl.constexpr, p_l
 
 
 @gluon.jit
+def _opaque_positive(t):
+    """t > 0 for a t >= 1, through an instruction the compilers cannot see into, so that neither can decide it."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [t], dtype=gl.int32, is_pure=True, pack=1) > 0
+
+
+@gluon.jit
 def _ws_rounds(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns, acc, m_i, l_i, s_zero, q_scale,
                k_scales, j_lo, n_tiles, lo_full, n_full, list_row, t_lo, start_m, N_k, win_left, win_right,
                row_o: gl.constexpr, p_layout: gl.constexpr, s_layout: gl.constexpr, ROWS: gl.constexpr,
@@ -678,66 +684,12 @@ def _ws_rounds(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns, acc
                LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr, OVERLAP: gl.constexpr = False):
     """A consumer's rounds over its n_tiles >= 1 key tiles (in round t tile j_lo + t, or with a block mask the
     list's tile t_lo + t): (acc, m, l) at the end. A tile's index is read while its scores are in flight.
-    OVERLAP: :func:`_ws_rounds_overlapped`'s order instead."""
-    if OVERLAP:
-        return _ws_rounds_overlapped(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns, acc, m_i, l_i,
-                                     s_zero, q_scale, k_scales, j_lo, n_tiles, lo_full, n_full, list_row, t_lo,
-                                     start_m, N_k, win_left, win_right, row_o, p_layout, s_layout, ROWS, BLOCK_N,
-                                     STAGES, WG, CAUSAL, WINDOW, PINGPONG, FP8, P_SHIFT, LISTED, BLOCK_SIZE)
-    # Round 0: S_0 alone.
-    _take_turn(turns, 0, WG, PINGPONG)
-    mbarrier.wait(k_ready.index(0), 0)
-    S = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    _give_turn(turns, WG, PINGPONG)
-    tile = _tile_of(0, j_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_N)
-    S = warpgroup_mma_wait(0, deps=[S])
-    mbarrier.arrive(k_empty.index(0), count=1)
-    s_scale = q_scale
-    if FP8:
-        s_scale = q_scale * gl.load(k_scales + tile)
-    P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, tile, lo_full, n_full, start_m, N_k, s_scale, win_left,
-                                       win_right, ROWS, BLOCK_N, CAUSAL, WINDOW, s_layout, P_SHIFT)
-    for t in range(1, n_tiles):
-        slot = t % STAGES
-        prev = (t - 1) % STAGES
-        acc, p = _issue_pv(acc, alpha, P, v_smem, v_ready, turns, t, row_o, p_layout, STAGES, WG, PINGPONG, FP8)
-        mbarrier.wait(k_ready.index(slot), (t // STAGES) & 1)
-        S = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        _give_turn(turns, WG, PINGPONG)
-        tile = _tile_of(t, j_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_N)
-        acc, S = _wait_products(acc, p, S, FP8)
-        mbarrier.arrive(v_empty.index(prev), count=1)
-        mbarrier.arrive(k_empty.index(slot), count=1)
-        s_scale = q_scale
-        if FP8:
-            s_scale = q_scale * gl.load(k_scales + tile)
-        P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, tile, lo_full, n_full, start_m, N_k, s_scale,
-                                           win_left, win_right, ROWS, BLOCK_N, CAUSAL, WINDOW, s_layout, P_SHIFT)
-    # The last round: P V of the last tile alone.
-    last = (n_tiles - 1) % STAGES
-    acc, p = _issue_pv(acc, alpha, P, v_smem, v_ready, turns, n_tiles, row_o, p_layout, STAGES, WG, PINGPONG, FP8)
-    _give_turn(turns, WG, PINGPONG)
-    acc, S = _wait_products(acc, p, s_zero, FP8)
-    mbarrier.arrive(v_empty.index(last), count=1)
-    return acc, m_i, l_i
 
-
-@gluon.jit
-def _opaque_positive(t):
-    """t > 0 for a t >= 1, through an instruction the compilers cannot see into, so that neither can decide it."""
-    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [t], dtype=gl.int32, is_pure=True, pack=1) > 0
-
-
-@gluon.jit
-def _ws_rounds_overlapped(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns, acc, m_i, l_i, s_zero,
-                          q_scale, k_scales, j_lo, n_tiles, lo_full, n_full, list_row, t_lo, start_m, N_k, win_left,
-                          win_right, row_o: gl.constexpr, p_layout: gl.constexpr, s_layout: gl.constexpr,
-                          ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr,
-                          CAUSAL: gl.constexpr, WINDOW: gl.constexpr, PINGPONG: gl.constexpr, FP8: gl.constexpr,
-                          P_SHIFT: gl.constexpr, LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr):
-    """:func:`_ws_rounds` with FlashAttention-3's intra-warpgroup overlap: round t rescales O by alpha_{t-1},
-    issues S_t = Q K_t^T, then O += P_{t-1} V_{t-1}, waits for S_t alone (``warpgroup_mma_wait(1)``) and runs
-    softmax t while P_{t-1} V_{t-1} is still on the tensor cores; then it waits for O.
+    Round 0 computes S_0 and its softmax alone, and a last round P V of the last tile alone. In between, round t
+    issues O += P_{t-1} V_{t-1} and S_t = Q K_t^T back to back and waits for both before softmax t; or, with
+    OVERLAP, FlashAttention-3's intra-warpgroup order: it rescales O by alpha_{t-1}, issues S_t, then O +=
+    P_{t-1} V_{t-1}, waits for S_t alone (``warpgroup_mma_wait(1)``) and runs softmax t while P_{t-1} V_{t-1} is
+    still on the tensor cores; then it waits for O.
 
     Where that last wait stands decides everything. ptxas (read in the SASS, CUDA 12.8 and 13) schedules a wgmma
     wait at the top of the basic block it is in: written after the exponentials in their own block, it runs
@@ -760,30 +712,42 @@ def _ws_rounds_overlapped(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
     for t in range(1, n_tiles):
         slot = t % STAGES
         prev = (t - 1) % STAGES
-        # O is rescaled now, while no product writes it
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-        p = gl.convert_layout(P.to(v_smem.dtype), p_layout)
-        _take_turn(turns, t, WG, PINGPONG)
-        mbarrier.wait(k_ready.index(slot), (t // STAGES) & 1)
-        S = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        mbarrier.wait(v_ready.index(prev), ((t - 1) // STAGES) & 1)
-        acc = warpgroup_mma(p, _v_operand(v_smem, prev, FP8), acc, is_async=True)
-        _give_turn(turns, WG, PINGPONG)
-        tile = _tile_of(t, j_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_N)
-        S = warpgroup_mma_wait(1, deps=[S])  # S_t is done; P_{t-1} V_{t-1} may still run
-        mbarrier.arrive(k_empty.index(slot), count=1)
+        if OVERLAP:
+            # O is rescaled now, while no product writes it
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            p = gl.convert_layout(P.to(v_smem.dtype), p_layout)
+            _take_turn(turns, t, WG, PINGPONG)
+            mbarrier.wait(k_ready.index(slot), (t // STAGES) & 1)
+            S = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(prev), ((t - 1) // STAGES) & 1)
+            acc = warpgroup_mma(p, _v_operand(v_smem, prev, FP8), acc, is_async=True)
+            _give_turn(turns, WG, PINGPONG)
+            tile = _tile_of(t, j_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_N)
+            S = warpgroup_mma_wait(1, deps=[S])  # S_t is done; P_{t-1} V_{t-1} may still run
+            mbarrier.arrive(k_empty.index(slot), count=1)
+        else:
+            acc, p = _issue_pv(acc, alpha, P, v_smem, v_ready, turns, t, row_o, p_layout, STAGES, WG, PINGPONG,
+                               FP8)
+            mbarrier.wait(k_ready.index(slot), (t // STAGES) & 1)
+            S = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            _give_turn(turns, WG, PINGPONG)
+            tile = _tile_of(t, j_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_N)
+            acc, S = _wait_products(acc, p, S, FP8)
+            mbarrier.arrive(v_empty.index(prev), count=1)
+            mbarrier.arrive(k_empty.index(slot), count=1)
         s_scale = q_scale
         if FP8:
             s_scale = q_scale * gl.load(k_scales + tile)
         P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, tile, lo_full, n_full, start_m, N_k, s_scale,
                                            win_left, win_right, ROWS, BLOCK_N, CAUSAL, WINDOW, s_layout, P_SHIFT)
-        if _opaque_positive(t):  # always: the wait for P_{t-1} V_{t-1}, in a block of its own
-            done, S = _wait_products(acc, p, s_zero, FP8)
-        else:
-            done, S = warpgroup_mma_wait(0, deps=[acc, s_zero])
-        acc = done
-        mbarrier.arrive(v_empty.index(prev), count=1)
-    # The last tile's P V alone.
+        if OVERLAP:
+            if _opaque_positive(t):  # always: the wait for P_{t-1} V_{t-1}, in a block of its own
+                done, S = _wait_products(acc, p, s_zero, FP8)
+            else:
+                done, S = warpgroup_mma_wait(0, deps=[acc, s_zero])
+            acc = done
+            mbarrier.arrive(v_empty.index(prev), count=1)
+    # The last round: P V of the last tile alone.
     last = (n_tiles - 1) % STAGES
     acc, p = _issue_pv(acc, alpha, P, v_smem, v_ready, turns, n_tiles, row_o, p_layout, STAGES, WG, PINGPONG, FP8)
     _give_turn(turns, WG, PINGPONG)
