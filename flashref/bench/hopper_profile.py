@@ -1,0 +1,184 @@
+"""Where the Hopper forward's time goes, read from the hardware: Nsight Compute's counters for flashref's Gluon
+forward beside cuDNN's and FlashAttention-2's (SDPA's backends), at the goals table's shapes.
+
+    python -m flashref.bench hopper-profile     # an H100 with ncu: about two minutes
+
+Notebook ``14_flashattention3_on_hopper`` reads the committed result, ``book/data/hopper_profile.json``, where the
+forward misses cuDNN. What is read, per kernel (the largest one a call launches; :data:`METRICS`):
+
+- the share of the SM's cycles that the tensor cores are busy (wgmma included), and that the FMA and ALU pipes
+  are; the XU pipe's instructions (``MUFU.EX2``: the exponentials) against its peak rate;
+- the share of cycles a warp scheduler issues an instruction (``issue_active``), and the warps resident;
+- where the warps' cycles go: every ``smsp__warp_issue_stalled_*`` state this ncu knows, as a share of the
+  warps' active cycles. A warp is in one state at a time (``selected``: it issues), so they add up to 100%.
+
+ncu serializes launches and replays each kernel once per group of counters (caches flushed before each pass);
+clocks are left as the GPU runs them (``--clock-control none``). The times in the file are ncu's, of the
+profiled launch, not the benchmark's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from flashref.bench import results
+from flashref.bench.hbm_bench import _marker, _versions, ncu_path, parse_ncu_csv, split_cases
+
+DEFAULT_OUT = "book/data/hopper_profile.json"
+PCT = ".avg.pct_of_peak_sustained_active"
+#: Short name -> ncu metric. A name this ncu does not know is left out of the run (:func:`available`).
+METRICS = {
+    "ns": "gpu__time_duration.sum",
+    # On Hopper the "hmma" pipe counter counts wgmma's cycles too (cuDNN's wgmma kernels read 70-80% on it).
+    "tensor": "sm__pipe_tensor_op_hmma_cycles_active" + PCT,
+    "xu": "sm__inst_executed_pipe_xu" + PCT,  # MUFU instructions issued, against the pipe's peak rate
+    "fma": "sm__pipe_fma_cycles_active" + PCT,
+    "alu": "sm__pipe_alu_cycles_active" + PCT,
+    "issue_active": "smsp__issue_active" + PCT,
+    "warps_active": "sm__warps_active" + PCT,
+    "registers": "launch__registers_per_thread",
+}
+STALL_PREFIX, STALL_SUFFIX = "smsp__warp_issue_stalled_", "_per_warp_active"
+# The goals table's shapes (hopper_bench's grid): B x N = 65536 tokens, H x d = 2048.
+SHAPES = [(65536 // n, 2048 // d, n, d) for d in (64, 128) for n in (4096, 16384)]
+IMPLS = ("flashref-hopper", "sdpa-cudnn", "sdpa-flash")
+
+
+def cases() -> list[dict]:
+    return [dict(impl=impl, B=B, H=H, N=N, d=d, causal=causal)
+            for B, H, N, d in SHAPES for causal in (False, True) for impl in IMPLS]
+
+
+def available(ncu: str) -> tuple[dict, list[str]]:
+    """(:data:`METRICS` this ncu knows, every stall reason it knows as a metric name)."""
+    out = subprocess.run([ncu, "--query-metrics"], capture_output=True, text=True).stdout
+    names = {line.split()[0] for line in out.splitlines() if line.strip()}
+    known = {short: m for short, m in METRICS.items() if m.split(".")[0] in names}
+    stalls = sorted(n + ".pct" for n in names if n.startswith(STALL_PREFIX) and n.endswith(STALL_SUFFIX))
+    return known, stalls
+
+
+def _forward(impl):
+    from flashref.bench.gpu_bench import sdpa
+    from flashref.triton import hopper
+
+    if impl == "flashref-hopper":
+        return lambda q, k, v, causal: hopper.hopper_forward(q, k, v, causal)
+    return sdpa(impl)
+
+
+def child(case_file: str) -> int:
+    """Under ncu: each case's forward once outside the profiled range (compile, autotune, warm-up), then once
+    inside it behind a marker launch."""
+    import torch
+
+    with open(case_file) as f:
+        todo = json.load(f)
+    marker = _marker()
+    for i, case in enumerate(todo):
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(case["B"], case["H"], case["N"], case["d"], device="cuda", dtype=torch.float16)
+                   for _ in range(3))
+        fn = _forward(case["impl"])
+        fn(q, k, v, case["causal"])
+        torch.cuda.synchronize()
+        torch.cuda.profiler.start()
+        marker(i)
+        fn(q, k, v, case["causal"])
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+    return 0
+
+
+def summarize(kernels: list[dict], known: dict, stalls: list[str]) -> dict:
+    """The longest kernel of a call, its metrics under their short names and its stall reasons by name."""
+    kernel = max(kernels, key=lambda k: k.get(METRICS["ns"]) or 0)
+    row = {"kernel": kernel["name"][:120],
+           "launches": [[k["name"][:60], k.get(METRICS["ns"])] for k in kernels]}  # the call's every kernel
+    for short, metric in known.items():
+        if kernel.get(metric) is not None:
+            row[short] = kernel[metric]
+    row["stalls"] = {s[len(STALL_PREFIX):-len(STALL_SUFFIX + ".pct")]: kernel[s] for s in stalls
+                     if kernel.get(s) is not None}
+    return row
+
+
+def measure(todo: list[dict], ncu: str, log=None) -> list[dict]:
+    known, stalls = available(ncu)
+    with tempfile.TemporaryDirectory() as tmp:
+        case_file, ncu_log = os.path.join(tmp, "cases.json"), os.path.join(tmp, "ncu.csv")
+        with open(case_file, "w") as f:
+            json.dump(todo, f)
+        cmd = [ncu, "--csv", "--print-units", "base", "--metrics", ",".join([*known.values(), *stalls]),
+               "--profile-from-start", "off", "--clock-control", "none", "--target-processes", "all",
+               "--log-file", ncu_log, sys.executable, "-m", "flashref.bench.hopper_profile", "--child", case_file]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if log is not None:
+            log.write(proc.stdout[-4000:] + proc.stderr[-4000:])
+        with open(ncu_log) as f:
+            by_case = split_cases(parse_ncu_csv(f.read()))
+    rows = []
+    for i, case in enumerate(todo):
+        kernels = by_case.get(i, [])
+        rows.append(dict(case, **(summarize(kernels, known, stalls) if kernels else {"status": "not profiled"})))
+    return rows
+
+
+def load_results(path=None) -> dict:
+    """The committed profile (``book/data/hopper_profile.json``), or the file at ``path``."""
+    return results.load(os.path.basename(DEFAULT_OUT), path)
+
+
+def top_stalls(row: dict, n: int = 3) -> list[tuple[str, float]]:
+    """The row's n largest stall reasons, largest first."""
+    return sorted(row.get("stalls", {}).items(), key=lambda kv: -kv[1])[:n]
+
+
+def table(data: dict) -> str:
+    """Markdown: per shape and kernel, ncu's time, the pipes' busy shares, issue slots and the top stalls."""
+    lines = ["| d | N | causal | kernel | us (ncu) | tensor cores | XU (exp2) | FMA | ALU | issue | top stalls |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in data["results"]:
+        if "ns" not in r:
+            continue
+        stalls = ", ".join(f"{name} {pct:.0f}%" for name, pct in top_stalls(r))
+        cells = [f"{r.get(k, float('nan')):.0f}%" for k in ("tensor", "xu", "fma", "alu", "issue_active")]
+        lines.append(f"| {r['d']} | {r['N'] // 1024}K | {'yes' if r['causal'] else 'no'} | {r['impl']} | "
+                     f"{r['ns'] / 1e3:.0f} | " + " | ".join(cells) + f" | {stalls} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m flashref.bench hopper-profile", description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=DEFAULT_OUT)
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        return child(args.child)
+    ncu = ncu_path()
+    if ncu is None:
+        print("hopper-profile needs Nsight Compute (ncu) and an sm_90 GPU", file=sys.stderr)
+        return 2
+    import torch
+
+    started = time.time()
+    known, stalls = available(ncu)
+    data = results.start(None, torch.cuda.get_device_name(), _versions(ncu), results.command("hopper-profile", argv),
+                         dtype="float16", metrics=[*known.values(), *stalls],
+                         ncu_options="--clock-control none, --profile-from-start off, caches flushed before each "
+                                     "pass (ncu's default)")
+    data["results"] = measure(cases(), ncu, log=sys.stderr)
+    data["seconds"] = time.time() - started
+    results.save(data, args.out)
+    print(table(data))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""The Hopper forward's hardware profile (flashref.bench.hopper_profile): ncu's log read into rows, the table the
+notebook prints, and the committed run (book/data/hopper_profile.json) complete for every case it lists."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from flashref.bench import hopper_profile as hp
+from flashref.bench.hbm_bench import MARKER, parse_ncu_csv, split_cases
+
+STALL = hp.STALL_PREFIX + "{}" + hp.STALL_SUFFIX + ".pct"
+
+
+def _log(kernels):
+    """An ncu --csv log of these kernels: (name, {metric: value})."""
+    lines = ['"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"']
+    for i, (name, metrics) in enumerate(kernels):
+        lines += [f'"{i}","{name}","{m}","","{v}"' for m, v in metrics.items()]
+    return "ncu: profiling\n" + "\n".join(lines)
+
+
+def test_summarize_takes_the_longest_kernel_of_a_call_and_names_its_stalls():
+    known = {"ns": hp.METRICS["ns"], "tensor": hp.METRICS["tensor"]}
+    stalls = [STALL.format("barrier"), STALL.format("wait")]
+    log = _log([(MARKER, {hp.METRICS["ns"]: 1000}),
+                ("fill_kernel", {hp.METRICS["ns"]: 2000, hp.METRICS["tensor"]: 0}),
+                ("hopper_ws_fwd_kernel", {hp.METRICS["ns"]: "3,500,000", hp.METRICS["tensor"]: 70.5,
+                                          stalls[0]: 41.5, stalls[1]: "n/a"})])
+    cases = split_cases(parse_ncu_csv(log))
+    row = hp.summarize(cases[0], known, stalls)
+    assert row["kernel"] == "hopper_ws_fwd_kernel" and row["ns"] == 3.5e6 and row["tensor"] == 70.5
+    assert row["stalls"] == {"barrier": 41.5}  # "n/a": not read, left out
+    assert [name for name, _ in row["launches"]] == ["fill_kernel", "hopper_ws_fwd_kernel"]
+    assert hp.top_stalls({"stalls": {"a": 1.0, "b": 3.0, "c": 2.0}}, 2) == [("b", 3.0), ("c", 2.0)]
+
+
+def test_the_table_has_a_line_for_each_profiled_case():
+    rows = [dict(impl="flashref-hopper", B=16, H=16, N=4096, d=128, causal=False, ns=3.5e6, tensor=70.6, xu=36.4,
+                 fma=14.3, alu=16.0, issue_active=33.5, stalls={"barrier": 41.5, "wait": 20.0, "selected": 11.2,
+                                                                "gmma": 0.8}),
+            dict(impl="sdpa-cudnn", B=16, H=16, N=4096, d=128, causal=True, status="not profiled")]
+    text = hp.table({"results": rows})
+    lines = text.splitlines()
+    assert len(lines) == 3  # header, rule, the one profiled case
+    assert "| 128 | 4K | no | flashref-hopper | 3500 | 71% | 36% | 14% | 16% | 34% | barrier 42%, wait 20%, " \
+           "selected 11% |" == lines[2]
+
+
+def test_cases_cover_the_goals_shapes_for_each_kernel():
+    cases = hp.cases()
+    assert len(cases) == len(hp.SHAPES) * 2 * len(hp.IMPLS)
+    for B, H, N, d in hp.SHAPES:
+        assert B * N == 65536 and H * d == 2048
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(os.path.dirname(os.path.dirname(__file__)), hp.DEFAULT_OUT)),
+                    reason="no committed profile")
+def test_the_committed_profile_read_every_case():
+    data = hp.load_results()
+    assert "H100" in data["device"] and data["versions"]["ncu"]
+    keys = {(c["impl"], c["N"], c["d"], c["causal"]) for c in hp.cases()}
+    assert {(r["impl"], r["N"], r["d"], r["causal"]) for r in data["results"]} == keys
+    for r in data["results"]:
+        assert r["ns"] > 0 and 0 < r["tensor"] <= 100 and 0 < r["issue_active"] <= 100, r
+        assert r["stalls"] and sum(r["stalls"].values()) <= 100.5, r  # shares of one whole, rounded
+        if r["impl"] == "flashref-hopper":
+            assert r["kernel"].startswith(("hopper_fwd_kernel", "hopper_ws_fwd_kernel")), r["kernel"]
