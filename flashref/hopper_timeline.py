@@ -132,14 +132,21 @@ def two_programs(n_tiles=4, t=None, stages=2):
     return streams
 
 
-def warp_specialized(n_tiles=4, t=None, stages=2, pingpong=False):
-    """A producer warp issues the copies; two consumer warpgroups of half the rows each. Round r of a consumer
+def warp_specialized(n_tiles=4, t=None, stages=2, pingpong=False, overlap=False):
+    """A producer warp issues the copies; two consumer warpgroups of half the rows each. K_j and V_j have slots of
+    their own, each refilled once both consumers are done with it (modelled: once WG1 is). Round r of a consumer
     issues P_{r-1} V_{r-1} and S_r, waits for both, then runs softmax r. With ``pingpong`` a consumer issues
-    round r's products only once the other has issued its own (warpgroup 0 goes first)."""
+    round r's products only once the other has issued its own (warpgroup 0 goes first). With ``overlap`` (step
+    7) each consumer issues S_r first, runs softmax r as soon as S_r is done, while P_{r-1} V_{r-1} runs, and
+    waits for P_{r-1} V_{r-1} before the next round's products."""
     t = t or tile_seconds(64, 128, 128)
     wgs = ("WG0", "WG1")
-    # both consumers read K_j and V_j: a slot is free once the second is done with it (modelled: WG1's P V)
-    streams = {"producer": _loads("", n_tiles, t, stages, lambda j: f"WG1 PV{j}")}
+    half = dict(t, load=t["load"] / 2)  # K_j and V_j: half the bytes each
+    loads = []
+    for j in range(n_tiles):
+        loads += [Op(f"loadK{j}", "TMA", half["load"], (f"WG1 S{j - stages}",) if j >= stages else ()),
+                  Op(f"loadV{j}", "TMA", half["load"], (f"WG1 PV{j - stages}",) if j >= stages else ())]
+    streams = {"producer": loads}
     issued = {}  # (warpgroup, round) -> the last product it issues that round
     for w, wg in enumerate(wgs):
         ops = []
@@ -148,17 +155,18 @@ def warp_specialized(n_tiles=4, t=None, stages=2, pingpong=False):
             if pingpong and w == 1:
                 turn = (f"{issued[0, r]}@start",)
             elif pingpong and r > 0:
-                turn = (f"WG1 {'S' if r - 1 < n_tiles else 'PV'}{r - 1}@start",)
-            products = []
-            if r > 0:
-                products.append(Op(f"{wg} PV{r - 1}", "tensor cores", t["PV"], (f"{wg} softmax{r - 1}",) + turn))
-            if r < n_tiles:
-                products.append(Op(f"{wg} S{r}", "tensor cores", t["S"], (f"load{r}",) + turn))
+                last = f"PV{r - 2}" if overlap and r >= 2 else f"S{r - 1}"  # WG1's last product of round r - 1
+                turn = (f"WG1 {last}@start",)
+            pv = [Op(f"{wg} PV{r - 1}", "tensor cores", t["PV"], (f"{wg} softmax{r - 1}", f"loadV{r - 1}") + turn)
+                  ] if r > 0 else []
+            waited = (f"{wg} PV{r - 2}",) if overlap and r >= 2 else ()  # the last round's wait for O
+            s = [Op(f"{wg} S{r}", "tensor cores", t["S"], (f"loadK{r}",) + turn + waited)] if r < n_tiles else []
+            products = s + pv if overlap else pv + s
             issued[w, r] = products[-1].name
             ops += products
-            if r < n_tiles:
-                ops.append(Op(f"{wg} softmax{r}", "exponentials", t["softmax"], tuple(p.name for p in products),
-                              sync=True))
+            if r < n_tiles:  # softmax r waits for S_r, and (without overlap) for P_{r-1} V_{r-1} too
+                ops.append(Op(f"{wg} softmax{r}", "exponentials", t["softmax"],
+                              tuple(p.name for p in (s if overlap else products)), sync=True))
         streams[wg] = ops
     return streams
 
@@ -175,7 +183,8 @@ def utilization(busy, unit: str) -> float:
 
 def draw(ax, busy, title: str = "", legend: bool = True):
     """One row a unit, one bar an operation (microseconds), coloured by stream; bars wide enough carry their
-    operation's name (KV j: the copy of K_j and V_j; S j, PV j: the products; e j: softmax j's exponentials)."""
+    operation's name (KV j: the copy of K_j and V_j, K j and V j each alone; S j, PV j: the products; e j: softmax
+    j's exponentials)."""
     import matplotlib.pyplot as plt
 
     streams = list(dict.fromkeys(b.stream for b in busy))
@@ -186,7 +195,8 @@ def draw(ax, busy, title: str = "", legend: bool = True):
         ax.barh(row, (b.end - b.start) * 1e6, left=b.start * 1e6, color=colours[b.stream], edgecolor="white",
                 height=0.7, label=b.stream)
         if b.end - b.start > span / 40:
-            name = b.name.split()[-1].replace("load", "KV").replace("softmax", "e")
+            name = b.name.split()[-1].replace("loadK", "K").replace("loadV", "V").replace("load", "KV")
+            name = name.replace("softmax", "e")
             ax.text((b.start + b.end) / 2 * 1e6, row, name, ha="center", va="center", fontsize=6, color="white")
     ax.set_yticks(range(len(UNITS)), UNITS, fontsize=8)
     ax.set_ylim(len(UNITS) - 0.5, -0.5)

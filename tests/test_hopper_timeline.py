@@ -11,7 +11,9 @@ from flashref import hopper_timeline as ht
 HALF = ht.tile_seconds(64, 128, 128)
 SCHEDULES = {"serial": ht.serial(5), "ring": ht.serial(5, stages=3), "overlap": ht.overlapped(5),
              "overlap as compiled": ht.overlapped(5, as_compiled=True), "two programs": ht.two_programs(5, HALF),
-             "warp specialized": ht.warp_specialized(5), "ping-pong": ht.warp_specialized(5, pingpong=True)}
+             "warp specialized": ht.warp_specialized(5), "ping-pong": ht.warp_specialized(5, pingpong=True),
+             "overlap in each consumer": ht.warp_specialized(5, overlap=True),
+             "overlap and ping-pong": ht.warp_specialized(5, pingpong=True, overlap=True)}
 
 
 def _overlap(a, b) -> float:
@@ -54,6 +56,26 @@ def test_serial_overlaps_nothing_and_ping_pong_overlaps_exponentials_with_produc
     for e in exps[1:-1]:  # every softmax but the first and last runs beside the other warpgroup's products
         hidden = sum(_overlap(e, p) for p in products if p.stream != e.stream)
         assert hidden >= 0.9 * (e.end - e.start), e
+
+
+def test_overlap_in_each_consumer_runs_its_softmax_under_its_own_product():
+    """Step 7: softmax r of a consumer starts once S_r is done and runs beside its own P_{r-1} V_{r-1}; without
+    overlap it waits for that product to end. A K slot is refilled once both consumers' S is done with it, a V slot
+    once their P V is."""
+    for overlap in (False, True):
+        at = {b.name: b for b in ht.simulate(ht.warp_specialized(5, overlap=overlap))}
+        for wg in ("WG0", "WG1"):
+            for r in range(1, 5):
+                e, pv = at[f"{wg} softmax{r}"], at[f"{wg} PV{r - 1}"]
+                if overlap:
+                    assert e.start < pv.end and _overlap(e, pv) > 0, (wg, r)
+                else:
+                    assert e.start >= pv.end, (wg, r)
+        for j in range(2, 5):  # two stages
+            assert at[f"loadK{j}"].start >= at[f"WG1 S{j - 2}"].end and at[f"loadV{j}"].start >= at[f"WG1 PV{j - 2}"].end
+    # the other consumer's products already fill the tensor cores: the model gains little from step 7
+    tc = {o: ht.utilization(ht.simulate(ht.warp_specialized(16, overlap=o)), "tensor cores") for o in (False, True)}
+    assert tc[True] == pytest.approx(tc[False], abs=0.02) and tc[False] > 0.95
 
 
 def test_tile_times_follow_the_data_sheet():
