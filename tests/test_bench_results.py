@@ -93,7 +93,7 @@ def test_hbm_adds_only_its_ncu_fields_to_the_versions(monkeypatch):
         stdout = "NVIDIA (R) Nsight Compute\nVersion 2025.3\n"
 
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: Done())
-    v = hbm_bench._versions("ncu")
+    v = hbm_bench.ncu_versions("ncu")
     assert {k: v[k] for k in results.versions()} == results.versions()
     assert set(v) - set(results.versions()) == {"ncu", "driver"}
 
@@ -280,7 +280,7 @@ def test_each_command_line_saves_the_schema_of_its_committed_file(fake_gpu, monk
 
     monkeypatch.setattr(hbm_bench, "ncu_path", lambda: "ncu")
     monkeypatch.setattr(hbm_bench, "available_metrics", lambda ncu: hbm_bench.METRICS)
-    monkeypatch.setattr(hbm_bench, "_versions", lambda ncu: {**results.versions(), "ncu": "1", "driver": "2"})
+    monkeypatch.setattr(hbm_bench, "ncu_versions", lambda ncu: {**results.versions(), "ncu": "1", "driver": "2"})
     monkeypatch.setattr(hbm_bench, "measure", lambda todo, *a, checkpoint, **k: checkpoint(
         [{**c, "status": "ok", "kernels": [{"name": "k"}]} for c in todo]) or
         [{**c, "status": "ok", "kernels": [{"name": "k"}]} for c in todo])

@@ -86,3 +86,21 @@ def test_committed_run_is_complete_and_consistent():
         assert [k["name"] for k in row["kernels"]] == ["flash_fwd_kernel"]
         compulsory = hbm.flash_forward(hbm_bench.B, hbm_bench.H, N, N, 64, 128, 64).compulsory_read
         assert abs(row["kernels"][0]["dram_read"] / compulsory - 1) < 0.02
+
+
+def test_a_metric_is_known_by_its_base_name_whatever_its_roll_up(monkeypatch):
+    """``ncu --query-metrics`` lists base names; a metric asked for adds a roll-up of one part (``.sum``) or more
+    (``.avg.pct_of_peak_sustained_active``): both are found, and a base name ncu lacks is left out."""
+    import subprocess
+
+    class Done:
+        stdout = ("Device GH100 (HopperX)\n----\nMetric Name  Metric Description\n"
+                  "dram__bytes_read  # of bytes read from DRAM\nsmsp__issue_active  # of cycles with an issue\n")
+
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: Done())
+    names = hbm_bench.metric_names("ncu")
+    assert {"dram__bytes_read", "smsp__issue_active"} <= names
+    assert hbm_bench.knows(names, "dram__bytes_read.sum")
+    assert hbm_bench.knows(names, "smsp__issue_active.avg.pct_of_peak_sustained_active")
+    assert not hbm_bench.knows(names, "dram__bytes_write.sum")
+    assert hbm_bench.available_metrics("ncu") == ["dram__bytes_read.sum"]

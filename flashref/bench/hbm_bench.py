@@ -134,8 +134,9 @@ def _runner(case):
     return prepare, run
 
 
-def _marker():
-    """A one-element Triton kernel named MARKER: its launch opens each case in ncu's log."""
+def case_marker():
+    """A one-element Triton kernel named MARKER: its launch opens each case in ncu's log (:func:`split_cases`).
+    Returns ``mark(i)``, which launches it with the case's index."""
     import torch
     import triton
     import triton.language as tl
@@ -178,7 +179,7 @@ def child(case_file: str, result_file: str, profile: bool) -> int:
 
     with open(case_file) as f:
         todo = json.load(f)
-    mark = _marker()
+    mark = case_marker()
     mark(0)
     for i, case in enumerate(todo):
         row = {"index": i}
@@ -277,11 +278,23 @@ def ncu_path() -> str | None:
     return shutil.which("ncu") or next((p for p in ("/usr/local/cuda/bin/ncu",) if os.path.exists(p)), None)
 
 
-def available_metrics(ncu: str) -> list[str]:
-    """The METRICS this GPU's ncu knows (a name it does not know would fail the whole run)."""
+def metric_names(ncu: str) -> set[str]:
+    """The base names of the metrics this GPU's ncu knows (``ncu --query-metrics``). A metric asked for is one of
+    them and a roll-up, ``dram__bytes_read`` + ``.sum``: :func:`knows`."""
     out = subprocess.run([ncu, "--query-metrics"], capture_output=True, text=True).stdout
-    names = {line.split()[0] for line in out.splitlines() if line.strip()}
-    return [m for m in METRICS if m.rsplit(".", 1)[0] in names]
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+def knows(names: set[str], metric: str) -> bool:
+    """Whether ``metric`` (a base name and its roll-up, ``sm__issue_active.avg.pct_of_peak_sustained_active``) is
+    one of :func:`metric_names`' ``names``: a name ncu does not know would fail the whole run."""
+    return metric.split(".", 1)[0] in names
+
+
+def available_metrics(ncu: str) -> list[str]:
+    """The METRICS this GPU's ncu knows."""
+    names = metric_names(ncu)
+    return [m for m in METRICS if knows(names, m)]
 
 
 def _run_child(todo, profile, ncu=None, metrics=(), log=None):
@@ -310,7 +323,7 @@ def _run_child(todo, profile, ncu=None, metrics=(), log=None):
         return proc.returncode, done, kernels
 
 
-def _versions(ncu):
+def ncu_versions(ncu):
     """:func:`flashref.bench.results.versions`, and ncu's and the driver's."""
     v = results.versions()
     v["ncu"] = subprocess.run([ncu, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
@@ -477,7 +490,7 @@ def main(argv=None) -> int:
     metrics = available_metrics(ncu)
     start = time.time()
     todo = cases(args.quick)
-    data = results.start(None, torch.cuda.get_device_name(), _versions(ncu),
+    data = results.start(None, torch.cuda.get_device_name(), ncu_versions(ncu),
                          "python -m flashref.bench hbm" + (" --quick" if args.quick else ""),
                          capability=list(torch.cuda.get_device_capability()),
                          l2_bytes=int(torch.cuda.get_device_properties(0).L2_cache_size),

@@ -28,7 +28,8 @@ import tempfile
 import time
 
 from flashref.bench import results
-from flashref.bench.hbm_bench import _marker, _versions, ncu_path, parse_ncu_csv, split_cases
+from flashref.bench.hbm_bench import (case_marker, knows, metric_names, ncu_path, ncu_versions, parse_ncu_csv,
+                                      split_cases)
 
 DEFAULT_OUT = "book/data/hopper_profile.json"
 PCT = ".avg.pct_of_peak_sustained_active"
@@ -57,9 +58,8 @@ def cases() -> list[dict]:
 
 def available(ncu: str) -> tuple[dict, list[str]]:
     """(:data:`METRICS` this ncu knows, every stall reason it knows as a metric name)."""
-    out = subprocess.run([ncu, "--query-metrics"], capture_output=True, text=True).stdout
-    names = {line.split()[0] for line in out.splitlines() if line.strip()}
-    known = {short: m for short, m in METRICS.items() if m.split(".")[0] in names}
+    names = metric_names(ncu)
+    known = {short: m for short, m in METRICS.items() if knows(names, m)}
     stalls = sorted(n + ".pct" for n in names if n.startswith(STALL_PREFIX) and n.endswith(STALL_SUFFIX))
     return known, stalls
 
@@ -80,7 +80,7 @@ def child(case_file: str) -> int:
 
     with open(case_file) as f:
         todo = json.load(f)
-    marker = _marker()
+    marker = case_marker()
     for i, case in enumerate(todo):
         torch.manual_seed(0)
         q, k, v = (torch.randn(case["B"], case["H"], case["N"], case["d"], device="cuda", dtype=torch.float16)
@@ -169,7 +169,7 @@ def main(argv=None) -> int:
 
     started = time.time()
     known, stalls = available(ncu)
-    data = results.start(None, torch.cuda.get_device_name(), _versions(ncu), results.command("hopper-profile", argv),
+    data = results.start(None, torch.cuda.get_device_name(), ncu_versions(ncu), results.command("hopper-profile", argv),
                          dtype="float16", metrics=[*known.values(), *stalls],
                          ncu_options="--clock-control none, --profile-from-start off, caches flushed before each "
                                      "pass (ncu's default)")
