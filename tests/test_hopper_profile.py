@@ -1,5 +1,6 @@
-"""The Hopper forward's hardware profile (flashref.bench.hopper_profile): ncu's log read into rows, the table the
-notebook prints, and the committed run (book/data/hopper_profile.json) complete for every case it lists."""
+"""The Hopper kernels' hardware profile (flashref.bench.hopper_profile): ncu's log read into rows, the tables the
+notebook prints (forward, backward), --append, and the committed run (book/data/hopper_profile.json) complete for
+every case it lists."""
 
 from __future__ import annotations
 
@@ -50,9 +51,49 @@ def test_the_table_has_a_line_for_each_profiled_case():
 
 def test_cases_cover_the_goals_shapes_for_each_kernel():
     cases = hp.cases()
-    assert len(cases) == len(hp.SHAPES) * 2 * len(hp.IMPLS)
+    assert len(cases) == len(hp.SHAPES) * 2 * sum(len(impls) for impls in hp.IMPLS.values())
+    assert {c["part"] for c in cases} == {"fwd", "bwd"} and {c["part"] for c in hp.cases(["bwd"])} == {"bwd"}
     for B, H, N, d in hp.SHAPES:
         assert B * N == 65536 and H * d == 2048
+    assert hp.part_of({"impl": "sdpa-cudnn"}) == "fwd"  # the first runs' rows (forward only) name no part
+
+
+def test_the_table_shows_one_part(monkeypatch):
+    row = dict(impl="sdpa-cudnn", B=16, H=16, N=4096, d=128, causal=False, ns=9.4e6, tensor=66, xu=13, fma=17,
+               alu=23, issue_active=37, stalls={"long_scoreboard": 24})
+    data = {"results": [row, dict(row, part="bwd", impl="flashref-hopper dQ", ns=4.9e6)]}
+    assert hp.table(data).count("sdpa-cudnn") == 1 and "flashref-hopper dQ" not in hp.table(data)
+    bwd = hp.table(data, "bwd")
+    assert "| 128 | 4K | no | flashref-hopper dQ | 4900 |" in bwd and "sdpa-cudnn" not in bwd
+
+
+def test_append_replaces_only_the_parts_profiled_again(monkeypatch, tmp_path):
+    """``--parts bwd --append`` keeps the file's forward rows, replaces its backward rows, and adds its command."""
+    import json
+
+    import torch
+
+    from flashref.bench import results
+
+    out = str(tmp_path / "hopper_profile.json")
+    versions = {**results.versions(), "ncu": "1", "driver": "2"}
+    old = {"device": "NVIDIA H100 80GB HBM3", "versions": versions, "command": "python -m flashref.bench hopper-profile",
+           "seconds": 60.0, "results": [{"impl": "sdpa-cudnn", "d": 64, "ns": 1.0},
+                                        {"impl": "sdpa-flash", "part": "bwd", "d": 64, "ns": 2.0}]}
+    with open(out, "w") as f:
+        json.dump(old, f)
+    monkeypatch.setattr(hp, "ncu_path", lambda: "ncu")
+    monkeypatch.setattr(hp, "available", lambda ncu: ({"ns": hp.METRICS["ns"]}, []))
+    monkeypatch.setattr(hp, "ncu_versions", lambda ncu: versions)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(hp, "measure", lambda todo, ncu, log=None: [dict(c, ns=3.0) for c in todo])
+    assert hp.main(["--parts", "bwd", "--append", "--out", out]) == 0
+    with open(out) as f:
+        saved = json.load(f)
+    assert saved["results"][0] == old["results"][0]  # the forward row kept
+    assert all(r["part"] == "bwd" and r["ns"] == 3.0 for r in saved["results"][1:])
+    assert len(saved["results"]) == 1 + len(hp.cases(["bwd"]))
+    assert saved["command"] == old["command"] + "; python -m flashref.bench hopper-profile --parts bwd --out " + out
 
 
 @pytest.mark.skipif(not os.path.exists(os.path.join(os.path.dirname(os.path.dirname(__file__)), hp.DEFAULT_OUT)),
@@ -60,10 +101,14 @@ def test_cases_cover_the_goals_shapes_for_each_kernel():
 def test_the_committed_profile_read_every_case():
     data = hp.load_results()
     assert "H100" in data["device"] and data["versions"]["ncu"]
-    keys = {(c["impl"], c["N"], c["d"], c["causal"]) for c in hp.cases()}
-    assert {(r["impl"], r["N"], r["d"], r["causal"]) for r in data["results"]} == keys
+    keys = {(c["part"], c["impl"], c["N"], c["d"], c["causal"]) for c in hp.cases()}
+    assert {(hp.part_of(r), r["impl"], r["N"], r["d"], r["causal"]) for r in data["results"]} == keys
     for r in data["results"]:
         assert r["ns"] > 0 and 0 < r["tensor"] <= 100 and 0 < r["issue_active"] <= 100, r
         assert r["stalls"] and sum(r["stalls"].values()) <= 100.5, r  # shares of one whole, rounded
         if r["impl"] == "flashref-hopper":
             assert r["kernel"].startswith(("hopper_fwd_kernel", "hopper_ws_fwd_kernel")), r["kernel"]
+        elif r["impl"].startswith("flashref-hopper dK/dV"):
+            assert r["kernel"].startswith(("hopper_bwd_dkdv_kernel", "hopper_ws_bwd_dkdv_kernel")), r["kernel"]
+        elif r["impl"] == "flashref-hopper dQ":
+            assert r["kernel"].startswith("hopper_bwd_dq_kernel"), r["kernel"]

@@ -1,10 +1,12 @@
-"""Where the Hopper forward's time goes, read from the hardware: Nsight Compute's counters for flashref's Gluon
-forward beside cuDNN's and FlashAttention-2's (SDPA's backends), at the goals table's shapes.
+"""Where the Hopper kernels' time goes, read from the hardware: Nsight Compute's counters for flashref's Gluon
+forward and backward kernels beside cuDNN's and FlashAttention-2's (SDPA's backends), at the goals table's shapes.
 
-    python -m flashref.bench hopper-profile     # an H100 with ncu: about two minutes
+    python -m flashref.bench hopper-profile [--parts fwd bwd] [--append]    # an H100 with ncu: a few minutes
 
 Notebook ``14_flashattention3_on_hopper`` reads the committed result, ``book/data/hopper_profile.json``, where the
-forward misses cuDNN. What is read, per kernel (the largest one a call launches; :data:`METRICS`):
+forward and the backward miss cuDNN. The backward's rows profile flashref's dK/dV and dQ kernels one at a time (and
+the dK/dV kernel a second time with its row statistics loaded from global memory, :data:`IMPLS`), and the peers'
+whole backward. What is read, per kernel (the largest one a call launches; :data:`METRICS`):
 
 - the share of the SM's cycles that the tensor cores are busy (wgmma included), and that the FMA and ALU pipes
   are; the XU pipe's instructions (``MUFU.EX2``: the exponentials) against its peak rate;
@@ -48,12 +50,22 @@ METRICS = {
 STALL_PREFIX, STALL_SUFFIX = "smsp__warp_issue_stalled_", "_per_warp_active"
 # The goals table's shapes (hopper_bench's grid): B x N = 65536 tokens, H x d = 2048.
 SHAPES = [(65536 // n, 2048 // d, n, d) for d in (64, 128) for n in (4096, 16384)]
-IMPLS = ("flashref-hopper", "sdpa-cudnn", "sdpa-flash")
+#: Each part's implementations. The backward's: flashref's Gluon dK/dV kernel (its row statistics by TMA), the same
+#: kernel loading them from global memory, the Gluon dQ kernel, and the peers' backward.
+IMPLS = {"fwd": ("flashref-hopper", "sdpa-cudnn", "sdpa-flash"),
+         "bwd": ("flashref-hopper dK/dV", "flashref-hopper dK/dV, statistics loaded", "flashref-hopper dQ",
+                 "sdpa-cudnn", "sdpa-flash")}
+PARTS = tuple(IMPLS)
 
 
-def cases() -> list[dict]:
-    return [dict(impl=impl, B=B, H=H, N=N, d=d, causal=causal)
-            for B, H, N, d in SHAPES for causal in (False, True) for impl in IMPLS]
+def cases(parts=PARTS) -> list[dict]:
+    return [dict(impl=impl, part=part, B=B, H=H, N=N, d=d, causal=causal)
+            for part in parts for B, H, N, d in SHAPES for causal in (False, True) for impl in IMPLS[part]]
+
+
+def part_of(row: dict) -> str:
+    """A row's part, ``"fwd"`` or ``"bwd"`` (rows of the first runs, forward only, do not say)."""
+    return row.get("part", "fwd")
 
 
 def available(ncu: str) -> tuple[dict, list[str]]:
@@ -64,18 +76,34 @@ def available(ncu: str) -> tuple[dict, list[str]]:
     return known, stalls
 
 
-def _forward(impl):
+def _ready(case: dict, q, k, v, do):
+    """The case's call, ready to run once: a forward, or one backward whose forward (and, for flashref's kernels, row
+    statistics and D) were computed here, outside the profiled range."""
     from flashref.bench.gpu_bench import sdpa
-    from flashref.triton import hopper
+    from flashref.triton import flash_attention_forward, hopper, hopper_backward, ops
 
-    if impl == "flashref-hopper":
-        return lambda q, k, v, causal: hopper.hopper_forward(q, k, v, causal)
-    return sdpa(impl)
+    impl, causal = case["impl"], case["causal"]
+    if part_of(case) == "fwd":
+        fn = (lambda q, k, v, causal: hopper.hopper_forward(q, k, v, causal)) if impl == "flashref-hopper" \
+            else sdpa(impl)
+        return lambda: fn(q, k, v, causal)
+    if impl.startswith("flashref-hopper"):
+        o, lse = flash_attention_forward(q, k, v, causal, check_finite=False)
+        m2, l2 = ops._stats_from_lse(lse)
+        delta = ops._delta(o, do)
+        scale = q.shape[-1] ** -0.5
+        if impl == "flashref-hopper dQ":
+            return lambda: hopper_backward.hopper_dq(q, k, v, do, m2, l2, delta, causal, scale)
+        tma = impl == "flashref-hopper dK/dV"
+        return lambda: hopper_backward.hopper_dkdv(q, k, v, do, m2, l2, delta, causal, scale, stats_tma=tma)
+    qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
+    o = sdpa(impl)(qq, kk, vv, causal)
+    return lambda: o.backward(do)
 
 
 def child(case_file: str) -> int:
-    """Under ncu: each case's forward once outside the profiled range (compile, autotune, warm-up), then once
-    inside it behind a marker launch."""
+    """Under ncu: each case's call once outside the profiled range (compile, autotune, warm-up), then once inside
+    it behind a marker launch."""
     import torch
 
     with open(case_file) as f:
@@ -83,14 +111,14 @@ def child(case_file: str) -> int:
     marker = case_marker()
     for i, case in enumerate(todo):
         torch.manual_seed(0)
-        q, k, v = (torch.randn(case["B"], case["H"], case["N"], case["d"], device="cuda", dtype=torch.float16)
-                   for _ in range(3))
-        fn = _forward(case["impl"])
-        fn(q, k, v, case["causal"])
+        q, k, v, do = (torch.randn(case["B"], case["H"], case["N"], case["d"], device="cuda", dtype=torch.float16)
+                       for _ in range(4))
+        _ready(case, q, k, v, do)()
+        run = _ready(case, q, k, v, do)
         torch.cuda.synchronize()
         torch.cuda.profiler.start()
         marker(i)
-        fn(q, k, v, case["causal"])
+        run()
         torch.cuda.synchronize()
         torch.cuda.profiler.stop()
     return 0
@@ -140,12 +168,13 @@ def top_stalls(row: dict, n: int = 3) -> list[tuple[str, float]]:
     return sorted(row.get("stalls", {}).items(), key=lambda kv: -kv[1])[:n]
 
 
-def table(data: dict) -> str:
-    """Markdown: per shape and kernel, ncu's time, the pipes' busy shares, issue slots and the top stalls."""
+def table(data: dict, part: str = "fwd") -> str:
+    """Markdown: per shape and kernel of ``part`` ("fwd" or "bwd"), ncu's time, the pipes' busy shares, issue slots
+    and the top stalls."""
     lines = ["| d | N | causal | kernel | us (ncu) | tensor cores | XU (exp2) | FMA | ALU | issue | top stalls |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in data["results"]:
-        if "ns" not in r:
+        if "ns" not in r or part_of(r) != part:
             continue
         stalls = ", ".join(f"{name} {pct:.0f}%" for name, pct in top_stalls(r))
         cells = [f"{r.get(k, float('nan')):.0f}%" for k in ("tensor", "xu", "fma", "alu", "issue_active")]
@@ -157,6 +186,9 @@ def table(data: dict) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m flashref.bench hopper-profile", description=__doc__.split("\n")[0])
     p.add_argument("--out", default=DEFAULT_OUT)
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="the passes to profile")
+    p.add_argument("--append", action="store_true",
+                   help="keep the other parts' rows of the file at --out (replace only these parts')")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -169,14 +201,18 @@ def main(argv=None) -> int:
 
     started = time.time()
     known, stalls = available(ncu)
-    data = results.start(None, torch.cuda.get_device_name(), ncu_versions(ncu), results.command("hopper-profile", argv),
+    given = sys.argv[1:] if argv is None else argv
+    data = results.start(args.out if args.append else None, torch.cuda.get_device_name(), ncu_versions(ncu),
+                         results.command("hopper-profile", [a for a in given if a != "--append"]),
                          dtype="float16", metrics=[*known.values(), *stalls],
                          ncu_options="--clock-control none, --profile-from-start off, caches flushed before each "
                                      "pass (ncu's default)")
-    data["results"] = measure(cases(), ncu, log=sys.stderr)
-    data["seconds"] = time.time() - started
+    rows = measure(cases(args.parts), ncu, log=sys.stderr)
+    data["results"] = [r for r in data["results"] if part_of(r) not in args.parts] + rows  # (--append keeps others)
+    data["seconds"] = (data["seconds"] or 0) + time.time() - started
     results.save(data, args.out)
-    print(table(data))
+    for part in args.parts:
+        print(table(data, part))
     return 0
 
 

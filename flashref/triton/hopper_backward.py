@@ -14,7 +14,8 @@ this program's keys):
 
 dQ: a program owns ``BLOCK_M`` queries, Q_i and dO_i resident, and walks the key tiles they see (three products a
 tile: S, dP, then dQ_i += dS K_j). Both use the forward's row statistics (m2, l2) and D = rowsum(dO * O) from the
-teaching preprocess kernel; neither adds anything atomically, so the gradients are bitwise reproducible. fp16 and
+teaching preprocess kernel (the dK/dV kernels get each query tile's lse2 = m2 + l2 and D by TMA, in the ring slot
+of its Q_i and dO_i); neither adds anything atomically, so the gradients are bitwise reproducible. fp16 and
 bf16, head dims 64 and 128, top-left causal or not, a window, ALiBi, and dropout (the forward's mask, drawn again
 in each kernel's accumulator registers: transposed in dK/dV, :func:`flashref.triton.hopper._keep_t`); no other
 feature. :func:`hopper_backward` runs both; it is what :func:`flashref.triton.flash_attention`'s backward runs on
@@ -50,6 +51,34 @@ def _load_pair(a_desc, b_desc, a_smem, b_smem, bars, base_row, tile, n, n_tiles,
     mbarrier.expect(bars.index(slot), a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=go)
     tma.async_copy_global_to_shared(a_desc, [row, 0], bars.index(slot), a_smem.index(slot), pred=go)
     tma.async_copy_global_to_shared(b_desc, [row, 0], bars.index(slot), b_smem.index(slot), pred=go)
+
+
+@gluon.jit
+def _load_step(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, bars, bh, base_row, tile,
+               n, n_tiles, BLOCK: gl.constexpr, STAGES: gl.constexpr, STATS: gl.constexpr):
+    """:func:`_load_pair` of Q and dO, and with STATS the query tile's row statistics too (lse2 = m2 + l2 and D,
+    one fp32 number a row), into the same slot under the same barrier."""
+    if STATS:
+        slot = n % STAGES
+        go = n < n_tiles
+        row = base_row + tile * BLOCK
+        nbytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes + lse_desc.block_type.nbytes
+                                + delta_desc.block_type.nbytes)
+        mbarrier.expect(bars.index(slot), nbytes, pred=go)
+        tma.async_copy_global_to_shared(q_desc, [row, 0], bars.index(slot), q_smem.index(slot), pred=go)
+        tma.async_copy_global_to_shared(do_desc, [row, 0], bars.index(slot), do_smem.index(slot), pred=go)
+        tma.async_copy_global_to_shared(lse_desc, [bh, tile * BLOCK], bars.index(slot), lse_smem.index(slot), pred=go)
+        tma.async_copy_global_to_shared(delta_desc, [bh, tile * BLOCK], bars.index(slot), delta_smem.index(slot),
+                                        pred=go)
+    else:
+        _load_pair(q_desc, do_desc, q_smem, do_smem, bars, base_row, tile, n, n_tiles, BLOCK, STAGES)
+
+
+@gluon.jit
+def _row_view(stat_smem, slot, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """Slot ``slot`` of a (STAGES, 1, BLOCK_M) ring of row statistics (TMA's unswizzled rows) as BLOCK_M numbers."""
+    return stat_smem.index(slot)._reinterpret(gl.float32, [BLOCK_M],
+                                              gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
 
 
 @gluon.constexpr_function
@@ -102,7 +131,8 @@ def _dkdv_tile(k_t, v_t, q_t, do_t, dk, dv, s_zero, keys, first_key, i, bh, M2, 
                win_left, win_right, seed, drop_below, keep_scale, masked, FULL: gl.constexpr, BLOCK_M: gl.constexpr,
                CAUSAL: gl.constexpr,
                WINDOW: gl.constexpr, ALIBI: gl.constexpr, DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr,
-               ROWS: gl.constexpr, s_layout: gl.constexpr, col_s: gl.constexpr, p_layout: gl.constexpr):
+               ROWS: gl.constexpr, s_layout: gl.constexpr, col_s: gl.constexpr, p_layout: gl.constexpr,
+               STATS: gl.constexpr = False):
     """dK_j and dV_j (fp32, in registers) after query tile i, whose Q_i and dO_i are in shared memory, in the
     transposed orientation (the rows are keys)::
 
@@ -114,7 +144,9 @@ def _dkdv_tile(k_t, v_t, q_t, do_t, dk, dv, s_zero, keys, first_key, i, bh, M2, 
     mask for these keys (from ``first_key``) and queries, transposed (:func:`flashref.triton.hopper._keep_t`): dV
     sums the kept entries of P^T (the caller scales dV by ``keep_scale`` at the end) and dP^T = dP~^T * keep *
     keep_scale, as the teaching kernel computes them. ``masked`` may be False for the tiles
-    :func:`_full_query_tiles` finds every query of to see every key here: no mask is computed then. A constant
+    :func:`_full_query_tiles` finds every query of to see every key here: no mask is computed then. STATS: M2 and
+    Delta are the tile's lse2 and D in shared memory (:func:`_row_view`), L2 unused; otherwise the three are
+    global fp32 rows, read here. A constant
     compiles one version of the tile; a runtime flag compiles both under a branch (:func:`dkdv_masks`). FULL: the
     caller knows (at compile time) that every query row of the tile lies below N_q, so the row statistics are
     loaded without a predicate (measured: the loop without a mask 16% fewer instructions at d = 64)."""
@@ -127,7 +159,10 @@ def _dkdv_tile(k_t, v_t, q_t, do_t, dk, dv, s_zero, keys, first_key, i, bh, M2, 
     queries = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_s)
     live = queries < N_q
     stat = bh.to(gl.int64) * N_q + queries
-    if FULL:  # every row below N_q (_full_query_tiles): loads without a predicate
+    if STATS:  # the tile's statistics came with it (M2: lse2's slot, Delta: D's)
+        lse2 = M2.load(col_s)
+        D = Delta.load(col_s)
+    elif FULL:  # every row below N_q (_full_query_tiles): loads without a predicate
         lse2 = gl.load(M2 + stat) + gl.load(L2 + stat)
         D = gl.load(Delta + stat)
     else:
@@ -241,12 +276,13 @@ def _step_is_masked(n, bounds, full, i_lo, t_lo, n_tiles, list_row, LISTED: gl.c
 
 
 @gluon.jit
-def _dkdv_step(n, masked, FULL: gl.constexpr, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_desc, q_base, n_tiles,
+def _dkdv_step(n, masked, FULL: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, bars, q_desc,
+               do_desc, lse_desc, delta_desc, q_base, n_tiles,
                dk, dv, s_zero, keys, start_n, i_lo, t_lo, list_row, bh, M2, L2, Delta, N_q, qk_scale, slope2, win_left,
                win_right, seed, drop_below, keep_scale, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr, DROPOUT: gl.constexpr,
                KEEP_LAYOUT: gl.constexpr, ROWS: gl.constexpr, s_layout: gl.constexpr, col_s: gl.constexpr,
-               p_layout: gl.constexpr, LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr):
+               p_layout: gl.constexpr, LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr, STATS: gl.constexpr):
     """Step n of :func:`hopper_bwd_dkdv_kernel`'s loop: query tile i_lo + n (listed tile t_lo + n with a block
     mask) from its ring slot, then the copies of the tile STAGES ahead into the slot it frees."""
     slot = n % STAGES
@@ -255,26 +291,38 @@ def _dkdv_step(n, masked, FULL: gl.constexpr, k_smem, v_smem, q_smem, do_smem, b
     i = _tile_of(n, i_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_M)
     ahead = _tile_of(n + STAGES, i_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_M)
     mbarrier.wait(bars.index(slot), (n // STAGES) & 1)
-    dk, dv = _dkdv_tile(k_smem, v_smem, q_smem.index(slot), do_smem.index(slot), dk, dv, s_zero, keys, start_n,
-                        i, bh, M2, L2, Delta, N_q, qk_scale, slope2, win_left, win_right, seed, drop_below,
-                        keep_scale, masked, FULL, BLOCK_M, CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, ROWS, s_layout,
-                        col_s, p_layout)
-    _load_pair(q_desc, do_desc, q_smem, do_smem, bars, q_base, ahead, n + STAGES, n_tiles, BLOCK_M, STAGES)
+    if STATS:
+        dk, dv = _dkdv_tile(k_smem, v_smem, q_smem.index(slot), do_smem.index(slot), dk, dv, s_zero, keys, start_n,
+                            i, bh, _row_view(lse_smem, slot, BLOCK_M, STAGES), L2,
+                            _row_view(delta_smem, slot, BLOCK_M, STAGES), N_q, qk_scale, slope2, win_left,
+                            win_right, seed, drop_below, keep_scale, masked, FULL, BLOCK_M, CAUSAL, WINDOW, ALIBI,
+                            DROPOUT, KEEP_LAYOUT, ROWS, s_layout, col_s, p_layout, True)
+    else:
+        dk, dv = _dkdv_tile(k_smem, v_smem, q_smem.index(slot), do_smem.index(slot), dk, dv, s_zero, keys, start_n,
+                            i, bh, M2, L2, Delta, N_q, qk_scale, slope2, win_left, win_right, seed, drop_below,
+                            keep_scale, masked, FULL, BLOCK_M, CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, ROWS,
+                            s_layout, col_s, p_layout)
+    _load_step(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, bars, bh, q_base, ahead,
+               n + STAGES, n_tiles, BLOCK_M, STAGES, STATS)
     return dk, dv
 
 
 @gluon.jit(do_not_specialize=["seed", "drop_below"])  # 1 and 0 stay runtime values
-def hopper_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, M2, L2, Delta, N_q, N_k, sm_scale, qk_scale,
+def hopper_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, M2, L2, Delta, N_q, N_k,
+                           sm_scale, qk_scale,
                            SLOPES, win_left, win_right, seed, drop_below, keep_scale, LISTS, stride_lb, stride_lh,
                            stride_li, H, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                            STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr,
                            DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr, MASKS: gl.constexpr,
-                           LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr, num_warps: gl.constexpr):
+                           LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr, STATS: gl.constexpr,
+                           num_warps: gl.constexpr):
     """Program (pid_n, bh) writes dK and dV of keys [pid_n * BLOCK_N, +BLOCK_N) of head bh. The descriptors view
     Q, dO (B * H * N_q, d) and K, V (B * H * N_k, d); query columns past N_q (the next head's rows, or TMA's
     zeros) get P = 0, so they add nothing; key rows past N_k are never stored. LISTED: a block mask, whose
     transposed visible-block lists LISTS (strides per batch, head and key block; H heads) name the query blocks
-    of BLOCK_SIZE rows that see this program's keys: only their tiles are loaded."""
+    of BLOCK_SIZE rows that see this program's keys: only their tiles are loaded. STATS: lse_desc and delta_desc
+    (:func:`_stat_descriptors`) bring each query tile's lse2 and D into the ring beside Q and dO; otherwise the
+    tile loads M2, L2 and Delta from global memory (the descriptors unread)."""
     pid_n = gl.program_id(0)
     bh = gl.program_id(1)
     start_n = pid_n * BLOCK_N
@@ -287,6 +335,8 @@ def hopper_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, M2, L2, Delt
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
     k_smem, v_smem, q_smem, do_smem, kv_bar, bars = _backward_smem(k_desc, v_desc, q_desc, do_desc, STAGES)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], lse_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], delta_desc.layout)
 
     i_lo, n_tiles = _query_tiles(start_n, N_q, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     # With a block mask n_tiles becomes the number of listed tiles in [i_lo, i_lo + n_tiles).
@@ -299,7 +349,8 @@ def hopper_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, M2, L2, Delt
     tma.async_copy_global_to_shared(v_desc, [bh * N_k + start_n, 0], kv_bar, v_smem)
     for s in gl.static_range(STAGES):
         first = _tile_of(s, i_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_M)
-        _load_pair(q_desc, do_desc, q_smem, do_smem, bars, q_base, first, s, n_tiles, BLOCK_M, STAGES)
+        _load_step(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, bars, bh, q_base,
+                   first, s, n_tiles, BLOCK_M, STAGES, STATS)
 
     dk = gl.zeros([BLOCK_N, HEAD_D], gl.float32, a_layout)
     dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, a_layout)
@@ -316,21 +367,22 @@ def hopper_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, M2, L2, Delt
     if MASKS == "loops":  # masked tiles, tiles without a mask, masked tiles: each loop its own code
         for part in gl.static_range(3):
             for n in range(bounds[part], bounds[part + 1]):
-                dk, dv = _dkdv_step(n, part != 1, part == 1, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_desc,
-                                    q_base, n_tiles, dk, dv, s_zero, keys, start_n, i_lo, t_lo, list_row, bh, M2, L2,
+                dk, dv = _dkdv_step(n, part != 1, part == 1, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+                                    bars, q_desc, do_desc, lse_desc, delta_desc, q_base, n_tiles, dk, dv, s_zero, keys, start_n, i_lo, t_lo, list_row, bh, M2, L2,
                                     Delta, N_q, qk_scale, slope2, win_left, win_right, seed, drop_below, keep_scale,
                                     BLOCK_M, STAGES, CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, BLOCK_N, s_layout,
-                                    col_s, p_layout, LISTED, BLOCK_SIZE)
+                                    col_s, p_layout, LISTED, BLOCK_SIZE, STATS)
     else:
         for n in range(0, n_tiles):
             masked = True  # a constant unless the branch decides: the mask's code then compiles away
             if MASKS == "branch":
                 masked = _step_is_masked(n, bounds, full, i_lo, t_lo, n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_M)
-            dk, dv = _dkdv_step(n, masked, False, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_desc, q_base,
+            dk, dv = _dkdv_step(n, masked, False, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, bars, q_desc,
+                                do_desc, lse_desc, delta_desc, q_base,
                                 n_tiles, dk, dv, s_zero, keys, start_n, i_lo, t_lo, list_row, bh, M2, L2, Delta, N_q,
                                 qk_scale, slope2, win_left, win_right, seed, drop_below, keep_scale, BLOCK_M, STAGES,
                                 CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, BLOCK_N, s_layout, col_s, p_layout, LISTED,
-                                BLOCK_SIZE)
+                                BLOCK_SIZE, STATS)
 
     mbarrier.invalidate(kv_bar)
     for s in gl.static_range(STAGES):
@@ -452,11 +504,13 @@ def hopper_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, DQ, M2, L2, Delta, N_q
 
 
 @gluon.jit
-def _ws_dkdv_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty,
-                      bh, start_n, i_lo, n_tiles, t_lo, list_row, N_q, N_k, BLOCK_M: gl.constexpr,
-                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr):
-    """One warp with few registers: the K and V rows of both consumers once, then every Q, dO tile pair into the
-    ring. A slot is refilled once both consumers have arrived on its empty barrier."""
+def _ws_dkdv_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
+                      delta_smem, kv_bar, ready, empty, bh, start_n, i_lo, n_tiles, t_lo, list_row, N_q, N_k,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, LISTED: gl.constexpr,
+                      BLOCK_SIZE: gl.constexpr, STATS: gl.constexpr):
+    """One warp with few registers: the K and V rows of both consumers once, then every Q, dO tile pair (and with
+    STATS the tile's lse2 and D) into the ring. A slot is refilled once both consumers have arrived on its empty
+    barrier."""
     ROWS: gl.constexpr = BLOCK_N // 2
     mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
     for wg in gl.static_range(2):
@@ -465,13 +519,11 @@ def _ws_dkdv_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, 
         tma.async_copy_global_to_shared(v_desc, [row, 0], kv_bar, v_smem.index(wg))
     q_base = bh * N_q
     for n in range(0, n_tiles):
-        slot = n % STAGES
-        row = q_base + _tile_of(n, i_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_M) * BLOCK_M
         # A fresh mbarrier counts as having completed the phase before its first, so round 0 passes at once.
-        mbarrier.wait(empty.index(slot), ((n // STAGES) & 1) ^ 1)
-        mbarrier.expect(ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [row, 0], ready.index(slot), q_smem.index(slot))
-        tma.async_copy_global_to_shared(do_desc, [row, 0], ready.index(slot), do_smem.index(slot))
+        mbarrier.wait(empty.index(n % STAGES), ((n // STAGES) & 1) ^ 1)
+        tile = _tile_of(n, i_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_M)
+        _load_step(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, ready, bh, q_base,
+                   tile, n, n_tiles, BLOCK_M, STAGES, STATS)
 
 
 @gluon.jit
@@ -483,12 +535,14 @@ def _opaque(x):
 
 
 @gluon.jit
-def _ws_dkdv_step(n, masked, FULL: gl.constexpr, k_t, v_t, q_smem, do_smem, ready, empty, dk, dv, s_zero, keys,
+def _ws_dkdv_step(n, masked, FULL: gl.constexpr, k_t, v_t, q_smem, do_smem, lse_smem, delta_smem, ready, empty, dk,
+                  dv, s_zero, keys,
                   first_key, i_lo, n_tiles, t_lo, list_row, bh, M2, L2, Delta, N_q, qk_scale, slope2, win_left,
                   win_right, seed, drop_below, keep_scale, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                   CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr, DROPOUT: gl.constexpr,
                   KEEP_LAYOUT: gl.constexpr, ROWS: gl.constexpr, s_layout: gl.constexpr, col_s: gl.constexpr,
-                  p_layout: gl.constexpr, LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr, OPAQUE: gl.constexpr):
+                  p_layout: gl.constexpr, LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr, OPAQUE: gl.constexpr,
+                  STATS: gl.constexpr):
     """Step n of a consumer's loop: query tile i_lo + n (listed tile t_lo + n with a block mask) from its ring
     slot, which it then hands back. OPAQUE: the index passes through :func:`_opaque`."""
     slot = n % STAGES
@@ -496,21 +550,29 @@ def _ws_dkdv_step(n, masked, FULL: gl.constexpr, k_t, v_t, q_smem, do_smem, read
     i = _tile_of(n, i_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_M)
     if OPAQUE:
         i = _opaque(i)
-    dk, dv = _dkdv_tile(k_t, v_t, q_smem.index(slot), do_smem.index(slot), dk, dv, s_zero, keys, first_key, i,
-                        bh, M2, L2, Delta, N_q, qk_scale, slope2, win_left, win_right, seed, drop_below, keep_scale,
-                        masked, FULL, BLOCK_M, CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, ROWS, s_layout, col_s,
-                        p_layout)
+    if STATS:
+        dk, dv = _dkdv_tile(k_t, v_t, q_smem.index(slot), do_smem.index(slot), dk, dv, s_zero, keys, first_key, i,
+                            bh, _row_view(lse_smem, slot, BLOCK_M, STAGES), L2,
+                            _row_view(delta_smem, slot, BLOCK_M, STAGES), N_q, qk_scale, slope2, win_left, win_right,
+                            seed, drop_below, keep_scale, masked, FULL, BLOCK_M, CAUSAL, WINDOW, ALIBI, DROPOUT,
+                            KEEP_LAYOUT, ROWS, s_layout, col_s, p_layout, True)
+    else:
+        dk, dv = _dkdv_tile(k_t, v_t, q_smem.index(slot), do_smem.index(slot), dk, dv, s_zero, keys, first_key, i,
+                            bh, M2, L2, Delta, N_q, qk_scale, slope2, win_left, win_right, seed, drop_below, keep_scale,
+                            masked, FULL, BLOCK_M, CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, ROWS, s_layout, col_s,
+                            p_layout)
     mbarrier.arrive(empty.index(slot), count=1)
     return dk, dv
 
 
 @gluon.jit
-def _ws_dkdv_consumer(q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, M2, L2, Delta, bh, start_n,
+def _ws_dkdv_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, ready, empty, DK, DV, M2, L2,
+                      Delta, bh, start_n,
                       i_lo, n_tiles, t_lo, list_row, N_q, N_k, sm_scale, qk_scale, SLOPES, win_left, win_right, seed,
                       drop_below, keep_scale, WG: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                       ALIBI: gl.constexpr, DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr, MASKS: gl.constexpr,
-                      LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr):
+                      LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr, STATS: gl.constexpr):
     """Consumer warpgroup WG (4 warps) owns keys [start_n + WG * BLOCK_N/2, +BLOCK_N/2): the loop of
     :func:`hopper_bwd_dkdv_kernel` on every tile pair of the ring, which it then hands back (empty barrier)."""
     ROWS: gl.constexpr = BLOCK_N // 2
@@ -543,34 +605,37 @@ def _ws_dkdv_consumer(q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, DK,
     if MASKS == "loops":  # as hopper_bwd_dkdv_kernel's loops
         for part in gl.static_range(3):
             for n in range(bounds[part], bounds[part + 1]):
-                dk, dv = _ws_dkdv_step(n, part != 1, part == 1, k_t, v_t, q_smem, do_smem, ready, empty, dk, dv, s_zero,
+                dk, dv = _ws_dkdv_step(n, part != 1, part == 1, k_t, v_t, q_smem, do_smem, lse_smem, delta_smem, ready,
+                                       empty, dk, dv, s_zero,
                                        keys, first_key, i_lo, n_tiles, t_lo, list_row, bh, M2, L2, Delta, N_q, qk_scale,
                                        slope2, win_left, win_right, seed, drop_below, keep_scale, BLOCK_M, STAGES,
                                        CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, ROWS, s_layout, col_s, p_layout,
-                                       LISTED, BLOCK_SIZE, OPAQUE)
+                                       LISTED, BLOCK_SIZE, OPAQUE, STATS)
     else:
         for n in range(0, n_tiles):
             masked = True  # a constant unless the branch decides: the mask's code then compiles away
             if MASKS == "branch":
                 masked = _step_is_masked(n, bounds, full, i_lo, t_lo, n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_M)
-            dk, dv = _ws_dkdv_step(n, masked, False, k_t, v_t, q_smem, do_smem, ready, empty, dk, dv, s_zero, keys,
+            dk, dv = _ws_dkdv_step(n, masked, False, k_t, v_t, q_smem, do_smem, lse_smem, delta_smem, ready, empty, dk,
+                                   dv, s_zero, keys,
                                    first_key, i_lo, n_tiles, t_lo, list_row, bh, M2, L2, Delta, N_q, qk_scale, slope2,
                                    win_left, win_right, seed, drop_below, keep_scale, BLOCK_M, STAGES, CAUSAL, WINDOW,
                                    ALIBI, DROPOUT, KEEP_LAYOUT, ROWS, s_layout, col_s, p_layout, LISTED, BLOCK_SIZE,
-                                   OPAQUE)
+                                   OPAQUE, STATS)
     if DROPOUT:
         dv = dv * keep_scale
     _store_dkdv(DK, DV, dk, dv, first_key, bh, N_k, sm_scale, ROWS, HEAD_D, a_layout)
 
 
 @gluon.jit(do_not_specialize=["seed", "drop_below"])  # 1 and 0 stay runtime values
-def hopper_ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, M2, L2, Delta, N_q, N_k, sm_scale, qk_scale,
+def hopper_ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, M2, L2, Delta, N_q, N_k,
+                              sm_scale, qk_scale,
                               SLOPES, win_left, win_right, seed, drop_below, keep_scale, LISTS, stride_lb,
                               stride_lh, stride_li, H, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
                               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                               ALIBI: gl.constexpr, DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr,
                               MASKS: gl.constexpr, LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-                              num_warps: gl.constexpr):
+                              STATS: gl.constexpr, num_warps: gl.constexpr):
     """The warp-specialized dK/dV kernel: program (pid_n, bh) owns BLOCK_N keys of head bh, split between two
     consumer warpgroups (the kernel's own 4 warps and a worker warpgroup), each with the K and V rows of its half;
     one worker warp copies every Q, dO tile pair once for both. As the forward's warp-specialized kernel, the
@@ -586,6 +651,8 @@ def hopper_ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, M2, L2, D
     v_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_D], v_desc.layout)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], do_desc.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], lse_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], delta_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -598,17 +665,17 @@ def hopper_ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, M2, L2, D
     list_row, t_lo, n_tiles = _list_range(LISTED, LISTS, bh, H, stride_lb, stride_lh, stride_li,
                                           start_n // BLOCK_SIZE, i_lo, n_tiles, BLOCK_SIZE, BLOCK_M, num_warps)
     gl.warp_specialize([
-        (_ws_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, M2, L2, Delta, bh,
-                             start_n, i_lo, n_tiles, t_lo, list_row, N_q, N_k, sm_scale, qk_scale, SLOPES, win_left,
-                             win_right, seed, drop_below, keep_scale, 0, HEAD_D, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
-                             WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, MASKS, LISTED, BLOCK_SIZE)),
-        (_ws_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty,
-                             bh, start_n, i_lo, n_tiles, t_lo, list_row, N_q, N_k, BLOCK_M, BLOCK_N, STAGES, LISTED,
-                             BLOCK_SIZE)),
-        (_ws_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, M2, L2, Delta, bh,
-                             start_n, i_lo, n_tiles, t_lo, list_row, N_q, N_k, sm_scale, qk_scale, SLOPES, win_left,
-                             win_right, seed, drop_below, keep_scale, 1, HEAD_D, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
-                             WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, MASKS, LISTED, BLOCK_SIZE)),
+        (_ws_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, ready, empty, DK, DV,
+                             M2, L2, Delta, bh, start_n, i_lo, n_tiles, t_lo, list_row, N_q, N_k, sm_scale, qk_scale,
+                             SLOPES, win_left, win_right, seed, drop_below, keep_scale, 0, HEAD_D, BLOCK_M, BLOCK_N,
+                             STAGES, CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, MASKS, LISTED, BLOCK_SIZE, STATS)),
+        (_ws_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
+                             lse_smem, delta_smem, kv_bar, ready, empty, bh, start_n, i_lo, n_tiles, t_lo, list_row,
+                             N_q, N_k, BLOCK_M, BLOCK_N, STAGES, LISTED, BLOCK_SIZE, STATS)),
+        (_ws_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, ready, empty, DK, DV,
+                             M2, L2, Delta, bh, start_n, i_lo, n_tiles, t_lo, list_row, N_q, N_k, sm_scale, qk_scale,
+                             SLOPES, win_left, win_right, seed, drop_below, keep_scale, 1, HEAD_D, BLOCK_M, BLOCK_N,
+                             STAGES, CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, MASKS, LISTED, BLOCK_SIZE, STATS)),
     ], [1, 4], [24, 240])
 
 
@@ -631,7 +698,13 @@ def default_config(head_dim: int, part: str = "dkdv", dropout: bool = False) -> 
     one warpgroup takes 64 keys and steps 32 queries with a ring of 2 (1.12-1.24x the teaching kernel's speed; 64
     queries a step, or a ring of 3, measured slower). Those ratios were measured while every lane drew both Philox
     calls of its mask words; :func:`flashref.triton.hopper._keep_t` now draws each once, which took the d = 64 dK/dV
-    kernel from 15.0 to 12.9 ms (B 16, H 32, N 4K, p = 0.1), and the d = 128 choice has not been timed again."""
+    kernel from 15.0 to 12.9 ms (B 16, H 32, N 4K, p = 0.1). Since each query tile's lse2 and D come by TMA
+    (``stats_tma``; measured 1.04-1.23x the dK/dV kernel's speed without dropout, 0.996-1.02x with it, against
+    loading them in the loop, H100, same shapes) the warp-specialized kernel spills 0-52 bytes at d = 128 instead
+    of 260-340, and was timed again with dropout at d = 128, N = 4K: 0.94-0.96x the one-warpgroup tile at 64
+    queries a step, 0.99-1.02x at 32, so the one-warpgroup tile stays. At d = 64 three programs an SM (``maxnreg``
+    168) measured 1.00-1.02x, a ring of 3 0.88-0.91x, the warp-specialized kernel with 2 x 64 keys 0.90-1.01x:
+    the tile stays."""
     if part not in ("dkdv", "dq"):
         raise ValueError(f"part must be 'dkdv' or 'dq', got {part!r}")
     if part == "dq":
@@ -692,6 +765,20 @@ def _descriptors(q, k, v, do, cfg: dict):
     return descs
 
 
+def _stat_descriptors(m2, l2, delta, block_m: int, stats: bool = True) -> list:
+    """TMA descriptors of the query rows' statistics lse2 = m2 + l2 and D, each as (B * H, N_q rounded up to whole
+    tiles of block_m) fp32: a head's rows padded, so that every tile's copy starts at a multiple of block_m (16-byte
+    aligned) and stays within its head; a tile of 1 x block_m. Without ``stats`` (the kernels then load them from
+    global memory), zeros stand in."""
+    B, H, N_q = m2.shape
+    padded = torch.zeros((2, B * H, triton.cdiv(N_q, block_m) * block_m), dtype=torch.float32, device=m2.device)
+    if stats:
+        padded[0, :, :N_q] = (m2 + l2).reshape(B * H, N_q)
+        padded[1, :, :N_q] = delta.reshape(B * H, N_q)
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32)
+    return [TensorDescriptor.from_tensor(x, [1, block_m], layout) for x in padded.unbind(0)]
+
+
 def _meta(d: int, causal: bool, cfg: dict, window, slopes2, dropout=None, keep_layout=None) -> dict:
     return dict(HEAD_D=d, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"],
                 CAUSAL=bool(causal), WINDOW=window is not None, ALIBI=slopes2 is not None,
@@ -704,8 +791,10 @@ def _mod_args(q, window, slopes2) -> tuple:
     win_right) as :class:`flashref.triton.ops.Features` holds it (query i sees key j for ``i - win_left <= j <= i
     + win_right``), or None; ``slopes2``: ALiBi slopes times log2(e), fp32 (B, H) (any strides), or None. The
     kernels read one slope a head at program bh = b * H + h."""
+    from flashref.triton.ops import _stand_ins  # (made once a device: a fill at every call would be a launch)
+
     B, H = q.shape[:2]
-    slopes = torch.zeros(1, dtype=torch.float32, device=q.device)
+    slopes = _stand_ins(q.device)[2]  # never read without ALiBi
     if slopes2 is not None:
         slopes = slopes2.float().expand(B, H).contiguous()
     win_left, win_right = window if window is not None else (0, 0)
@@ -719,14 +808,16 @@ def _drop_args(dropout) -> tuple:
 
 
 def hopper_dkdv(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dict | None = None, *, window=None,
-                slopes2=None, dropout=None, masks: str | None = None, lists=None):
+                slopes2=None, dropout=None, masks: str | None = None, lists=None, stats_tma: bool = True):
     """(dk, dv) from the Gluon kernel, for checked, :func:`supported` inputs; m2, l2, delta: (B, H, N_q) fp32.
     ``cfg`` as :func:`default_config` gives it; with ``warp_specialize=True``, the warp-specialized kernel
     (:func:`hopper_ws_bwd_dkdv_kernel`: block_n keys a program, two consumers' worth, num_warps 4). ``window``
     and ``slopes2`` as :func:`_mod_args` takes them; ``dropout``: ``(seed, drop_below, keep_scale)``, or None.
     ``masks``: ``"every"``, ``"branch"`` or ``"loops"`` (the same bits, another speed), default
     :func:`dkdv_masks`'s choice. ``lists``: a block mask, as ``(transposed visible-block lists, block_size)``
-    (:func:`_list_args`; :func:`lists_fit` must hold): only the query tiles of visible blocks are loaded."""
+    (:func:`_list_args`; :func:`lists_fit` must hold): only the query tiles of visible blocks are loaded.
+    ``stats_tma`` (default True): each query tile's lse2 and D come by TMA beside Q and dO; False loads them from
+    global memory in the loop (the same bits)."""
     B, H, N_q, d = q.shape
     N_k = k.shape[2]
     cfg = cfg or default_config(d, "dkdv", dropout is not None)
@@ -745,16 +836,19 @@ def hopper_dkdv(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dic
     grid = (triton.cdiv(N_k, cfg["block_n"]), B * H)
     args = (dk, dv, m2.contiguous(), l2.contiguous(), delta, N_q, N_k, scale, scale * LOG2E,
             *_mod_args(q, window, slopes2), *_drop_args(dropout), *list_args)
+    stat_descs = _stat_descriptors(m2, l2, delta, cfg["block_m"], stats_tma)
     if cfg.get("warp_specialize"):
         halves = dict(cfg, block_n=cfg["block_n"] // 2)  # each TMA copy of K or V is one consumer's rows
         meta = _meta(d, causal, cfg, window, slopes2, dropout,
                      hopper.keep_t_layout(halves["block_n"], cfg["block_m"], 4))
-        hopper_ws_bwd_dkdv_kernel[grid](*_descriptors(q, k, v, do, halves), *args, **meta, MASKS=masks,
-                                        **list_meta, maxnreg=hopper.WS_MAXNREG)
+        hopper_ws_bwd_dkdv_kernel[grid](*_descriptors(q, k, v, do, halves), *stat_descs, *args, **meta, MASKS=masks,
+                                        **list_meta, STATS=stats_tma, maxnreg=hopper.WS_MAXNREG)
     else:
         meta = _meta(d, causal, cfg, window, slopes2, dropout,
                      hopper.keep_t_layout(cfg["block_n"], cfg["block_m"], cfg["num_warps"]))
-        hopper_bwd_dkdv_kernel[grid](*_descriptors(q, k, v, do, cfg), *args, **meta, MASKS=masks, **list_meta)
+        cap = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}  # (168: three programs an SM)
+        hopper_bwd_dkdv_kernel[grid](*_descriptors(q, k, v, do, cfg), *stat_descs, *args, **meta, MASKS=masks,
+                                     **list_meta, STATS=stats_tma, **cap)
     return dk, dv
 
 
