@@ -105,7 +105,9 @@ def test_the_committed_profile_read_every_case():
     assert {(hp.part_of(r), r["impl"], r["N"], r["d"], r["causal"]) for r in data["results"]} == keys
     for r in data["results"]:
         assert r["ns"] > 0 and 0 < r["tensor"] <= 100 and 0 < r["issue_active"] <= 100, r
-        assert r["stalls"] and sum(r["stalls"].values()) <= 100.5, r  # shares of one whole, rounded
+        # Shares of one whole, but ncu reads them over several replays of the kernel (one group of counters each),
+        # so they come from different runs: seen up to 101.6% (the dK/dV kernel loading its statistics, d 64, 16K).
+        assert r["stalls"] and sum(r["stalls"].values()) <= 103, r
         if r["impl"] == "flashref-hopper":
             assert r["kernel"].startswith(("hopper_fwd_kernel", "hopper_ws_fwd_kernel")), r["kernel"]
         elif r["impl"].startswith("flashref-hopper dK/dV"):
