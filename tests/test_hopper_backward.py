@@ -31,8 +31,10 @@ OUTPUTS = {"dkdv": {"DK": "*fp16", "DV": "*fp16"}, "dq": {"DQ": "*fp16"}}
 
 
 KERNELS = {"dkdv": hb.hopper_bwd_dkdv_kernel, "dq": hb.hopper_bwd_dq_kernel}
-for part, d, causal, mods in itertools.product(("dkdv", "dq"), hb.HEAD_DIMS, (False, True),
-                                               ("none", "window+alibi", "dropout", "block")):
+# (and dQ at d = 256, which takes causal masking or none: its dK/dV kernel is tests/test_hopper_backward_wide.py's)
+for part, d, causal, mods in [*itertools.product(("dkdv", "dq"), hb.HEAD_DIMS, (False, True),
+                                                 ("none", "window+alibi", "dropout", "block")),
+                              *(("dq", d, causal, "none") for d in hb.PLAIN_HEAD_DIMS for causal in (False, True))]:
     cfg = hb.default_config(d, part, mods == "dropout")
     ws = cfg.get("warp_specialize", False)  # then each K, V copy is one consumer's half of block_n
     kernel = hb.hopper_ws_bwd_dkdv_kernel if ws else KERNELS[part]
@@ -77,7 +79,8 @@ SPILL_BOUND = {("dkdv", "128", "1", "none"): 128, ("dkdv", "128", "1", "window+a
 
 
 def test_compiles_for_the_h100_without_spills():
-    """Both kernels, each head dim, causal and not, with and without a window and ALiBi, at the shipped tiles: TMA
+    """Both kernels, each head dim, causal and not, with and without a window and ALiBi (dQ at d = 256 without), at
+    the shipped tiles: TMA
     copies and wgmma products in the PTX, shared memory within the H100's 227 KB, and no register spills (in a
     child process: compiling needs the interpreter off). The exceptions are measured and bounded: the
     warp-specialized dK/dV kernel shipped at d = 128 (64 queries a step) spilled 260-340 bytes a thread (Triton
@@ -96,7 +99,7 @@ def test_compiles_for_the_h100_without_spills():
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [line.split() for line in out.stdout.strip().splitlines()]
-    assert [line[0] for line in lines] == ["dkdv"] * 16 + ["dq"] * 16
+    assert [line[0] for line in lines] == ["dkdv"] * 16 + ["dq"] * 18
     shared_of = {}
     for part, d, causal, mods, ws, shared, spills, wgmma, tma, waits, philox in lines:
         what = (part, d, causal, mods, shared, spills)
@@ -113,7 +116,7 @@ def test_compiles_for_the_h100_without_spills():
 
 
 def test_supported_says_why_not():
-    """The forward's reasons (here: no sm_90 GPU, or no GPU at all) and the head dims the backward lacks."""
+    """The forward's reasons (here: no sm_90 GPU, or no GPU at all); on an H100 head dims 64, 128 and 256."""
     pytest.importorskip("triton.experimental.gluon")
     from flashref.triton import hopper_backward as hb
 
@@ -121,9 +124,25 @@ def test_supported_says_why_not():
     assert "needs an sm_90" in hb.supported(q, q, q)
     if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
         q256 = torch.zeros(1, 2, 8, 256, device="cuda", dtype=torch.float16)
-        assert hb.supported(q256, q256, q256) == "needs a head dim in (64, 128), got 256"
         q64 = q256[..., :64].contiguous()
-        assert hb.supported(q64, q64, q64) is None
+        assert hb.supported(q256, q256, q256) is None and hb.supported(q64, q64, q64) is None
+
+
+@pytest.mark.parametrize("mod", ["window", "slopes2", "dropout", "lists"])
+def test_head_dim_256_refuses_the_modifications_naming_them(mod):
+    """At d = 256 (the dK/dV kernel whose warpgroups split the head dim) both kernels take causal masking or none:
+    a window, ALiBi, dropout or a block mask is a ValueError naming it, before anything runs."""
+    pytest.importorskip("triton.experimental.gluon")
+    from flashref.triton import hopper_backward as hb
+
+    q = torch.zeros(1, 2, 8, 256)
+    value = {"window": (4, 0), "slopes2": torch.ones(1, 2), "dropout": (1, 100, 1.1), "lists": (None, 128)}[mod]
+    stats = torch.zeros(1, 2, 8)
+    for fn in (hb.hopper_dkdv, hb.hopper_dq):
+        with pytest.raises(ValueError, match=f"at head dim 256 the Gluon backward takes no {mod}"):
+            fn(q, q, q, q, stats, stats, stats, False, 0.1, **{mod: value})
+    with pytest.raises(ValueError, match="neither masks nor stats_tma"):
+        hb.hopper_dkdv(q, q, q, q, stats, stats, stats, False, 0.1, masks="every")
 
 
 def _grads(q, k, v, do, causal):

@@ -65,7 +65,7 @@ def test_method(d, dtype, causal, kernel):
 def test_method_on_the_hopper_forward(d, dtype, causal):
     """kernel="hopper" (an H100): the same rule on the uneven shapes, extreme logits too, with its o, lse and row
     statistics equal to what kernel="auto" computes, and the backward recomputing from them: the Gluon backward
-    at d = 64 and 128, the teaching one at d = 256."""
+    (at d = 256 its dK/dV kernel whose warpgroups split the head dim)."""
     from flashref.triton import backward_kernel, flash_attention_forward, forward_kernel
 
     if torch.cuda.get_device_capability() != (9, 0):
@@ -74,7 +74,7 @@ def test_method_on_the_hopper_forward(d, dtype, causal):
         B, H = _batch(N_q, N_k)
         q, k, v, do = make_qkv(B, H, N_q, N_k, d, dtype, "cuda", seed=300 + i + d)
         assert forward_kernel(q, k, v, causal) == "hopper"
-        assert backward_kernel(q, k, v, causal, kernel="hopper") == ("triton" if d == 256 else "hopper")
+        assert backward_kernel(q, k, v, causal, kernel="hopper") == "hopper"
         _check(q, k, v, do, causal, kernel="hopper")
         o_auto, lse_auto = flash_attention_forward(q, k, v, causal)
         o_hop, lse_hop = flash_attention_forward(q, k, v, causal, kernel="hopper")
@@ -226,8 +226,9 @@ def test_block_sparse_backward_on_two_streams_matches_one_and_captures_in_a_cuda
 def test_auto_takes_the_teaching_kernel_where_the_hopper_forward_cannot_run():
     """On an H100, kernel="auto" falls back for each thing the Hopper forward does not take, and kernel="hopper"
     refuses it naming it; the backward falls back with it (except for ALiBi, which the Gluon backward
-    takes), and for d = 256 and deterministic=False too. A window (or bottom-right causal) takes the Hopper
-    forward and the Gluon backward, at d = 64 and 128; so does a block mask whose blocks hold their tiles whole.
+    takes), and for deterministic=False too. A window (or bottom-right causal) takes the Hopper forward and the
+    Gluon backward, at d = 64 and 128; so does a block mask whose blocks hold their tiles whole. At d = 256 the
+    Gluon backward runs with causal masking or none: a window, ALiBi or a block mask keeps the teaching one.
     On any other GPU both say there is no sm_90."""
     from flashref.triton import backward_kernel, flash_attention, forward_kernel
 
@@ -241,7 +242,10 @@ def test_auto_takes_the_teaching_kernel_where_the_hopper_forward_cannot_run():
     assert backward_kernel(q, k, v, deterministic=False) == "triton"
     assert backward_kernel(q, k, v, kernel="triton") == "triton"
     q256 = torch.cat([q, q], -1)
-    assert forward_kernel(q256, q256, q256) == "hopper" and backward_kernel(q256, q256, q256) == "triton"
+    assert forward_kernel(q256, q256, q256) == "hopper" and backward_kernel(q256, q256, q256, True) == "hopper"
+    for kw in (dict(window_size=(16, 0)), dict(alibi_slopes=torch.ones(2, device="cuda")),
+               dict(block_mask=torch.ones(1, 2, 3, 3, dtype=torch.bool, device="cuda"))):
+        assert backward_kernel(q256, q256, q256, **kw) == "triton", kw
     windows = {"window_size": ((q, k, v), dict(window_size=(16, 0))),
                "bottom_right": ((q, k[:, :, :200].contiguous(), v[:, :, :200].contiguous()),
                                 dict(causal=True, causal_align="bottom_right"))}

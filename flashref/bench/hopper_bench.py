@@ -162,18 +162,21 @@ OTHER_DKDV = {64: ("gluon dK/dV warp-specialized", dict(block_m=64, block_n=128,
               128: ("gluon dK/dV one warpgroup", dict(block_m=32, block_n=64, num_warps=4, stages=3))}
 
 
-def backward_kernel_cases(grid=GRID):
+def backward_kernel_cases(grid=GRID, d256=True):
     """Rows ``{case: "bwd kernel", impl, B, H, N, d, causal, ms, tflops, matmuls}``: each backward kernel alone on
-    the same inputs and row statistics (the teaching forward's), at the grid's points: the Gluon dK/dV kernel in
-    its shipped tiles and in :data:`OTHER_DKDV`'s, the Gluon dQ kernel, the teaching dK/dV and dQ kernels.
+    the same inputs and row statistics (the teaching forward's), at the grid's points and the issue's d = 256 case:
+    the Gluon dK/dV kernel in its shipped tiles and in :data:`OTHER_DKDV`'s (none at d = 256, where dK/dV is
+    :mod:`flashref.triton.hopper_backward_wide`'s), the Gluon dQ kernel, the teaching dK/dV and dQ kernels.
     TFLOP/s counts the kernel's own products (dK/dV four, dQ three), each 2 B H N^2 d FLOPs (half when causal):
     half of :func:`flops`'s forward pass, which has two."""
     import torch
 
     from flashref.triton import flash_attention_forward, hopper_backward, ops
 
-    for d, N, causal in grid:
-        B, H = 65536 // N, 2048 // d
+    points = [(65536 // N, 2048 // d, N, d, causal) for d, N, causal in grid]
+    if d256:
+        points += [(8, 8, 4096, 256, False), (8, 8, 4096, 256, True)]
+    for B, H, N, d, causal in points:
         g = torch.Generator(device="cuda").manual_seed(0)
         q, k, v, do = (torch.randn(B, H, N, d, device="cuda", dtype=torch.float16, generator=g) for _ in range(4))
         scale = d ** -0.5
@@ -187,12 +190,13 @@ def backward_kernel_cases(grid=GRID):
             return lambda: ops._backward(q, k, v, o, (m2, l2), do, scale, True, feat, "triton", parts=(part,),
                                          delta=delta)
 
-        other_name, other_cfg = OTHER_DKDV[d]
-        kernels = {"gluon dK/dV": (4, lambda: hopper_backward.hopper_dkdv(q, k, v, do, m2, l2, delta, causal, scale)),
-                   other_name: (4, lambda: hopper_backward.hopper_dkdv(q, k, v, do, m2, l2, delta, causal, scale,
-                                                                        other_cfg)),
-                   "gluon dQ": (3, lambda: hopper_backward.hopper_dq(q, k, v, do, m2, l2, delta, causal, scale)),
-                   "teaching dK/dV": (4, teaching("dkdv")), "teaching dQ": (3, teaching("dq"))}
+        kernels = {"gluon dK/dV": (4, lambda: hopper_backward.hopper_dkdv(q, k, v, do, m2, l2, delta, causal, scale))}
+        if d in OTHER_DKDV:
+            other_name, other_cfg = OTHER_DKDV[d]
+            kernels[other_name] = (4, lambda: hopper_backward.hopper_dkdv(q, k, v, do, m2, l2, delta, causal, scale,
+                                                                          other_cfg))
+        kernels |= {"gluon dQ": (3, lambda: hopper_backward.hopper_dq(q, k, v, do, m2, l2, delta, causal, scale)),
+                    "teaching dK/dV": (4, teaching("dkdv")), "teaching dQ": (3, teaching("dq"))}
         per_product = flops(B, H, N, N, d, causal) / 2
         for impl, (matmuls, fn) in kernels.items():
             ms, _ = _time(fn, False, None)

@@ -18,7 +18,8 @@ teaching preprocess kernel (the dK/dV kernels get each query tile's lse2 = m2 + 
 of its Q_i and dO_i); neither adds anything atomically, so the gradients are bitwise reproducible. fp16 and
 bf16, head dims 64 and 128, top-left causal or not, a window, ALiBi, and dropout (the forward's mask, drawn again
 in each kernel's accumulator registers: transposed in dK/dV, :func:`flashref.triton.hopper._keep_t`); no other
-feature. :func:`hopper_backward` runs both; it is what :func:`flashref.triton.flash_attention`'s backward runs on
+feature. At head dim 256 (causal or not, nothing else) dK/dV come from
+:mod:`flashref.triton.hopper_backward_wide`, whose two warpgroups split the head dim, and dQ from the kernel here. :func:`hopper_backward` runs both; it is what :func:`flashref.triton.flash_attention`'s backward runs on
 an H100 (notebook ``14_flashattention3_on_hopper``).
 """
 
@@ -36,7 +37,10 @@ from flashref.triton import hopper
 from flashref.triton.hopper import _list_args, _list_range, _listed_tiles_before, _tile_of, lists_fit  # noqa: F401
 from flashref.triton.forward import LOG2E
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128)  # every feature
+#: Head dims the backward takes only with top-left causal masking or none (no window, ALiBi, dropout or block mask):
+#: dK/dV from :mod:`flashref.triton.hopper_backward_wide`.
+PLAIN_HEAD_DIMS = (256,)
 
 
 @gluon.jit
@@ -79,6 +83,19 @@ def _row_view(stat_smem, slot, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
     """Slot ``slot`` of a (STAGES, 1, BLOCK_M) ring of row statistics (TMA's unswizzled rows) as BLOCK_M numbers."""
     return stat_smem.index(slot)._reinterpret(gl.float32, [BLOCK_M],
                                               gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
+
+
+@gluon.jit
+def _stat_rows(M2, Delta, lse_smem, delta_smem, slot, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+               STATS: gl.constexpr):
+    """Where :func:`_dkdv_tile` reads step ``slot``'s row statistics: with STATS the lse2 and D that came by TMA
+    into the slot (:func:`_row_view`), otherwise the global rows M2 and Delta."""
+    lse2_rows = M2
+    d_rows = Delta
+    if STATS:
+        lse2_rows = _row_view(lse_smem, slot, BLOCK_M, STAGES)
+        d_rows = _row_view(delta_smem, slot, BLOCK_M, STAGES)
+    return lse2_rows, d_rows
 
 
 @gluon.constexpr_function
@@ -198,10 +215,12 @@ def _dkdv_tile(k_t, v_t, q_t, do_t, dk, dv, s_zero, keys, first_key, i, bh, M2, 
 
 @gluon.jit
 def _store_dkdv(DK, DV, dk, dv, first_key, bh, N_k, sm_scale, ROWS: gl.constexpr, HEAD_D: gl.constexpr,
-                a_layout: gl.constexpr):
-    """dK (scaled by sm_scale) and dV of keys [first_key, +ROWS) of head bh; rows past N_k are not stored."""
+                a_layout: gl.constexpr, FIRST_COL: gl.constexpr = 0, COLS: gl.constexpr = 0):
+    """dK (scaled by sm_scale) and dV of keys [first_key, +ROWS) of head bh; rows past N_k are not stored. dk and
+    dv hold columns [FIRST_COL, +COLS) of the head dim (COLS 0: all HEAD_D of them)."""
+    WIDTH: gl.constexpr = COLS if COLS > 0 else HEAD_D
     rows = first_key + gl.arange(0, ROWS, layout=gl.SliceLayout(1, a_layout))
-    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, a_layout))
+    cols = FIRST_COL + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, a_layout))
     offs = gl.expand_dims((bh.to(gl.int64) * N_k + rows) * HEAD_D, 1) + gl.expand_dims(cols, 0)
     in_range = gl.expand_dims(rows < N_k, 1)
     gl.store(DK + offs, (dk * sm_scale).to(DK.dtype.element_ty), mask=in_range)
@@ -291,17 +310,11 @@ def _dkdv_step(n, masked, FULL: gl.constexpr, k_smem, v_smem, q_smem, do_smem, l
     i = _tile_of(n, i_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_M)
     ahead = _tile_of(n + STAGES, i_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_M)
     mbarrier.wait(bars.index(slot), (n // STAGES) & 1)
-    if STATS:
-        dk, dv = _dkdv_tile(k_smem, v_smem, q_smem.index(slot), do_smem.index(slot), dk, dv, s_zero, keys, start_n,
-                            i, bh, _row_view(lse_smem, slot, BLOCK_M, STAGES), L2,
-                            _row_view(delta_smem, slot, BLOCK_M, STAGES), N_q, qk_scale, slope2, win_left,
-                            win_right, seed, drop_below, keep_scale, masked, FULL, BLOCK_M, CAUSAL, WINDOW, ALIBI,
-                            DROPOUT, KEEP_LAYOUT, ROWS, s_layout, col_s, p_layout, True)
-    else:
-        dk, dv = _dkdv_tile(k_smem, v_smem, q_smem.index(slot), do_smem.index(slot), dk, dv, s_zero, keys, start_n,
-                            i, bh, M2, L2, Delta, N_q, qk_scale, slope2, win_left, win_right, seed, drop_below,
-                            keep_scale, masked, FULL, BLOCK_M, CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, ROWS,
-                            s_layout, col_s, p_layout)
+    lse2_rows, d_rows = _stat_rows(M2, Delta, lse_smem, delta_smem, slot, BLOCK_M, STAGES, STATS)
+    dk, dv = _dkdv_tile(k_smem, v_smem, q_smem.index(slot), do_smem.index(slot), dk, dv, s_zero, keys, start_n, i,
+                        bh, lse2_rows, L2, d_rows, N_q, qk_scale, slope2, win_left, win_right, seed, drop_below,
+                        keep_scale, masked, FULL, BLOCK_M, CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, ROWS, s_layout,
+                        col_s, p_layout, STATS)
     _load_step(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, bars, bh, q_base, ahead,
                n + STAGES, n_tiles, BLOCK_M, STAGES, STATS)
     return dk, dv
@@ -368,7 +381,8 @@ def hopper_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc
         for part in gl.static_range(3):
             for n in range(bounds[part], bounds[part + 1]):
                 dk, dv = _dkdv_step(n, part != 1, part == 1, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-                                    bars, q_desc, do_desc, lse_desc, delta_desc, q_base, n_tiles, dk, dv, s_zero, keys, start_n, i_lo, t_lo, list_row, bh, M2, L2,
+                                    bars, q_desc, do_desc, lse_desc, delta_desc, q_base, n_tiles, dk, dv, s_zero,
+                                    keys, start_n, i_lo, t_lo, list_row, bh, M2, L2,
                                     Delta, N_q, qk_scale, slope2, win_left, win_right, seed, drop_below, keep_scale,
                                     BLOCK_M, STAGES, CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, BLOCK_N, s_layout,
                                     col_s, p_layout, LISTED, BLOCK_SIZE, STATS)
@@ -550,17 +564,11 @@ def _ws_dkdv_step(n, masked, FULL: gl.constexpr, k_t, v_t, q_smem, do_smem, lse_
     i = _tile_of(n, i_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_M)
     if OPAQUE:
         i = _opaque(i)
-    if STATS:
-        dk, dv = _dkdv_tile(k_t, v_t, q_smem.index(slot), do_smem.index(slot), dk, dv, s_zero, keys, first_key, i,
-                            bh, _row_view(lse_smem, slot, BLOCK_M, STAGES), L2,
-                            _row_view(delta_smem, slot, BLOCK_M, STAGES), N_q, qk_scale, slope2, win_left, win_right,
-                            seed, drop_below, keep_scale, masked, FULL, BLOCK_M, CAUSAL, WINDOW, ALIBI, DROPOUT,
-                            KEEP_LAYOUT, ROWS, s_layout, col_s, p_layout, True)
-    else:
-        dk, dv = _dkdv_tile(k_t, v_t, q_smem.index(slot), do_smem.index(slot), dk, dv, s_zero, keys, first_key, i,
-                            bh, M2, L2, Delta, N_q, qk_scale, slope2, win_left, win_right, seed, drop_below, keep_scale,
-                            masked, FULL, BLOCK_M, CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, ROWS, s_layout, col_s,
-                            p_layout)
+    lse2_rows, d_rows = _stat_rows(M2, Delta, lse_smem, delta_smem, slot, BLOCK_M, STAGES, STATS)
+    dk, dv = _dkdv_tile(k_t, v_t, q_smem.index(slot), do_smem.index(slot), dk, dv, s_zero, keys, first_key, i, bh,
+                        lse2_rows, L2, d_rows, N_q, qk_scale, slope2, win_left, win_right, seed, drop_below,
+                        keep_scale, masked, FULL, BLOCK_M, CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, ROWS, s_layout,
+                        col_s, p_layout, STATS)
     mbarrier.arrive(empty.index(slot), count=1)
     return dk, dv
 
@@ -692,7 +700,10 @@ def default_config(head_dim: int, part: str = "dkdv", dropout: bool = False) -> 
     dQ: 64 queries a program in one warpgroup (one fp32 accumulator), 64 keys a step, K and V in a ring of 2, the
     best of four (or within 2% of it) at each head dim. Measured (profiler, same shapes) 1.15-1.20x the teaching
     dQ kernel's time without causal masking, 0.91-1.09x with it (the slowest at N = 16K, d = 64), before the
-    causal launch order was reversed.
+    causal launch order was reversed. At d = 256 the same dQ tile measured 1.04-1.05x the teaching dQ kernel's
+    speed (B 8, H 8, N 4K; 64 x 32 0.85-0.88x, with a ring of 3 0.76-0.84x), and dK/dV take
+    :func:`flashref.triton.hopper_backward_wide.default_config`. Other dQ tiles (2026-11-27, d = 64 and 128, N 4K
+    and 16K): 128 keys a step 0.86-0.95x, 128 queries on 8 warps 0.86-0.95x, a ring of 3 0.80-0.94x the shipped.
     With dropout the same tiles, but for dK/dV at d = 128: the warp-specialized kernel spills 0.8-1 KB a thread
     with the mask's words and measured 0.65-0.70x the teaching kernel's speed (H100, B 8, H 16, N 4K, p = 0.1), so
     one warpgroup takes 64 keys and steps 32 queries with a ring of 2 (1.12-1.24x the teaching kernel's speed; 64
@@ -709,6 +720,8 @@ def default_config(head_dim: int, part: str = "dkdv", dropout: bool = False) -> 
         raise ValueError(f"part must be 'dkdv' or 'dq', got {part!r}")
     if part == "dq":
         return dict(block_m=64, block_n=64, num_warps=4, stages=2)
+    if head_dim in PLAIN_HEAD_DIMS:
+        return _wide().default_config()
     if dropout and head_dim > 64:
         return dict(block_m=32, block_n=64, num_warps=4, stages=2)
     if head_dim <= 64:
@@ -746,22 +759,39 @@ def dkdv_masks(warp_specialize: bool, window: bool, dropout: bool = False, liste
 
 def supported(q, k, v) -> str | None:
     """None when :func:`hopper_backward` can take these (checked) q, k, v, else why not: the forward's conditions
-    (:func:`flashref.triton.hopper.supported`) with head dims 64 and 128 only."""
+    (:func:`flashref.triton.hopper.supported`) with head dims 64, 128 and 256 (256 without a window, ALiBi,
+    dropout or block mask: :data:`PLAIN_HEAD_DIMS`)."""
     why = hopper.supported(q, k, v)
-    if why is None and q.shape[3] not in HEAD_DIMS:
-        why = f"needs a head dim in {HEAD_DIMS}, got {q.shape[3]}"
+    if why is None and q.shape[3] not in HEAD_DIMS + PLAIN_HEAD_DIMS:
+        why = f"needs a head dim in {HEAD_DIMS + PLAIN_HEAD_DIMS}, got {q.shape[3]}"
     return why
 
 
-def _descriptors(q, k, v, do, cfg: dict):
+def _wide():
+    """:mod:`flashref.triton.hopper_backward_wide`, imported when first needed: it builds on this module."""
+    from flashref.triton import hopper_backward_wide
+
+    return hopper_backward_wide
+
+
+def _check_plain(d: int, window, slopes2, dropout, lists) -> None:
+    """At the :data:`PLAIN_HEAD_DIMS` the kernels take top-left causal masking or none: a ValueError for the rest."""
+    used = [name for name, x in (("window", window), ("slopes2", slopes2), ("dropout", dropout), ("lists", lists))
+            if x is not None]
+    if d in PLAIN_HEAD_DIMS and used:
+        raise ValueError(f"at head dim {d} the Gluon backward takes no {', '.join(used)} (head dims {HEAD_DIMS} do)")
+
+
+def _descriptors(q, k, v, do, cfg: dict, cols: int | None = None):
     """TMA descriptors of Q, K, V and dO viewed as (B * H * N, d) rows: Q and dO in tiles of block_m rows, K and V
-    of block_n."""
+    of block_n; ``cols`` columns wide (default d; the d = 256 kernel copies halves)."""
     d = q.shape[3]
+    cols = cols or d
     gdt = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
     descs = []
     for x, rows in ((q, cfg["block_m"]), (k, cfg["block_n"]), (v, cfg["block_n"]), (do, cfg["block_m"])):
-        lay = hopper.shared_layout((rows, d), gdt)
-        descs.append(TensorDescriptor.from_tensor(x.contiguous().view(-1, d), [rows, d], lay))
+        lay = hopper.shared_layout((rows, cols), gdt)
+        descs.append(TensorDescriptor.from_tensor(x.contiguous().view(-1, d), [rows, cols], lay))
     return descs
 
 
@@ -817,9 +847,15 @@ def hopper_dkdv(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dic
     :func:`dkdv_masks`'s choice. ``lists``: a block mask, as ``(transposed visible-block lists, block_size)``
     (:func:`_list_args`; :func:`lists_fit` must hold): only the query tiles of visible blocks are loaded.
     ``stats_tma`` (default True): each query tile's lse2 and D come by TMA beside Q and dO; False loads them from
-    global memory in the loop (the same bits)."""
+    global memory in the loop (the same bits). At head dim 256: :func:`flashref.triton.hopper_backward_wide.
+    hopper_wide_dkdv`, with neither ``masks`` nor the modifications."""
     B, H, N_q, d = q.shape
     N_k = k.shape[2]
+    _check_plain(d, window, slopes2, dropout, lists)
+    if d in PLAIN_HEAD_DIMS:
+        if masks is not None or not stats_tma:
+            raise ValueError(f"at head dim {d} the dK/dV kernel takes neither masks nor stats_tma=False")
+        return _wide().hopper_wide_dkdv(q, k, v, do, m2, l2, delta, causal, scale, cfg)
     cfg = cfg or default_config(d, "dkdv", dropout is not None)
     if masks not in (None, "every", "branch", "loops"):
         raise ValueError(f"masks must be None, 'every', 'branch' or 'loops', got {masks!r}")
@@ -858,6 +894,7 @@ def hopper_dq(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dict 
     ``window`` and ``slopes2`` as :func:`_mod_args` takes them; ``dropout`` as :func:`hopper_dkdv` takes it;
     ``lists``: a block mask, as ``(visible-block lists, block_size)``: only the visible key tiles are loaded."""
     B, H, N_q, d = q.shape
+    _check_plain(d, window, slopes2, dropout, lists)
     cfg = cfg or default_config(d, "dq")
     if lists is not None and not lists_fit(cfg, "dq", lists[1]):
         raise ValueError(f"block_size {lists[1]} does not map onto the dQ tiles {cfg['block_m']} x {cfg['block_n']}")

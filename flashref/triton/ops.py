@@ -477,18 +477,24 @@ def _forward_kernel(q, k, v, feat: Features, kernel: str) -> str:
 def _backward_kernel(q, k, v, feat: Features, kernel: str, deterministic: bool) -> str:
     """``"hopper"`` or ``"triton"``: which backward runs this checked call. ``"triton"`` keeps the teaching
     kernels; ``"auto"`` and ``"hopper"`` take the Gluon dK/dV and dQ kernels (:mod:`flashref.triton.hopper_backward`)
-    wherever the Hopper forward could run, and also with ALiBi, d is 64 or 128 and the gradients are to be
+    wherever the Hopper forward could run, and also with ALiBi, d is 64, 128 or 256 and the gradients are to be
     deterministic (theirs are: ``deterministic=False`` asks for the teaching kernel's atomic dQ). A window takes
     them too since they mask only the tiles at its edges (H100, causal window of 1024 keys, N = 8K, fp16: Gluon
     dK/dV 1.23 ms at d = 128 and 1.39 at d = 64 against the teaching kernel's 1.47 and 1.78; dQ 0.79 and 0.86
     against 0.92 and 0.98). Dropout (without a window) runs both Gluon kernels, with the forward's mask. A block
     mask runs them where its blocks fit their tiles (:func:`_gluon_takes_block_mask`): they walk the visible-block
-    lists the teaching kernels walk, as the Gluon forward does."""
+    lists the teaching kernels walk, as the Gluon forward does. At d = 256 they run with top-left causal masking
+    or none (:data:`flashref.triton.hopper_backward.PLAIN_HEAD_DIMS`; dK/dV from the kernel whose warpgroups split
+    the head dim, measured 1.60-1.66x the teaching dK/dV kernel's speed, dQ 1.04-1.05x: H100, B 8, H 8, N 4K,
+    fp16)."""
     _check_kernel(kernel)
     if kernel == "triton" or not deterministic or _hopper_refusal(q, k, v, feat, backward=True) is not None:
         return "triton"
     backward = _gluon_module("hopper_backward")
     if isinstance(backward, ImportError) or backward.supported(q, k, v) is not None:
+        return "triton"
+    plain = not (feat.window or feat.slopes2 is not None or feat.dropout_p > 0.0 or feat.block_mask is not None)
+    if q.shape[3] in backward.PLAIN_HEAD_DIMS and not plain:
         return "triton"
     if feat.block_mask is not None and not _gluon_takes_block_mask(backward, q, feat):
         return "triton"
@@ -844,7 +850,8 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, deterministic=True, *,
     it can and the teaching kernel everywhere else (:func:`forward_kernel` says which). Both give the same o, lse
     and row statistics. The backward follows: under ``"auto"`` and ``"hopper"`` the Gluon dK/dV and dQ kernels of
     :mod:`flashref.triton.hopper_backward` run wherever they can (the Hopper forward's conditions, dropout's
-    included, d = 64 or 128, ``deterministic=True``; unlike the forward, they also take ``alibi_slopes``), the
+    included, d = 64 or 128, or 256 with causal masking or none, ``deterministic=True``; unlike the forward, they
+    also take ``alibi_slopes``), the
     teaching backward everywhere else (:func:`backward_kernel` says which).
     Notebooks ``07_triton_forward`` and ``08_triton_backward``.
     """
