@@ -68,7 +68,7 @@ for part, d, causal, mods in [*itertools.product(("dkdv", "dq"), hb.HEAD_DIMS, (
     use = ptxas_usage(k)
     print(part, d, causal, mods, int(ws), k.metadata.shared, use["spill_stores"],
           ptx.count("wgmma.mma_async"), ptx.count("cp.async.bulk.tensor"), len(re.findall(r"wgmma\.wait_group", ptx)),
-          ptx.count("-845247145"))
+          ptx.count("-845247145") + ptx.count("0xCD9E8D57"))
 """
 
 

@@ -69,21 +69,22 @@ def cases(grid=GRID, d256=True):
         q, k, v = (torch.randn(B, H, N, d, device="cuda", dtype=torch.float16, generator=g) for _ in range(3))
         work = flops(B, H, N, N, d, causal)
         impls = [(name, None, lambda fn=sdpa(name): fn(q, k, v, causal)) for name in ("sdpa-flash", "sdpa-cudnn")]
-        # flashref's calls without their input checks, as the peers run: hopper_forward's checks end with a pass over
-        # q, k and v for NaN and a host synchronization, none of it the kernel's work. Timed with them (the runs
-        # before), the calls took 0.31-0.64 ms more at N = 4K, 9-42% of the kernel's time.
+        # flashref's calls without their pass over q, k and v for NaN (check_finite=False), as the peers run: it
+        # ends with a host synchronization, none of it the kernel's work. Timed with it (the runs before), the calls
+        # took 0.31-0.64 ms more at N = 4K, 9-42% of the kernel's time.
         impls.append(("flashref-triton", None,
                       lambda: flash_attention_forward(q, k, v, causal, check_finite=False, kernel="triton")))
         steps = STEPS if d <= 128 else STEPS_D256
         impls += [("flashref-hopper", (step, sw),
-                   lambda sw=sw: hopper.launch_forward(q, k, v, causal, d ** -0.5, hopper.config(d, **sw)))
+                   lambda sw=sw: hopper.hopper_forward(q, k, v, causal, check_finite=False, **sw))
                   for step, sw in steps]
         x = hopper.quantize_fp8(q, k, v, block_n=FP8["block_n"])
         fp8 = {key: FP8[key] for key in ("stages", "pingpong") if key in FP8}
         impls += [("flashref-hopper-fp8", ("FP8 (e4m3) on quantized inputs", FP8),
                    lambda: hopper.fp8_attention(x, causal, **fp8)),
                   ("flashref-hopper-fp8+quantize", ("FP8 (e4m3), quantization included", FP8),
-                   lambda: hopper.fp8_attention(hopper.quantize_fp8(q, k, v, block_n=FP8["block_n"]), causal, **fp8))]
+                   lambda: hopper.hopper_fp8_forward(q, k, v, causal, block_n=FP8["block_n"], check_finite=False,
+                                                     **fp8))]
         for impl, step, fn in impls:
             ms, peak = _time(fn, False, None)
             yield {"case": "fwd", "impl": impl, "step": step[0] if step else None,

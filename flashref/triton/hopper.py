@@ -119,15 +119,31 @@ def _philox(seed, c0, c1, c2, c3, N_ROUNDS: gl.constexpr):
     k0 = (seed & 0xFFFFFFFF).to(gl.uint32)
     k1 = ((seed >> 32) & 0xFFFFFFFF).to(gl.uint32)
     for _ in gl.static_range(N_ROUNDS):
-        _c0 = c0
-        _c2 = c2
-        c0 = gl.umulhi(_c2, 0xCD9E8D57) ^ c1 ^ k0
-        c2 = gl.umulhi(_c0, 0xD2511F53) ^ c3 ^ k1
-        c1 = _c2 * 0xCD9E8D57
-        c3 = _c0 * 0xD2511F53
+        hi0, lo0 = _mul_wide(c2, _TIMES_M0)
+        hi1, lo1 = _mul_wide(c0, _TIMES_M1)
+        c0 = hi0 ^ c1 ^ k0
+        c2 = hi1 ^ c3 ^ k1
+        c1 = lo0
+        c3 = lo1
         k0 = k0 + 0x9E3779B9
         k1 = k1 + 0xBB67AE85
     return c0, c1, c2, c3
+
+
+# Philox's two multipliers as PTX: the 64-bit product of a 32-bit word, split into its halves ($0 high, $1 low).
+_TIMES_M0 = gl.constexpr("{ .reg .b64 t; mul.wide.u32 t, $2, 0xCD9E8D57; mov.b64 {$1, $0}, t; }")
+_TIMES_M1 = gl.constexpr("{ .reg .b64 t; mul.wide.u32 t, $2, 0xD2511F53; mov.b64 {$1, $0}, t; }")
+
+
+@gluon.jit
+def _mul_wide(a, TIMES_M: gl.constexpr):
+    """(high, low) 32-bit halves of the 64-bit product of ``a`` and a Philox multiplier (``TIMES_M``, one of the
+    two above) in one ``IMAD.WIDE.U32``: written as ``umulhi`` and a multiply (``tl.philox``'s way) they compile
+    to ``IMAD.HI.U32`` and ``IMAD``, two instructions (read in the SASS). The same bits either way. On the H100
+    (B 8, H 16, N 4K, p = 0.1, medians of three do_bench windows, against the two-instruction form in the same
+    run): the d = 64 dropout backward 1.07x faster without causal masking and the forward 1.06x with it; at
+    d = 128 and elsewhere within 2% (0.99-1.02x), the run's spread."""
+    return gl.inline_asm_elementwise(TIMES_M, "=r,=r,r", [a], dtype=(gl.uint32, gl.uint32), is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -1030,14 +1046,15 @@ def block_mask_config(head_dim: int, block_size: int = 128) -> dict:
 
 
 def hopper_forward(q, k, v, causal=False, sm_scale=None, *, window_size=(-1, -1), block_m=None, block_n=None,
-                   num_warps=None, stages=None, overlap=None, warp_specialize=None, pingpong=None):
+                   num_warps=None, stages=None, overlap=None, warp_specialize=None, pingpong=None, check_finite=True):
     """``(o, lse, (m2, l2))`` for (B, H, N, d) q, k, v on an sm_90 GPU, with the switches of this module's
     docstring (``None`` takes :func:`default_config`'s value). ``window_size=(left, right)``: query i sees keys
     ``i - left <= j <= i + right`` (-1: unbounded), as :func:`flashref.triton.flash_attention`'s; a row that sees
-    no key gets O = 0 and lse = -inf. Checks as :func:`flashref.triton.flash_attention`."""
+    no key gets O = 0 and lse = -inf. Checks as :func:`flashref.triton.flash_attention`, whose ``check_finite``
+    this takes too (False skips the pass over q, k and v for NaN and its host synchronization)."""
     from flashref.triton.ops import Features, _check  # the package's checks: types, shapes, dtypes, devices, ...
 
-    d, scale = _check(q, k, v, causal, sm_scale)
+    d, scale = _check(q, k, v, causal, sm_scale, check_finite)
     feat = Features(q, k, causal=causal, scale=scale, window_size=window_size, check_finite=False)
     cfg = config(d, block_m=block_m, block_n=block_n, num_warps=num_warps, stages=stages, overlap=overlap,
                  warp_specialize=warp_specialize, pingpong=pingpong)
@@ -1189,12 +1206,13 @@ def fp8_attention(x: Fp8Inputs, causal=False, sm_scale=None, *, out_dtype=torch.
 
 
 def hopper_fp8_forward(q, k, v, causal=False, sm_scale=None, *, incoherent=False, seed=0, block_n=None,
-                       stages=None, pingpong=True):
+                       stages=None, pingpong=True, check_finite=True):
     """``(o, lse)`` of fp16 or bf16 q, k, v through e4m3: :func:`quantize_fp8` (per-block scales, and with
-    ``incoherent`` the random rotation of Q and K) then :func:`fp8_attention`; o in q's dtype. An sm_90 GPU."""
+    ``incoherent`` the random rotation of Q and K) then :func:`fp8_attention`; o in q's dtype. An sm_90 GPU.
+    ``check_finite`` as :func:`hopper_forward`'s."""
     from flashref.triton.ops import _check
 
-    d, scale = _check(q, k, v, causal, sm_scale)
+    d, scale = _check(q, k, v, causal, sm_scale, check_finite)
     # 8-bit tiles take half the shared memory: 128 keys a tile at every head dim
     cfg = config(d, warp_specialize=True, block_n=128 if block_n is None else block_n, stages=stages,
                  pingpong=pingpong, overlap=False)
