@@ -935,8 +935,9 @@ DROPOUT_HEAD_DIMS = (64, 128)
 def dropout_config(head_dim: int) -> dict:
     """The switches of the forward with dropout, the fastest of ten (d = 64) and six (d = 128) one-warpgroup and
     two-warpgroup tiles with and without ``overlap`` on an H100 (fp16, B 8, H 16, N 4K, p = 0.1, causal and not;
-    no warp specialization, which has no dropout). Philox's integer work is what dropout adds (58% more SASS
-    instructions a tile at d = 64 in the shipped tile, 72% in the loop without overlap), and only the overlapped
+    no warp specialization, which has no dropout). Philox's integer work is what dropout adds (44% more SASS
+    instructions in the shipped tile's kernel at d = 64, 58% before each of Philox's multiplies became one
+    instruction, :func:`_mul_wide`; 72% then in the loop without overlap), and only the overlapped
     loop hides it behind a product in flight: without ``overlap`` every tile measured 0.74-1.03x the teaching
     kernel's speed, with it 1.08-1.10x (d = 64, 64 x 128 tiles) and 1.09-1.20x (d = 128, 64 x 64)."""
     if head_dim not in DROPOUT_HEAD_DIMS:
