@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import torch
 
 # The one plain PyTorch attention of the package: every step in the inputs' dtype (matmul, softmax, matmul).
@@ -92,3 +96,16 @@ def plain_with_features(q, k, v, do, causal, visible=None, keep=None, p=0.0, win
     o = P @ vv.repeat_interleave(G, 1)
     o.backward(do)
     return [o.detach(), qq.grad, kk.grad, vv.grad]
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def compile_in_child(source: str) -> list[list[str]]:
+    """Run ``source`` (a script that compiles kernels for the H100 and prints a line of fields each) in a child
+    Python, since compiling needs Triton's interpreter off; its printed lines, split into fields."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, "-c", source], capture_output=True, text=True, env=env, cwd=ROOT,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [line.split() for line in out.stdout.strip().splitlines()]

@@ -4,17 +4,11 @@ shapes, causal and not, fp16 and bf16 (marker ``gpu``)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 import flashref.triton  # noqa: F401  (before triton: the interpreter switch)
-from tests._triton_helpers import make_qkv
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests._triton_helpers import compile_in_child, make_qkv
 
 _COMPILE = r"""
 import itertools, os, re, sys
@@ -89,16 +83,12 @@ def test_compiles_for_the_h100_without_spills():
     (default_config's docstring); the d = 64 dK/dV kernel with dropout spilled 100 bytes (non-causal) while each
     thread drew every Philox call it needed, and compiles without spills with Triton 3.7 since pairs of lanes
     trade the halves of one call (hopper._keep_t); under Triton 3.6, the GPU machine's, this test passed with
-    the bound kept (its figure there not read), so the bound stays; and the d = 64 dK/dV kernel with a window and ALiBi, non-causal, by 4
-    bytes since its tiles without a mask run in a loop of their own, 0.86x the time of a mask on every tile
-    (dkdv_masks). With dropout the mask's Philox constants are in the PTX, and at the same tile no more shared
-    memory than without it (the mask is drawn in the accumulator's own registers)."""
+    the bound kept (its figure there not read), so the bound stays; and the d = 64 dK/dV kernel with a window and
+    ALiBi, non-causal, by 4 bytes since its tiles without a mask run in a loop of their own, 0.86x the time of a
+    mask on every tile (dkdv_masks). With dropout the mask's Philox constants are in the PTX, and at the same tile
+    no more shared memory than without it (the mask is drawn in the accumulator's own registers)."""
     pytest.importorskip("triton.experimental.gluon")
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    out = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, cwd=ROOT,
-                         timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    lines = [line.split() for line in out.stdout.strip().splitlines()]
+    lines = compile_in_child(_COMPILE)
     assert [line[0] for line in lines] == ["dkdv"] * 16 + ["dq"] * 18
     shared_of = {}
     for part, d, causal, mods, ws, shared, spills, wgmma, tma, waits, philox in lines:

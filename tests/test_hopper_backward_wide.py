@@ -5,17 +5,11 @@ run to run (marker ``gpu``)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 import flashref.triton  # noqa: F401  (before triton: the interpreter switch)
-from tests._triton_helpers import make_qkv
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests._triton_helpers import compile_in_child, make_qkv
 
 _COMPILE = r"""
 import os, re
@@ -53,11 +47,7 @@ def test_compiles_for_the_h100_without_spills():
     column halves of K, V and a ring of two Q, dO pairs, and the two exchanged 64 x 64 fp32 tiles: 225 KB), no
     register spills (in a child process: compiling needs the interpreter off)."""
     pytest.importorskip("triton.experimental.gluon")
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    out = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, cwd=ROOT,
-                         timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    lines = [line.split() for line in out.stdout.strip().splitlines()]
+    lines = compile_in_child(_COMPILE)
     assert [line[0] for line in lines] == ["False", "True"]
     for causal, shared, spills, wgmma, tma, waits in lines:
         assert int(shared) <= 227 * 1024 and int(spills) == 0, (causal, shared, spills)
