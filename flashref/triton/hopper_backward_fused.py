@@ -1,0 +1,272 @@
+"""The backward pass on Hopper in one Gluon kernel, FlashAttention-3's way: dQ from the dK/dV kernel's own dS.
+
+:mod:`flashref.triton.hopper_backward` runs two kernels: dK/dV (four products a tile pair: S^T, dP^T, dV, dK) and
+dQ (three: S and dP again, then dQ). The dQ kernel recomputes two products to stay deterministic, and it takes
+38-44% of the backward's time. Here the dK/dV kernel's program (128 keys of one head: a producer warp and two
+consumer warpgroups of 64 keys, as :func:`flashref.triton.hopper_backward.hopper_ws_bwd_dkdv_kernel`) also
+computes each query tile's share of dQ from what it already has:
+
+    each consumer w:  S^T, P^T, dV_w += P^T dO_i, dP^T, dS^T_w = P^T * (dP^T - D_i), dK_w += dS^T_w Q_i
+                      dS^T_w into shared memory (both warpgroups read both)
+    dQ_i's share:     dS_i,0 K_0 + dS_i,1 K_1   (all 128 keys; K_0, K_1 already in shared memory)
+
+Five products a tile pair instead of seven. The share is added into an fp32 buffer by a TMA reduce-add
+(``cp.reduce.async.bulk.tensor ... .add``: the adds happen in the L2 cache, and nothing waits for them but the
+shared-memory tile's reuse), then cast to q's dtype. The programs' adds into one dQ row come in no fixed order, so
+the result's last bits vary from run to run: this is the backward for ``deterministic=False``.
+
+Who computes the dQ product, measured on an H100 (fp16, B x N = 65536, H x d = 2048, N = 4K and 16K, causal and
+not; time against the two kernels, :func:`flashref.triton.hopper_backward.hopper_backward`, medians of three
+do_bench windows):
+
+- d = 128: each warpgroup half of dQ's columns, every step (FlashAttention-3's split: a 64 x 64 fp32 share a
+  warpgroup, 32 registers a thread): 1.13-1.18x. Each warpgroup the whole of dQ on alternate steps measured
+  1.02-1.13x (its 64 x 128 share takes 64 registers: ptxas spills 176-256 bytes a thread, the split 40-76).
+- d = 64: the warpgroups alternate, whole 64 x 64 shares: 1.05-1.13x; halves of 32 columns 0.98-1.03x.
+- One warpgroup of 64 keys computing its own share (the dK/dV kernel's d = 64 tile) measured 0.94-0.97x at
+  d = 64 and 0.77-0.79x at d = 128, though the reduce itself cost only 4-8% of its time.
+
+Scope: what :func:`flashref.triton.hopper_backward.supported` takes at head dims 64 and 128, top-left causal or not;
+no window, ALiBi, dropout or block mask (those keep the two kernels). Triton's Gluon has no public TMA reduce yet:
+:func:`_tma_reduce_add` reaches the builder's, and :func:`supported` says so where a Triton lacks it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton._C.libtriton import ir
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from flashref.triton import hopper, hopper_backward
+from flashref.triton.forward import LOG2E
+from flashref.triton.hopper_backward import (_descriptors, _query_tiles, _row_view, _stat_descriptors, _store_dkdv,
+                                             _wgmma_layout, _ws_dkdv_producer)
+
+HEAD_DIMS = (64, 128)
+
+
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """Add the shared-memory tile ``src`` into global memory at ``tensor_desc``'s tile ``coord`` (TMA, issued by
+    one thread; ``tma.store_wait`` in that thread before ``src`` is written again)."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+@builtin
+def _warpgroup_barrier(_semantic=None):
+    """The threads of this partition (one warpgroup) wait for one another: a named barrier of its 128 threads in a
+    warp-specialized kernel (Triton 3.7's ``gl.barrier``, 3.6's ``gl.thread_barrier``)."""
+    return _semantic.debug_barrier()
+
+
+@gluon.jit
+def _add_dq_share(dq, dq_t, dq_desc, row, col, sm_scale, WAIT: gl.constexpr):
+    """dq * sm_scale into the shared tile dq_t, then reduced into dQ's (row, col) tile. WAIT: how many of this
+    warpgroup's reduces may still be reading their tiles (the one that last read dq_t must be done)."""
+    tma.store_wait(WAIT)  # in the thread that issued them, so the others wait for it at the barrier
+    _warpgroup_barrier()
+    dq_t.store(dq * sm_scale)
+    fence_async_shared()  # the TMA unit reads what the threads wrote
+    _warpgroup_barrier()  # every thread's part is written before the one thread issues the reduce
+    _tma_reduce_add(dq_desc, [row, col], dq_t)
+
+
+@gluon.jit
+def _fused_step(n, q_smem, do_smem, k_smem, lse_smem, delta_smem, ds_smem, dq_smem, k_t, v_t, ready, empty, ds_full,
+                ds_empty, dq_desc, dk, dv, keys, key_live, i_lo, q_base, N_q, sm_scale, qk_scale, WG: gl.constexpr,
+                HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                SPLIT_COLS: gl.constexpr):
+    """Step n of consumer WG: query tile i_lo + n against its 64 keys, then dQ's share of all 128 keys: half its
+    columns (SPLIT_COLS), or all of them on the steps n % 2 == WG."""
+    dtype: gl.constexpr = q_smem.dtype
+    ROWS: gl.constexpr = 64
+    s_layout: gl.constexpr = _wgmma_layout(4, BLOCK_M)
+    a_layout: gl.constexpr = _wgmma_layout(4, HEAD_D)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    slot = n % STAGES
+    buf = n % 2
+    mbarrier.wait(ready.index(slot), (n // STAGES) & 1)
+    i = i_lo + n
+    q_t = q_smem.index(slot)
+    do_t = do_smem.index(slot)
+    s_zero = gl.zeros([ROWS, BLOCK_M], gl.float32, s_layout)
+    St = warpgroup_mma(k_t, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    dPt = warpgroup_mma(v_t, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    queries = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_s)
+    lse2 = _row_view(lse_smem, slot, BLOCK_M, STAGES).load(col_s)
+    D = _row_view(delta_smem, slot, BLOCK_M, STAGES).load(col_s)
+    St = warpgroup_mma_wait(1, deps=[St])
+    # Keys past N_k (the next head's rows) are masked here, unlike in the dK/dV kernel: their dK and dV are never
+    # stored, but their dS would reach dQ.
+    keep = gl.expand_dims(queries < N_q, 0) & key_live
+    if CAUSAL:
+        keep = keep & (gl.expand_dims(queries, 0) >= gl.expand_dims(keys, 1))
+    Pt = gl.exp2(gl.where(keep, St * qk_scale - gl.expand_dims(lse2, 0), float("-inf")))
+    p = gl.convert_layout(Pt.to(dtype), p_layout)
+    dv = warpgroup_mma(p, do_t, dv, is_async=True)
+    dPt = warpgroup_mma_wait(1, deps=[dPt])
+    dSt = Pt * (dPt - gl.expand_dims(D, 0))
+    ds_t = ds_smem.index(buf * 2 + WG)
+    mbarrier.wait(ds_empty.index(buf), ((n // 2) & 1) ^ 1)  # the dQ product two steps back has read this buffer
+    ds_t.store(dSt.to(dtype))
+    fence_async_shared()  # the tensor cores of both warpgroups read what the threads wrote
+    mbarrier.arrive(ds_full.index(buf), count=1)
+    dk = warpgroup_mma(ds_t, q_t, dk, is_async=True)
+    if SPLIT_COLS:
+        HALF: gl.constexpr = HEAD_D // 2
+        mbarrier.wait(ds_full.index(buf), (n // 2) & 1)  # the other warpgroup's dS^T too
+        dq = warpgroup_mma(ds_smem.index(buf * 2).permute((1, 0)), k_smem.index(0).slice(WG * HALF, HALF, dim=1),
+                           gl.zeros([BLOCK_M, HALF], gl.float32, _wgmma_layout(4, HALF)), use_acc=False,
+                           is_async=True)
+        dq = warpgroup_mma(ds_smem.index(buf * 2 + 1).permute((1, 0)), k_smem.index(1).slice(WG * HALF, HALF, dim=1),
+                           dq, is_async=True)
+        dv, dk, dq, p = warpgroup_mma_wait(0, deps=[dv, dk, dq, p])
+        mbarrier.arrive(ds_empty.index(buf), count=1)
+        mbarrier.arrive(empty.index(slot), count=1)  # Q_i and dO_i are done with
+        _add_dq_share(dq, dq_smem.index(buf * 2 + WG), dq_desc, q_base + i * BLOCK_M, WG * HALF, sm_scale, 1)
+    else:
+        # The products are waited for before the branch (a product in flight cannot cross it); the other warpgroup's
+        # work keeps the tensor cores busy meanwhile.
+        dv, dk, p = warpgroup_mma_wait(0, deps=[dv, dk, p])
+        mbarrier.arrive(empty.index(slot), count=1)
+        if n % 2 == WG:
+            mbarrier.wait(ds_full.index(buf), (n // 2) & 1)
+            dq = warpgroup_mma(ds_smem.index(buf * 2).permute((1, 0)), k_smem.index(0),
+                               gl.zeros([BLOCK_M, HEAD_D], gl.float32, a_layout), use_acc=False, is_async=True)
+            dq = warpgroup_mma(ds_smem.index(buf * 2 + 1).permute((1, 0)), k_smem.index(1), dq, is_async=True)
+            dq = warpgroup_mma_wait(0, deps=[dq])
+            mbarrier.arrive(ds_empty.index(buf), count=1)
+            _add_dq_share(dq, dq_smem.index(WG), dq_desc, q_base + i * BLOCK_M, 0, sm_scale, 0)
+    return dk, dv
+
+
+@gluon.jit
+def _fused_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, ready, empty,
+                    ds_full, ds_empty, dq_desc, DK, DV, bh, start_n, i_lo, n_tiles, N_q, N_k, sm_scale, qk_scale,
+                    WG: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                    CAUSAL: gl.constexpr, SPLIT_COLS: gl.constexpr):
+    """Consumer warpgroup WG: keys [start_n + 64 WG, +64) over every query tile of the ring; their dK and dV at the
+    end, dQ's shares as it goes."""
+    ROWS: gl.constexpr = 64
+    a_layout: gl.constexpr = _wgmma_layout(4, HEAD_D)
+    row_s: gl.constexpr = gl.SliceLayout(1, _wgmma_layout(4, BLOCK_M))
+    first_key = start_n + WG * ROWS
+    keys = first_key + gl.arange(0, ROWS, layout=row_s)
+    key_live = gl.expand_dims(keys < N_k, 1)
+    dk = gl.zeros([ROWS, HEAD_D], gl.float32, a_layout)
+    dv = gl.zeros([ROWS, HEAD_D], gl.float32, a_layout)
+    q_base = bh * N_q
+    mbarrier.wait(kv_bar, 0)
+    for n in range(0, n_tiles):
+        dk, dv = _fused_step(n, q_smem, do_smem, k_smem, lse_smem, delta_smem, ds_smem, dq_smem, k_smem.index(WG),
+                             v_smem.index(WG), ready, empty, ds_full, ds_empty, dq_desc, dk, dv, keys, key_live, i_lo,
+                             q_base, N_q, sm_scale, qk_scale, WG, HEAD_D, BLOCK_M, STAGES, CAUSAL, SPLIT_COLS)
+    tma.store_wait(0)
+    _store_dkdv(DK, DV, dk, dv, first_key, bh, N_k, sm_scale, ROWS, HEAD_D, a_layout)
+
+
+@gluon.jit
+def hopper_fused_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, DK, DV, N_q, N_k, sm_scale,
+                            qk_scale, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                            STAGES: gl.constexpr, CAUSAL: gl.constexpr, SPLIT_COLS: gl.constexpr,
+                            num_warps: gl.constexpr):
+    """Program (pid_n, bh): keys [pid_n * BLOCK_N, +BLOCK_N) of head bh, their dK and dV, and their share of every
+    query tile's dQ (into dq_desc's fp32 rows). Two consumer warpgroups of 64 keys (the kernel's own 4 warps and a
+    worker warpgroup) and one producer warp, as the warp-specialized dK/dV kernel's (registers moved 24 / 240).
+    Each consumer's dS^T tile goes to shared memory in two buffers (by step parity): ``ds_full`` (both have written
+    it) and ``ds_empty`` (its dQ products have read it) guard each."""
+    gl.static_assert(num_warps == 4, "the kernel's own warps are one consumer warpgroup")
+    gl.static_assert(BLOCK_N == 128 and BLOCK_M == 64, "two consumers of 64 keys; 64 query rows, wgmma's M")
+    pid_n = gl.program_id(0)
+    bh = gl.program_id(1)
+    start_n = pid_n * BLOCK_N
+    dtype: gl.constexpr = q_desc.dtype
+    k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N // 2, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N // 2, HEAD_D], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], do_desc.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], lse_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], delta_desc.layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [4, BLOCK_N // 2, BLOCK_M],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N // 2, BLOCK_M], dtype))
+    # fp32 dQ shares: split, two per warpgroup (by step parity); whole, one (its turn comes every other step)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [4 if SPLIT_COLS else 2] + dq_desc.block_type.shape,
+                                        dq_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)  # both consumers read every slot
+    for s in gl.static_range(2):
+        mbarrier.init(ds_full.index(s), count=2)
+        mbarrier.init(ds_empty.index(s), count=2 if SPLIT_COLS else 1)  # who read both dS^T tiles
+    i_lo, n_tiles = _query_tiles(start_n, N_q, 0, 0, BLOCK_M, BLOCK_N, CAUSAL, False)
+    zero = start_n * 0  # (runtime zeros: a partition's arguments are values)
+    i_lo = i_lo + zero
+    gl.warp_specialize([
+        (_fused_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, ready,
+                           empty, ds_full, ds_empty, dq_desc, DK, DV, bh, start_n, i_lo, n_tiles, N_q, N_k, sm_scale,
+                           qk_scale, 0, HEAD_D, BLOCK_M, STAGES, CAUSAL, SPLIT_COLS)),
+        (_ws_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
+                             lse_smem, delta_smem, kv_bar, ready, empty, bh, start_n, i_lo, n_tiles, zero, zero, N_q,
+                             N_k, BLOCK_M, BLOCK_N, STAGES, False, BLOCK_N, True)),
+        (_fused_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, ready,
+                           empty, ds_full, ds_empty, dq_desc, DK, DV, bh, start_n, i_lo, n_tiles, N_q, N_k, sm_scale,
+                           qk_scale, 1, HEAD_D, BLOCK_M, STAGES, CAUSAL, SPLIT_COLS)),
+    ], [1, 4], [24, 240])
+
+
+def default_config(head_dim: int) -> dict:
+    """64 queries a step, 128 keys a program, a ring of 2; dQ's columns split between the warpgroups at d = 128,
+    whole shares on alternate steps at d = 64 (the module's docstring has the measurements). Shared memory: 129 KB
+    at d = 64, 225 KB at d = 128 (the H100 holds 227)."""
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"the fused backward needs a head dim in {HEAD_DIMS}, got {head_dim}")
+    return dict(block_m=64, block_n=128, stages=2, split_cols=head_dim > 64)
+
+
+def supported(q, k, v) -> str | None:
+    """None when :func:`hopper_fused_backward` can take these (checked) q, k, v, else why not: the Gluon backward's
+    conditions (:func:`flashref.triton.hopper_backward.supported`) at head dims 64 and 128, and a Triton whose
+    builder has the TMA reduce."""
+    why = hopper_backward.supported(q, k, v)
+    if why is None and q.shape[3] not in HEAD_DIMS:
+        why = f"needs a head dim in {HEAD_DIMS}, got {q.shape[3]}"
+    if why is None and not (hasattr(ir, "DESCRIPTOR_REDUCE_KIND") and hasattr(ir.builder, "create_async_tma_reduce")):
+        why = f"needs a Triton with the TMA reduce in its builder (this is {triton.__version__})"
+    return why
+
+
+def hopper_fused_backward(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dict | None = None):
+    """(dq, dk, dv) from :func:`hopper_fused_bwd_kernel` for checked q, k, v that :func:`supported` takes; m2, l2,
+    delta: (B, H, N_q) fp32, as :func:`flashref.triton.hopper_backward.hopper_backward` takes them. dQ accumulates
+    in an fp32 buffer of q's shape (the adds' order varies: not bitwise reproducible)."""
+    B, H, N_q, d = q.shape
+    N_k = k.shape[2]
+    cfg = cfg or default_config(d)
+    block_m = cfg["block_m"]
+    dk = torch.empty((B, H, N_k, d), dtype=q.dtype, device=q.device)
+    dv = torch.empty_like(dk)
+    dq32 = torch.zeros((B * H * N_q, d), dtype=torch.float32, device=q.device)
+    cols = d // 2 if cfg["split_cols"] else d
+    dq_desc = TensorDescriptor.from_tensor(dq32, [block_m, cols],
+                                           gl.NVMMASharedLayout.get_default_for([block_m, cols], gl.float32))
+    halves = dict(cfg, block_n=cfg["block_n"] // 2)  # each TMA copy of K or V is one consumer's rows
+    grid = (triton.cdiv(N_k, cfg["block_n"]), B * H)
+    hopper_fused_bwd_kernel[grid](*_descriptors(q, k, v, do, halves), *_stat_descriptors(m2, l2, delta, block_m),
+                                  dq_desc, dk, dv, N_q, N_k, scale, scale * LOG2E, HEAD_D=d, BLOCK_M=block_m,
+                                  BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], CAUSAL=bool(causal),
+                                  SPLIT_COLS=bool(cfg["split_cols"]), num_warps=4, maxnreg=hopper.WS_MAXNREG)
+    return dq32.view(B, H, N_q, d).to(q.dtype), dk, dv

@@ -1,0 +1,114 @@
+"""The one-kernel Hopper backward (flashref.triton.hopper_backward_fused): compiled for the H100 on any machine
+(the TMA reduce and the warpgroups' own barriers in its PTX, within the H100's shared memory); its inputs checked;
+and on an H100 dQ, dK and dV within the course's tolerance rule against float32 on uneven shapes, causal and not,
+fp16 and bf16, with logits large and small (marker ``gpu``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashref.triton  # noqa: F401  (before triton: the interpreter switch)
+from tests._triton_helpers import compile_in_child, make_qkv
+
+_COMPILE = r"""
+import os, re
+os.environ["FLASHREF_TRITON_COMPILE_ONLY"] = "1"
+os.environ.pop("TRITON_INTERPRET", None)
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+from flashref.triton import hopper, hopper_backward_fused as hf
+from flashref.triton.compile_check import ptxas_usage
+
+for d in hf.HEAD_DIMS:
+    cfg = hf.default_config(d)
+    bm, rows = cfg["block_m"], cfg["block_n"] // 2
+    cols = d // 2 if cfg["split_cols"] else d
+    ql, kl = hopper.shared_layout((bm, d), gl.float16), hopper.shared_layout((rows, d), gl.float16)
+    dl = gl.NVMMASharedLayout.get_default_for([bm, cols], gl.float32)
+    sl = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32)
+    sig = {"q_desc": f"tensordesc<fp16[{bm}, {d}],{ql!r}>", "k_desc": f"tensordesc<fp16[{rows}, {d}],{kl!r}>",
+           "v_desc": f"tensordesc<fp16[{rows}, {d}],{kl!r}>", "do_desc": f"tensordesc<fp16[{bm}, {d}],{ql!r}>",
+           "lse_desc": f"tensordesc<fp32[1, {bm}],{sl!r}>", "delta_desc": f"tensordesc<fp32[1, {bm}],{sl!r}>",
+           "dq_desc": f"tensordesc<fp32[{bm}, {cols}],{dl!r}>", "DK": "*fp16", "DV": "*fp16", "N_q": "i32",
+           "N_k": "i32", "sm_scale": "fp32", "qk_scale": "fp32"}
+    for causal in (False, True):
+        cx = dict(HEAD_D=d, BLOCK_M=bm, BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], CAUSAL=causal,
+                  SPLIT_COLS=cfg["split_cols"], num_warps=4)
+        sig.update({k: "constexpr" for k in cx})
+        k = triton.compile(GluonASTSource(hf.hopper_fused_bwd_kernel, sig, cx, {}), target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=4, maxnreg=hopper.WS_MAXNREG))
+        ptx = k.asm["ptx"]
+        print(d, causal, k.metadata.shared, ptxas_usage(k)["spill_stores"], ptx.count("cp.reduce.async.bulk.tensor"),
+              ptx.count("wgmma.mma_async"), len(re.findall(r"bar\.sync\s+\d+,\s*128;", ptx)))
+"""
+
+
+def test_compiles_for_the_h100():
+    """At d = 64 and 128, causal and not: within the H100's 227 KB of shared memory (129 KB and 225 KB), one TMA
+    reduce in each consumer's code, wgmma products, and barriers of one warpgroup's 128 threads (a barrier of the
+    whole block inside a warp-specialized kernel would hang); no register spills at d = 64, few at d = 128 (40-76
+    bytes a thread with Triton 3.7; in a child process: compiling needs the interpreter off)."""
+    pytest.importorskip("triton.experimental.gluon")
+    lines = compile_in_child(_COMPILE)
+    assert [line[:2] for line in lines] == [["64", "False"], ["64", "True"], ["128", "False"], ["128", "True"]]
+    for d, causal, shared, spills, reduces, wgmma, group_bars in lines:
+        assert int(shared) <= 227 * 1024, (d, causal, shared)
+        assert int(reduces) == 2 and int(wgmma) > 0 and int(group_bars) > 0, (d, causal, reduces, wgmma, group_bars)
+        assert int(spills) <= (0 if d == "64" else 128), (d, causal, spills)
+
+
+def test_default_config_and_supported_say_why_not():
+    """Head dims 64 and 128 only (a ValueError naming the head dim); :func:`supported` gives the Gluon backward's
+    reasons first (here: no sm_90 GPU)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from flashref.triton import hopper_backward_fused as hf
+
+    assert hf.default_config(64)["split_cols"] is False and hf.default_config(128)["split_cols"] is True
+    with pytest.raises(ValueError, match="head dim in \\(64, 128\\), got 256"):
+        hf.default_config(256)
+    q = torch.zeros(1, 2, 8, 64)
+    assert "needs an sm_90" in hf.supported(q, q, q)
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+        q256 = torch.zeros(1, 2, 8, 256, device="cuda", dtype=torch.float16)
+        assert "head dim in (64, 128)" in hf.supported(q256, q256, q256)
+
+
+def _grads(q, k, v, do, causal):
+    from flashref.torch_attention import plain_attention
+
+    qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    plain_attention(qq, kk, vv, causal).backward(do)
+    return qq.grad, kk.grad, vv.grad
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d,dtype", [(64, torch.float16), (128, torch.float16), (64, torch.bfloat16),
+                                     (128, torch.bfloat16)], ids=lambda x: str(x).replace("torch.", ""))
+def test_gradients_within_the_rule_on_uneven_shapes(d, dtype, causal):
+    """dQ, dK and dV from the forward's statistics, within 3x the error of plain attention's in the same precision
+    (the rule the two kernels meet), on lengths no tile divides, one query, one key, N_q != N_k, and logits 8x the
+    usual size (sharp softmax rows: dS is large where P is near 1)."""
+    from flashref.tolerance import assert_within_tolerance
+    from flashref.triton import flash_attention_forward, ops
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon backward needs an sm_90 GPU")
+    from flashref.triton import hopper_backward_fused as hf
+
+    shapes = [(113, 203, 1), (1, 239, 1), (239, 1, 1), (300, 97, 1), (1023, 1024, 1), (2048, 2048, 1), (517, 300, 8)]
+    for i, (N_q, N_k, scale) in enumerate(shapes):
+        q, k, v, do = make_qkv(2, 3, N_q, N_k, d, dtype, "cuda", seed=i + d)
+        q = (q.float() * scale).to(dtype)
+        assert hf.supported(q, k, v) is None
+        o, lse = flash_attention_forward(q, k, v, causal, kernel="triton")
+        m2, l2 = ops._stats_from_lse(lse)
+        got = hf.hopper_fused_backward(q, k, v, do, m2, l2, ops._delta(o, do), causal, d ** -0.5)
+        ref, base = _grads(*(x.float() for x in (q, k, v, do)), causal), _grads(q, k, v, do, causal)
+        for name, g, r, b in zip(("dq", "dk", "dv"), got, ref, base):
+            assert g.dtype == dtype and g.shape == b.shape
+            assert torch.isfinite(g).all(), (name, N_q, N_k)
+            assert_within_tolerance(g, r, b, factor=3.0, name=f"{name} ({N_q}, {N_k}, x{scale}, causal={causal})")
