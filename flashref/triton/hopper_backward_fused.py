@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 import triton
-from triton._C.libtriton import ir
+from triton._C.libtriton import gluon_ir, ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
@@ -244,7 +244,8 @@ def supported(q, k, v) -> str | None:
     why = hopper_backward.supported(q, k, v)
     if why is None and q.shape[3] not in HEAD_DIMS:
         why = f"needs a head dim in {HEAD_DIMS}, got {q.shape[3]}"
-    if why is None and not (hasattr(ir, "DESCRIPTOR_REDUCE_KIND") and hasattr(ir.builder, "create_async_tma_reduce")):
+    has_reduce = hasattr(ir, "DESCRIPTOR_REDUCE_KIND") and hasattr(gluon_ir.GluonOpBuilder, "create_async_tma_reduce")
+    if why is None and not has_reduce:
         why = f"needs a Triton with the TMA reduce in its builder (this is {triton.__version__})"
     return why
 
