@@ -94,17 +94,19 @@ def test_method_with_t4_configs(monkeypatch, dtype, causal):
             _check(q, k, v, do, causal)  # the teaching kernel: what a T4 runs
 
 
+@pytest.mark.parametrize("kernel", ["triton", "auto"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d,dtype", [(64, torch.float16), (128, torch.float16), (64, torch.bfloat16)],
                          ids=lambda x: str(x).replace("torch.", ""))
-def test_method_atomic_dq(d, dtype, causal):
-    """deterministic=False (dQ added atomically by the dK/dV kernel) meets the same tolerance rule."""
+def test_method_atomic_dq(d, dtype, causal, kernel):
+    """deterministic=False meets the same tolerance rule: dQ added atomically by the teaching dK/dV kernel, or
+    (kernel="auto" on an H100) by the one-kernel Gluon backward's TMA reduces."""
     if dtype == torch.bfloat16 and torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("bf16 needs compute capability 8.0")
     for i, (N_q, N_k) in enumerate([(113, 203), (1, 239), (1023, 1024), (300, 97), (2048, 2048)]):
         B, H = _batch(N_q, N_k)
         q, k, v, do = make_qkv(B, H, N_q, N_k, d, dtype, "cuda", seed=200 + i + d)
-        _check(q, k, v, do, causal, deterministic=False)
+        _check(q, k, v, do, causal, deterministic=False, kernel=kernel)
 
 
 @pytest.mark.parametrize("kernel", ["triton", "auto"])
@@ -226,7 +228,8 @@ def test_block_sparse_backward_on_two_streams_matches_one_and_captures_in_a_cuda
 def test_auto_takes_the_teaching_kernel_where_the_hopper_forward_cannot_run():
     """On an H100, kernel="auto" falls back for each thing the Hopper forward does not take, and kernel="hopper"
     refuses it naming it; the backward falls back with it (except for ALiBi, which the Gluon backward
-    takes), and for deterministic=False too. A window (or bottom-right causal) takes the Hopper forward and the
+    takes). deterministic=False takes the one-kernel Gluon backward at d = 64 and 128 without a window, and the
+    teaching kernel's atomic dQ otherwise. A window (or bottom-right causal) takes the Hopper forward and the
     Gluon backward, at d = 64 and 128; so does a block mask whose blocks hold their tiles whole. At d = 256 the
     Gluon backward runs with causal masking or none: a window, ALiBi or a block mask keeps the teaching one.
     On any other GPU both say there is no sm_90."""
@@ -239,10 +242,11 @@ def test_auto_takes_the_teaching_kernel_where_the_hopper_forward_cannot_run():
             flash_attention(q, k, v, kernel="hopper")
         return
     assert forward_kernel(q, k, v) == "hopper" and backward_kernel(q, k, v) == "hopper"
-    assert backward_kernel(q, k, v, deterministic=False) == "triton"
-    assert backward_kernel(q, k, v, kernel="triton") == "triton"
+    assert backward_kernel(q, k, v, deterministic=False) == "hopper-fused"
+    assert backward_kernel(q, k, v, kernel="triton") == backward_kernel(q, k, v, False, kernel="triton") == "triton"
     q256 = torch.cat([q, q], -1)
     assert forward_kernel(q256, q256, q256) == "hopper" and backward_kernel(q256, q256, q256, True) == "hopper"
+    assert backward_kernel(q256, q256, q256, deterministic=False) == "triton"
     for kw in (dict(window_size=(16, 0)), dict(alibi_slopes=torch.ones(2, device="cuda")),
                dict(block_mask=torch.ones(1, 2, 3, 3, dtype=torch.bool, device="cuda"))):
         assert backward_kernel(q256, q256, q256, **kw) == "triton", kw

@@ -148,6 +148,10 @@ def training_cases(grid=GRID, d256=True):
                    backward_kernel(q, k, v, causal, kernel=kernel),
                    lambda q, k, v, kernel=kernel: flash_attention(q, k, v, causal, check_finite=False, kernel=kernel))
                   for kernel in ("triton", "auto")]
+        # deterministic=False: on an H100 the one-kernel backward (dQ by TMA reduces), as SDPA's backends add dQ
+        impls += [("flashref-auto-nondeterministic", forward_kernel(q, k, v, causal),
+                   backward_kernel(q, k, v, causal, deterministic=False),
+                   lambda q, k, v: flash_attention(q, k, v, causal, deterministic=False, check_finite=False))]
         for impl, forward, backward, fn in impls:
             ms, peak = _time(_fwd_bwd(fn, q, k, v, do), True, [q, k, v])
             yield {"case": "fwd+bwd", "impl": impl, "forward": forward, "backward": backward, "B": B, "H": H, "N": N,
@@ -167,12 +171,14 @@ def backward_kernel_cases(grid=GRID, d256=True):
     """Rows ``{case: "bwd kernel", impl, B, H, N, d, causal, ms, tflops, matmuls}``: each backward kernel alone on
     the same inputs and row statistics (the teaching forward's), at the grid's points and the issue's d = 256 case:
     the Gluon dK/dV kernel in its shipped tiles and in :data:`OTHER_DKDV`'s (none at d = 256, where dK/dV is
-    :mod:`flashref.triton.hopper_backward_wide`'s), the Gluon dQ kernel, the teaching dK/dV and dQ kernels.
-    TFLOP/s counts the kernel's own products (dK/dV four, dQ three), each 2 B H N^2 d FLOPs (half when causal):
+    :mod:`flashref.triton.hopper_backward_wide`'s), the Gluon dQ kernel, the teaching dK/dV and dQ kernels, and at
+    d = 64 and 128 the one-kernel backward (:mod:`flashref.triton.hopper_backward_fused`, ``deterministic=False``'s).
+    TFLOP/s counts the kernel's own products (dK/dV four, dQ three, fused five), each 2 B H N^2 d FLOPs (half when
+    causal):
     half of :func:`flops`'s forward pass, which has two."""
     import torch
 
-    from flashref.triton import flash_attention_forward, hopper_backward, ops
+    from flashref.triton import flash_attention_forward, hopper_backward, hopper_backward_fused, ops
 
     points = [(65536 // N, 2048 // d, N, d, causal) for d, N, causal in grid]
     if d256:
@@ -198,6 +204,9 @@ def backward_kernel_cases(grid=GRID, d256=True):
                                                                           other_cfg))
         kernels |= {"gluon dQ": (3, lambda: hopper_backward.hopper_dq(q, k, v, do, m2, l2, delta, causal, scale)),
                     "teaching dK/dV": (4, teaching("dkdv")), "teaching dQ": (3, teaching("dq"))}
+        if d in hopper_backward_fused.HEAD_DIMS:  # (its time includes zeroing the fp32 dQ and the cast)
+            kernels["gluon fused"] = (5, lambda: hopper_backward_fused.hopper_fused_backward(q, k, v, do, m2, l2, delta,
+                                                                                            causal, scale))
         per_product = flops(B, H, N, N, d, causal) / 2
         for impl, (matmuls, fn) in kernels.items():
             ms, _ = _time(fn, False, None)
@@ -352,18 +361,21 @@ def dispatch_table(results) -> str:
 
 def training_table(results) -> str:
     """Forward + backward TFLOP/s per point: SDPA flash and cuDNN, ``flash_attention`` with ``kernel="triton"`` and
-    ``"auto"`` (the forward / backward it ran in brackets), and auto over cuDNN, flash and the teaching kernels."""
+    ``"auto"`` (the forward / backward it ran in brackets), and auto over cuDNN, flash and the teaching kernels;
+    then auto with ``deterministic=False`` (where measured) and it over cuDNN."""
     get = {(r["d"], r["N"], r["causal"], r["impl"]): r for r in results if r["case"] == "fwd+bwd"}
     lines = [f"{'d':>3s} {'N':>6s} {'causal':>6s} {'flash':>6s} {'cuDNN':>6s} {'triton':>7s} {'auto':>6s} {'':17s} "
-             f"{'x cuDNN':>7s} {'x flash':>7s} {'x triton':>8s}"]
+             f"{'x cuDNN':>7s} {'x flash':>7s} {'x triton':>8s} {'nondet':>6s} {'x cuDNN':>7s}"]
     for d, N, causal in sorted({key[:3] for key in get}):
         flash, cudnn, triton_, auto = (get[d, N, causal, i] for i in ("sdpa-flash", "sdpa-cudnn", "flashref-triton",
                                                                          "flashref-auto"))
         a = auto["tflops"]
+        nondet = get.get((d, N, causal, "flashref-auto-nondeterministic"))
+        tail = f" {nondet['tflops']:6.0f} {nondet['tflops'] / cudnn['tflops']:7.2f}" if nondet else ""
         lines.append(f"{d:3d} {N:6d} {causal!s:>6s} {flash['tflops']:6.0f} {cudnn['tflops']:6.0f} "
                      f"{triton_['tflops']:7.0f} {a:6.0f} {'(' + auto['forward'] + ' / ' + auto['backward'] + ')':17s} "
                      f"{a / cudnn['tflops']:7.2f} "
-                     f"{a / flash['tflops']:7.2f} {a / triton_['tflops']:8.2f}")
+                     f"{a / flash['tflops']:7.2f} {a / triton_['tflops']:8.2f}" + tail)
     return "\n".join(lines)
 
 

@@ -417,7 +417,8 @@ KERNELS = ("auto", "triton", "hopper")
 
 @functools.cache
 def _gluon_module(name: str):
-    """``flashref.triton.<name>`` (``hopper`` or ``hopper_backward``), imported on first need: it needs Triton's
+    """``flashref.triton.<name>`` (``hopper``, ``hopper_backward`` or ``hopper_backward_fused``), imported on first
+    need: it needs Triton's
     Gluon, which older Tritons (as a Colab runtime may have) lack. Returns the module, or the ImportError as the
     reason it cannot run."""
     try:
@@ -475,10 +476,13 @@ def _forward_kernel(q, k, v, feat: Features, kernel: str) -> str:
 
 
 def _backward_kernel(q, k, v, feat: Features, kernel: str, deterministic: bool) -> str:
-    """``"hopper"`` or ``"triton"``: which backward runs this checked call. ``"triton"`` keeps the teaching
-    kernels; ``"auto"`` and ``"hopper"`` take the Gluon dK/dV and dQ kernels (:mod:`flashref.triton.hopper_backward`)
-    wherever the Hopper forward could run, and also with ALiBi, d is 64, 128 or 256 and the gradients are to be
-    deterministic (theirs are: ``deterministic=False`` asks for the teaching kernel's atomic dQ). A window takes
+    """``"hopper"``, ``"hopper-fused"`` or ``"triton"``: which backward runs this checked call. ``"triton"`` keeps
+    the teaching kernels; ``"auto"`` and ``"hopper"`` take the Gluon dK/dV and dQ kernels
+    (:mod:`flashref.triton.hopper_backward`) wherever the Hopper forward could run, and also with ALiBi, d is 64,
+    128 or 256 and the gradients are to be deterministic (theirs are). With ``deterministic=False`` they take the
+    one-kernel Gluon backward (``"hopper-fused"``, :mod:`flashref.triton.hopper_backward_fused`: dQ added by TMA
+    reduces, measured 1.05-1.18x the two kernels' speed on an H100) at d = 64 and 128 with top-left causal masking
+    or none, and the teaching kernel's atomic dQ for everything else. A window takes
     them too since they mask only the tiles at its edges (H100, causal window of 1024 keys, N = 8K, fp16: Gluon
     dK/dV 1.23 ms at d = 128 and 1.39 at d = 64 against the teaching kernel's 1.47 and 1.78; dQ 0.79 and 0.86
     against 0.92 and 0.98). Dropout (without a window) runs both Gluon kernels, with the forward's mask. A block
@@ -488,8 +492,10 @@ def _backward_kernel(q, k, v, feat: Features, kernel: str, deterministic: bool) 
     the head dim, measured 1.60-1.66x the teaching dK/dV kernel's speed, dQ 1.04-1.05x: H100, B 8, H 8, N 4K,
     fp16)."""
     _check_kernel(kernel)
-    if kernel == "triton" or not deterministic or _hopper_refusal(q, k, v, feat, backward=True) is not None:
+    if kernel == "triton" or _hopper_refusal(q, k, v, feat, backward=True) is not None:
         return "triton"
+    if not deterministic:
+        return "hopper-fused" if _fused_takes(q, k, v, feat) else "triton"
     backward = _gluon_module("hopper_backward")
     if isinstance(backward, ImportError) or backward.supported(q, k, v) is not None:
         return "triton"
@@ -499,6 +505,16 @@ def _backward_kernel(q, k, v, feat: Features, kernel: str, deterministic: bool) 
     if feat.block_mask is not None and not _gluon_takes_block_mask(backward, q, feat):
         return "triton"
     return "hopper"
+
+
+def _fused_takes(q, k, v, feat: Features) -> bool:
+    """Whether the one-kernel Gluon backward (:mod:`flashref.triton.hopper_backward_fused`) takes this call, which
+    the Hopper backward could run: head dims 64 and 128, top-left causal masking or none (no window, ALiBi, dropout
+    or block mask)."""
+    fused = _gluon_module("hopper_backward_fused")
+    if isinstance(fused, ImportError) or fused.supported(q, k, v) is not None:
+        return False
+    return not (feat.window or feat.slopes2 is not None or feat.dropout_p > 0.0 or feat.block_mask is not None)
 
 
 def _gluon_takes_block_mask(backward, q, feat: Features) -> bool:
@@ -602,6 +618,9 @@ def _backward(q, k, v, o, stats, do, scale: float, deterministic: bool, feat: Fe
         delta = _delta(o, do)
     dq = dk = dv = None
     choice = _backward_kernel(q, k, v, feat, kernel, deterministic)
+    if choice == "hopper-fused":  # (deterministic=False: both parts in one kernel)
+        fused = _gluon_module("hopper_backward_fused")
+        return fused.hopper_fused_backward(q, k, v, do, m2, l2, delta, feat.causal, scale)
     side = _dq_stream(q.device) if deterministic and parts == _BOTH and _dq_beside(feat, choice) else None
     if side is not None:  # dQ beside dK/dV: see _dq_stream
         here = torch.cuda.current_stream(q.device)
@@ -761,10 +780,11 @@ def flash_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, d
                              softcap=0.0, alibi_slopes=None, check_finite=True, causal_align="top_left",
                              kernel="auto"):
     """Gradients ``(dq, dk, dv)`` from the forward's ``o`` and ``lse``, recomputing P tile by tile.
-    ``deterministic=False`` adds dQ atomically and skips the dQ kernel (measured slower on the H100; the last
-    bits vary run to run). With ``dropout_p`` the ``seed`` the forward used is required. ``check_finite`` as
-    in :func:`flash_attention`, for ``o``, ``lse`` (which may be -inf) and ``do`` too; ``kernel`` as there, for
-    the backward (:func:`backward_kernel` says which runs). Notebook ``08_triton_backward``."""
+    ``deterministic=False`` adds dQ atomically and skips the dQ kernel (the last bits vary run to run): on an
+    H100, the one-kernel Gluon backward where it applies (:func:`backward_kernel` says ``"hopper-fused"``). With
+    ``dropout_p`` the ``seed`` the forward used is required. ``check_finite`` as in :func:`flash_attention`, for
+    ``o``, ``lse`` (which may be -inf) and ``do`` too; ``kernel`` as there, for the backward
+    (:func:`backward_kernel` says which runs). Notebook ``08_triton_backward``."""
     _, scale = _check(q, k, v, causal, sm_scale, check_finite)
     validation.check_bool("deterministic", deterministic)
     if validation.check_dropout_p(dropout_p) > 0.0 and seed is None:
@@ -836,8 +856,10 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, deterministic=True, *,
     ``1/sqrt(d)``.
     ``deterministic`` (default True): the backward pass writes each gradient element from one program, so
     repeated runs agree bit for bit; False adds dQ with atomic additions instead, as FlashAttention-2 does,
-    which saves two of the seven tile products but lets the last bits of dQ vary between runs (and on the
-    H100 measured slower: notebook ``08_triton_backward``).
+    which saves two of the seven tile products but lets the last bits of dQ vary between runs (the teaching
+    kernel's atomics measured slower on the H100, notebook ``08_triton_backward``; there, at head dims 64 and
+    128 without a window, ALiBi, dropout or block mask, the one-kernel Gluon backward runs instead, its dQ added
+    by TMA reduces: notebook ``14_flashattention3_on_hopper``).
     ``check_finite`` (default True): refuse NaN or inf in q, k, v (and, in the backward, in dO) with a
     ``ValueError`` naming the argument (:mod:`flashref.validation`'s rule); the check reads the inputs once
     and synchronizes with the GPU once per call. False skips it, as the benchmarks do (PyTorch's attention
@@ -875,8 +897,9 @@ def backward_kernel(q, k, v, causal=False, sm_scale=None, deterministic=True, *,
                     block_size=128, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, causal_align="top_left",
                     kernel="auto") -> str:
     """Which backward :func:`flash_attention` (and :func:`flash_attention_backward`) would run with these
-    arguments: ``"hopper"`` (the Gluon dK/dV and dQ kernels) or ``"triton"`` (see ``kernel`` there). Checks as
-    they do, without reading the data."""
+    arguments: ``"hopper"`` (the Gluon dK/dV and dQ kernels), ``"hopper-fused"`` (the one-kernel Gluon backward,
+    with ``deterministic=False``) or ``"triton"`` (see ``kernel`` there). Checks as they do, without reading the
+    data."""
     _, scale = _check(q, k, v, causal, sm_scale, check_finite=False)
     validation.check_bool("deterministic", deterministic)
     feat = Features(q, k, dropout_p, 0, block_mask, block_size, causal=causal, scale=scale, window_size=window_size,
