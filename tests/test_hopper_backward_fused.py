@@ -33,28 +33,34 @@ for d in hf.HEAD_DIMS:
            "v_desc": f"tensordesc<fp16[{rows}, {d}],{kl!r}>", "do_desc": f"tensordesc<fp16[{bm}, {d}],{ql!r}>",
            "lse_desc": f"tensordesc<fp32[1, {bm}],{sl!r}>", "delta_desc": f"tensordesc<fp32[1, {bm}],{sl!r}>",
            "dq_desc": f"tensordesc<fp32[{bm}, {cols}],{dl!r}>", "DK": "*fp16", "DV": "*fp16", "N_q": "i32",
-           "N_k": "i32", "sm_scale": "fp32", "qk_scale": "fp32"}
+           "N_k": "i32", "sm_scale": "fp32", "qk_scale": "fp32", "seed": "i64", "drop_below": "i32",
+           "keep_scale": "fp32"}
     for causal in (False, True):
-        cx = dict(HEAD_D=d, BLOCK_M=bm, BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], CAUSAL=causal,
-                  SPLIT_COLS=cfg["split_cols"], num_warps=4)
-        sig.update({k: "constexpr" for k in cx})
-        k = triton.compile(GluonASTSource(hf.hopper_fused_bwd_kernel, sig, cx, {}), target=GPUTarget("cuda", 90, 32),
-                           options=dict(num_warps=4, maxnreg=hopper.WS_MAXNREG))
-        ptx = k.asm["ptx"]
-        print(d, causal, k.metadata.shared, ptxas_usage(k)["spill_stores"], ptx.count("cp.reduce.async.bulk.tensor"),
-              ptx.count("wgmma.mma_async"), len(re.findall(r"bar\.sync\s+\d+,\s*128;", ptx)))
+        for dropout in (False, True) if d in hf.DROPOUT_HEAD_DIMS else (False,):
+            cx = dict(HEAD_D=d, BLOCK_M=bm, BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], CAUSAL=causal,
+                      SPLIT_COLS=cfg["split_cols"], DROPOUT=dropout,
+                      KEEP_LAYOUT=hopper.keep_t_layout(rows, bm, 4) if dropout else None, num_warps=4)
+            sig.update({k: "constexpr" for k in cx})
+            k = triton.compile(GluonASTSource(hf.hopper_fused_bwd_kernel, sig, cx, {}),
+                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=hopper.WS_MAXNREG))
+            ptx = k.asm["ptx"]
+            print(d, causal, dropout, k.metadata.shared, ptxas_usage(k)["spill_stores"],
+                  ptx.count("cp.reduce.async.bulk.tensor"), ptx.count("wgmma.mma_async"),
+                  len(re.findall(r"bar\.sync\s+\d+,\s*128;", ptx)))
 """
 
 
 def test_compiles_for_the_h100():
-    """At d = 64 and 128, causal and not: within the H100's 227 KB of shared memory (129 KB and 225 KB), one TMA
-    reduce in each consumer's code, wgmma products, and barriers of one warpgroup's 128 threads (a barrier of the
-    whole block inside a warp-specialized kernel would hang); no register spills at d = 64, few at d = 128 (40-76
-    bytes a thread with Triton 3.7; in a child process: compiling needs the interpreter off)."""
+    """At d = 64 (with dropout and without) and 128, causal and not: within the H100's 227 KB of shared memory
+    (129 KB and 225 KB), one TMA reduce in each consumer's code, wgmma products, and barriers of one warpgroup's
+    128 threads (a barrier of the whole block inside a warp-specialized kernel would hang); no register spills at
+    d = 64, few at d = 128 (40-76 bytes a thread with Triton 3.7; in a child process: compiling needs the
+    interpreter off)."""
     pytest.importorskip("triton.experimental.gluon")
     lines = compile_in_child(_COMPILE)
-    assert [line[:2] for line in lines] == [["64", "False"], ["64", "True"], ["128", "False"], ["128", "True"]]
-    for d, causal, shared, spills, reduces, wgmma, group_bars in lines:
+    assert [line[:3] for line in lines] == [["64", "False", "False"], ["64", "False", "True"], ["64", "True", "False"],
+                                            ["64", "True", "True"], ["128", "False", "False"], ["128", "True", "False"]]
+    for d, causal, dropout, shared, spills, reduces, wgmma, group_bars in lines:
         assert int(shared) <= 227 * 1024, (d, causal, shared)
         assert int(reduces) == 2 and int(wgmma) > 0 and int(group_bars) > 0, (d, causal, reduces, wgmma, group_bars)
         assert int(spills) <= (0 if d == "64" else 128), (d, causal, spills)
@@ -71,6 +77,9 @@ def test_default_config_and_supported_say_why_not():
         hf.default_config(256)
     q = torch.zeros(1, 2, 8, 64)
     assert "needs an sm_90" in hf.supported(q, q, q)
+    q128 = torch.zeros(1, 2, 8, 128)
+    with pytest.raises(ValueError, match="takes dropout at head dims \\(64,\\), got 128"):
+        hf.hopper_fused_backward(q128, q128, q128, q128, None, None, None, False, 0.1, dropout=(1, 100, 1.1))
     if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
         q256 = torch.zeros(1, 2, 8, 256, device="cuda", dtype=torch.float16)
         assert "head dim in (64, 128)" in hf.supported(q256, q256, q256)
@@ -105,3 +114,33 @@ def test_gradients_within_the_rule_on_uneven_shapes(d, dtype, causal):
             assert g.dtype == dtype and g.shape == b.shape
             assert torch.isfinite(g).all(), (name, N_q, N_k)
             assert_within_tolerance(g, r, b, factor=3.0, name=f"{name} ({N_q}, {N_k}, x{scale}, causal={causal})")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout_through_flash_attention_within_the_rule(causal):
+    """deterministic=False with dropout at d = 64 runs the one-kernel backward (the forward's mask drawn once a
+    tile for dQ, dK and dV): gradients within the rule against the float64 reference with the kernels' own mask
+    (flashref.triton.dropout_mask), on uneven shapes and two batch rows."""
+    import numpy as np
+
+    from flashref import reference
+    from flashref.tolerance import assert_within_tolerance
+    from flashref.triton import backward_kernel, dropout_mask, flash_attention
+    from tests._triton_helpers import np64, plain_with_features
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon backward needs an sm_90 GPU")
+    for N_q, N_k in [(600, 700), (1, 239), (239, 3), (1000, 1000)]:
+        B, H, p, seed = 2, 4, 0.2, 11 + N_q
+        q, k, v, do = make_qkv(B, H, N_q, N_k, 64, torch.float16, "cuda", seed=N_k)
+        assert backward_kernel(q, k, v, causal, False, dropout_p=p) == "hopper-fused"
+        keep = dropout_mask(seed, B, H, N_q, N_k, p, "cuda")
+        qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+        flash_attention(qq, kk, vv, causal, deterministic=False, dropout_p=p, seed=seed).backward(do)
+        ref_kw = dict(causal=causal, dropout_mask=keep.cpu().numpy(), dropout_p=p)
+        refs = reference.attention_backward(*(np64(x) for x in (q, k, v, do)), **ref_kw)
+        base = plain_with_features(q, k, v, do, causal, None, keep, p)[1:]
+        for name, x, r, b in zip(("dq", "dk", "dv"), (qq.grad, kk.grad, vv.grad), refs, base):
+            assert torch.isfinite(x).all() and not np.isnan(r).any(), name
+            assert_within_tolerance(x, r, b, factor=3.0, name=f"{name}, {N_q}x{N_k}, causal={causal}")

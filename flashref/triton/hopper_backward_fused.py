@@ -26,8 +26,9 @@ do_bench windows):
 - One warpgroup of 64 keys computing its own share (the dK/dV kernel's d = 64 tile) measured 0.94-0.97x at
   d = 64 and 0.77-0.79x at d = 128, though the reduce itself cost only 4-8% of its time.
 
-Scope: what :func:`flashref.triton.hopper_backward.supported` takes at head dims 64 and 128, top-left causal or not;
-no window, ALiBi, dropout or block mask (those keep the two kernels). Triton's Gluon has no public TMA reduce yet:
+Scope: what :func:`flashref.triton.hopper_backward.supported` takes at head dims 64 and 128, top-left causal or not,
+and dropout at d = 64 (the forward's mask, drawn once a tile for all three gradients where the two kernels draw it
+twice); no window, ALiBi or block mask (those keep the two kernels). Triton's Gluon has no public TMA reduce yet:
 :func:`_tma_reduce_add` reaches the builder's, and :func:`supported` says so where a Triton lacks it.
 """
 
@@ -45,10 +46,13 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashref.triton import hopper, hopper_backward
 from flashref.triton.forward import LOG2E
-from flashref.triton.hopper_backward import (_descriptors, _query_tiles, _row_view, _stat_descriptors, _store_dkdv,
-                                             _wgmma_layout, _ws_dkdv_producer)
+from flashref.triton.hopper_backward import (_descriptors, _drop_args, _query_tiles, _row_view, _stat_descriptors,
+                                             _store_dkdv, _wgmma_layout, _ws_dkdv_producer)
 
 HEAD_DIMS = (64, 128)
+#: Head dims at which the kernel takes dropout: at d = 128 the mask's words and Philox's rounds make ptxas spill
+#: 512-592 bytes a thread (none at d = 64), as they do in the warp-specialized dK/dV kernel.
+DROPOUT_HEAD_DIMS = (64,)
 
 
 @builtin
@@ -80,11 +84,14 @@ def _add_dq_share(dq, dq_t, dq_desc, row, col, sm_scale, WAIT: gl.constexpr):
 
 @gluon.jit
 def _fused_step(n, q_smem, do_smem, k_smem, lse_smem, delta_smem, ds_smem, dq_smem, k_t, v_t, ready, empty, ds_full,
-                ds_empty, dq_desc, dk, dv, keys, key_live, i_lo, q_base, N_q, sm_scale, qk_scale, WG: gl.constexpr,
-                HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                SPLIT_COLS: gl.constexpr):
+                ds_empty, dq_desc, dk, dv, keys, key_live, i_lo, q_base, bh, first_key, N_q, sm_scale, qk_scale, seed,
+                drop_below, keep_scale, WG: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+                STAGES: gl.constexpr, CAUSAL: gl.constexpr, SPLIT_COLS: gl.constexpr, DROPOUT: gl.constexpr,
+                KEEP_LAYOUT: gl.constexpr):
     """Step n of consumer WG: query tile i_lo + n against its 64 keys, then dQ's share of all 128 keys: half its
-    columns (SPLIT_COLS), or all of them on the steps n % 2 == WG."""
+    columns (SPLIT_COLS), or all of them on the steps n % 2 == WG. DROPOUT: the forward's mask of these keys and
+    queries, drawn once for dV, dK and dQ alike (:func:`flashref.triton.hopper._keep_t`; the caller scales dV by
+    ``keep_scale`` at the end), as :func:`flashref.triton.hopper_backward._dkdv_tile` applies it."""
     dtype: gl.constexpr = q_smem.dtype
     ROWS: gl.constexpr = 64
     s_layout: gl.constexpr = _wgmma_layout(4, BLOCK_M)
@@ -100,6 +107,8 @@ def _fused_step(n, q_smem, do_smem, k_smem, lse_smem, delta_smem, ds_smem, dq_sm
     s_zero = gl.zeros([ROWS, BLOCK_M], gl.float32, s_layout)
     St = warpgroup_mma(k_t, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     dPt = warpgroup_mma(v_t, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if DROPOUT:  # Philox's integer work while both products run
+        kept = hopper._keep_t(seed, bh, i * BLOCK_M, first_key, drop_below, BLOCK_M, ROWS, KEEP_LAYOUT, s_layout)
     queries = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_s)
     lse2 = _row_view(lse_smem, slot, BLOCK_M, STAGES).load(col_s)
     D = _row_view(delta_smem, slot, BLOCK_M, STAGES).load(col_s)
@@ -110,9 +119,14 @@ def _fused_step(n, q_smem, do_smem, k_smem, lse_smem, delta_smem, ds_smem, dq_sm
     if CAUSAL:
         keep = keep & (gl.expand_dims(queries, 0) >= gl.expand_dims(keys, 1))
     Pt = gl.exp2(gl.where(keep, St * qk_scale - gl.expand_dims(lse2, 0), float("-inf")))
-    p = gl.convert_layout(Pt.to(dtype), p_layout)
+    if DROPOUT:
+        p = gl.convert_layout(gl.where(kept, Pt, 0.0).to(dtype), p_layout)
+    else:
+        p = gl.convert_layout(Pt.to(dtype), p_layout)
     dv = warpgroup_mma(p, do_t, dv, is_async=True)
     dPt = warpgroup_mma_wait(1, deps=[dPt])
+    if DROPOUT:
+        dPt = gl.where(kept, dPt * keep_scale, 0.0)
     dSt = Pt * (dPt - gl.expand_dims(D, 0))
     ds_t = ds_smem.index(buf * 2 + WG)
     mbarrier.wait(ds_empty.index(buf), ((n // 2) & 1) ^ 1)  # the dQ product two steps back has read this buffer
@@ -151,8 +165,9 @@ def _fused_step(n, q_smem, do_smem, k_smem, lse_smem, delta_smem, ds_smem, dq_sm
 @gluon.jit
 def _fused_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, ready, empty,
                     ds_full, ds_empty, dq_desc, DK, DV, bh, start_n, i_lo, n_tiles, N_q, N_k, sm_scale, qk_scale,
-                    WG: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                    CAUSAL: gl.constexpr, SPLIT_COLS: gl.constexpr):
+                    seed, drop_below, keep_scale, WG: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+                    STAGES: gl.constexpr, CAUSAL: gl.constexpr, SPLIT_COLS: gl.constexpr, DROPOUT: gl.constexpr,
+                    KEEP_LAYOUT: gl.constexpr):
     """Consumer warpgroup WG: keys [start_n + 64 WG, +64) over every query tile of the ring; their dK and dV at the
     end, dQ's shares as it goes."""
     ROWS: gl.constexpr = 64
@@ -168,15 +183,19 @@ def _fused_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_sm
     for n in range(0, n_tiles):
         dk, dv = _fused_step(n, q_smem, do_smem, k_smem, lse_smem, delta_smem, ds_smem, dq_smem, k_smem.index(WG),
                              v_smem.index(WG), ready, empty, ds_full, ds_empty, dq_desc, dk, dv, keys, key_live, i_lo,
-                             q_base, N_q, sm_scale, qk_scale, WG, HEAD_D, BLOCK_M, STAGES, CAUSAL, SPLIT_COLS)
+                             q_base, bh, first_key, N_q, sm_scale, qk_scale, seed, drop_below, keep_scale, WG, HEAD_D,
+                             BLOCK_M, STAGES, CAUSAL, SPLIT_COLS, DROPOUT, KEEP_LAYOUT)
     tma.store_wait(0)
+    if DROPOUT:
+        dv = dv * keep_scale
     _store_dkdv(DK, DV, dk, dv, first_key, bh, N_k, sm_scale, ROWS, HEAD_D, a_layout)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["seed", "drop_below"])  # 1 and 0 stay runtime values
 def hopper_fused_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, DK, DV, N_q, N_k, sm_scale,
-                            qk_scale, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                            STAGES: gl.constexpr, CAUSAL: gl.constexpr, SPLIT_COLS: gl.constexpr,
+                            qk_scale, seed, drop_below, keep_scale, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                            SPLIT_COLS: gl.constexpr, DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr,
                             num_warps: gl.constexpr):
     """Program (pid_n, bh): keys [pid_n * BLOCK_N, +BLOCK_N) of head bh, their dK and dV, and their share of every
     query tile's dQ (into dq_desc's fp32 rows). Two consumer warpgroups of 64 keys (the kernel's own 4 warps and a
@@ -218,13 +237,15 @@ def hopper_fused_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_des
     gl.warp_specialize([
         (_fused_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, ready,
                            empty, ds_full, ds_empty, dq_desc, DK, DV, bh, start_n, i_lo, n_tiles, N_q, N_k, sm_scale,
-                           qk_scale, 0, HEAD_D, BLOCK_M, STAGES, CAUSAL, SPLIT_COLS)),
+                           qk_scale, seed, drop_below, keep_scale, 0, HEAD_D, BLOCK_M, STAGES, CAUSAL, SPLIT_COLS,
+                           DROPOUT, KEEP_LAYOUT)),
         (_ws_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                              lse_smem, delta_smem, kv_bar, ready, empty, bh, start_n, i_lo, n_tiles, zero, zero, N_q,
                              N_k, BLOCK_M, BLOCK_N, STAGES, False, BLOCK_N, True)),
         (_fused_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, ready,
                            empty, ds_full, ds_empty, dq_desc, DK, DV, bh, start_n, i_lo, n_tiles, N_q, N_k, sm_scale,
-                           qk_scale, 1, HEAD_D, BLOCK_M, STAGES, CAUSAL, SPLIT_COLS)),
+                           qk_scale, seed, drop_below, keep_scale, 1, HEAD_D, BLOCK_M, STAGES, CAUSAL, SPLIT_COLS,
+                           DROPOUT, KEEP_LAYOUT)),
     ], [1, 4], [24, 240])
 
 
@@ -250,11 +271,15 @@ def supported(q, k, v) -> str | None:
     return why
 
 
-def hopper_fused_backward(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dict | None = None):
+def hopper_fused_backward(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dict | None = None, *,
+                          dropout=None):
     """(dq, dk, dv) from :func:`hopper_fused_bwd_kernel` for checked q, k, v that :func:`supported` takes; m2, l2,
-    delta: (B, H, N_q) fp32, as :func:`flashref.triton.hopper_backward.hopper_backward` takes them. dQ accumulates
-    in an fp32 buffer of q's shape (the adds' order varies: not bitwise reproducible)."""
+    delta: (B, H, N_q) fp32, as :func:`flashref.triton.hopper_backward.hopper_backward` takes them; ``dropout``:
+    ``(seed, drop_below, keep_scale)`` with the forward's mask (at :data:`DROPOUT_HEAD_DIMS`), or None. dQ
+    accumulates in an fp32 buffer of q's shape (the adds' order varies: not bitwise reproducible)."""
     B, H, N_q, d = q.shape
+    if dropout is not None and d not in DROPOUT_HEAD_DIMS:
+        raise ValueError(f"the fused backward takes dropout at head dims {DROPOUT_HEAD_DIMS}, got {d}")
     N_k = k.shape[2]
     cfg = cfg or default_config(d)
     block_m = cfg["block_m"]
@@ -267,7 +292,9 @@ def hopper_fused_backward(q, k, v, do, m2, l2, delta, causal: bool, scale: float
     halves = dict(cfg, block_n=cfg["block_n"] // 2)  # each TMA copy of K or V is one consumer's rows
     grid = (triton.cdiv(N_k, cfg["block_n"]), B * H)
     hopper_fused_bwd_kernel[grid](*_descriptors(q, k, v, do, halves), *_stat_descriptors(m2, l2, delta, block_m),
-                                  dq_desc, dk, dv, N_q, N_k, scale, scale * LOG2E, HEAD_D=d, BLOCK_M=block_m,
-                                  BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], CAUSAL=bool(causal),
-                                  SPLIT_COLS=bool(cfg["split_cols"]), num_warps=4, maxnreg=hopper.WS_MAXNREG)
+                                  dq_desc, dk, dv, N_q, N_k, scale, scale * LOG2E, *_drop_args(dropout), HEAD_D=d,
+                                  BLOCK_M=block_m, BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], CAUSAL=bool(causal),
+                                  SPLIT_COLS=bool(cfg["split_cols"]), DROPOUT=dropout is not None,
+                                  KEEP_LAYOUT=hopper.keep_t_layout(64, block_m, 4) if dropout is not None else None,
+                                  num_warps=4, maxnreg=hopper.WS_MAXNREG)
     return dq32.view(B, H, N_q, d).to(q.dtype), dk, dv

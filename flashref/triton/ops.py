@@ -482,7 +482,7 @@ def _backward_kernel(q, k, v, feat: Features, kernel: str, deterministic: bool) 
     128 or 256 and the gradients are to be deterministic (theirs are). With ``deterministic=False`` they take the
     one-kernel Gluon backward (``"hopper-fused"``, :mod:`flashref.triton.hopper_backward_fused`: dQ added by TMA
     reduces, measured 1.05-1.18x the two kernels' speed on an H100) at d = 64 and 128 with top-left causal masking
-    or none, and the teaching kernel's atomic dQ for everything else. A window takes
+    or none (and dropout at d = 64), and the teaching kernel's atomic dQ for everything else. A window takes
     them too since they mask only the tiles at its edges (H100, causal window of 1024 keys, N = 8K, fp16: Gluon
     dK/dV 1.23 ms at d = 128 and 1.39 at d = 64 against the teaching kernel's 1.47 and 1.78; dQ 0.79 and 0.86
     against 0.92 and 0.98). Dropout (without a window) runs both Gluon kernels, with the forward's mask. A block
@@ -509,12 +509,14 @@ def _backward_kernel(q, k, v, feat: Features, kernel: str, deterministic: bool) 
 
 def _fused_takes(q, k, v, feat: Features) -> bool:
     """Whether the one-kernel Gluon backward (:mod:`flashref.triton.hopper_backward_fused`) takes this call, which
-    the Hopper backward could run: head dims 64 and 128, top-left causal masking or none (no window, ALiBi, dropout
-    or block mask)."""
+    the Hopper backward could run: head dims 64 and 128, top-left causal masking or none, dropout at d = 64 (no
+    window, ALiBi or block mask)."""
     fused = _gluon_module("hopper_backward_fused")
     if isinstance(fused, ImportError) or fused.supported(q, k, v) is not None:
         return False
-    return not (feat.window or feat.slopes2 is not None or feat.dropout_p > 0.0 or feat.block_mask is not None)
+    if feat.dropout_p > 0.0 and q.shape[3] not in fused.DROPOUT_HEAD_DIMS:
+        return False
+    return not (feat.window or feat.slopes2 is not None or feat.block_mask is not None)
 
 
 def _gluon_takes_block_mask(backward, q, feat: Features) -> bool:
@@ -620,7 +622,8 @@ def _backward(q, k, v, o, stats, do, scale: float, deterministic: bool, feat: Fe
     choice = _backward_kernel(q, k, v, feat, kernel, deterministic)
     if choice == "hopper-fused":  # (deterministic=False: both parts in one kernel)
         fused = _gluon_module("hopper_backward_fused")
-        return fused.hopper_fused_backward(q, k, v, do, m2, l2, delta, feat.causal, scale)
+        return fused.hopper_fused_backward(q, k, v, do, m2, l2, delta, feat.causal, scale,
+                                           dropout=_dropout_scalars(feat))
     side = _dq_stream(q.device) if deterministic and parts == _BOTH and _dq_beside(feat, choice) else None
     if side is not None:  # dQ beside dK/dV: see _dq_stream
         here = torch.cuda.current_stream(q.device)
@@ -858,8 +861,8 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, deterministic=True, *,
     repeated runs agree bit for bit; False adds dQ with atomic additions instead, as FlashAttention-2 does,
     which saves two of the seven tile products but lets the last bits of dQ vary between runs (the teaching
     kernel's atomics measured slower on the H100, notebook ``08_triton_backward``; there, at head dims 64 and
-    128 without a window, ALiBi, dropout or block mask, the one-kernel Gluon backward runs instead, its dQ added
-    by TMA reduces: notebook ``14_flashattention3_on_hopper``).
+    128 without a window, ALiBi or block mask (dropout at 64 only), the one-kernel Gluon backward runs instead,
+    its dQ added by TMA reduces: notebook ``14_flashattention3_on_hopper``).
     ``check_finite`` (default True): refuse NaN or inf in q, k, v (and, in the backward, in dO) with a
     ``ValueError`` naming the argument (:mod:`flashref.validation`'s rule); the check reads the inputs once
     and synchronizes with the GPU once per call. False skips it, as the benchmarks do (PyTorch's attention
