@@ -6,9 +6,10 @@ block-sparse attention against its own dense time.
 - GQA: H = 32 query heads sharing H_kv = 8 or 1 K/V heads, against ``scaled_dot_product_attention(...,
   enable_gqa=True)`` on its flash and cuDNN backends; forward + backward; peak memory.
 - Dropout p = 0.1 against SDPA's flash backend with the same ``dropout_p``, and against flashref
-  without dropout; forward + backward, with the deterministic backward and with atomic dQ (FlashAttention-2's
-  kind, where one backward kernel draws the mask instead of two), and the teaching kernels (``kernel="triton"``)
-  with dropout beside the Gluon ones that an H100 runs.
+  without dropout; forward + backward, with the deterministic backward and with ``deterministic=False`` (the
+  "atomic dQ" rows, with dropout and without: one backward kernel draws the mask instead of two, on an H100 at
+  d = 64 the one-kernel Gluon backward), and the teaching kernels (``kernel="triton"``) with dropout beside the
+  Gluon ones that an H100 runs.
 - Block-sparse: a causal sliding window of ``w`` blocks of 128 keys, time against density (visible
   blocks / all blocks) next to the dense kernel's time, and an all-True mask against no mask; forward and
   forward + backward, each side through the default dispatch, with ``graph_ms`` beside ``ms``.
@@ -158,9 +159,13 @@ def dropout_cases(N=4096, head_dims=(64,), B=8, H=16, p=0.1):
                  # the teaching kernels (kernel="triton") with dropout: what the Gluon ones replace on an H100
                  "flashref-triton teaching": lambda q, k, v: flash_attention(
                      q, k, v, causal=causal, dropout_p=p, seed=1, check_finite=False, kernel="triton"),
-                 # atomic dQ, as FlashAttention-2's backward: one backward kernel draws the mask, not two
+                 # deterministic=False, dQ added by one backward kernel that draws the mask once, not twice (on
+                 # an H100 at d = 64 the one-kernel Gluon backward; the teaching kernel's atomics elsewhere),
+                 # with dropout and without
                  "flashref-triton atomic dQ": lambda q, k, v: flash_attention(
                      q, k, v, causal=causal, dropout_p=p, seed=1, deterministic=False, check_finite=False),
+                 "flashref-triton no dropout atomic dQ": lambda q, k, v: flash_attention(
+                     q, k, v, causal=causal, deterministic=False, check_finite=False),
                  "sdpa-flash": lambda q, k, v: sdpa("sdpa-flash", dropout_p=p)(q, k, v, causal)}
         for impl, fn in peers.items():
             ms, peak = _time(_fwd_bwd(fn, q, k, v, do), True, [q, k, v])
