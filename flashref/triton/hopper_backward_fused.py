@@ -13,7 +13,8 @@ computes each query tile's share of dQ from what it already has:
 Five products a tile pair instead of seven. The share is added into an fp32 buffer by a TMA reduce-add
 (``cp.reduce.async.bulk.tensor ... .add``: the adds happen in the L2 cache, and nothing waits for them but the
 shared-memory tile's reuse), then cast to q's dtype. The programs' adds into one dQ row come in no fixed order, so
-the result's last bits vary from run to run: this is the backward for ``deterministic=False``.
+the result's last bits vary from run to run: this is the backward for ``deterministic=False`` (notebook
+``14_flashattention3_on_hopper``, "The backward in one kernel").
 
 Who computes the dQ product, measured on an H100 (fp16, B x N = 65536, H x d = 2048, N = 4K and 16K, causal and
 not; time against the two kernels, :func:`flashref.triton.hopper_backward.hopper_backward`, medians of three
