@@ -1,5 +1,6 @@
 """Which unit of one H100 SM is busy when: a schedule model of the forward kernel's main loop, one picture per
-idea of FlashAttention-3 (notebook ``14_flashattention3_on_hopper``).
+idea of FlashAttention-3 (notebook ``14_flashattention3_on_hopper``), and of the backward's tile pairs in two
+kernels or one (:func:`backward`).
 
 The model has three units: the TMA copy engine (loads K and V tiles), the tensor cores (the products
 S = Q K^T and O += P V) and the exponential units (softmax). Each *stream* (a program, or a warpgroup of one)
@@ -168,6 +169,38 @@ def warp_specialized(n_tiles=4, t=None, stages=2, pingpong=False, overlap=False)
                 ops.append(Op(f"{wg} softmax{r}", "exponentials", t["softmax"],
                               tuple(p.name for p in (s if overlap else products)), sync=True))
         streams[wg] = ops
+    return streams
+
+
+def backward(n_tiles=4, fused=False, t=None, stages=2):
+    """The backward's tile pairs at d = 128 (64 keys x 64 queries), one warpgroup in line with a producer's ring of
+    ``stages`` slots: the dK/dV kernel (``"dK/dV"``: each query tile's Q_i and dO_i copied, S^T and dP^T, the
+    exponentials of P^T, then dV and dK; the next tile waits for all of them) and then the dQ kernel (``"dQ"``:
+    each key tile's K_j and V_j, S and dP again, the exponentials again, then dQ), each over ``n_tiles`` pairs.
+    ``fused``: one kernel (:mod:`flashref.triton.hopper_backward_fused`) whose step adds dQ's product after dK's
+    and hands dQ's fp32 tile to the TMA unit to reduce into memory (``red``), which nobody waits for."""
+    t = t or tile_seconds(64, 64, 128)
+    streams = {}
+    kernels = [("dK/dV", "QdO")] if fused else [("dK/dV", "QdO"), ("dQ", "KV")]
+    before = ()  # a kernel starts once the one before it has ended
+    for k, (kernel, copied) in enumerate(kernels):
+        p = f"{kernel} "
+        products = ["dV", "dK", "dQ"] if fused else (["dV", "dK"] if k == 0 else ["dQ"])
+        done = [f"{p}{products[-1]}{i}" for i in range(n_tiles)]  # a tile's slot is free once its products are
+        copies = [Op(f"{p}{copied}{i}", "TMA", t["load"], (done[i - stages],) if i >= stages else before)
+                  for i in range(n_tiles)]
+        ops = []
+        for i in range(n_tiles):
+            last = (done[i - 1],) if i else before  # in line: the next tile waits for every product of this one
+            ops += [Op(f"{p}S{i}", "tensor cores", t["S"], (f"{p}{copied}{i}",) + last),
+                    Op(f"{p}dP{i}", "tensor cores", t["S"], (f"{p}{copied}{i}",) + last),
+                    Op(f"{p}e{i}", "exponentials", t["softmax"], (f"{p}S{i}",), sync=True)]
+            ops += [Op(f"{p}{x}{i}", "tensor cores", t["PV"], (f"{p}e{i}", f"{p}dP{i}")) for x in products]
+        streams[f"{kernel} copies"] = copies
+        streams[f"{kernel} kernel"] = ops
+        if fused:  # each a 64 x 128 fp32 tile out, as many bytes as the Q_i and dO_i tiles in: queued to the TMA
+            streams["dQ reduces"] = [Op(f"red{i}", "TMA", t["load"], (done[i],)) for i in range(n_tiles)]
+        before = (done[-1],)
     return streams
 
 

@@ -13,7 +13,8 @@ SCHEDULES = {"serial": ht.serial(5), "ring": ht.serial(5, stages=3), "overlap": 
              "overlap as compiled": ht.overlapped(5, as_compiled=True), "two programs": ht.two_programs(5, HALF),
              "warp specialized": ht.warp_specialized(5), "ping-pong": ht.warp_specialized(5, pingpong=True),
              "overlap in each consumer": ht.warp_specialized(5, overlap=True),
-             "overlap and ping-pong": ht.warp_specialized(5, pingpong=True, overlap=True)}
+             "overlap and ping-pong": ht.warp_specialized(5, pingpong=True, overlap=True),
+             "backward, two kernels": ht.backward(5), "backward, one kernel": ht.backward(5, fused=True)}
 
 
 def _overlap(a, b) -> float:
@@ -90,3 +91,21 @@ def test_a_circular_wait_is_an_error():
     streams = {"a": [ht.Op("x", "TMA", 1.0, ("y",))], "b": [ht.Op("y", "TMA", 1.0, ("x",))]}
     with pytest.raises(ValueError, match="circle"):
         ht.simulate(streams)
+
+
+def test_the_one_kernel_backward_does_five_products_a_tile_pair_where_two_kernels_do_seven():
+    """The same tile pairs: the one kernel's tensor cores work 5/7 of the two kernels' time, the loop is shorter by
+    about that, and its dQ tiles go out through the TMA unit (as many reduces as tile pairs) while the warpgroup
+    goes on; the dQ kernel starts only once the dK/dV kernel has ended."""
+    n = 16
+    two, one = ht.simulate(ht.backward(n)), ht.simulate(ht.backward(n, fused=True))
+
+    def products(busy):
+        return sum(b.end - b.start for b in busy if b.unit == "tensor cores")
+
+    assert products(one) == pytest.approx(products(two) * 5 / 7)
+    assert ht.makespan(one) < 0.8 * ht.makespan(two)
+    reduces = [b for b in one if b.name.startswith("red")]
+    assert len(reduces) == n and all(b.unit == "TMA" for b in reduces)
+    last_dkdv = max(b.end for b in two if b.stream.startswith("dK/dV"))
+    assert min(b.start for b in two if b.stream.startswith("dQ")) >= last_dkdv - 1e-15
