@@ -94,9 +94,9 @@ def test_a_circular_wait_is_an_error():
 
 
 def test_the_one_kernel_backward_does_five_products_a_tile_pair_where_two_kernels_do_seven():
-    """The same tile pairs: the one kernel's tensor cores work 5/7 of the two kernels' time, the loop is shorter by
-    about that, and its dQ tiles go out through the TMA unit (as many reduces as tile pairs) while the warpgroup
-    goes on; the dQ kernel starts only once the dK/dV kernel has ended."""
+    """The same tile pairs: the one kernel's tensor cores work 5/7 of the two kernels' time, the loop is shorter
+    by about that, and its dQ tiles go out through the TMA unit (as many reduces as tile pairs) while the
+    warpgroup goes on; the dQ kernel starts only once the dK/dV kernel has ended."""
     n = 16
     two, one = ht.simulate(ht.backward(n)), ht.simulate(ht.backward(n, fused=True))
 
