@@ -48,7 +48,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from flashref.triton import hopper, hopper_backward
 from flashref.triton.forward import LOG2E
 from flashref.triton.hopper_backward import (_descriptors, _drop_args, _query_tiles, _row_view, _stat_descriptors,
-                                             _store_dkdv, _wgmma_layout, _ws_dkdv_producer)
+                                             _store_dkdv, _wgmma_layout, _ws_dkdv_producer, _ws_smem)
 
 HEAD_DIMS = (64, 128)
 #: Head dims at which the kernel takes dropout: at d = 128 the mask's words and Philox's rounds make ptxas spill
@@ -209,26 +209,15 @@ def hopper_fused_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_des
     bh = gl.program_id(1)
     start_n = pid_n * BLOCK_N
     dtype: gl.constexpr = q_desc.dtype
-    k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N // 2, HEAD_D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N // 2, HEAD_D], v_desc.layout)
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], do_desc.layout)
-    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], lse_desc.layout)
-    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], delta_desc.layout)
+    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty = _ws_smem(
+        k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, STAGES, STAGES)
     ds_smem = gl.allocate_shared_memory(dtype, [4, BLOCK_N // 2, BLOCK_M],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N // 2, BLOCK_M], dtype))
     # fp32 dQ shares: split, two per warpgroup (by step parity); whole, one (its turn comes every other step)
     dq_smem = gl.allocate_shared_memory(gl.float32, [4 if SPLIT_COLS else 2] + dq_desc.block_type.shape,
                                         dq_desc.layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=2)  # both consumers read every slot
     for s in gl.static_range(2):
         mbarrier.init(ds_full.index(s), count=2)
         mbarrier.init(ds_empty.index(s), count=2 if SPLIT_COLS else 1)  # who read both dS^T tiles

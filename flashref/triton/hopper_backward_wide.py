@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from flashref.triton import hopper
 from flashref.triton.forward import LOG2E
 from flashref.triton.hopper_backward import (_descriptors, _query_tiles, _row_view, _stat_descriptors, _store_dkdv,
-                                             _wgmma_layout)
+                                             _wgmma_layout, _ws_smem)
 
 HEAD_DIMS = (256,)
 
@@ -150,25 +150,13 @@ def hopper_wide_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta
     pid_n = gl.program_id(0)
     bh = gl.program_id(1)
     start_n = pid_n * BLOCK_N
-    HALF: gl.constexpr = HEAD_D // 2
-    dtype: gl.constexpr = q_desc.dtype
-    k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HALF], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HALF], v_desc.layout)
-    q_smem = gl.allocate_shared_memory(dtype, [2 * STAGES, BLOCK_M, HALF], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [2 * STAGES, BLOCK_M, HALF], do_desc.layout)
-    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], lse_desc.layout)
-    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], delta_desc.layout)
+    # K, V and each ring slot's Q and dO in two column halves (a slot's halves at 2 * slot and 2 * slot + 1)
+    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty = _ws_smem(
+        k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, 2 * STAGES, STAGES)
     x_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=8, order=[1, 0])
     x_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N, BLOCK_M], x_layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     x_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     x_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=2)  # both consumers read every slot
     for w in gl.static_range(2):
         mbarrier.init(x_full.index(w), count=1)
         mbarrier.init(x_empty.index(w), count=1)
