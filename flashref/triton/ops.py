@@ -499,12 +499,19 @@ def _backward_kernel(q, k, v, feat: Features, kernel: str, deterministic: bool) 
     backward = _gluon_module("hopper_backward")
     if isinstance(backward, ImportError) or backward.supported(q, k, v) is not None:
         return "triton"
-    plain = not (feat.window or feat.slopes2 is not None or feat.dropout_p > 0.0 or feat.block_mask is not None)
-    if q.shape[3] in backward.PLAIN_HEAD_DIMS and not plain:
+    if q.shape[3] in backward.PLAIN_HEAD_DIMS and _modifications(feat):
         return "triton"
     if feat.block_mask is not None and not _gluon_takes_block_mask(backward, q, feat):
         return "triton"
     return "hopper"
+
+
+def _modifications(feat: Features) -> set:
+    """What this call adds to top-left causal masking or none, of what the Gluon backward kernels take in part:
+    ``"window"`` (a bottom-right causal mask with N_q != N_k is one), ``"alibi"``, ``"dropout"``, ``"block_mask"``."""
+    used = (("window", feat.window), ("alibi", feat.slopes2 is not None), ("dropout", feat.dropout_p > 0.0),
+            ("block_mask", feat.block_mask is not None))
+    return {name for name, on in used if on}
 
 
 def _fused_takes(q, k, v, feat: Features) -> bool:
@@ -514,9 +521,7 @@ def _fused_takes(q, k, v, feat: Features) -> bool:
     fused = _gluon_module("hopper_backward_fused")
     if isinstance(fused, ImportError) or fused.supported(q, k, v) is not None:
         return False
-    if feat.dropout_p > 0.0 and q.shape[3] not in fused.DROPOUT_HEAD_DIMS:
-        return False
-    return not (feat.window or feat.slopes2 is not None or feat.block_mask is not None)
+    return not _modifications(feat) - ({"dropout"} if q.shape[3] in fused.DROPOUT_HEAD_DIMS else set())
 
 
 def _gluon_takes_block_mask(backward, q, feat: Features) -> bool:
@@ -524,7 +529,7 @@ def _gluon_takes_block_mask(backward, q, feat: Features) -> bool:
     (:func:`flashref.triton.hopper_backward.lists_fit`; the default block_size = 128 does), with causal or no
     mask besides (a window, ALiBi and dropout with a block mask keep the teaching kernels)."""
     d = q.shape[3]
-    if feat.window or feat.slopes2 is not None or feat.dropout_p > 0.0:
+    if _modifications(feat) - {"block_mask"}:
         return False
     return (backward.lists_fit(backward.default_config(d, "dkdv"), "dkdv", feat.block_size)
             and backward.lists_fit(backward.default_config(d, "dq"), "dq", feat.block_size))
