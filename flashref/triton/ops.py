@@ -881,8 +881,8 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, deterministic=True, *,
     and row statistics. The backward follows: under ``"auto"`` and ``"hopper"`` the Gluon dK/dV and dQ kernels of
     :mod:`flashref.triton.hopper_backward` run wherever they can (the Hopper forward's conditions, dropout's
     included, d = 64 or 128, or 256 with causal masking or none, ``deterministic=True``; unlike the forward, they
-    also take ``alibi_slopes``), the
-    teaching backward everywhere else (:func:`backward_kernel` says which).
+    also take ``alibi_slopes``), the teaching backward everywhere else (:func:`backward_kernel` says which; with
+    ``deterministic=False``, the one-kernel Gluon backward where it applies).
     Notebooks ``07_triton_forward`` and ``08_triton_backward``.
     """
     return FlashAttentionFunction.apply(q, k, v, causal, sm_scale, deterministic, check_finite, dropout_p, seed,
