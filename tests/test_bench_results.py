@@ -326,6 +326,30 @@ def test_the_hopper_bench_measures_some_parts_again_in_place(fake_gpu, monkeypat
                                 "python -m flashref.bench hopper --out " + out + " --parts training")
 
 
+def test_the_hopper_bench_measures_some_head_dims_again_in_place(fake_gpu, monkeypatch, tmp_path):
+    """``--head-dims 256 --append`` measures the training part at d = 256 only and replaces those rows, keeping
+    d = 64's; ``--head-dims`` with a part off the grid is refused, naming the parts it applies to."""
+    from flashref.bench import hopper_bench
+
+    asked = []
+
+    def training_cases(grid=hopper_bench.GRID, d256=True):
+        asked.append((sorted({d for d, _, _ in grid}), d256))
+        dims = sorted({d for d, _, _ in grid}) + ([256] if d256 else [])
+        return iter([{"case": "fwd+bwd", "impl": "b", "d": d, "N": 1, "causal": False, "ms": float(len(asked)),
+                      "tflops": 1.0} for d in dims])
+
+    monkeypatch.setattr(hopper_bench, "training_cases", training_cases)
+    out = str(tmp_path / "hopper.json")
+    assert hopper_bench.main(["--out", out, "--parts", "training"]) == 0
+    assert hopper_bench.main(["--out", out, "--parts", "training", "--head-dims", "256", "--append"]) == 0
+    assert asked == [([64, 128], True), ([], True)]
+    saved = results.load("hopper.json", out)
+    assert [(r["d"], r["ms"]) for r in saved["results"]] == [(64, 1.0), (128, 1.0), (256, 2.0)]
+    with pytest.raises(SystemExit):
+        hopper_bench.main(["--out", out, "--parts", "dispatch", "--head-dims", "64"])
+
+
 def test_the_backward_kernel_table_puts_the_other_dkdv_kernel_last_and_names_it():
     """hopper_bench.backward_kernel_table from synthetic rows: a column per kernel in the order measured, the other
     dK/dV kernel of each head dim (a different one at d = 64 and 128) in the last column, with its name."""

@@ -15,8 +15,8 @@ evidence for where ``kernel="auto"`` takes which), and forward + backward, ``ker
 SDPA's backends on the grid (:func:`training_cases`), and the backward's kernels timed one by one, the Gluon ones in
 the tiles they ship with and in the other kind (:func:`backward_kernel_cases`: the evidence for
 :func:`flashref.triton.hopper_backward.default_config`). Results go to ``book/data/hopper_bench.json`` with the device,
-versions and command (:func:`load_results`); ``--parts`` runs some of them, and ``--append`` adds them to the
-file's rows in place of those it measures again.
+versions and command (:func:`load_results`); ``--parts`` runs some of them, ``--head-dims`` the grid's points at
+some head dims, and ``--append`` adds them to the file's rows in place of those it measures again.
 """
 
 from __future__ import annotations
@@ -440,8 +440,17 @@ def _print(r):
           f"{r['tflops']:6.1f} TFLOP/s", flush=True)
 
 
-PARTS = {"steps": lambda: cases(), "errors": lambda: errors(), "dispatch": lambda: dispatch_cases(),
-         "training": lambda: training_cases(), "backward-kernels": lambda: backward_kernel_cases()}
+def _on(dims):
+    """``grid`` and ``d256`` keywords for the grid's points at head dims ``dims`` (none, for all, when None)."""
+    return {} if dims is None else dict(grid=[point for point in GRID if point[0] in dims], d256=256 in dims)
+
+
+#: Each part's rows; the parts on the grid take ``dims`` (``--head-dims``), the error table and the dispatch
+#: sweep do not.
+PARTS = {"steps": lambda dims: cases(**_on(dims)), "errors": lambda dims: errors(),
+         "dispatch": lambda dims: dispatch_cases(), "training": lambda dims: training_cases(**_on(dims)),
+         "backward-kernels": lambda dims: backward_kernel_cases(**_on(dims))}
+ON_THE_GRID = ("steps", "training", "backward-kernels")
 
 
 def main(argv=None) -> int:
@@ -454,7 +463,12 @@ def main(argv=None) -> int:
     p.add_argument("--append", action="store_true",
                    help="add to the rows already in --out (same GPU and versions), replacing those of the parts "
                         "measured again")
+    p.add_argument("--head-dims", nargs="+", type=int, choices=(64, 128, 256),
+                   help="measure the grid's points at these head dims only (the parts on the grid: "
+                        f"{', '.join(ON_THE_GRID)}); with --append they replace those head dims' rows")
     args = p.parse_args(argv)
+    if args.head_dims and set(args.parts) - set(ON_THE_GRID):
+        p.error(f"--head-dims applies to the parts {', '.join(ON_THE_GRID)}, got --parts {' '.join(args.parts)}")
     import torch
 
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
@@ -463,11 +477,12 @@ def main(argv=None) -> int:
     given = sys.argv[1:] if argv is None else argv
     data = results.start(args.out if args.append else None, torch.cuda.get_device_name(), results.versions(),
                          results.command("hopper", [a for a in given if a != "--append"]), dtype="float16")
-    # saved after each row; with --append a part's first row replaces that part's saved rows (its case)
-    add = results.recorder(data, args.out, show=_print, group=lambda row: row.get("case"))
+    # saved after each row; with --append a part's first row at a head dim replaces the saved rows of that part
+    # (its case) and head dim
+    add = results.recorder(data, args.out, show=_print, group=lambda row: (row.get("case"), row.get("d")))
     for part, rows in PARTS.items():
         if part in args.parts:
-            for row in rows():
+            for row in rows(args.head_dims):
                 add(row)
     return 0
 

@@ -482,7 +482,9 @@ def _backward_kernel(q, k, v, feat: Features, kernel: str, deterministic: bool) 
     128 or 256 and the gradients are to be deterministic (theirs are). With ``deterministic=False`` they take the
     one-kernel Gluon backward (``"hopper-fused"``, :mod:`flashref.triton.hopper_backward_fused`: dQ added by TMA
     reduces, measured 1.05-1.18x the two kernels' speed on an H100) at d = 64 and 128 with top-left causal masking
-    or none (and dropout at d = 64), and the teaching kernel's atomic dQ for everything else. A window takes
+    or none (and dropout at d = 64), and the teaching kernel's atomic dQ for the rest at d <= 128; at d = 256 the
+    deterministic Gluon pair, which is faster there (H100, B 16, H 32, N 4K, fp16, fwd+bwd: 10.3 ms against the
+    atomic dQ's 18.4; deterministic=False permits run-to-run variation, it does not ask for it). A window takes
     them too since they mask only the tiles at its edges (H100, causal window of 1024 keys, N = 8K, fp16: Gluon
     dK/dV 1.23 ms at d = 128 and 1.39 at d = 64 against the teaching kernel's 1.47 and 1.78; dQ 0.79 and 0.86
     against 0.92 and 0.98). Dropout (without a window) runs both Gluon kernels, with the forward's mask. A block
@@ -494,8 +496,10 @@ def _backward_kernel(q, k, v, feat: Features, kernel: str, deterministic: bool) 
     _check_kernel(kernel)
     if kernel == "triton" or _hopper_refusal(q, k, v, feat, backward=True) is not None:
         return "triton"
-    if not deterministic:
-        return "hopper-fused" if _fused_takes(q, k, v, feat) else "triton"
+    if not deterministic and _fused_takes(q, k, v, feat):
+        return "hopper-fused"
+    if not deterministic and q.shape[3] != 256:  # at d = 256 the Gluon pair beats the teaching atomic dQ (see above)
+        return "triton"
     backward = _gluon_module("hopper_backward")
     if isinstance(backward, ImportError) or backward.supported(q, k, v) is not None:
         return "triton"
@@ -645,7 +649,7 @@ def _backward(q, k, v, o, stats, do, scale: float, deterministic: bool, feat: Fe
                 TUNE_N=_bucket(max(feat.rows_q, feat.rows_k)), GROUP=H // H_kv, **feat.scalars(), **feat.meta)
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
     tail = (H, N_q, N_k, scale, scale * LOG2E)
-    if deterministic and want_dq and choice == "hopper":
+    if want_dq and choice == "hopper":
         dq = hopper.hopper_dq(q, k, v, do, m2, l2, delta, feat.causal, scale, **mods, lists=lists_dq)  # (one stream)
     elif deterministic and want_dq:
         # Allocated here, on the caller's stream (so are the block lists), whichever stream the kernel runs on.
