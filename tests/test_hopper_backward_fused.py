@@ -134,7 +134,7 @@ def test_dropout_through_flash_attention_within_the_rule(causal):
     for N_q, N_k in [(600, 700), (1, 239), (239, 3), (1000, 1000)]:
         B, H, p, seed = 2, 4, 0.2, 11 + N_q
         q, k, v, do = make_qkv(B, H, N_q, N_k, 64, torch.float16, "cuda", seed=N_k)
-        assert backward_kernel(q, k, v, causal, False, dropout_p=p) == "hopper-fused"
+        assert backward_kernel(q, k, v, causal, deterministic=False, dropout_p=p) == "hopper-fused"
         keep = dropout_mask(seed, B, H, N_q, N_k, p, "cuda")
         qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
         flash_attention(qq, kk, vv, causal, deterministic=False, dropout_p=p, seed=seed).backward(do)
