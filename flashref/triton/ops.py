@@ -418,9 +418,8 @@ KERNELS = ("auto", "triton", "hopper")
 @functools.cache
 def _gluon_module(name: str):
     """``flashref.triton.<name>`` (``hopper``, ``hopper_backward`` or ``hopper_backward_fused``), imported on first
-    need: it needs Triton's
-    Gluon, which older Tritons (as a Colab runtime may have) lack. Returns the module, or the ImportError as the
-    reason it cannot run."""
+    need: it needs Triton's Gluon, which older Tritons (as a Colab runtime may have) lack. Returns the module, or
+    the ImportError as the reason it cannot run."""
     try:
         return importlib.import_module(f"flashref.triton.{name}")
     except ImportError as e:  # no Gluon, or an older Gluon without the Hopper ops
@@ -483,7 +482,7 @@ def _backward_kernel(q, k, v, feat: Features, kernel: str, deterministic: bool) 
     one-kernel Gluon backward (``"hopper-fused"``, :mod:`flashref.triton.hopper_backward_fused`: dQ added by TMA
     reduces, measured 1.05-1.18x the two kernels' speed on an H100) at d = 64 and 128 with top-left causal masking
     or none (and dropout at d = 64), and the teaching kernel's atomic dQ for the rest at d <= 128; at d = 256 the
-    deterministic Gluon pair, which is faster there (H100, B 16, H 32, N 4K, fp16, fwd+bwd: 10.3 ms against the
+    deterministic Gluon pair, which is faster there (H100, B 8, H 8, N 4K, fp16, fwd+bwd: 10.3 ms against the
     atomic dQ's 18.4; deterministic=False permits run-to-run variation, it does not ask for it). A window takes
     them too since they mask only the tiles at its edges (H100, causal window of 1024 keys, N = 8K, fp16: Gluon
     dK/dV 1.23 ms at d = 128 and 1.39 at d = 64 against the teaching kernel's 1.47 and 1.78; dQ 0.79 and 0.86
