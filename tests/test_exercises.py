@@ -378,3 +378,18 @@ def test_hopper_numbers():
     assert ex.check_exp_ratio(want) and 1.97 < want < 1.99
     assert "twice as long" in repr(ex.check_exp_ratio(want))
     assert not ex.check_exp_ratio(want / 2) and not ex.check_exp_ratio(1 / want)  # fp16 rates; upside down
+    # 32 programs of 128 keys each add 4096 x 64 fp32 numbers; dQ is 4096 x 64 fp16 numbers: 64x
+    assert ex.check_dq_reduce_ratio(64) and "N_k / 128" in repr(ex.check_dq_reduce_ratio(64.0))
+    assert not ex.check_dq_reduce_ratio(32) and not ex.check_dq_reduce_ratio(128)  # fp16 shares; 64-key tiles
+    assert not ex.check_dq_reduce_ratio(None) and not ex.check_dq_reduce_ratio("64x")
+
+
+def test_the_reduce_exercise_uses_the_fused_kernels_tiles():
+    """FUSED_DQ's keys a program is the one-kernel backward's shipped tile (its module needs Gluon, which a
+    reader's Colab may lack, so the exercise holds the number and this checks it)."""
+    from flashref.exercises import hopper as ex
+    from flashref.triton import hopper_backward_fused
+
+    d = ex.FUSED_DQ["d"]
+    assert d in hopper_backward_fused.HEAD_DIMS
+    assert hopper_backward_fused.default_config(d)["block_n"] == ex.FUSED_DQ["keys_per_program"]

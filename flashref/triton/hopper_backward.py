@@ -125,6 +125,22 @@ def _backward_smem(res_a_desc, res_b_desc, ring_a_desc, ring_b_desc, STAGES: gl.
 
 
 @gluon.jit
+def _p_operand(Pt, kept, dtype: gl.constexpr, p_layout: gl.constexpr, DROPOUT: gl.constexpr):
+    """P^T as dV's A operand: with dropout, its kept entries only (dV is scaled by ``keep_scale`` at the end)."""
+    if DROPOUT:
+        Pt = gl.where(kept, Pt, 0.0)
+    return gl.convert_layout(Pt.to(dtype), p_layout)
+
+
+@gluon.jit
+def _dropped_dp(dP, kept, keep_scale, DROPOUT: gl.constexpr):
+    """dP through dropout's backward: dP~ * keep / (1 - p) (the gradient of P~ = P * keep / (1 - p) w.r.t. P)."""
+    if DROPOUT:
+        dP = gl.where(kept, dP * keep_scale, 0.0)
+    return dP
+
+
+@gluon.jit
 def _scaled_scores(S, rows, cols, qk_scale, slope2, ALIBI: gl.constexpr):
     """The base-2 scores of a raw tile S, for query ``rows`` and key ``cols`` (broadcast to S's shape, either
     orientation): slope2 is the head's ALiBi slope times log2(e). ALiBi's bias is one FMA, ``S * scale - slope2
@@ -173,6 +189,7 @@ def _dkdv_tile(k_t, v_t, q_t, do_t, dk, dv, s_zero, keys, first_key, i, bh, M2, 
     # S^T and dP^T issued back to back: the second runs while the first's exponentials wait.
     St = warpgroup_mma(k_t, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     dPt = warpgroup_mma(v_t, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    kept = None
     if DROPOUT:  # Philox's integer work while both products run
         kept = hopper._keep_t(seed, bh, i * BLOCK_M, first_key, drop_below, BLOCK_M, ROWS, KEEP_LAYOUT, s_layout)
     queries = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_s)
@@ -197,14 +214,9 @@ def _dkdv_tile(k_t, v_t, q_t, do_t, dk, dv, s_zero, keys, first_key, i, bh, M2, 
         keep = _in_window(keep, gl.expand_dims(queries, 0), gl.expand_dims(keys, 1), win_left, win_right, WINDOW)
         St = gl.where(keep, St, float("-inf"))
     Pt = gl.exp2(St)
-    if DROPOUT:
-        p = gl.convert_layout(gl.where(kept, Pt, 0.0).to(dtype), p_layout)
-    else:
-        p = gl.convert_layout(Pt.to(dtype), p_layout)
+    p = _p_operand(Pt, kept, dtype, p_layout, DROPOUT)
     dv = warpgroup_mma(p, do_t, dv, is_async=True)
-    dPt = warpgroup_mma_wait(1, deps=[dPt])
-    if DROPOUT:
-        dPt = gl.where(kept, dPt * keep_scale, 0.0)
+    dPt = _dropped_dp(warpgroup_mma_wait(1, deps=[dPt]), kept, keep_scale, DROPOUT)
     dSt = Pt * (dPt - gl.expand_dims(D, 0))
     ds = gl.convert_layout(dSt.to(dtype), p_layout)
     dk = warpgroup_mma(ds, q_t, dk, is_async=True)
@@ -503,7 +515,7 @@ def hopper_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, DQ, M2, L2, Delta, N_q
         dP = warpgroup_mma_wait(0, deps=[dP])
         if DROPOUT:  # (drawn before the wait for S instead, the mask measured 0-9% slower at d = 128)
             kept = hopper._keep(seed, bh, start_m, j * BLOCK_N, drop_below, BLOCK_M, BLOCK_N, KEEP_LAYOUT, s_layout)
-            dP = gl.where(kept, dP * keep_scale, 0.0)
+            dP = _dropped_dp(dP, kept, keep_scale, DROPOUT)
         ds = gl.convert_layout((P * (dP - gl.expand_dims(D, 1))).to(dtype), ds_layout)
         dq = warpgroup_mma(ds, k_t, dq, is_async=True)
         dq, ds = warpgroup_mma_wait(0, deps=[dq, ds])  # (in flight on into the next tile measured slower)

@@ -47,8 +47,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashref.triton import hopper, hopper_backward
 from flashref.triton.forward import LOG2E
-from flashref.triton.hopper_backward import (_descriptors, _drop_args, _query_tiles, _row_view, _stat_descriptors,
-                                             _store_dkdv, _wgmma_layout, _ws_dkdv_producer, _ws_smem)
+from flashref.triton.hopper_backward import (_descriptors, _drop_args, _dropped_dp, _p_operand, _query_tiles,
+                                             _row_view, _stat_descriptors, _store_dkdv, _wgmma_layout,
+                                             _ws_dkdv_producer, _ws_smem)
 
 HEAD_DIMS = (64, 128)
 #: Head dims at which the kernel takes dropout: at d = 128 the mask's words and Philox's rounds make ptxas spill
@@ -108,6 +109,7 @@ def _fused_step(n, q_smem, do_smem, k_smem, lse_smem, delta_smem, ds_smem, dq_sm
     s_zero = gl.zeros([ROWS, BLOCK_M], gl.float32, s_layout)
     St = warpgroup_mma(k_t, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     dPt = warpgroup_mma(v_t, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    kept = None
     if DROPOUT:  # Philox's integer work while both products run
         kept = hopper._keep_t(seed, bh, i * BLOCK_M, first_key, drop_below, BLOCK_M, ROWS, KEEP_LAYOUT, s_layout)
     queries = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_s)
@@ -120,14 +122,9 @@ def _fused_step(n, q_smem, do_smem, k_smem, lse_smem, delta_smem, ds_smem, dq_sm
     if CAUSAL:
         keep = keep & (gl.expand_dims(queries, 0) >= gl.expand_dims(keys, 1))
     Pt = gl.exp2(gl.where(keep, St * qk_scale - gl.expand_dims(lse2, 0), float("-inf")))
-    if DROPOUT:
-        p = gl.convert_layout(gl.where(kept, Pt, 0.0).to(dtype), p_layout)
-    else:
-        p = gl.convert_layout(Pt.to(dtype), p_layout)
+    p = _p_operand(Pt, kept, dtype, p_layout, DROPOUT)
     dv = warpgroup_mma(p, do_t, dv, is_async=True)
-    dPt = warpgroup_mma_wait(1, deps=[dPt])
-    if DROPOUT:
-        dPt = gl.where(kept, dPt * keep_scale, 0.0)
+    dPt = _dropped_dp(warpgroup_mma_wait(1, deps=[dPt]), kept, keep_scale, DROPOUT)
     dSt = Pt * (dPt - gl.expand_dims(D, 0))
     ds_t = ds_smem.index(buf * 2 + WG)
     mbarrier.wait(ds_empty.index(buf), ((n // 2) & 1) ^ 1)  # the dQ product two steps back has read this buffer

@@ -418,9 +418,8 @@ KERNELS = ("auto", "triton", "hopper")
 @functools.cache
 def _gluon_module(name: str):
     """``flashref.triton.<name>`` (``hopper``, ``hopper_backward`` or ``hopper_backward_fused``), imported on first
-    need: it needs Triton's
-    Gluon, which older Tritons (as a Colab runtime may have) lack. Returns the module, or the ImportError as the
-    reason it cannot run."""
+    need: it needs Triton's Gluon, which older Tritons (as a Colab runtime may have) lack. Returns the module, or
+    the ImportError as the reason it cannot run."""
     try:
         return importlib.import_module(f"flashref.triton.{name}")
     except ImportError as e:  # no Gluon, or an older Gluon without the Hopper ops
@@ -483,7 +482,7 @@ def _backward_kernel(q, k, v, feat: Features, kernel: str, deterministic: bool) 
     one-kernel Gluon backward (``"hopper-fused"``, :mod:`flashref.triton.hopper_backward_fused`: dQ added by TMA
     reduces, measured 1.05-1.18x the two kernels' speed on an H100) at d = 64 and 128 with top-left causal masking
     or none (and dropout at d = 64), and the teaching kernel's atomic dQ for the rest at d <= 128; at d = 256 the
-    deterministic Gluon pair, which is faster there (H100, B 16, H 32, N 4K, fp16, fwd+bwd: 10.3 ms against the
+    deterministic Gluon pair, which is faster there (H100, B 8, H 8, N 4K, fp16, fwd+bwd: 10.3 ms against the
     atomic dQ's 18.4; deterministic=False permits run-to-run variation, it does not ask for it). A window takes
     them too since they mask only the tiles at its edges (H100, causal window of 1024 keys, N = 8K, fp16: Gluon
     dK/dV 1.23 ms at d = 128 and 1.39 at d = 64 against the teaching kernel's 1.47 and 1.78; dQ 0.79 and 0.86
@@ -793,7 +792,8 @@ def flash_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, d
                              kernel="auto"):
     """Gradients ``(dq, dk, dv)`` from the forward's ``o`` and ``lse``, recomputing P tile by tile.
     ``deterministic=False`` adds dQ atomically and skips the dQ kernel (the last bits vary run to run): on an
-    H100, the one-kernel Gluon backward where it applies (:func:`backward_kernel` says ``"hopper-fused"``). With
+    H100, the one-kernel Gluon backward where it applies (:func:`backward_kernel` says ``"hopper-fused"``), and at
+    d = 256 the deterministic Gluon pair, faster there. With
     ``dropout_p`` the ``seed`` the forward used is required. ``check_finite`` as in :func:`flash_attention`, for
     ``o``, ``lse`` (which may be -inf) and ``do`` too; ``kernel`` as there, for the backward
     (:func:`backward_kernel` says which runs). Notebook ``08_triton_backward``."""
@@ -871,7 +871,8 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, deterministic=True, *,
     which saves two of the seven tile products but lets the last bits of dQ vary between runs (the teaching
     kernel's atomics measured slower on the H100, notebook ``08_triton_backward``; there, at head dims 64 and
     128 without a window, ALiBi or block mask (dropout at 64 only), the one-kernel Gluon backward runs instead,
-    its dQ added by TMA reduces: notebook ``14_flashattention3_on_hopper``).
+    its dQ added by TMA reduces, and at d = 256 the deterministic Gluon pair, which is faster there: notebook
+    ``14_flashattention3_on_hopper``).
     ``check_finite`` (default True): refuse NaN or inf in q, k, v (and, in the backward, in dO) with a
     ``ValueError`` naming the argument (:mod:`flashref.validation`'s rule); the check reads the inputs once
     and synchronizes with the GPU once per call. False skips it, as the benchmarks do (PyTorch's attention
@@ -884,7 +885,7 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, deterministic=True, *,
     it can and the teaching kernel everywhere else (:func:`forward_kernel` says which). Both give the same o, lse
     and row statistics. The backward follows: under ``"auto"`` and ``"hopper"`` the Gluon dK/dV and dQ kernels of
     :mod:`flashref.triton.hopper_backward` run wherever they can (the Hopper forward's conditions, dropout's
-    included, d = 64 or 128, or 256 with causal masking or none, ``deterministic=True``; unlike the forward, they
+    included, d = 64 or 128 with ``deterministic=True``, or 256 with causal masking or none; unlike the forward, they
     also take ``alibi_slopes``), the teaching backward everywhere else (:func:`backward_kernel` says which; with
     ``deterministic=False``, the one-kernel Gluon backward where it applies).
     Notebooks ``07_triton_forward`` and ``08_triton_backward``.
