@@ -41,7 +41,6 @@ METRICS = {
     "ns": "gpu__time_duration.sum",
     # On Hopper the "hmma" pipe counter counts wgmma's cycles too (cuDNN's wgmma kernels read 70-80% on it).
     "tensor": "sm__pipe_tensor_op_hmma_cycles_active" + PCT,
-    "gmma": "sm__pipe_tensor_op_gmma_cycles_active" + PCT,  # wgmma alone, where this ncu names it
     "xu": "sm__inst_executed_pipe_xu" + PCT,  # MUFU instructions issued, against the pipe's peak rate
     "fma": "sm__pipe_fma_cycles_active" + PCT,
     "alu": "sm__pipe_alu_cycles_active" + PCT,
