@@ -1,10 +1,11 @@
 """Where the Hopper kernels' time goes, read from the hardware: Nsight Compute's counters for flashref's Gluon
-forward and backward kernels beside cuDNN's and FlashAttention-2's (SDPA's backends), at the goals table's shapes.
+forward and backward kernels beside cuDNN's and FlashAttention-2's (SDPA's backends), at the goals table's shapes,
+and its FP8 forward beside its fp16 one.
 
-    python -m flashref.bench hopper-profile [--parts fwd bwd] [--append]    # an H100 with ncu: a few minutes
+    python -m flashref.bench hopper-profile [--parts fwd bwd fp8] [--append]    # an H100 with ncu: a few minutes
 
 Notebook ``14_flashattention3_on_hopper`` reads the committed result, ``book/data/hopper_profile.json``, where the
-forward and the backward miss cuDNN. The backward's rows profile flashref's dK/dV and dQ kernels one at a time (and
+forward and the backward miss cuDNN, and where FP8 misses 1.5x the fp16 forward. The backward's rows profile flashref's dK/dV and dQ kernels one at a time (and
 the dK/dV kernel a second time with its row statistics loaded from global memory, :data:`IMPLS`), and the peers'
 whole backward. What is read, per kernel (the largest one a call launches; :data:`METRICS`):
 
@@ -51,20 +52,24 @@ STALL_PREFIX, STALL_SUFFIX = "smsp__warp_issue_stalled_", "_per_warp_active"
 # The goals table's shapes (hopper_bench's grid): B x N = 65536 tokens, H x d = 2048.
 SHAPES = [(65536 // n, 2048 // d, n, d) for d in (64, 128) for n in (4096, 16384)]
 #: Each part's implementations. The backward's: flashref's Gluon dK/dV kernel (its row statistics by TMA), the same
-#: kernel loading them from global memory, the Gluon dQ kernel, and the peers' backward.
+#: kernel loading them from global memory, the Gluon dQ kernel, and the peers' backward. FP8's: the fp16 forward and
+#: the FP8 one on inputs already in e4m3 (hopper_bench's ``flashref-hopper-fp8`` row), side by side.
 IMPLS = {"fwd": ("flashref-hopper", "sdpa-cudnn", "sdpa-flash"),
          "bwd": ("flashref-hopper dK/dV", "flashref-hopper dK/dV, statistics loaded", "flashref-hopper dQ",
-                 "sdpa-cudnn", "sdpa-flash")}
+                 "sdpa-cudnn", "sdpa-flash"),
+         "fp8": ("flashref-hopper", "flashref-hopper fp8")}
 PARTS = tuple(IMPLS)
+#: FP8 adds hopper_bench's d = 256 point, the one head dim where FP8 reaches 1.5x the fp16 forward.
+SHAPES_OF = {"fwd": SHAPES, "bwd": SHAPES, "fp8": SHAPES + [(8, 8, 4096, 256)]}
 
 
 def cases(parts=PARTS) -> list[dict]:
     return [dict(impl=impl, part=part, B=B, H=H, N=N, d=d, causal=causal)
-            for part in parts for B, H, N, d in SHAPES for causal in (False, True) for impl in IMPLS[part]]
+            for part in parts for B, H, N, d in SHAPES_OF[part] for causal in (False, True) for impl in IMPLS[part]]
 
 
 def part_of(row: dict) -> str:
-    """A row's part, ``"fwd"`` or ``"bwd"`` (rows of the first runs, forward only, do not say)."""
+    """A row's part, ``"fwd"``, ``"bwd"`` or ``"fp8"`` (rows of the first runs, forward only, do not say)."""
     return row.get("part", "fwd")
 
 
@@ -83,6 +88,14 @@ def _ready(case: dict, q, k, v, do):
     from flashref.triton import flash_attention_forward, hopper, hopper_backward, ops
 
     impl, causal = case["impl"], case["causal"]
+    if impl == "flashref-hopper fp8":
+        from flashref.bench.hopper_bench import FP8
+
+        x = hopper.quantize_fp8(q, k, v, block_n=FP8["block_n"])
+        fp8 = {key: FP8[key] for key in ("stages", "pingpong") if key in FP8}
+        return lambda: hopper.fp8_attention(x, causal, **fp8)
+    if part_of(case) == "fp8":  # the fp16 forward beside it, without the input checks' launches
+        return lambda: hopper.hopper_forward(q, k, v, causal, check_finite=False)
     if part_of(case) == "fwd":
         fn = (lambda q, k, v, causal: hopper.hopper_forward(q, k, v, causal)) if impl == "flashref-hopper" \
             else sdpa(impl)
@@ -169,7 +182,7 @@ def top_stalls(row: dict, n: int = 3) -> list[tuple[str, float]]:
 
 
 def table(data: dict, part: str = "fwd") -> str:
-    """Markdown: per shape and kernel of ``part`` ("fwd" or "bwd"), ncu's time, the pipes' busy shares, issue slots
+    """Markdown: per shape and kernel of ``part`` ("fwd", "bwd" or "fp8"), ncu's time, the pipes' busy shares, issue slots
     and the top stalls."""
     lines = ["| d | N | causal | kernel | us (ncu) | tensor cores | XU (exp2) | FMA | ALU | issue | top stalls |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
