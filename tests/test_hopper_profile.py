@@ -52,12 +52,22 @@ def test_the_table_has_a_line_for_each_profiled_case():
 def test_cases_cover_the_goals_shapes_for_each_kernel():
     cases = hp.cases()
     assert len(cases) == sum(len(hp.SHAPES_OF[part]) * 2 * len(impls) for part, impls in hp.IMPLS.items())
-    assert {c["part"] for c in cases} == {"fwd", "bwd", "fp8"} and {c["part"] for c in hp.cases(["bwd"])} == {"bwd"}
+    assert {c["part"] for c in cases} == {"fwd", "bwd", "fp8", "dropout"}
+    assert {c["part"] for c in hp.cases(["bwd"])} == {"bwd"}
     for B, H, N, d in hp.SHAPES:
         assert B * N == 65536 and H * d == 2048
     # FP8 beside fp16 at each of those shapes, and at hopper_bench's d = 256 point (B 8, H 8, N 4K)
     fp8 = {(c["B"], c["H"], c["N"], c["d"], c["impl"]) for c in hp.cases(["fp8"])}
     assert fp8 == {(*shape, impl) for shape in [*hp.SHAPES, (8, 8, 4096, 256)] for impl in hp.IMPLS["fp8"]}
+    # dropout at the features bench's dropout shape and rate, each kernel with and without the mask
+    import inspect
+
+    from flashref.bench import features_bench
+
+    bench = {k: v.default for k, v in inspect.signature(features_bench.dropout_cases).parameters.items()}
+    drop = hp.cases(["dropout"])
+    assert {(c["B"], c["H"], c["N"], c["d"]) for c in drop} == {(bench["B"], bench["H"], bench["N"], 64)}
+    assert len(drop) == 8 and hp.DROPOUT_P == bench["p"] and bench["head_dims"] == (64,)
     assert hp.part_of({"impl": "sdpa-cudnn"}) == "fwd"  # the first runs' rows (forward only) name no part
 
 
@@ -117,5 +127,9 @@ def test_the_committed_profile_read_every_case():
             assert r["kernel"].startswith(("hopper_bwd_dkdv_kernel", "hopper_ws_bwd_dkdv_kernel")), r["kernel"]
         elif r["impl"] == "flashref-hopper fp8":
             assert r["kernel"].startswith("hopper_ws_fwd_kernel"), r["kernel"]
+        elif r["impl"] == "flashref-hopper dropout":
+            assert r["kernel"].startswith("hopper_fwd_kernel"), r["kernel"]
+        elif r["impl"].startswith("flashref-hopper fused"):
+            assert r["kernel"].startswith("hopper_fused_bwd_kernel"), r["kernel"]
         elif r["impl"] == "flashref-hopper dQ":
             assert r["kernel"].startswith("hopper_bwd_dq_kernel"), r["kernel"]

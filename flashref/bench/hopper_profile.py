@@ -1,11 +1,12 @@
 """Where the Hopper kernels' time goes, read from the hardware: Nsight Compute's counters for flashref's Gluon
 forward and backward kernels beside cuDNN's and FlashAttention-2's (SDPA's backends), at the goals table's shapes,
-and its FP8 forward beside its fp16 one.
+its FP8 forward beside its fp16 one, and its forward and one-kernel backward with dropout beside the same without.
 
-    python -m flashref.bench hopper-profile [--parts fwd bwd fp8] [--append]    # an H100 with ncu: a few minutes
+    python -m flashref.bench hopper-profile [--parts fwd bwd fp8 dropout] [--append]    # an H100 with ncu: minutes
 
 Notebook ``14_flashattention3_on_hopper`` reads the committed result, ``book/data/hopper_profile.json``, where the
-forward and the backward miss cuDNN, and where FP8 misses 1.5x the fp16 forward. The backward's rows profile flashref's dK/dV and dQ kernels one at a time (and
+forward and the backward miss cuDNN, and where FP8 misses 1.5x the fp16 forward; notebook
+``10_dropout_masks_sparsity`` reads what dropout costs the kernels. The backward's rows profile flashref's dK/dV and dQ kernels one at a time (and
 the dK/dV kernel a second time with its row statistics loaded from global memory, :data:`IMPLS`), and the peers'
 whole backward. What is read, per kernel (the largest one a call launches; :data:`METRICS`):
 
@@ -57,10 +58,15 @@ SHAPES = [(65536 // n, 2048 // d, n, d) for d in (64, 128) for n in (4096, 16384
 IMPLS = {"fwd": ("flashref-hopper", "sdpa-cudnn", "sdpa-flash"),
          "bwd": ("flashref-hopper dK/dV", "flashref-hopper dK/dV, statistics loaded", "flashref-hopper dQ",
                  "sdpa-cudnn", "sdpa-flash"),
-         "fp8": ("flashref-hopper", "flashref-hopper fp8")}
+         "fp8": ("flashref-hopper", "flashref-hopper fp8"),
+         "dropout": ("flashref-hopper", "flashref-hopper dropout", "flashref-hopper fused",
+                     "flashref-hopper fused dropout")}
 PARTS = tuple(IMPLS)
-#: FP8 adds hopper_bench's d = 256 point, the one head dim where FP8 reaches 1.5x the fp16 forward.
-SHAPES_OF = {"fwd": SHAPES, "bwd": SHAPES, "fp8": SHAPES + [(8, 8, 4096, 256)]}
+#: FP8 adds hopper_bench's d = 256 point, the one head dim where FP8 reaches 1.5x the fp16 forward. Dropout's part
+#: profiles the forward and the one-kernel backward (``deterministic=False``) with and without dropout at the
+#: features bench's dropout shape (notebook 10: B 8, H 16, N 4K, d 64, p = 0.1).
+SHAPES_OF = {"fwd": SHAPES, "bwd": SHAPES, "fp8": SHAPES + [(8, 8, 4096, 256)], "dropout": [(8, 16, 4096, 64)]}
+DROPOUT_P, DROPOUT_SEED = 0.1, 7
 
 
 def cases(parts=PARTS) -> list[dict]:
@@ -69,7 +75,7 @@ def cases(parts=PARTS) -> list[dict]:
 
 
 def part_of(row: dict) -> str:
-    """A row's part, ``"fwd"``, ``"bwd"`` or ``"fp8"`` (rows of the first runs, forward only, do not say)."""
+    """A row's part, one of :data:`PARTS` (rows of the first runs, forward only, do not say)."""
     return row.get("part", "fwd")
 
 
@@ -94,8 +100,10 @@ def _ready(case: dict, q, k, v, do):
         x = hopper.quantize_fp8(q, k, v, block_n=FP8["block_n"])
         fp8 = {key: FP8[key] for key in ("stages", "pingpong") if key in FP8}
         return lambda: hopper.fp8_attention(x, causal, **fp8)
-    if part_of(case) == "fp8":  # the fp16 forward beside it, without the input checks' launches
+    if part_of(case) in ("fp8", "dropout") and impl == "flashref-hopper":  # without the input checks' launches
         return lambda: hopper.hopper_forward(q, k, v, causal, check_finite=False)
+    if part_of(case) == "dropout":
+        return _dropout_call(impl, q, k, v, do, causal)
     if part_of(case) == "fwd":
         fn = (lambda q, k, v, causal: hopper.hopper_forward(q, k, v, causal)) if impl == "flashref-hopper" \
             else sdpa(impl)
@@ -112,6 +120,25 @@ def _ready(case: dict, q, k, v, do):
     qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
     o = sdpa(impl)(qq, kk, vv, causal)
     return lambda: o.backward(do)
+
+
+def _dropout_call(impl: str, q, k, v, do, causal: bool):
+    """Dropout's part: the Gluon forward on :func:`~flashref.triton.hopper.dropout_config`'s tile (as
+    ``flash_attention`` runs it), or the one-kernel backward with or without the mask, fed by the matching forward."""
+    from flashref.triton import flash_attention_forward, hopper, hopper_backward_fused, ops
+    from flashref.triton.forward import drop_threshold
+
+    scale = q.shape[-1] ** -0.5
+    dropout = (DROPOUT_SEED, drop_threshold(DROPOUT_P), 1 / (1 - DROPOUT_P)) if impl.endswith("dropout") else None
+    if impl == "flashref-hopper dropout":
+        cfg = hopper.dropout_config(q.shape[-1])
+        return lambda: hopper.launch_forward(q, k, v, causal, scale, cfg, dropout=dropout)
+    kw = dict(dropout_p=DROPOUT_P, seed=DROPOUT_SEED) if dropout else {}
+    o, lse = flash_attention_forward(q, k, v, causal, check_finite=False, **kw)
+    m2, l2 = ops._stats_from_lse(lse)
+    delta = ops._delta(o, do)
+    return lambda: hopper_backward_fused.hopper_fused_backward(q, k, v, do, m2, l2, delta, causal, scale,
+                                                               dropout=dropout)
 
 
 def child(case_file: str) -> int:
@@ -182,7 +209,7 @@ def top_stalls(row: dict, n: int = 3) -> list[tuple[str, float]]:
 
 
 def table(data: dict, part: str = "fwd") -> str:
-    """Markdown: per shape and kernel of ``part`` ("fwd", "bwd" or "fp8"), ncu's time, the pipes' busy shares, issue slots
+    """Markdown: per shape and kernel of ``part`` (one of :data:`PARTS`), ncu's time, the pipes' busy shares, issue slots
     and the top stalls."""
     lines = ["| d | N | causal | kernel | us (ncu) | tensor cores | XU (exp2) | FMA | ALU | issue | top stalls |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
