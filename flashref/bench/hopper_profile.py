@@ -6,9 +6,10 @@ its FP8 forward beside its fp16 one, and its forward and one-kernel backward wit
 
 Notebook ``14_flashattention3_on_hopper`` reads the committed result, ``book/data/hopper_profile.json``, where the
 forward and the backward miss cuDNN, and where FP8 misses 1.5x the fp16 forward; notebook
-``10_dropout_masks_sparsity`` reads what dropout costs the kernels. The backward's rows profile flashref's dK/dV and dQ kernels one at a time (and
-the dK/dV kernel a second time with its row statistics loaded from global memory, :data:`IMPLS`), and the peers'
-whole backward. What is read, per kernel (the largest one a call launches; :data:`METRICS`):
+``10_dropout_masks_sparsity`` reads what dropout costs the kernels. The backward's rows profile flashref's dK/dV
+and dQ kernels one at a time (and the dK/dV kernel a second time with its row statistics loaded from global memory,
+:data:`IMPLS`), and the peers' whole backward. What is read, per kernel (the largest one a call launches;
+:data:`METRICS`):
 
 - the share of the SM's cycles that the tensor cores are busy (wgmma included), and that the FMA and ALU pipes
   are; the XU pipe's instructions (``MUFU.EX2``: the exponentials) against its peak rate;
@@ -209,8 +210,8 @@ def top_stalls(row: dict, n: int = 3) -> list[tuple[str, float]]:
 
 
 def table(data: dict, part: str = "fwd") -> str:
-    """Markdown: per shape and kernel of ``part`` (one of :data:`PARTS`), ncu's time, the pipes' busy shares, issue slots
-    and the top stalls."""
+    """Markdown: per shape and kernel of ``part`` (one of :data:`PARTS`), ncu's time, the pipes' busy shares, issue
+    slots and the top stalls."""
     lines = ["| d | N | causal | kernel | us (ncu) | tensor cores | XU (exp2) | FMA | ALU | issue | top stalls |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in data["results"]:
