@@ -96,11 +96,9 @@ def _ready(case: dict, q, k, v, do):
 
     impl, causal = case["impl"], case["causal"]
     if impl == "flashref-hopper fp8":
-        from flashref.bench.hopper_bench import FP8
+        from flashref.bench.hopper_bench import fp8_on_quantized
 
-        x = hopper.quantize_fp8(q, k, v, block_n=FP8["block_n"])
-        fp8 = {key: FP8[key] for key in ("stages", "pingpong") if key in FP8}
-        return lambda: hopper.fp8_attention(x, causal, **fp8)
+        return fp8_on_quantized(q, k, v, causal)
     if part_of(case) in ("fp8", "dropout") and impl == "flashref-hopper":  # without the input checks' launches
         return lambda: hopper.hopper_forward(q, k, v, causal, check_finite=False)
     if part_of(case) == "dropout":
