@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import flashref.triton  # noqa: F401  (before triton: the interpreter switch)
-from tests._triton_helpers import compile_in_child, make_qkv
+from tests._triton_helpers import DEVICE, compile_in_child, make_qkv
 
 _COMPILE = r"""
 import itertools, os, re, sys
@@ -263,6 +263,23 @@ def test_the_row_statistics_copied_by_tma_give_the_same_bits(d):
                for stats in (True, False)}
         for name, a, b in zip(("dk", "dv"), got[True], got[False]):
             assert torch.equal(a, b), f"{name} ({N_q}, {N_k}, causal={causal}, {sorted(mods)})"
+
+
+@pytest.mark.parametrize("B,H,N_q,n_pad", [(2, 3, 77, 128), (1, 1, 1, 64), (1, 2, 1500, 1536), (1, 1, 2048, 2048),
+                                           (1, 1, 3000, 4096)])
+def test_the_rows_copied_by_tma_hold_lse2_and_d_then_zeros(B, H, N_q, n_pad):
+    """The one launch that lays out the statistics the dK/dV kernels copy by TMA (in the interpreter on a CPU): each
+    head's row holds m2 + l2 (then D) for its N_q queries, as torch adds them, and zeros in its padding, past a
+    program's 1024 entries too."""
+    from flashref.triton import hopper_backward as hb
+
+    g = torch.Generator().manual_seed(N_q)
+    m2, l2, delta = (torch.randn(B, H, N_q, generator=g).to(DEVICE) for _ in range(3))
+    want = torch.zeros(2, B * H, n_pad, device=DEVICE)
+    want[0, :, :N_q] = (m2 + l2).reshape(B * H, N_q)
+    want[1, :, :N_q] = delta.reshape(B * H, N_q)
+    got = hb._stat_rows(m2, l2, delta, n_pad)
+    assert got.shape == want.shape and torch.equal(got, want)
 
 
 def test_the_mask_schedule_is_checked():
