@@ -278,7 +278,7 @@ def test_the_rows_copied_by_tma_hold_lse2_and_d_then_zeros(B, H, N_q, n_pad):
     want = torch.zeros(2, B * H, n_pad, device=DEVICE)
     want[0, :, :N_q] = (m2 + l2).reshape(B * H, N_q)
     want[1, :, :N_q] = delta.reshape(B * H, N_q)
-    got = hb._stat_rows(m2, l2, delta, n_pad)
+    got = hb._padded_stats(m2, l2, delta, n_pad)
     assert got.shape == want.shape and torch.equal(got, want)
 
 

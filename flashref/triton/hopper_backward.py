@@ -828,29 +828,29 @@ def _stat_descriptors(m2, l2, delta, block_m: int, stats: bool = True) -> list:
     B, H, N_q = m2.shape
     n_pad = triton.cdiv(N_q, block_m) * block_m
     if stats:
-        padded = _stat_rows(m2, l2, delta, n_pad)
+        padded = _padded_stats(m2, l2, delta, n_pad)
     else:
         padded = torch.zeros((2, B * H, n_pad), dtype=torch.float32, device=m2.device)
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32)
     return [TensorDescriptor.from_tensor(padded[i], [1, block_m], layout) for i in range(2)]
 
 
-STAT_ROWS_BLOCK = 1024  # entries a program of _stat_rows_kernel writes
+PADDED_STATS_BLOCK = 1024  # entries a program of _padded_stats_kernel writes
 
 
-def _stat_rows(m2, l2, delta, n_pad: int):
+def _padded_stats(m2, l2, delta, n_pad: int):
     """(2, B * H, n_pad) fp32: lse2 = m2 + l2, then D, each head's row padded with zeros from N_q to n_pad
-    (:func:`_stat_rows_kernel`: one launch, where allocating zeros, adding and copying into them took four, 100-140 us
+    (:func:`_padded_stats_kernel`: one launch, where allocating zeros, adding and copying into them took four, 100-140 us
     of the host's time a backward on the H100's host)."""
     B, H, N_q = m2.shape
     padded = torch.empty((2, B * H, n_pad), dtype=torch.float32, device=m2.device)
-    _stat_rows_kernel[(triton.cdiv(n_pad, STAT_ROWS_BLOCK), B * H)](
-        m2.contiguous(), l2.contiguous(), delta.contiguous(), padded, N_q, n_pad, BLOCK=STAT_ROWS_BLOCK)
+    _padded_stats_kernel[(triton.cdiv(n_pad, PADDED_STATS_BLOCK), B * H)](
+        m2.contiguous(), l2.contiguous(), delta.contiguous(), padded, N_q, n_pad, BLOCK=PADDED_STATS_BLOCK)
     return padded
 
 
 @triton.jit(do_not_specialize=["N_q", "N_pad"])
-def _stat_rows_kernel(M2, L2, Delta, ROWS, N_q, N_pad, BLOCK: tl.constexpr):
+def _padded_stats_kernel(M2, L2, Delta, ROWS, N_q, N_pad, BLOCK: tl.constexpr):
     """Entries [pid_0 * BLOCK, +BLOCK) of head bh's two rows: ROWS[0, bh] = m2 + l2 and ROWS[1, bh] = D up to N_q,
     zeros after (a tile that reads them belongs to queries past N_q, which the kernels mask: finite, so 0 * D stays
     0). M2, L2, Delta: contiguous (B * H, N_q)."""
