@@ -195,11 +195,17 @@ def _varlen(q, k, v, do, cu_q, cu_k, lengths_q, lengths_k, causal, **kw):
     return [o.detach(), qq.grad, kk.grad, vv.grad], lse
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("causal", [False, True])
-def test_varlen_against_the_reference(causal, dtype):
-    """The issue's lengths (1, 17, 255, 1000), grouped heads: o, lse (H, total_q) and gradients."""
-    lengths = [1, 17, 255, 1000]
+# The issue's lengths (1, 17, 255, 1000). In the interpreter a 1000-token document costs 100-190 s a case, so there
+# it runs in two of the four cases (each dtype once, each causal flag once) and the other two pack a 300-token
+# document in its place (300 is not a multiple of any tile either); on a GPU all four pack the 1000-token one.
+VARLEN_CASES = [(False, torch.float32, 1000), (True, torch.float16, 1000),
+                (False, torch.float16, 300), (True, torch.float32, 300)]
+
+
+@pytest.mark.parametrize("causal, dtype, longest", VARLEN_CASES, ids=str)
+def test_varlen_against_the_reference(causal, dtype, longest):
+    """Packed documents of 1, 17, 255 and 1000 tokens, grouped heads: o, lse (H, total_q) and gradients."""
+    lengths = [1, 17, 255, longest if DEVICE == "cpu" else 1000]
     (q, k, v, do), (cu_q, cu_k) = _packed(lengths, lengths, 2, 1, 16, dtype)
     got, lse = _varlen(q, k, v, do, cu_q, cu_k, lengths, lengths, causal)
     q64, k64, v64, do64 = (_np64(x) for x in (q, k, v, do))
