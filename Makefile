@@ -1,7 +1,8 @@
 # Two commands, each doing its own set-up on a fresh machine:
 #   make book   renders the book to HTML in _build/html
 #   make test   checks that the pins resolve from the public index, then runs every test (unit, property,
-#               kernel in the Triton interpreter, nvcc, nbval, book build) under each OpenBLAS core type
+#               kernel in the Triton interpreter, nvcc, nbval, book build) under the OpenBLAS kernels CI machines
+#               pick, and the NumPy arithmetic under the older ones (tests/openblas_cores.py says which)
 # make test-once runs the tests once, with the OpenBLAS kernels this CPU picks (quicker, for development).
 # TORCH_INDEX=https://download.pytorch.org/whl/cpu installs the CPU-only torch (about 200 MB, not 2.3 GB).
 PYTHON      ?= python3
