@@ -27,6 +27,8 @@ feature. At head dim 256 (causal or not, nothing else) dK/dV come from
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -807,16 +809,25 @@ def _check_plain(d: int, window, slopes2, dropout, lists) -> None:
         raise ValueError(f"at head dim {d} the Gluon backward takes no {', '.join(used)} (head dims {HEAD_DIMS} do)")
 
 
-def _descriptors(q, k, v, do, cfg: dict, cols: int | None = None):
+def _descriptors(q, k, v, do, cfg: dict, cols: int | None = None, shared: dict | None = None):
     """TMA descriptors of Q, K, V and dO viewed as (B * H * N, d) rows: Q and dO in tiles of block_m rows, K and V
-    of block_n; ``cols`` columns wide (default d; the d = 256 kernel copies halves)."""
+    of block_n; ``cols`` columns wide (default d; the d = 256 kernel copies halves). ``shared``: a dict that one
+    backward passes to both of its kernels, so a descriptor of the same tensor and tile is made once (and a
+    non-contiguous dO copied once): each made afresh costs host time, in Triton's launch too."""
     d = q.shape[3]
     cols = cols or d
     gdt = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
     descs = []
     for x, rows in ((q, cfg["block_m"]), (k, cfg["block_n"]), (v, cfg["block_n"]), (do, cfg["block_m"])):
-        lay = hopper.shared_layout((rows, cols), gdt)
-        descs.append(TensorDescriptor.from_tensor(x.contiguous().view(-1, d), [rows, cols], lay))
+        key = (id(x), rows, cols)  # the tensors outlive the backward that holds ``shared``
+        if shared is None or key not in shared:
+            desc = TensorDescriptor.from_tensor(x.contiguous().view(-1, d), [rows, cols],
+                                                hopper.shared_layout((rows, cols), gdt))
+            if shared is None:
+                descs.append(desc)
+                continue
+            shared[key] = desc
+        descs.append(shared[key])
     return descs
 
 
@@ -831,8 +842,14 @@ def _stat_descriptors(m2, l2, delta, block_m: int, stats: bool = True) -> list:
         padded = _padded_stats(m2, l2, delta, n_pad)
     else:
         padded = torch.zeros((2, B * H, n_pad), dtype=torch.float32, device=m2.device)
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32)
+    layout = _stat_layout()
     return [TensorDescriptor.from_tensor(padded[i], [1, block_m], layout) for i in range(2)]
+
+
+@functools.cache
+def _stat_layout():
+    """The statistics rows' shared layout (fp32, no swizzle), built once."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32)
 
 
 PADDED_STATS_BLOCK = 1024  # entries a program of _padded_stats_kernel writes
@@ -895,7 +912,8 @@ def _drop_args(dropout) -> tuple:
 
 
 def hopper_dkdv(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dict | None = None, *, window=None,
-                slopes2=None, dropout=None, masks: str | None = None, lists=None, stats_tma: bool = True):
+                slopes2=None, dropout=None, masks: str | None = None, lists=None, stats_tma: bool = True,
+                shared: dict | None = None):
     """(dk, dv) from the Gluon kernel, for checked, :func:`supported` inputs; m2, l2, delta: (B, H, N_q) fp32.
     ``cfg`` as :func:`default_config` gives it; with ``warp_specialize=True``, the warp-specialized kernel
     (:func:`hopper_ws_bwd_dkdv_kernel`: block_n keys a program, two consumers' worth, num_warps 4). ``window``
@@ -905,7 +923,7 @@ def hopper_dkdv(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dic
     (:func:`_list_args`; :func:`lists_fit` must hold): only the query tiles of visible blocks are loaded.
     ``stats_tma`` (default True): each query tile's lse2 and D come by TMA beside Q and dO; False loads them from
     global memory in the loop (the same bits). At head dim 256: :func:`flashref.triton.hopper_backward_wide.
-    hopper_wide_dkdv`, with neither ``masks`` nor the modifications."""
+    hopper_wide_dkdv`, with neither ``masks`` nor the modifications. ``shared``: as :func:`_descriptors` takes it."""
     B, H, N_q, d = q.shape
     N_k = k.shape[2]
     _check_plain(d, window, slopes2, dropout, lists)
@@ -934,22 +952,23 @@ def hopper_dkdv(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dic
         halves = dict(cfg, block_n=cfg["block_n"] // 2)  # each TMA copy of K or V is one consumer's rows
         meta = _meta(d, causal, cfg, window, slopes2, dropout,
                      hopper.keep_t_layout(halves["block_n"], cfg["block_m"], 4))
-        hopper_ws_bwd_dkdv_kernel[grid](*_descriptors(q, k, v, do, halves), *stat_descs, *args, **meta, MASKS=masks,
+        hopper_ws_bwd_dkdv_kernel[grid](*_descriptors(q, k, v, do, halves, shared=shared), *stat_descs, *args, **meta, MASKS=masks,
                                         **list_meta, STATS=stats_tma, maxnreg=hopper.WS_MAXNREG)
     else:
         meta = _meta(d, causal, cfg, window, slopes2, dropout,
                      hopper.keep_t_layout(cfg["block_n"], cfg["block_m"], cfg["num_warps"]))
         cap = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}  # (168: three programs an SM)
-        hopper_bwd_dkdv_kernel[grid](*_descriptors(q, k, v, do, cfg), *stat_descs, *args, **meta, MASKS=masks,
+        hopper_bwd_dkdv_kernel[grid](*_descriptors(q, k, v, do, cfg, shared=shared), *stat_descs, *args, **meta, MASKS=masks,
                                      **list_meta, STATS=stats_tma, **cap)
     return dk, dv
 
 
 def hopper_dq(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dict | None = None, *, window=None,
-              slopes2=None, dropout=None, lists=None):
+              slopes2=None, dropout=None, lists=None, shared: dict | None = None):
     """dq from the Gluon kernel, for checked, :func:`supported` inputs; m2, l2, delta: (B, H, N_q) fp32;
     ``window`` and ``slopes2`` as :func:`_mod_args` takes them; ``dropout`` as :func:`hopper_dkdv` takes it;
-    ``lists``: a block mask, as ``(visible-block lists, block_size)``: only the visible key tiles are loaded."""
+    ``lists``: a block mask, as ``(visible-block lists, block_size)``: only the visible key tiles are loaded.
+    ``shared``: as :func:`_descriptors` takes it."""
     B, H, N_q, d = q.shape
     _check_plain(d, window, slopes2, dropout, lists)
     cfg = cfg or default_config(d, "dq")
@@ -958,7 +977,7 @@ def hopper_dq(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dict 
     list_args, list_meta = _list_args(q, lists)
     dq = torch.empty((B, H, N_q, d), dtype=q.dtype, device=q.device)
     grid = (triton.cdiv(N_q, cfg["block_m"]), B * H)
-    hopper_bwd_dq_kernel[grid](*_descriptors(q, k, v, do, cfg), dq, m2.contiguous(), l2.contiguous(), delta, N_q,
+    hopper_bwd_dq_kernel[grid](*_descriptors(q, k, v, do, cfg, shared=shared), dq, m2.contiguous(), l2.contiguous(), delta, N_q,
                                k.shape[2], scale, scale * LOG2E, *_mod_args(q, window, slopes2), *_drop_args(dropout),
                                *list_args,
                                **_meta(d, causal, cfg, window, slopes2, dropout,
@@ -981,5 +1000,6 @@ def hopper_backward(q, k, v, do, m2, l2, delta, causal: bool, scale: float, *, w
     if lists is not None:
         (rows, cols), block_size = lists
         dq_lists, dkdv_lists = (rows, block_size), (cols, block_size)
-    dk, dv = hopper_dkdv(q, k, v, do, m2, l2, delta, causal, scale, **mods, lists=dkdv_lists)
-    return hopper_dq(q, k, v, do, m2, l2, delta, causal, scale, **mods, lists=dq_lists), dk, dv
+    shared = {}  # the descriptors both kernels take alike, made once
+    dk, dv = hopper_dkdv(q, k, v, do, m2, l2, delta, causal, scale, **mods, lists=dkdv_lists, shared=shared)
+    return hopper_dq(q, k, v, do, m2, l2, delta, causal, scale, **mods, lists=dq_lists, shared=shared), dk, dv

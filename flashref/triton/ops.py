@@ -63,8 +63,42 @@ if not INTERPRETED:
               "dq": _autotuned(flash_bwd_dq_kernel, "dq")}
 
 
+# Calls whose q, k, v metadata (and causal, sm_scale, check_finite) passed _check's rules before: (d, scale). Every
+# rule but the finiteness of the data is a function of this key, so a training loop's later calls skip them
+# (measured 22-45 us of host time a call on the H100 machine's host).
+_CHECKED: dict = {}
+_CHECKED_MAX = 64
+
+
+def _check_key(q, k, v, causal, sm_scale, check_finite):
+    """What :func:`_check`'s rules read of a call, or None when it is not made of torch tensors (the full checks then
+    say what is wrong). ``type(...)`` beside each scalar: ``causal=1`` must not pass as ``True`` did."""
+    if not (type(q) is type(k) is type(v) is torch.Tensor):
+        return None
+    return (*((x.shape, x.dtype, x.device, x.layout) for x in (q, k, v)), type(causal), causal, type(sm_scale),
+            sm_scale, type(check_finite), check_finite)
+
+
 def _check(q, k, v, causal, sm_scale, check_finite=True):
-    """The shared checks, plus what only the Triton kernels need: torch tensors on a usable device."""
+    """The shared checks, plus what only the Triton kernels need: torch tensors on a usable device. Returns
+    ``(d, scale)``; the rules are checked once for each metadata key (:func:`_check_key`), the data at every call."""
+    key = _check_key(q, k, v, causal, sm_scale, check_finite)
+    try:
+        checked = _CHECKED.get(key) if key is not None else None
+    except TypeError:  # an unhashable sm_scale or causal: the full checks name it
+        key = checked = None
+    if checked is None:
+        checked = _check_rules(q, k, v, causal, sm_scale, check_finite)
+        if key is not None:
+            if len(_CHECKED) >= _CHECKED_MAX:
+                _CHECKED.pop(next(iter(_CHECKED)))  # the oldest
+            _CHECKED[key] = checked
+    if check_finite:  # last: the one check that reads the data (validation's rule for bad values)
+        validation.check_finite({"q": q, "k": k, "v": v})
+    return checked
+
+
+def _check_rules(q, k, v, causal, sm_scale, check_finite):
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -85,8 +119,6 @@ def _check(q, k, v, causal, sm_scale, check_finite=True):
             name = torch.cuda.get_device_name(q.device)
             raise TypeError(f"q, k and v have dtype bfloat16, which needs compute capability 8.0 or newer; "
                             f"{name} has {torch.cuda.get_device_capability(q.device)}: use float16")
-    if check_finite:  # last: the one check that reads the data (validation's rule for bad values)
-        validation.check_finite({"q": q, "k": k, "v": v})
     return d, scale
 
 
@@ -460,12 +492,39 @@ def _check_kernel(kernel) -> None:
         raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
 
 
+# The dispatch's answers (_hopper_refusal's reason, _backward_kernel's choice) by what they read of a call
+# (:func:`_dispatch_key`): a training loop asks the same question at every step, and the answer took 15-50 us of
+# host time (device capability queries, the Gluon modules' checks) on the H100 machine's host.
+_DISPATCH: dict = {}
+_DISPATCH_MAX = 128
+
+
+def _dispatch_key(q, k, v, feat: Features) -> tuple:
+    """Everything of a checked call that :func:`_hopper_refusal` and :func:`_backward_kernel` read: shapes, dtype,
+    device, contiguity, and which features it uses (their values do not matter to the choice, only the block
+    size does)."""
+    return (q.shape, k.shape, v.shape, q.dtype, q.device, q.is_contiguous(), k.is_contiguous(), v.is_contiguous(),
+            feat.block_mask is not None, feat.block_size, feat.softcap, feat.slopes2 is not None,
+            feat.varlen is not None, feat.dropout_p > 0.0, feat.window, feat.causal)
+
+
+def _remembered(key: tuple, answer):
+    """The dispatch's answer for ``key``, computed by ``answer()`` the first time (the oldest forgotten past
+    :data:`_DISPATCH_MAX`)."""
+    if key in _DISPATCH:
+        return _DISPATCH[key]
+    if len(_DISPATCH) >= _DISPATCH_MAX:
+        _DISPATCH.pop(next(iter(_DISPATCH)))
+    _DISPATCH[key] = found = answer()
+    return found
+
+
 def _forward_kernel(q, k, v, feat: Features, kernel: str) -> str:
     """``"hopper"`` or ``"triton"``: which forward runs this checked call with ``kernel=`` (see :data:`KERNELS`)."""
     _check_kernel(kernel)
     if kernel == "triton":
         return "triton"
-    why = _hopper_refusal(q, k, v, feat)
+    why = _remembered(("forward", *_dispatch_key(q, k, v, feat)), lambda: _hopper_refusal(q, k, v, feat))
     if kernel == "hopper":
         if why is not None:
             raise ValueError(f"kernel='hopper': the Hopper forward {why} (kernel='auto' falls back to the Triton "
@@ -493,7 +552,15 @@ def _backward_kernel(q, k, v, feat: Features, kernel: str, deterministic: bool) 
     the head dim, measured 1.60-1.66x the teaching dK/dV kernel's speed, dQ 1.04-1.05x: H100, B 8, H 8, N 4K,
     fp16)."""
     _check_kernel(kernel)
-    if kernel == "triton" or _hopper_refusal(q, k, v, feat, backward=True) is not None:
+    if kernel == "triton":
+        return "triton"
+    return _remembered(("backward", bool(deterministic), *_dispatch_key(q, k, v, feat)),
+                       lambda: _choose_backward(q, k, v, feat, deterministic))
+
+
+def _choose_backward(q, k, v, feat: Features, deterministic: bool) -> str:
+    """:func:`_backward_kernel`'s choice for ``kernel="auto"`` or ``"hopper"`` (the same for both)."""
+    if _hopper_refusal(q, k, v, feat, backward=True) is not None:
         return "triton"
     if not deterministic and _fused_takes(q, k, v, feat):
         return "hopper-fused"
@@ -639,7 +706,7 @@ def _backward(q, k, v, o, stats, do, scale: float, deterministic: bool, feat: Fe
     if choice != "triton":
         hopper = _gluon_module("hopper_backward")
         mods = dict(window=(feat.win_left, feat.win_right) if feat.window else None, slopes2=feat.slopes2,
-                    dropout=_dropout_scalars(feat))
+                    dropout=_dropout_scalars(feat), shared={})  # shared: both kernels' TMA descriptors, made once
         lists_dq = lists_dkdv = None
         if feat.block_mask is not None:  # the visible-block lists of query blocks, and of key blocks (transposed)
             lists_dq = (feat.args(q)[1], feat.block_size)

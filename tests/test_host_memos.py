@@ -1,0 +1,71 @@
+"""What the host side remembers between calls (flashref.triton.ops: the checked metadata, the dispatch's answers)
+and what it still does at every call: a remembered answer never lets a bad argument or bad data through."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashref.triton  # noqa: F401  (before triton: the interpreter switch)
+from flashref.triton import backward_kernel, flash_attention_forward, forward_kernel, ops
+from tests._triton_helpers import DEVICE
+
+
+def _qkv(n=20, d=16, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(1, 2, n, d, generator=g, dtype=dtype).to(DEVICE) for _ in range(3)]
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    monkeypatch.setattr(ops, "_CHECKED", {})
+    monkeypatch.setattr(ops, "_DISPATCH", {})
+
+
+def test_a_call_like_an_earlier_one_is_checked_from_memory_but_its_data_every_time(fresh):
+    q, k, v = _qkv()
+    assert ops._check(q, k, v, True, None) == (16, 0.25)
+    assert len(ops._CHECKED) == 1
+    q[0, 1, 3, 2] = float("nan")
+    with pytest.raises(ValueError, match=r"q must be finite.*index"):
+        flash_attention_forward(q, k, v, causal=True)
+    assert len(ops._CHECKED) == 1  # the same metadata: no second entry
+
+
+@pytest.mark.parametrize("causal, sm_scale, error", [
+    (1, None, "causal must be"), (True, True, "sm_scale must be a real number"),
+    (True, [0.5], "sm_scale must be a real number"), (True, float("nan"), "sm_scale must be a finite number")])
+def test_arguments_equal_to_remembered_ones_are_still_refused(fresh, causal, sm_scale, error):
+    """1 == True and hash(1) == hash(True): the remembered key holds each scalar's type beside its value."""
+    q, k, v = _qkv()
+    ops._check(q, k, v, True, None)
+    ops._check(q, k, v, True, 1.0)
+    with pytest.raises((TypeError, ValueError), match=error):
+        ops._check(q, k, v, causal, sm_scale)
+
+
+def test_other_shapes_or_dtypes_are_checked_again(fresh):
+    q, k, v = _qkv()
+    ops._check(q, k, v, False, None)
+    with pytest.raises(ValueError, match="k must have the head dimension of q"):
+        ops._check(q, k[..., :8], v, False, None)
+    with pytest.raises(TypeError, match="q, k and v must have the same dtype"):
+        ops._check(q, k.double(), v, False, None)
+
+
+def test_what_is_remembered_is_bounded(fresh):
+    for n in range(1, ops._CHECKED_MAX + 10):
+        ops._check(*_qkv(n), False, None, check_finite=False)
+    assert len(ops._CHECKED) == ops._CHECKED_MAX
+    assert ops._check_key(*_qkv(ops._CHECKED_MAX + 9), False, None, False) in ops._CHECKED  # the newest kept
+    assert ops._check_key(*_qkv(1), False, None, False) not in ops._CHECKED  # the oldest gone
+
+
+def test_the_dispatch_answers_by_the_features_used_and_remembers_each(fresh):
+    q, k, v = _qkv()
+    assert forward_kernel(q, k, v) == forward_kernel(q, k, v, dropout_p=0.1) == "triton"  # (no Hopper GPU here)
+    assert backward_kernel(q, k, v, deterministic=False) == "triton"
+    kinds = sorted(key[0] for key in ops._DISPATCH)
+    assert kinds == ["backward", "forward", "forward"]  # dropout or not: two questions, each asked once
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        forward_kernel(q, k, v, kernel="gluon")  # the kernel name is checked before anything is remembered
