@@ -69,3 +69,35 @@ def test_the_dispatch_answers_by_the_features_used_and_remembers_each(fresh):
     assert kinds == ["backward", "forward", "forward"]  # dropout or not: two questions, each asked once
     with pytest.raises(ValueError, match="kernel must be one of"):
         forward_kernel(q, k, v, kernel="gluon")  # the kernel name is checked before anything is remembered
+
+
+def test_a_descriptor_from_its_template_equals_tritons_own():
+    """hopper.descriptor: field for field what TensorDescriptor.from_tensor makes, the template holds no tensor,
+    and a misaligned tensor is refused as from_tensor refuses it."""
+    import dataclasses
+    import gc
+    import weakref
+
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from flashref.triton import hopper
+
+    layout = hopper.shared_layout((64, 64), gl.float16)
+    for rows in (128, 320):
+        first, second = (torch.randn(rows, 64, dtype=torch.float16) for _ in range(2))
+        for x in (first, second):  # the first makes the template, the second is made from it
+            got, want = hopper.descriptor(x, (64, 64), layout), TensorDescriptor.from_tensor(x, [64, 64], layout)
+            assert got.base is x
+            assert {f.name: getattr(got, f.name) for f in dataclasses.fields(got)} == \
+                {f.name: getattr(want, f.name) for f in dataclasses.fields(want)}
+    gone = torch.randn(192, 64, dtype=torch.float16)
+    alive = weakref.ref(gone)
+    hopper.descriptor(gone, (64, 64), layout)
+    del gone
+    gc.collect()
+    assert alive() is None  # the template kept no reference to it
+    storage = torch.randn(129 * 64 + 1, dtype=torch.float16)
+    hopper.descriptor(storage[:128 * 64].view(128, 64), (64, 64), layout)
+    with pytest.raises(AssertionError, match="16-byte aligned"):
+        hopper.descriptor(storage[1:128 * 64 + 1].view(128, 64), (64, 64), layout)

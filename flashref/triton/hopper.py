@@ -50,6 +50,7 @@ hopper`` and ``compile_check hopper`` hold its measurements.
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 
@@ -80,6 +81,32 @@ def _shared_layout(block: tuple, dtype) -> gl.NVMMASharedLayout:
 def shared_layout(block, dtype) -> gl.NVMMASharedLayout:
     """:func:`_shared_layout` of a list or tuple ``block``."""
     return _shared_layout(tuple(block), dtype)
+
+
+# Descriptors already validated, one a (shape, strides, dtype, block, layout), with no tensor: see descriptor().
+_DESCRIPTOR_TEMPLATES: dict = {}
+_DESCRIPTOR_TEMPLATES_MAX = 256
+
+
+def descriptor(x: torch.Tensor, block, layout) -> TensorDescriptor:
+    """``TensorDescriptor.from_tensor(x, block, layout)``, cheaper from the second call on. A descriptor is its
+    tensor's address, shape, strides and dtype, the block and the layout; Triton validates them all each time it
+    makes one (pure Python, several microseconds, nine descriptors a training step). The first descriptor of a
+    (shape, strides, dtype, block, layout) is made and validated that way and kept without its tensor; later
+    ones copy it and set their tensor, after the one check that depends on the address (16-byte alignment: a
+    misaligned tensor goes through ``from_tensor``, which refuses it)."""
+    key = (x.shape, x.stride(), x.dtype, tuple(block), layout)
+    template = _DESCRIPTOR_TEMPLATES.get(key)
+    if template is None or x.data_ptr() % 16:
+        made = TensorDescriptor.from_tensor(x, list(block), layout)
+        if len(_DESCRIPTOR_TEMPLATES) >= _DESCRIPTOR_TEMPLATES_MAX:
+            _DESCRIPTOR_TEMPLATES.pop(next(iter(_DESCRIPTOR_TEMPLATES)))
+        _DESCRIPTOR_TEMPLATES[key] = template = copy.copy(made)
+        template.base = None  # the template must not keep x's memory alive
+        return made
+    made = copy.copy(template)  # (no __init__: nothing validated again)
+    made.base = x
+    return made
 
 
 # ---- Dropout: the teaching kernel's Philox mask, computed in the wgmma accumulator's own registers ---------------
@@ -1080,10 +1107,10 @@ def launch_forward(q, k, v, causal: bool, scale: float, cfg: dict, window=None, 
     q_block, kv_block = _descriptor_blocks(cfg, d)
     q2, k2, v2 = (x.contiguous().view(-1, d) for x in (q, k, v))
     gdt = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
-    q_desc = TensorDescriptor.from_tensor(q2, q_block, shared_layout(q_block, gdt))
+    q_desc = descriptor(q2, q_block, shared_layout(q_block, gdt))
     kv_lay = shared_layout(kv_block, gdt)
-    k_desc = TensorDescriptor.from_tensor(k2, kv_block, kv_lay)
-    v_desc = TensorDescriptor.from_tensor(v2, kv_block, kv_lay)
+    k_desc = descriptor(k2, kv_block, kv_lay)
+    v_desc = descriptor(v2, kv_block, kv_lay)
     o = torch.empty((B, H, N_q, d), dtype=q.dtype, device=q.device)
     lse, m2, l2 = torch.empty((3, B, H, N_q), dtype=torch.float32, device=q.device).unbind(0)
     kernel, constexprs, options = kernel_and_constexprs(cfg, d, causal, window is not None, dropout is not None,

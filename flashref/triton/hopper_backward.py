@@ -35,7 +35,6 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashref.triton import hopper
 # The block-sparse lists' helpers live beside the forward, which walks them too.
@@ -821,8 +820,7 @@ def _descriptors(q, k, v, do, cfg: dict, cols: int | None = None, shared: dict |
     for x, rows in ((q, cfg["block_m"]), (k, cfg["block_n"]), (v, cfg["block_n"]), (do, cfg["block_m"])):
         key = (id(x), rows, cols)  # the tensors outlive the backward that holds ``shared``
         if shared is None or key not in shared:
-            desc = TensorDescriptor.from_tensor(x.contiguous().view(-1, d), [rows, cols],
-                                                hopper.shared_layout((rows, cols), gdt))
+            desc = hopper.descriptor(x.contiguous().view(-1, d), (rows, cols), hopper.shared_layout((rows, cols), gdt))
             if shared is None:
                 descs.append(desc)
                 continue
@@ -843,7 +841,7 @@ def _stat_descriptors(m2, l2, delta, block_m: int, stats: bool = True) -> list:
     else:
         padded = torch.zeros((2, B * H, n_pad), dtype=torch.float32, device=m2.device)
     layout = _stat_layout()
-    return [TensorDescriptor.from_tensor(padded[i], [1, block_m], layout) for i in range(2)]
+    return [hopper.descriptor(padded[i], (1, block_m), layout) for i in range(2)]
 
 
 @functools.cache

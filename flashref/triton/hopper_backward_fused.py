@@ -43,7 +43,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashref.triton import hopper, hopper_backward
 from flashref.triton.forward import LOG2E
@@ -274,8 +273,7 @@ def hopper_fused_backward(q, k, v, do, m2, l2, delta, causal: bool, scale: float
     dv = torch.empty_like(dk)
     dq32 = torch.zeros((B * H * N_q, d), dtype=torch.float32, device=q.device)
     cols = d // 2 if cfg["split_cols"] else d
-    dq_desc = TensorDescriptor.from_tensor(dq32, [block_m, cols],
-                                           gl.NVMMASharedLayout.get_default_for([block_m, cols], gl.float32))
+    dq_desc = hopper.descriptor(dq32, (block_m, cols), hopper.shared_layout((block_m, cols), gl.float32))
     halves = dict(cfg, block_n=cfg["block_n"] // 2)  # each TMA copy of K or V is one consumer's rows
     grid = (triton.cdiv(N_k, cfg["block_n"]), B * H)
     hopper_fused_bwd_kernel[grid](*_descriptors(q, k, v, do, halves), *_stat_descriptors(m2, l2, delta, block_m),
