@@ -104,7 +104,8 @@ def descriptor(x: torch.Tensor, block, layout) -> TensorDescriptor:
         _DESCRIPTOR_TEMPLATES[key] = template = copy.copy(made)
         template.base = None  # the template must not keep x's memory alive
         return made
-    made = copy.copy(template)  # (no __init__: nothing validated again)
+    made = object.__new__(TensorDescriptor)  # (no __init__: nothing validated again)
+    made.__dict__.update(template.__dict__)
     made.base = x
     return made
 
