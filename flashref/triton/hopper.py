@@ -83,6 +83,12 @@ def shared_layout(block, dtype) -> gl.NVMMASharedLayout:
     return _shared_layout(tuple(block), dtype)
 
 
+def host_cdiv(a: int, b: int) -> int:
+    """ceil(a / b) in host code: ``triton.cdiv`` is a constexpr function there, whose call wrapper costs more host
+    time than the division (five a training step)."""
+    return -(-a // b)
+
+
 # Descriptors already validated, one a (shape, strides, dtype, block, layout), with no tensor: see descriptor().
 _DESCRIPTOR_TEMPLATES: dict = {}
 _DESCRIPTOR_TEMPLATES_MAX = 256
@@ -287,7 +293,7 @@ def keep_mask(seed: int, B: int, H: int, N_q: int, N_k: int, drop_below: int, bl
     the forward and dQ kernels draw it, or (``transposed``) keys in rows, as the dK/dV kernels do."""
     keep = torch.empty((B, H, N_q, N_k), dtype=torch.int8, device="cuda")
     layout = keep_t_layout(block_n, block_m, num_warps) if transposed else keep_layout(block_m, block_n, num_warps)
-    hopper_keep_kernel[(triton.cdiv(N_q, block_m), triton.cdiv(N_k, block_n), B * H)](
+    hopper_keep_kernel[(host_cdiv(N_q, block_m), host_cdiv(N_k, block_n), B * H)](
         keep, seed, drop_below, N_q, N_k, BLOCK_M=block_m, BLOCK_N=block_n, KEEP_LAYOUT=layout,
         TRANSPOSED=transposed, num_warps=num_warps)
     return keep.bool()
@@ -1116,7 +1122,7 @@ def launch_forward(q, k, v, causal: bool, scale: float, cfg: dict, window=None, 
     lse, m2, l2 = torch.empty((3, B, H, N_q), dtype=torch.float32, device=q.device).unbind(0)
     kernel, constexprs, options = kernel_and_constexprs(cfg, d, causal, window is not None, dropout is not None,
                                                         None if lists is None else lists[1])
-    grid = (triton.cdiv(N_q, cfg["block_m"]), B * H)
+    grid = (host_cdiv(N_q, cfg["block_m"]), B * H)
     scales = (lse, lse, lse) if cfg["warp_specialize"] else ()  # FP8's scale pointers, unread here
     drop = () if cfg["warp_specialize"] else dropout if dropout is not None else (0, 0, 1.0)
     listed = _list_args(q, lists)[0]
@@ -1169,7 +1175,7 @@ def _quantize_rows(x: torch.Tensor, rows: int):
     B, H, N, d = x.shape
     if x.is_cuda:
         x8 = torch.empty((B, H, N, d), dtype=torch.float8_e4m3fn, device=x.device)
-        scale = torch.empty((B, H, triton.cdiv(N, rows)), dtype=torch.float32, device=x.device)
+        scale = torch.empty((B, H, host_cdiv(N, rows)), dtype=torch.float32, device=x.device)
         _fp8_launch(x, x8, scale, scale.shape[-1], N, N, (N * d, d, 1), rows, per_head=False)
         return x8, scale
     return fp8.quantize_blocks(x, rows)
@@ -1189,7 +1195,7 @@ def _quantize_v(v: torch.Tensor):
     if v.is_cuda:
         N_pad = fp8.padded_keys(N_k)
         vt = torch.empty((B, H, d, N_pad), dtype=torch.float8_e4m3fn, device=v.device)
-        _fp8_launch(v, vt, v_scale, triton.cdiv(N_pad, 64), N_k, N_pad, (d * N_pad, 1, N_pad), 64, per_head=True)
+        _fp8_launch(v, vt, v_scale, host_cdiv(N_pad, 64), N_k, N_pad, (d * N_pad, 1, N_pad), 64, per_head=True)
         return vt, v_scale
     return fp8.quantize_v_transposed(v, v_scale), v_scale
 
@@ -1228,7 +1234,7 @@ def fp8_attention(x: Fp8Inputs, causal=False, sm_scale=None, *, out_dtype=torch.
     o = torch.empty((B, H, N_q, d), dtype=out_dtype, device=x.q.device)
     lse, m2, l2 = torch.empty((3, B, H, N_q), dtype=torch.float32, device=x.q.device).unbind(0)
     _, constexprs, options = kernel_and_constexprs(cfg, d, causal)
-    grid = (triton.cdiv(N_q, cfg["block_m"]), B * H)
+    grid = (host_cdiv(N_q, cfg["block_m"]), B * H)
     hopper_ws_fwd_kernel[grid](q_desc, k_desc, v_desc, o, lse, m2, l2, x.q_scale, x.k_scale, x.v_scale, N_q, N_k,
                                scale * LOG2E, 0, 0, *_list_args(x.q, None)[0], **dict(constexprs, FP8=True), **options)
     return o, lse

@@ -835,7 +835,7 @@ def _stat_descriptors(m2, l2, delta, block_m: int, stats: bool = True) -> list:
     aligned) and stays within its head; a tile of 1 x block_m. Without ``stats`` (the kernels then load them from
     global memory), zeros stand in."""
     B, H, N_q = m2.shape
-    n_pad = triton.cdiv(N_q, block_m) * block_m
+    n_pad = hopper.host_cdiv(N_q, block_m) * block_m
     if stats:
         padded = _padded_stats(m2, l2, delta, n_pad)
     else:
@@ -860,7 +860,7 @@ def _padded_stats(m2, l2, delta, n_pad: int):
     of it)."""
     B, H, N_q = m2.shape
     padded = torch.empty((2, B * H, n_pad), dtype=torch.float32, device=m2.device)
-    _padded_stats_kernel[(triton.cdiv(n_pad, PADDED_STATS_BLOCK), B * H)](
+    _padded_stats_kernel[(hopper.host_cdiv(n_pad, PADDED_STATS_BLOCK), B * H)](
         m2.contiguous(), l2.contiguous(), delta.contiguous(), padded, N_q, n_pad, BLOCK=PADDED_STATS_BLOCK)
     return padded
 
@@ -942,7 +942,7 @@ def hopper_dkdv(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dic
     list_args, list_meta = _list_args(q, lists)
     dk = torch.empty((B, H, N_k, d), dtype=q.dtype, device=q.device)
     dv = torch.empty_like(dk)
-    grid = (triton.cdiv(N_k, cfg["block_n"]), B * H)
+    grid = (hopper.host_cdiv(N_k, cfg["block_n"]), B * H)
     args = (dk, dv, m2.contiguous(), l2.contiguous(), delta, N_q, N_k, scale, scale * LOG2E,
             *_mod_args(q, window, slopes2), *_drop_args(dropout), *list_args)
     stat_descs = _stat_descriptors(m2, l2, delta, cfg["block_m"], stats_tma)
@@ -974,7 +974,7 @@ def hopper_dq(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dict 
         raise ValueError(f"block_size {lists[1]} does not map onto the dQ tiles {cfg['block_m']} x {cfg['block_n']}")
     list_args, list_meta = _list_args(q, lists)
     dq = torch.empty((B, H, N_q, d), dtype=q.dtype, device=q.device)
-    grid = (triton.cdiv(N_q, cfg["block_m"]), B * H)
+    grid = (hopper.host_cdiv(N_q, cfg["block_m"]), B * H)
     hopper_bwd_dq_kernel[grid](*_descriptors(q, k, v, do, cfg, shared=shared), dq, m2.contiguous(), l2.contiguous(), delta, N_q,
                                k.shape[2], scale, scale * LOG2E, *_mod_args(q, window, slopes2), *_drop_args(dropout),
                                *list_args,

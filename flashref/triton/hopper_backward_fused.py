@@ -275,7 +275,7 @@ def hopper_fused_backward(q, k, v, do, m2, l2, delta, causal: bool, scale: float
     cols = d // 2 if cfg["split_cols"] else d
     dq_desc = hopper.descriptor(dq32, (block_m, cols), hopper.shared_layout((block_m, cols), gl.float32))
     halves = dict(cfg, block_n=cfg["block_n"] // 2)  # each TMA copy of K or V is one consumer's rows
-    grid = (triton.cdiv(N_k, cfg["block_n"]), B * H)
+    grid = (hopper.host_cdiv(N_k, cfg["block_n"]), B * H)
     hopper_fused_bwd_kernel[grid](*_descriptors(q, k, v, do, halves), *_stat_descriptors(m2, l2, delta, block_m),
                                   dq_desc, dk, dv, N_q, N_k, scale, scale * LOG2E, *_drop_args(dropout), HEAD_D=d,
                                   BLOCK_M=block_m, BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], CAUSAL=bool(causal),

@@ -24,7 +24,6 @@ flash_attention`'s backward does on an H100: measured 1.66x the teaching dK/dV k
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
@@ -190,7 +189,7 @@ def hopper_wide_dkdv(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg
     cfg = cfg or default_config()
     dk = torch.empty((B, H, N_k, d), dtype=q.dtype, device=q.device)
     dv = torch.empty_like(dk)
-    grid = (triton.cdiv(N_k, cfg["block_n"]), B * H)
+    grid = (hopper.host_cdiv(N_k, cfg["block_n"]), B * H)
     hopper_wide_bwd_dkdv_kernel[grid](*_descriptors(q, k, v, do, cfg, d // 2),
                                       *_stat_descriptors(m2, l2, delta, cfg["block_m"]), dk, dv, N_q, N_k, scale,
                                       scale * LOG2E, HEAD_D=d, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
