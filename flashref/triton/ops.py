@@ -711,10 +711,11 @@ def _backward(q, k, v, o, stats, do, scale: float, deterministic: bool, feat: Fe
         if feat.block_mask is not None:  # the visible-block lists of query blocks, and of key blocks (transposed)
             lists_dq = (feat.args(q)[1], feat.block_size)
             lists_dkdv = (feat.args(q, transposed=True)[1], feat.block_size)
-    meta = dict(HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=feat.causal, DOT=_dot_mode(q.dtype),
-                TUNE_N=_bucket(max(feat.rows_q, feat.rows_k)), GROUP=H // H_kv, **feat.scalars(), **feat.meta)
-    common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
-    tail = (H, N_q, N_k, scale, scale * LOG2E)
+    else:  # the teaching kernels' arguments (the Gluon kernels take theirs in hopper_backward)
+        meta = dict(HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=feat.causal, DOT=_dot_mode(q.dtype),
+                    TUNE_N=_bucket(max(feat.rows_q, feat.rows_k)), GROUP=H // H_kv, **feat.scalars(), **feat.meta)
+        common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
+        tail = (H, N_q, N_k, scale, scale * LOG2E)
     if want_dq and choice == "hopper":
         dq = hopper.hopper_dq(q, k, v, do, m2, l2, delta, feat.causal, scale, **mods, lists=lists_dq)  # (one stream)
     elif deterministic and want_dq:
