@@ -101,3 +101,28 @@ def test_a_descriptor_from_its_template_equals_tritons_own():
     hopper.descriptor(storage[:128 * 64].view(128, 64), (64, 64), layout)
     with pytest.raises(AssertionError, match="16-byte aligned"):
         hopper.descriptor(storage[1:128 * 64 + 1].view(128, 64), (64, 64), layout)
+
+
+def test_a_block_mask_is_checked_once_for_each_call_shape_and_forgotten_with_it(fresh, monkeypatch):
+    import gc
+
+    from flashref import validation
+
+    monkeypatch.setattr(ops, "_MASKS_KEPT", {})
+    checked = []
+    real = validation.check_block_mask
+    monkeypatch.setattr(validation, "check_block_mask", lambda *a, **kw: checked.append(a[2:]) or real(*a, **kw))
+    q, k, _ = _qkv(n=40)
+    mask = torch.ones(1, 1, 3, 3, dtype=torch.bool, device=DEVICE)
+    for _ in range(3):
+        feat = ops.Features(q, k, block_mask=mask, block_size=16)
+        assert feat.block_mask.shape == (1, 2, 3, 3) and feat.block_mask.dtype == torch.int8
+    assert checked == [(40, 40, 16)]  # once
+    with pytest.raises(ValueError, match="block_mask must have shape"):
+        ops.Features(*_qkv(n=60)[:2], block_mask=mask, block_size=16)  # the same mask, another length
+    mask[0, 0, 2, 0] = False  # in place: checked again (its version moved), and the view shows it
+    feat = ops.Features(q, k, block_mask=mask, block_size=16)
+    assert len(checked) == 3 and feat.block_mask[0, 1, 2, 0] == 0
+    del mask, feat
+    gc.collect()
+    assert not ops._MASKS_KEPT

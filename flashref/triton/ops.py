@@ -150,13 +150,7 @@ class Features:
         if block_mask is None:
             self.block_mask = None
         else:
-            if not isinstance(block_mask, torch.Tensor):
-                raise TypeError(f"block_mask must be a torch.Tensor of dtype bool, got {type(block_mask).__name__}")
-            validation.check_dense("block_mask", block_mask)
-            validation.check_block_mask(block_mask, (B, H), N_q, k.shape[2], self.block_size)
-            if block_mask.device != q.device:
-                raise ValueError(f"block_mask must be on q's device ({q.device}), got {block_mask.device}")
-            self.block_mask = block_mask.view(torch.int8).expand(B, H, *block_mask.shape[2:])  # a view, no copy
+            self.block_mask = _checked_mask(block_mask, (B, H), N_q, N_k, self.block_size, q.device)
             self._given_mask = block_mask
         self._modifications(q, causal, causal_align, scale, window_size, softcap, alibi_slopes, N_q, N_k,
                             check_finite)
@@ -231,6 +225,34 @@ class Features:
         return dict(seed=self.seed, drop_below=drop_threshold(self.dropout_p), keep_scale=1.0 / (1.0 - self.dropout_p),
                     ALIBI_SLOPES=slopes, CU_Q=cu_q, CU_K=cu_k, stride_ab=slopes.stride(0), stride_ah=slopes.stride(1),
                     win_left=self.win_left, win_right=self.win_right, cap_in=self.cap_in, cap_out=self.cap_out)
+
+
+# Block masks already checked for a call's shape, viewed as the kernels take them: kept while the mask tensor lives
+# and is not changed in place (as _LISTS_KEPT below), since a model passes the same mask at every step and its
+# checks took about 30 us of host time a call.
+_MASKS_KEPT: dict = {}
+_MASKS_KEPT_MAX = 16
+
+
+def _checked_mask(given, lead: tuple, N_q: int, N_k: int, block_size: int, device) -> torch.Tensor:
+    """``given`` (the caller's bool block mask) checked for these shapes and ``device``, as an int8 view expanded
+    to ``(*lead, ...)`` (stride 0 along broadcast dims, no copy)."""
+    if not isinstance(given, torch.Tensor):
+        raise TypeError(f"block_mask must be a torch.Tensor of dtype bool, got {type(given).__name__}")
+    key = (id(given), lead, N_q, N_k, block_size, device)
+    kept = _MASKS_KEPT.get(key)
+    if kept is not None and kept[0]() is given and kept[1] == given._version:
+        return kept[2]
+    validation.check_dense("block_mask", given)
+    validation.check_block_mask(given, lead, N_q, N_k, block_size)
+    if given.device != device:
+        raise ValueError(f"block_mask must be on q's device ({device}), got {given.device}")
+    viewed = given.view(torch.int8).expand(*lead, *given.shape[2:])
+    if len(_MASKS_KEPT) >= _MASKS_KEPT_MAX:
+        _MASKS_KEPT.pop(next(iter(_MASKS_KEPT)))  # the oldest
+    _MASKS_KEPT[key] = (weakref.ref(given), given._version, viewed)
+    weakref.finalize(given, _MASKS_KEPT.pop, key, None)  # forgotten with the mask
+    return viewed
 
 
 _STAND_INS: dict = {}
