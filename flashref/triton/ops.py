@@ -227,11 +227,25 @@ class Features:
                     win_left=self.win_left, win_right=self.win_right, cap_in=self.cap_in, cap_out=self.cap_out)
 
 
-# Block masks already checked for a call's shape, viewed as the kernels take them: kept while the mask tensor lives
-# and is not changed in place (as _LISTS_KEPT below), since a model passes the same mask at every step and its
-# checks took about 30 us of host time a call.
+def _kept_for(store: dict, given: torch.Tensor, key: tuple, make, most: int = 16):
+    """What ``make()`` gives for the caller's tensor ``given`` and ``key``, reused from an earlier call with the
+    same tensor, unchanged since (its version counter): kept in ``store`` (the oldest forgotten past ``most``)
+    while ``given`` lives. A model passes the same block mask at every step; only its first call pays."""
+    key = (id(given), *key)
+    kept = store.get(key)
+    if kept is not None and kept[0]() is given and kept[1] == given._version:
+        return kept[2]
+    made = make()
+    if len(store) >= most:
+        store.pop(next(iter(store)))  # the oldest
+    store[key] = (weakref.ref(given), given._version, made)
+    weakref.finalize(given, store.pop, key, None)  # forgotten with the tensor
+    return made
+
+
+# Block masks checked for a call's shape and viewed as the kernels take them (their checks took about 30 us of
+# host time a call).
 _MASKS_KEPT: dict = {}
-_MASKS_KEPT_MAX = 16
 
 
 def _checked_mask(given, lead: tuple, N_q: int, N_k: int, block_size: int, device) -> torch.Tensor:
@@ -239,20 +253,15 @@ def _checked_mask(given, lead: tuple, N_q: int, N_k: int, block_size: int, devic
     to ``(*lead, ...)`` (stride 0 along broadcast dims, no copy)."""
     if not isinstance(given, torch.Tensor):
         raise TypeError(f"block_mask must be a torch.Tensor of dtype bool, got {type(given).__name__}")
-    key = (id(given), lead, N_q, N_k, block_size, device)
-    kept = _MASKS_KEPT.get(key)
-    if kept is not None and kept[0]() is given and kept[1] == given._version:
-        return kept[2]
-    validation.check_dense("block_mask", given)
-    validation.check_block_mask(given, lead, N_q, N_k, block_size)
-    if given.device != device:
-        raise ValueError(f"block_mask must be on q's device ({device}), got {given.device}")
-    viewed = given.view(torch.int8).expand(*lead, *given.shape[2:])
-    if len(_MASKS_KEPT) >= _MASKS_KEPT_MAX:
-        _MASKS_KEPT.pop(next(iter(_MASKS_KEPT)))  # the oldest
-    _MASKS_KEPT[key] = (weakref.ref(given), given._version, viewed)
-    weakref.finalize(given, _MASKS_KEPT.pop, key, None)  # forgotten with the mask
-    return viewed
+
+    def check_and_view():
+        validation.check_dense("block_mask", given)
+        validation.check_block_mask(given, lead, N_q, N_k, block_size)
+        if given.device != device:
+            raise ValueError(f"block_mask must be on q's device ({device}), got {given.device}")
+        return given.view(torch.int8).expand(*lead, *given.shape[2:])
+
+    return _kept_for(_MASKS_KEPT, given, (lead, N_q, N_k, block_size, device), check_and_view)
 
 
 _STAND_INS: dict = {}
@@ -285,27 +294,15 @@ def visible_block_lists(block_mask: torch.Tensor) -> torch.Tensor:
     return lists.expand(B, H, n_i, n_j + 1)
 
 
-# The visible-block lists of recent masks, kept while the mask tensor lives and is not changed in place: a
-# model passes the same mask at every step, and then only its first call builds them (as FlexAttention's
-# users build a BlockMask once). They take about four times the bytes of the mask.
+# The visible-block lists of recent masks (:func:`_kept_for`): about four times the bytes of the mask.
 _LISTS_KEPT: dict = {}
-_LISTS_KEPT_MAX = 16
 
 
 def _lists_of(given, bm, transposed: bool) -> torch.Tensor:
     """visible_block_lists of ``bm`` (the int8 expansion of the caller's bool mask ``given``, transposed for
-    the dK/dV kernel), reused from an earlier call with the same tensor, unchanged since (its version
-    counter), and the same expansion."""
-    key = (id(given), transposed, tuple(bm.shape), tuple(bm.stride()))
-    kept = _LISTS_KEPT.get(key)
-    if kept is not None and kept[0]() is given and kept[1] == given._version:
-        return kept[2]
-    lists = visible_block_lists(bm.transpose(-1, -2) if transposed else bm)
-    if len(_LISTS_KEPT) >= _LISTS_KEPT_MAX:
-        _LISTS_KEPT.pop(next(iter(_LISTS_KEPT)))  # the oldest
-    _LISTS_KEPT[key] = (weakref.ref(given), given._version, lists)
-    weakref.finalize(given, _LISTS_KEPT.pop, key, None)  # freed with the mask
-    return lists
+    the dK/dV kernel), reused while ``given`` is unchanged and the expansion the same (:func:`_kept_for`)."""
+    return _kept_for(_LISTS_KEPT, given, (transposed, tuple(bm.shape), tuple(bm.stride())),
+                     lambda: visible_block_lists(bm.transpose(-1, -2) if transposed else bm))
 
 
 def check_device(device) -> torch.device:
