@@ -7,7 +7,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from flashref.triton import decode
 from flashref.triton.decode import flash_decode, decode_plan
 
-CONFIGS = [(64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 8, 2), (32, 4, 4), (32, 4, 6), (128, 8, 3)]
+CONFIGS = [(64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 8, 2), (32, 4, 4), (32, 4, 6), (128, 8, 3),
+           (128, 4, 3), (64, 8, 4), (64, 4, 5)]
+SPLITS = [1, 2, 3, 4]  # forced slice counts under the shipped config (64, 4, 3)
 SHAPES = [(16, 4096), (16, 16384), (16, 131072), (4, 65536), (1, 65536), (1, 4096)]
 H, H_kv, d = 32, 8, 128
 out = []
@@ -34,6 +36,10 @@ for B, N in SHAPES:
             except Exception as e:
                 res.setdefault(str(cfg), []).append(None)
                 res[str(cfg) + " err"] = [repr(e)[:200]]
+        decode.GPU_CONFIGS["large"][128] = [(64, 4, 3)]
+        for ns in SPLITS:
+            fn = lambda: flash_decode(q, k, v, check_finite=False, num_splits=ns)
+            res.setdefault(f"splits={ns}", []).append(triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median"))
     byt = 2 * B * H_kv * N * d * 2
     print(f"B {B} N {N}  ({byt/1e6:.0f} MB)", flush=True)
     for name, vals in res.items():
