@@ -16,6 +16,7 @@ from flashref.triton import backward_kernel, hopper, hopper_backward_fused, ops
 def as_if_on_an_h100(monkeypatch):
     monkeypatch.setattr(ops, "_hopper_refusal", lambda q, k, v, feat, backward=False: None)
     monkeypatch.setattr(hopper, "supported", lambda q, k, v: None)
+    monkeypatch.setattr(ops, "_DISPATCH", {})  # the dispatch's remembered answers, made here, forgotten after
 
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU machine the kernels want CUDA tensors
