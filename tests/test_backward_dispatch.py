@@ -18,8 +18,11 @@ def as_if_on_an_h100(monkeypatch):
     monkeypatch.setattr(hopper, "supported", lambda q, k, v: None)
 
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU machine the kernels want CUDA tensors
+
+
 def _qkv(d, n=300):
-    return [torch.zeros(1, 2, n, d, dtype=torch.float16) for _ in range(3)]
+    return [torch.zeros(1, 2, n, d, dtype=torch.float16, device=DEVICE) for _ in range(3)]
 
 
 # (head dim, keywords) -> (deterministic backward, deterministic=False backward)
@@ -41,6 +44,7 @@ CASES = [
 @pytest.mark.parametrize("d, kw, det, nondet", CASES, ids=[f"d{d}-{'-'.join(kw) or 'plain'}" for d, kw, *_ in CASES])
 def test_which_backward_runs(as_if_on_an_h100, d, kw, det, nondet):
     q, k, v = _qkv(d)
+    kw = {name: x.to(DEVICE) if isinstance(x, torch.Tensor) else x for name, x in kw.items()}
     assert backward_kernel(q, k, v, **kw) == det
     assert backward_kernel(q, k, v, **kw, deterministic=False) == nondet
     assert backward_kernel(q, k, v, **kw, kernel="triton") == "triton"
