@@ -69,9 +69,15 @@ def _plain(q, k, v, seqlens, causal):
 
 
 def _check(B, H, H_kv, N_q, N_max, d, dtype, causal, num_splits=None, seqlens=None, seed=0, scale=1.0):
+    """flash_decode against the float64 reference. ``seqlens``: None draws a length per batch row; "full"
+    passes no cache_seqlens (every row holds all N_max keys, which the kernel knows without reading a length)."""
     q, k, v, _ = _inputs(B, H, H_kv, N_q, N_max, d, dtype, seed, scale)
+    full = isinstance(seqlens, str) and seqlens == "full"
+    if full:
+        seqlens = torch.full((B,), N_max, dtype=torch.int32, device=q.device)
     seqlens = _lengths(B, N_max, N_q, causal, seed) if seqlens is None else seqlens
-    o, lse = flash_decode(q, k, v, seqlens, causal=causal, num_splits=num_splits, return_lse=True)
+    o, lse = flash_decode(q, k, v, None if full else seqlens, causal=causal, num_splits=num_splits,
+                          return_lse=True)
     assert o.shape == q.shape and o.dtype == q.dtype and lse.shape == q.shape[:3] and lse.dtype == torch.float32
     ref_o, ref_lse = _reference(q, k, v, seqlens, causal)
     atol = 1e-5 * max(1.0, float(np.abs(ref_o).max())) if dtype == torch.float32 else None
@@ -100,6 +106,16 @@ for N_q in (1, 3, 16):
                               f"{str(c[6])[6:]}" for c in CASES])
 def test_matches_reference(N_q, N_max, causal, H_kv, num_splits, d, dtype):
     _check(2, 4, H_kv, N_q, N_max, d, dtype, causal, num_splits)
+
+
+@pytest.mark.parametrize("N_q, N_max, causal, num_splits, dtype",
+                         [(1, 1, False, None, torch.float32), (1, 37, True, 1, torch.float16),
+                          (3, 200, True, 3, torch.float32), (16, 200, False, None, torch.float16)],
+                         ids=["nq1-n1", "nq1-n37-causal-s1", "nq3-n200-causal-s3", "nq16-n200"])
+def test_a_full_cache_without_lengths(N_q, N_max, causal, num_splits, dtype):
+    """cache_seqlens=None: every row's length is N_max, passed to the kernel as a number (no length is loaded
+    before the first K/V tile), on the one-split kernel that writes its outputs and on the split-and-merge."""
+    _check(2, 4, 2, N_q, N_max, 16, dtype, causal, num_splits, seqlens="full")
 
 
 @pytest.mark.parametrize("H_kv", [4, 2, 1])

@@ -202,10 +202,10 @@ VARLEN_CASES = [(False, torch.float32, 1000), (True, torch.float16, 1000),
                 (False, torch.float16, 300), (True, torch.float32, 300)]
 
 
-@pytest.mark.parametrize("causal, dtype, longest", VARLEN_CASES, ids=str)
-def test_varlen_against_the_reference(causal, dtype, longest):
+@pytest.mark.parametrize("causal, dtype, cpu_longest", VARLEN_CASES, ids=str)
+def test_varlen_against_the_reference(causal, dtype, cpu_longest):
     """Packed documents of 1, 17, 255 and 1000 tokens, grouped heads: o, lse (H, total_q) and gradients."""
-    lengths = [1, 17, 255, longest if DEVICE == "cpu" else 1000]
+    lengths = [1, 17, 255, cpu_longest if DEVICE == "cpu" else 1000]
     (q, k, v, do), (cu_q, cu_k) = _packed(lengths, lengths, 2, 1, 16, dtype)
     got, lse = _varlen(q, k, v, do, cu_q, cu_k, lengths, lengths, causal)
     q64, k64, v64, do64 = (_np64(x) for x in (q, k, v, do))

@@ -96,21 +96,21 @@ def _decode_tile(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_
     return acc, l_i, m_new
 
 
-@triton.jit(do_not_specialize=["H_kv", "N_q", "GROUP", "num_splits"])
+@triton.jit(do_not_specialize=["H_kv", "N_q", "GROUP", "num_splits", "N_max"])
 def flash_decode_split_kernel(Q, K, V, O_PART, LSE_PART, SEQLENS,
                               stride_qb, stride_qh, stride_qm, stride_qd,
                               stride_kb, stride_kh, stride_kn, stride_kd,
                               stride_vb, stride_vh, stride_vn, stride_vd,
                               stride_pb, stride_ph, stride_ps, stride_pm, stride_pd,
                               stride_lb, stride_lh, stride_ls, stride_lm,
-                              H_kv, N_q, GROUP, num_splits, qk_scale,
+                              H_kv, N_q, GROUP, num_splits, N_max, qk_scale,
                               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                               BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr,
-                              PDL: tl.constexpr = False):
+                              PDL: tl.constexpr = False, RAGGED: tl.constexpr = True):
     """Program (split, b * H_kv + kv head, row block) writes the partial O (normalized, fp32) and lse
     (natural log, fp32) of its key slice for BLOCK_M packed rows of the group: row r is query ``r % N_q`` of
-    query head ``kv_head * GROUP + r // N_q``. The cache of batch row b holds ``L = SEQLENS[b]`` keys, cut
-    into ``num_splits`` slices of whole BLOCK_N tiles (the last slices may be empty when L is short). A
+    query head ``kv_head * GROUP + r // N_q``. The cache of batch row b holds ``L = SEQLENS[b]`` keys (RAGGED;
+    otherwise every row holds ``L = N_max``), cut into ``num_splits`` slices of whole BLOCK_N tiles (the last slices may be empty when L is short). A
     row that sees no key of its slice stores O = 0 and lse = -inf, which weigh nothing in the merge.
 
     PDL (sm_90): the merge kernel, launched as this one's programmatic dependent, may start now; it waits for
@@ -121,7 +121,10 @@ def flash_decode_split_kernel(Q, K, V, O_PART, LSE_PART, SEQLENS,
     pid_bh = tl.program_id(1)
     b = pid_bh // H_kv
     hk = pid_bh % H_kv
-    L = tl.load(SEQLENS + b)
+    if RAGGED:
+        L = tl.load(SEQLENS + b)
+    else:  # a full cache: L is known here, so the first K/V loads wait for no load of L (a trip to DRAM)
+        L = N_max
 
     rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     g = rows // N_q
@@ -471,7 +474,7 @@ def _split_args(q, k_cache, v_cache, seqlens, scale, plan, direct=False):
         o_part = torch.empty((B, H, S, N_q, d), dtype=torch.float32, device=q.device)
         lse_part = torch.empty((B, H, S, N_q), dtype=torch.float32, device=q.device)
     args = (q, k_cache, v_cache, o_part, lse_part, seqlens, *q.stride(), *k_cache.stride(), *v_cache.stride(),
-            *o_part.stride(), *lse_part.stride(), H_kv, N_q, H // H_kv, S, scale * LOG2E)
+            *o_part.stride(), *lse_part.stride(), H_kv, N_q, H // H_kv, S, k_cache.shape[2], scale * LOG2E)
     return o_part, lse_part, (S, B * H_kv, plan["row_blocks"]), args
 
 
@@ -483,9 +486,11 @@ def _merge_args(o_part, lse_part, dtype):
     return o, lse, (B * H * N_q,), args
 
 
-def _split_meta(q, causal, plan):
+def _split_meta(q, causal, plan, ragged=True):
+    """The split kernel's constexprs. ``ragged``: each batch row's length is read from ``cache_seqlens``; False
+    (``cache_seqlens=None``): every row holds all N_max keys, which the kernel then takes from its arguments."""
     return dict(HEAD_DIM=q.shape[3], BLOCK_D=plan["block_d"], BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"],
-                CAUSAL=causal, DOT=ops._dot_mode(q.dtype), PDL=plan.get("pdl", False))
+                CAUSAL=causal, DOT=ops._dot_mode(q.dtype), PDL=plan.get("pdl", False), RAGGED=ragged)
 
 
 def _merge_meta(d, block_d, num_splits, pdl=False):
@@ -498,13 +503,14 @@ PDL = {"on": True}
 HAS_PDL = hasattr(tl.extra.cuda, "gdc_wait") and hasattr(tl.extra.cuda, "gdc_launch_dependents")
 
 
-def _split_forward(q, k_cache, v_cache, seqlens, causal, scale, plan, compiled=None, direct=False):
+def _split_forward(q, k_cache, v_cache, seqlens, causal, scale, plan, compiled=None, direct=False, ragged=True):
     """Kernel 1 alone: the partial outputs ``(B, H, num_splits, N_q, d)`` and their lse ``(B, H, num_splits,
     N_q)``, both fp32 (what the merge reads; the tests merge them with notebook 02's function too). A dict
     ``compiled`` receives the compiled kernel (on a GPU). ``direct`` (one split): the final ``o`` ``(B, H, N_q,
-    d)`` in q's dtype and ``lse`` ``(B, H, N_q)`` instead (see :func:`_split_args`)."""
+    d)`` in q's dtype and ``lse`` ``(B, H, N_q)`` instead (see :func:`_split_args`). ``ragged=False``: every
+    row's length is N_max (``seqlens`` is then not read, see :func:`_split_meta`)."""
     o_part, lse_part, grid, args = _split_args(q, k_cache, v_cache, seqlens, scale, plan, direct)
-    kernel = _launch_split(grid, args, _split_meta(q, causal, plan), plan, q.device)
+    kernel = _launch_split(grid, args, _split_meta(q, causal, plan, ragged), plan, q.device)
     if compiled is not None:
         compiled["split"] = kernel
     return (o_part.squeeze(2), lse_part.squeeze(2)) if direct else (o_part, lse_part)
@@ -585,7 +591,7 @@ class _Launch:
         if not self.direct:
             _, _, merge_grid, merge_args = _merge_args(o_part, lse_part, q.dtype)
             self.merge_tail, self.merge_grid = merge_args[4:], (*merge_grid, 1, 1)[:3]
-        split_meta = _split_meta(q, causal, plan)
+        split_meta = _split_meta(q, causal, plan, ragged=seqlens is None)  # seqlens: made for a full cache
         merge_meta = _merge_meta(d, plan["block_d"], S, plan.get("pdl", False))
         if INTERPRETED:  # the interpreter compiles nothing: launch through it again, with the same constexprs
             self.split = lambda args: flash_decode_split_kernel[self.grid](*args, **split_meta)
@@ -684,9 +690,11 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens=None, *, sm_scale=None, caus
     compiled = {}
     with torch.no_grad():
         if plan["num_splits"] == 1:  # one split holds every key: it writes O and lse itself, no merge
-            o, lse = _split_forward(q, k_cache, v_cache, seqlens, causal, scale, plan, compiled, direct=True)
+            o, lse = _split_forward(q, k_cache, v_cache, seqlens, causal, scale, plan, compiled, direct=True,
+                                    ragged=cache_seqlens is not None)
         else:
-            o_part, lse_part = _split_forward(q, k_cache, v_cache, seqlens, causal, scale, plan, compiled)
+            o_part, lse_part = _split_forward(q, k_cache, v_cache, seqlens, causal, scale, plan, compiled,
+                                              ragged=cache_seqlens is not None)
             o, lse = _merge(o_part, lse_part, q.dtype, plan["block_d"], compiled, plan.get("pdl", False))
     if key is not None and (INTERPRETED or None not in compiled.values()):
         if len(_LAUNCHES) >= _MAX_LAUNCHES:
@@ -860,10 +868,11 @@ def compile_kernels(capability: int, head_dim: int = 128, dtype: str = "float16"
     target = GPUTarget("cuda", capability, 32)
     out = {}
     for name, fn, types, strides, constexprs, options in (
-        ("split", flash_decode_split_kernel, [ptr] * 3 + ["*fp32", "*fp32", "*i32"] + ["i32"] * 25 + ["fp32"],
+        ("split", flash_decode_split_kernel, [ptr] * 3 + ["*fp32", "*fp32", "*i32"] + ["i32"] * 26 + ["fp32"],
          split_strides,
          dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=cfg["block_n"], CAUSAL=causal,
-              DOT=(DOT_IEEE if dtype == "float32" else DOT_NATIVE).value, PDL=capability >= 90 and HAS_PDL),
+              DOT=(DOT_IEEE if dtype == "float32" else DOT_NATIVE).value, PDL=capability >= 90 and HAS_PDL,
+              RAGGED=True),  # KVCache's kernel; a full cache's (False) differs only in where L comes from
          dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])),
         ("merge", flash_decode_merge_kernel, ["*fp32", "*fp32", ptr, "*fp32"] + ["i32"] * 16, merge_strides,
          dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=MERGE_SPLITS, PDL=capability >= 90 and HAS_PDL),
