@@ -22,9 +22,6 @@ def as_if_on_an_h100(monkeypatch):
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU machine the kernels want CUDA tensors
 
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU machine the kernels want CUDA tensors
-
-
 def _qkv(d, n=300):
     return [torch.zeros(1, 2, n, d, dtype=torch.float16, device=DEVICE) for _ in range(3)]
 
