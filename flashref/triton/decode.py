@@ -110,8 +110,9 @@ def flash_decode_split_kernel(Q, K, V, O_PART, LSE_PART, SEQLENS,
     """Program (split, b * H_kv + kv head, row block) writes the partial O (normalized, fp32) and lse
     (natural log, fp32) of its key slice for BLOCK_M packed rows of the group: row r is query ``r % N_q`` of
     query head ``kv_head * GROUP + r // N_q``. The cache of batch row b holds ``L = SEQLENS[b]`` keys (RAGGED;
-    otherwise every row holds ``L = N_max``), cut into ``num_splits`` slices of whole BLOCK_N tiles (the last slices may be empty when L is short). A
-    row that sees no key of its slice stores O = 0 and lse = -inf, which weigh nothing in the merge.
+    otherwise every row holds ``L = N_max``), cut into ``num_splits`` slices of whole BLOCK_N tiles (the last
+    slices may be empty when L is short). A row that sees no key of its slice stores O = 0 and lse = -inf,
+    which weigh nothing in the merge.
 
     PDL (sm_90): the merge kernel, launched as this one's programmatic dependent, may start now; it waits for
     this grid's writes before reading them (:func:`flash_decode_merge_kernel`)."""
