@@ -689,13 +689,14 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens=None, *, sm_scale=None, caus
                                    check_finite)
     plan = decode_plan(q, k_cache, num_splits)
     compiled = {}
+    ragged = cache_seqlens is not None  # else the kernel takes N_max as every row's length, reading none
     with torch.no_grad():
         if plan["num_splits"] == 1:  # one split holds every key: it writes O and lse itself, no merge
             o, lse = _split_forward(q, k_cache, v_cache, seqlens, causal, scale, plan, compiled, direct=True,
-                                    ragged=cache_seqlens is not None)
+                                    ragged=ragged)
         else:
             o_part, lse_part = _split_forward(q, k_cache, v_cache, seqlens, causal, scale, plan, compiled,
-                                              ragged=cache_seqlens is not None)
+                                              ragged=ragged)
             o, lse = _merge(o_part, lse_part, q.dtype, plan["block_d"], compiled, plan.get("pdl", False))
     if key is not None and (INTERPRETED or None not in compiled.values()):
         if len(_LAUNCHES) >= _MAX_LAUNCHES:
