@@ -68,15 +68,16 @@ def _plain(q, k, v, seqlens, causal):
     return torch.cat(out)
 
 
-def _check(B, H, H_kv, N_q, N_max, d, dtype, causal, num_splits=None, seqlens=None, seed=0, scale=1.0):
-    """flash_decode against the float64 reference. ``seqlens``: None draws a length per batch row; "full"
-    passes no cache_seqlens (every row holds all N_max keys, which the kernel knows without reading a length)."""
+def _check(B, H, H_kv, N_q, N_max, d, dtype, causal, num_splits=None, seqlens=None, seed=0, scale=1.0,
+           full_cache=False):
+    """flash_decode against the float64 reference. ``seqlens``: None draws a length per batch row.
+    ``full_cache``: every row holds all N_max keys and flash_decode gets no cache_seqlens (the kernel then knows
+    the length without reading it)."""
     q, k, v, _ = _inputs(B, H, H_kv, N_q, N_max, d, dtype, seed, scale)
-    full = isinstance(seqlens, str) and seqlens == "full"
-    if full:
+    if full_cache:
         seqlens = torch.full((B,), N_max, dtype=torch.int32, device=q.device)
     seqlens = _lengths(B, N_max, N_q, causal, seed) if seqlens is None else seqlens
-    o, lse = flash_decode(q, k, v, None if full else seqlens, causal=causal, num_splits=num_splits,
+    o, lse = flash_decode(q, k, v, None if full_cache else seqlens, causal=causal, num_splits=num_splits,
                           return_lse=True)
     assert o.shape == q.shape and o.dtype == q.dtype and lse.shape == q.shape[:3] and lse.dtype == torch.float32
     ref_o, ref_lse = _reference(q, k, v, seqlens, causal)
@@ -115,7 +116,7 @@ def test_matches_reference(N_q, N_max, causal, H_kv, num_splits, d, dtype):
 def test_a_full_cache_without_lengths(N_q, N_max, causal, num_splits, dtype):
     """cache_seqlens=None: every row's length is N_max, passed to the kernel as a number (no length is loaded
     before the first K/V tile), on the one-split kernel that writes its outputs and on the split-and-merge."""
-    _check(2, 4, 2, N_q, N_max, 16, dtype, causal, num_splits, seqlens="full")
+    _check(2, 4, 2, N_q, N_max, 16, dtype, causal, num_splits, full_cache=True)
 
 
 @pytest.mark.parametrize("H_kv", [4, 2, 1])
