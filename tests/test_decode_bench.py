@@ -155,3 +155,38 @@ def test_graph_time_is_the_kernels_time_without_the_host():
         return q * 2
 
     assert decode_bench.graph_time_us(not_capturable) is None
+
+
+def test_windows_are_taken_in_turn():
+    """Every implementation's later windows come in turn (A B C, A B C), after each has its first; one that
+    raises keeps what it has while the others go on."""
+    order, errors = [], []
+
+    def timer(name, fail_at=None):
+        def take():
+            order.append(name)
+            if fail_at is not None and order.count(name) == fail_at:
+                raise RuntimeError("out of memory")
+            return float(len(order))
+        return take
+
+    windows = {"a": [0.5], "b": [0.5], "c": [0.5]}
+    decode_bench.in_turn({"a": timer("a"), "b": timer("b", fail_at=1), "c": timer("c")}, windows, 3,
+                         on_error=lambda: errors.append(1))
+    assert order == ["a", "b", "c", "a", "b", "c"]
+    assert windows == {"a": [0.5, 1.0, 4.0], "b": [0.5, 5.0], "c": [0.5, 3.0, 6.0]} and errors == [1]
+    assert decode_bench.in_turn({"a": timer("a")}, {"a": [1.0]}, 1) == {"a": [1.0]}  # one round: the first only
+
+
+@pytest.mark.gpu
+def test_a_point_times_each_implementation_in_rounds():
+    """On the GPU: each row of a point that ran holds ROUNDS windows and their median as ``ms``; flash_decode gets
+    the dense cache, as the peers do, and agrees with them."""
+    import statistics
+
+    rows = list(decode_bench.measure_point(8, 1, 4096, 2, impls=["flashref-decode", "sdpa-cudnn", "sdpa-flash"]))
+    ran = [r for r in rows if r.get("status") == "ok"]
+    assert any(r["impl"] == "flashref-decode" for r in ran) and len(ran) >= 2
+    for r in ran:
+        assert len(r["ms_rounds"]) == decode_bench.ROUNDS and r["ms"] == statistics.median(r["ms_rounds"])
+        assert r.get("max_abs_diff_vs_decode", 0.0) < 1e-2

@@ -1,7 +1,7 @@
 """Decoding benchmark: flash-decoding (keys split across programs) against the unsplit kernel, flashref's
 forward kernel and PyTorch's attention backends, in one run (notebook ``13_beyond_one_gpu_and_decoding``).
 
-    python -m flashref.bench decode               # the grid below (an H100: about 3 minutes)
+    python -m flashref.bench decode               # the grid below (an H100: a few minutes)
     python -m flashref.bench decode --quick       # a smaller grid
     python -m flashref.bench decode --b 1 --impls sdpa-cudnn --num-splits 8 16 32 64 --out /tmp/splits.json
                                                   # flash_decode at fixed splits too: the data split_count needs
@@ -13,8 +13,8 @@ peak (:func:`peak_bandwidth`: 3.35 TB/s for an H100 SXM).
 
 Implementations, on the same inputs in the same run:
 
-- ``flashref-decode``: :func:`flashref.triton.decode.flash_decode`, the number of splits chosen from the SM
-  count (recorded as ``num_splits``);
+- ``flashref-decode``: :func:`flashref.triton.decode.flash_decode` on the dense cache (no ``cache_seqlens``, as
+  the peers get it), the number of splits chosen from the SM count (recorded as ``num_splits``);
 - ``flashref-decode num_splits=1``: the same kernel unsplit, the ablation: one program per (batch row, K/V
   head), as few as B * H_kv programs on 132 SMs;
 - ``flashref-triton``: :func:`flashref.triton.flash_attention_forward`, the training kernel, which gives one
@@ -28,8 +28,10 @@ Implementations, on the same inputs in the same run:
 Shapes: fp16, d = 128, H = 32 query heads on H_kv = 8 K/V heads (Llama-style grouped-query attention), and one
 multi-head point (H_kv = 32); N_q = 1 (decoding one token) and N_q = 16 (speculative decoding or chunked
 prefill; causal, aligned bottom-right: query i sees keys j <= N_k - 16 + i), N_k in {4K, 16K, 64K, 128K}, B in
-{1, 4, 16}. Times are medians of ``triton.testing.do_bench``, which clears the L2 cache before each call, so
-even a 16 MB cache is read from HBM; peak memory is ``torch.cuda.max_memory_allocated`` above the inputs'.
+{1, 4, 16}. Times are medians of :data:`ROUNDS` windows of ``triton.testing.do_bench`` per implementation, taken
+in turn (each window a median itself; all of them kept as ``ms_rounds``); ``do_bench`` clears the L2 cache before
+each call, so even a 16 MB cache is read from HBM; peak memory is ``torch.cuda.max_memory_allocated`` above the
+inputs'.
 Every row also holds the largest difference of its output from ``flashref-decode``'s. Out-of-memory is
 recorded as "OOM". Results go to ``book/data/decode_bench.json`` with the device, library versions and
 command; :func:`speedup_table` and :func:`plot` draw from that file (:func:`load_results`).
@@ -299,11 +301,37 @@ def host_time_us(fn, calls: int = 100) -> float:
     return elapsed / calls * 1e6
 
 
+#: ``do_bench`` windows per implementation and point, taken in turn (A, B, C, A, B, C, ...): every implementation
+#: is timed under the same drift of clocks and temperature, and the spread of its windows is recorded beside the
+#: median (``ms_rounds``), so that a difference smaller than that spread reads as the noise it is.
+ROUNDS = 3
+
+
+def in_turn(timers: dict, windows: dict, rounds: int, on_error=lambda: None) -> dict:
+    """Extend each implementation's list of ``windows`` (its first already taken) to ``rounds``, one more window of
+    each in turn: ``timers[impl]()`` takes one. One that raises (out of memory this time, say) keeps the windows it
+    has, and ``on_error`` runs; the others go on. Returns ``windows``."""
+    for _ in range(rounds - 1):
+        for impl, timer in timers.items():
+            try:
+                windows[impl].append(timer())
+            except Exception:  # noqa: BLE001
+                on_error()
+    return windows
+
+
 def measure_point(H_kv: int, N_q: int, N_k: int, B: int, impls=IMPLS, heads: int = H, d: int = D, peak_bw=DEFAULT_PEAK,
-                  splits=()):
+                  splits=(), rounds: int = ROUNDS):
     """The rows of one point, one per implementation and one per fixed number of ``splits`` (a failure, out of
-    memory included, is a row too)."""
+    memory included, is a row too). ``ms`` is the median of ``rounds`` do_bench windows per implementation, taken
+    in turn after every implementation has run once (``ms_rounds``: all of them). Every implementation gets the same
+    dense cache of N_k keys: flash_decode without ``cache_seqlens``, as SDPA gets it (a KV cache with lengths per
+    row, :class:`flashref.triton.decode.KVCache`'s call, reads each length first: 0.5-0.9 us more at B 16 with 4K
+    keys and at B 1, stop 64's A/B on the H100)."""
+    import statistics
+
     import torch
+    import triton
 
     from flashref.triton.decode import decode_plan
 
@@ -313,7 +341,6 @@ def measure_point(H_kv: int, N_q: int, N_k: int, B: int, impls=IMPLS, heads: int
     torch.cuda.empty_cache()
     try:
         q, k, v = _inputs(B, heads, H_kv, N_q, N_k, d)
-        seqlens = torch.full((B,), N_k, dtype=torch.int32, device=DEVICE)
         status = None
     except Exception as exc:  # noqa: BLE001 (recorded, the run goes on)
         status = _status(exc)
@@ -323,9 +350,10 @@ def measure_point(H_kv: int, N_q: int, N_k: int, B: int, impls=IMPLS, heads: int
             yield {**fields, "impl": impl, "status": status}
         return
     reference = None
-    fns = implementations(N_q, N_k, causal, seqlens, impls, splits)
+    fns = implementations(N_q, N_k, causal, None, impls, splits)
     with torch.no_grad():  # a discarded round first: the first timing on freshly written inputs ran slow (an
         _time(lambda: fns["flashref-decode"](q, k, v), False, None)  # H100: 3.25 ms, then 2.74 ms, same kernel)
+    rows, timed = [], {}  # timed: impl -> (fn, its do_bench windows) of those that ran
     for impl, fn in fns.items():
         row = {**fields, "impl": impl}
         if impl == "flashref-decode":
@@ -343,14 +371,26 @@ def measure_point(H_kv: int, N_q: int, N_k: int, B: int, impls=IMPLS, heads: int
                 ms, peak = _time(lambda: fn(q, k, v), False, None)  # features_bench's: peak, then do_bench
                 host_us = host_time_us(lambda: fn(q, k, v))
                 graph_us = graph_time_us(lambda: fn(q, k, v))
-            row.update(status="ok", ms=ms, gb_per_s=fields["bytes"] / (ms * 1e-3) / 1e9,
-                       bw_fraction=fields["bytes"] / (ms * 1e-3) / peak_bw, peak_extra_bytes=peak, host_us=host_us,
-                       graph_us=graph_us)
+            row.update(status="ok", peak_extra_bytes=peak, host_us=host_us, graph_us=graph_us)
+            timed[impl] = (fn, [ms])
         except Exception as exc:  # noqa: BLE001 (a backend that refuses, or OOM, is recorded)
             row["status"] = _status(exc)
         torch.cuda.empty_cache()
+        rows.append(row)
+    def window(fn):
+        with torch.no_grad(), getattr(fn, "backend", contextlib.nullcontext()):
+            return triton.testing.do_bench(lambda: fn(q, k, v), warmup=25, rep=100, return_mode="median")
+
+    in_turn({impl: (lambda fn=fn: window(fn)) for impl, (fn, _) in timed.items()},
+            {impl: windows for impl, (_, windows) in timed.items()}, rounds, on_error=torch.cuda.empty_cache)
+    for row in rows:
+        if row["impl"] in timed:
+            windows = timed[row["impl"]][1]
+            ms = statistics.median(windows)
+            row.update(ms=ms, ms_rounds=windows, gb_per_s=fields["bytes"] / (ms * 1e-3) / 1e9,
+                       bw_fraction=fields["bytes"] / (ms * 1e-3) / peak_bw)
         yield row
-    del q, k, v, reference
+    del q, k, v, reference, timed
     torch.cuda.empty_cache()
 
 
