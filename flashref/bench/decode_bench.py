@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import sys
 
 from flashref.bench import results
@@ -235,8 +236,9 @@ def split_impl(num_splits: int) -> str:
 def implementations(N_q: int, N_k: int, causal: bool, seqlens, impls=IMPLS, splits=()) -> dict:
     """``{name: fn(q, k, v) -> o}`` for the names in ``impls`` that apply (``sdpa causal_lower_right`` only
     when causal), then one :func:`split_impl` per number in ``splits``. SDPA's pinned backends get the bottom-right mask as a boolean ``attn_mask`` when causal; their
-    ``fn.backend`` is the ``sdpa_kernel`` context to call them in (entered once around the timing: entering
-    it costs tens of microseconds of host time, which would be charged to the backend, not its kernel)."""
+    ``fn.backend()`` makes the ``sdpa_kernel`` context to call them in (entered once around each timing window:
+    entering it costs tens of microseconds of host time, which would be charged to the backend, not its kernel;
+    a factory, since one such context can be entered only once)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -251,7 +253,7 @@ def implementations(N_q: int, N_k: int, causal: bool, seqlens, impls=IMPLS, spli
     def pinned(backend):
         def fn(q, k, v):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        fn.backend = sdpa_kernel(backend)  # entered around the timing, not inside each timed call
+        fn.backend = functools.partial(sdpa_kernel, backend)  # entered around a timing, not inside each call
         return fn
 
     def lower_right(q, k, v):
@@ -273,6 +275,11 @@ def implementations(N_q: int, N_k: int, causal: bool, seqlens, impls=IMPLS, spli
     for s in splits:
         chosen.setdefault(split_impl(s), split(s))
     return chosen
+
+
+def _backend(fn):
+    """A fresh context to call ``fn`` in: its pinned SDPA backend, or nothing."""
+    return fn.backend() if hasattr(fn, "backend") else contextlib.nullcontext()
 
 
 def _status(exc) -> str:
@@ -307,16 +314,16 @@ def host_time_us(fn, calls: int = 100) -> float:
 ROUNDS = 3
 
 
-def in_turn(timers: dict, windows: dict, rounds: int, on_error=lambda: None) -> dict:
+def in_turn(timers: dict, windows: dict, rounds: int, on_error=lambda impl, exc: None) -> dict:
     """Extend each implementation's list of ``windows`` (its first already taken) to ``rounds``, one more window of
     each in turn: ``timers[impl]()`` takes one. One that raises (out of memory this time, say) keeps the windows it
-    has, and ``on_error`` runs; the others go on. Returns ``windows``."""
+    has, and ``on_error(impl, exc)`` runs; the others go on. Returns ``windows``."""
     for _ in range(rounds - 1):
         for impl, timer in timers.items():
             try:
                 windows[impl].append(timer())
-            except Exception:  # noqa: BLE001
-                on_error()
+            except Exception as exc:  # noqa: BLE001
+                on_error(impl, exc)
     return windows
 
 
@@ -361,7 +368,7 @@ def measure_point(H_kv: int, N_q: int, N_k: int, B: int, impls=IMPLS, heads: int
         if impl.startswith("flashref-decode num_splits="):
             row["num_splits"] = int(impl.rsplit("=", 1)[1])
         try:
-            with torch.no_grad(), getattr(fn, "backend", contextlib.nullcontext()):
+            with torch.no_grad(), _backend(fn):
                 out = fn(q, k, v)  # compiles (and autotunes flashref-triton) outside the timing
                 if reference is None and impl == "flashref-decode":
                     reference = out
@@ -378,12 +385,20 @@ def measure_point(H_kv: int, N_q: int, N_k: int, B: int, impls=IMPLS, heads: int
         torch.cuda.empty_cache()
         rows.append(row)
     def window(fn):
-        with torch.no_grad(), getattr(fn, "backend", contextlib.nullcontext()):
+        with torch.no_grad(), _backend(fn):
             return triton.testing.do_bench(lambda: fn(q, k, v), warmup=25, rep=100, return_mode="median")
 
+    failed = {}  # impl -> the status of a later window that raised (its row keeps the windows it has)
+
+    def on_error(impl, exc):
+        failed[impl] = _status(exc)
+        torch.cuda.empty_cache()
+
     in_turn({impl: (lambda fn=fn: window(fn)) for impl, (fn, _) in timed.items()},
-            {impl: windows for impl, (_, windows) in timed.items()}, rounds, on_error=torch.cuda.empty_cache)
+            {impl: windows for impl, (_, windows) in timed.items()}, rounds, on_error=on_error)
     for row in rows:
+        if row["impl"] in failed:
+            row["rounds_status"] = failed[row["impl"]]
         if row["impl"] in timed:
             windows = timed[row["impl"]][1]
             ms = statistics.median(windows)
