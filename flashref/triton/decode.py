@@ -356,7 +356,8 @@ def decode_plan(q, k_cache, num_splits=None) -> dict:
 
 def _check_decode(q, k_cache, v_cache, cache_seqlens, causal, sm_scale, num_splits, return_lse, check_finite):
     """Shapes, dtypes and devices named as the caller named them (q, k_cache, v_cache, cache_seqlens), then
-    ops._check's device rules. Returns (scale, seqlens as int32 on q's device)."""
+    ops._check's device rules. Returns (scale, seqlens as int32 on q's device; with cache_seqlens=None a stand-in
+    the kernel never reads)."""
     named = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache))
     for name, x in named:
         if not isinstance(x, torch.Tensor):
@@ -402,7 +403,7 @@ def _check_decode(q, k_cache, v_cache, cache_seqlens, causal, sm_scale, num_spli
         if causal and N_q > N_max:
             raise ValueError(f"causal decoding needs at least N_q = {N_q} keys in the cache (query i sees keys "
                              f"j <= L - N_q + i), but k_cache holds N_max = {N_max}")
-        seqlens = torch.full((B,), N_max, dtype=torch.int32, device=q.device)
+        seqlens = ops._stand_ins(q.device)[3]  # never read: the kernel takes N_max as every row's length
     else:
         if not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dtype not in (torch.int32, torch.int64):
             got = type(cache_seqlens).__name__ if not isinstance(cache_seqlens, torch.Tensor) else \
@@ -576,7 +577,7 @@ class _Launch:
     when the call returns; the stream orders the next use of its memory after these kernels, as for any
     temporary tensor."""
 
-    def __init__(self, q, k_cache, v_cache, causal, scale, plan, compiled, seqlens):
+    def __init__(self, q, k_cache, v_cache, causal, scale, plan, compiled, ragged, seqlens):
         self.scale, self.plan, self.direct = scale, plan, plan["num_splits"] == 1
         self.dtype, self.device = q.dtype, q.device
         B, H, N_q, d = q.shape
@@ -592,7 +593,7 @@ class _Launch:
         if not self.direct:
             _, _, merge_grid, merge_args = _merge_args(o_part, lse_part, q.dtype)
             self.merge_tail, self.merge_grid = merge_args[4:], (*merge_grid, 1, 1)[:3]
-        split_meta = _split_meta(q, causal, plan, ragged=seqlens is None)  # seqlens: made for a full cache
+        split_meta = _split_meta(q, causal, plan, ragged)
         merge_meta = _merge_meta(d, plan["block_d"], S, plan.get("pdl", False))
         if INTERPRETED:  # the interpreter compiles nothing: launch through it again, with the same constexprs
             self.split = lambda args: flash_decode_split_kernel[self.grid](*args, **split_meta)
@@ -604,7 +605,7 @@ class _Launch:
             if not self.direct:
                 merge = compiled["merge"][self.merge_grid]
                 self.merge = lambda args: merge(*args, *merge_meta)
-        self.seqlens = seqlens  # the lengths made for cache_seqlens=None (constant: all N_max); else None
+        self.seqlens = seqlens  # cache_seqlens=None: the stand-in the kernel never reads; else None
 
     def parts(self, work):
         """The workspace's O parts, lse parts and lse: views of ``work`` under the interpreter (which reads
@@ -701,8 +702,8 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens=None, *, sm_scale=None, caus
     if key is not None and (INTERPRETED or None not in compiled.values()):
         if len(_LAUNCHES) >= _MAX_LAUNCHES:
             _LAUNCHES.clear()
-        _LAUNCHES[key] = _Launch(q, k_cache, v_cache, causal, scale, plan, compiled,
-                                 seqlens if cache_seqlens is None else None)
+        _LAUNCHES[key] = _Launch(q, k_cache, v_cache, causal, scale, plan, compiled, ragged,
+                                 None if ragged else seqlens)
     return (o, lse) if return_lse else o
 
 

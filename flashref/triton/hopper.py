@@ -64,6 +64,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashref import fp8
 from flashref.fp8 import FP8_MAX, FP8_Q_ROWS, Fp8Inputs, random_rotation  # noqa: F401 (public here too)
+from flashref.triton import relaunch
 from flashref.triton.forward import LN2, LOG2E, PHILOX_ROUNDS
 
 
@@ -1127,8 +1128,8 @@ def launch_forward(q, k, v, causal: bool, scale: float, cfg: dict, window=None, 
     drop = () if cfg["warp_specialize"] else dropout if dropout is not None else (0, 0, 1.0)
     listed = _list_args(q, lists)[0]
     win_left, win_right = window if window is not None else (0, 0)
-    kernel[grid](q_desc, k_desc, v_desc, o, lse, m2, l2, *scales, N_q, N_k, scale * LOG2E, win_left, win_right,
-                 *drop, *listed, **constexprs, **options)
+    relaunch.launch(kernel, grid, q_desc, k_desc, v_desc, o, lse, m2, l2, *scales, N_q, N_k, scale * LOG2E, win_left,
+                    win_right, *drop, *listed, **constexprs, **options)
     return o, lse, (m2, l2)
 
 

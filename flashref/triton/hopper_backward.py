@@ -36,7 +36,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from flashref.triton import hopper
+from flashref.triton import hopper, relaunch
 # The block-sparse lists' helpers live beside the forward, which walks them too.
 from flashref.triton.hopper import _list_args, _list_range, _listed_tiles_before, _tile_of, lists_fit  # noqa: F401
 from flashref.triton.forward import LOG2E
@@ -860,8 +860,8 @@ def _padded_stats(m2, l2, delta, n_pad: int):
     of it)."""
     B, H, N_q = m2.shape
     padded = torch.empty((2, B * H, n_pad), dtype=torch.float32, device=m2.device)
-    _padded_stats_kernel[(hopper.host_cdiv(n_pad, PADDED_STATS_BLOCK), B * H)](
-        m2.contiguous(), l2.contiguous(), delta.contiguous(), padded, N_q, n_pad, BLOCK=PADDED_STATS_BLOCK)
+    relaunch.launch(_padded_stats_kernel, (hopper.host_cdiv(n_pad, PADDED_STATS_BLOCK), B * H), m2.contiguous(),
+                    l2.contiguous(), delta.contiguous(), padded, N_q, n_pad, BLOCK=PADDED_STATS_BLOCK)
     return padded
 
 
@@ -950,14 +950,14 @@ def hopper_dkdv(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dic
         halves = dict(cfg, block_n=cfg["block_n"] // 2)  # each TMA copy of K or V is one consumer's rows
         meta = _meta(d, causal, cfg, window, slopes2, dropout,
                      hopper.keep_t_layout(halves["block_n"], cfg["block_m"], 4))
-        hopper_ws_bwd_dkdv_kernel[grid](*_descriptors(q, k, v, do, halves, shared=shared), *stat_descs, *args, **meta, MASKS=masks,
-                                        **list_meta, STATS=stats_tma, maxnreg=hopper.WS_MAXNREG)
+        relaunch.launch(hopper_ws_bwd_dkdv_kernel, grid, *_descriptors(q, k, v, do, halves, shared=shared), *stat_descs,
+                        *args, **meta, MASKS=masks, **list_meta, STATS=stats_tma, maxnreg=hopper.WS_MAXNREG)
     else:
         meta = _meta(d, causal, cfg, window, slopes2, dropout,
                      hopper.keep_t_layout(cfg["block_n"], cfg["block_m"], cfg["num_warps"]))
         cap = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}  # (168: three programs an SM)
-        hopper_bwd_dkdv_kernel[grid](*_descriptors(q, k, v, do, cfg, shared=shared), *stat_descs, *args, **meta, MASKS=masks,
-                                     **list_meta, STATS=stats_tma, **cap)
+        relaunch.launch(hopper_bwd_dkdv_kernel, grid, *_descriptors(q, k, v, do, cfg, shared=shared), *stat_descs,
+                        *args, **meta, MASKS=masks, **list_meta, STATS=stats_tma, **cap)
     return dk, dv
 
 
@@ -975,12 +975,12 @@ def hopper_dq(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dict 
     list_args, list_meta = _list_args(q, lists)
     dq = torch.empty((B, H, N_q, d), dtype=q.dtype, device=q.device)
     grid = (hopper.host_cdiv(N_q, cfg["block_m"]), B * H)
-    hopper_bwd_dq_kernel[grid](*_descriptors(q, k, v, do, cfg, shared=shared), dq, m2.contiguous(), l2.contiguous(), delta, N_q,
-                               k.shape[2], scale, scale * LOG2E, *_mod_args(q, window, slopes2), *_drop_args(dropout),
-                               *list_args,
-                               **_meta(d, causal, cfg, window, slopes2, dropout,
-                                       hopper.keep_layout(cfg["block_m"], cfg["block_n"], cfg["num_warps"])),
-                               **list_meta)
+    relaunch.launch(hopper_bwd_dq_kernel, grid, *_descriptors(q, k, v, do, cfg, shared=shared), dq, m2.contiguous(),
+                    l2.contiguous(), delta, N_q, k.shape[2], scale, scale * LOG2E, *_mod_args(q, window, slopes2),
+                    *_drop_args(dropout), *list_args,
+                    **_meta(d, causal, cfg, window, slopes2, dropout,
+                            hopper.keep_layout(cfg["block_m"], cfg["block_n"], cfg["num_warps"])),
+                    **list_meta)
     return dq
 
 

@@ -44,7 +44,7 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from flashref.triton import hopper, hopper_backward
+from flashref.triton import hopper, hopper_backward, relaunch
 from flashref.triton.forward import LOG2E
 from flashref.triton.hopper_backward import (_descriptors, _drop_args, _dropped_dp, _p_operand, _query_tiles,
                                              _row_view, _stat_descriptors, _store_dkdv, _wgmma_layout,
@@ -276,10 +276,10 @@ def hopper_fused_backward(q, k, v, do, m2, l2, delta, causal: bool, scale: float
     dq_desc = hopper.descriptor(dq32, (block_m, cols), hopper.shared_layout((block_m, cols), gl.float32))
     halves = dict(cfg, block_n=cfg["block_n"] // 2)  # each TMA copy of K or V is one consumer's rows
     grid = (hopper.host_cdiv(N_k, cfg["block_n"]), B * H)
-    hopper_fused_bwd_kernel[grid](*_descriptors(q, k, v, do, halves), *_stat_descriptors(m2, l2, delta, block_m),
-                                  dq_desc, dk, dv, N_q, N_k, scale, scale * LOG2E, *_drop_args(dropout), HEAD_D=d,
-                                  BLOCK_M=block_m, BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], CAUSAL=bool(causal),
-                                  SPLIT_COLS=bool(cfg["split_cols"]), DROPOUT=dropout is not None,
-                                  KEEP_LAYOUT=hopper.keep_t_layout(64, block_m, 4) if dropout is not None else None,
-                                  num_warps=4, maxnreg=hopper.WS_MAXNREG)
+    relaunch.launch(hopper_fused_bwd_kernel, grid, *_descriptors(q, k, v, do, halves),
+                    *_stat_descriptors(m2, l2, delta, block_m), dq_desc, dk, dv, N_q, N_k, scale, scale * LOG2E,
+                    *_drop_args(dropout), HEAD_D=d, BLOCK_M=block_m, BLOCK_N=cfg["block_n"], STAGES=cfg["stages"],
+                    CAUSAL=bool(causal), SPLIT_COLS=bool(cfg["split_cols"]), DROPOUT=dropout is not None,
+                    KEEP_LAYOUT=hopper.keep_t_layout(64, block_m, 4) if dropout is not None else None,
+                    num_warps=4, maxnreg=hopper.WS_MAXNREG)
     return dq32.view(B, H, N_q, d).to(q.dtype), dk, dv

@@ -28,7 +28,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from flashref.triton import hopper
+from flashref.triton import hopper, relaunch
 from flashref.triton.forward import LOG2E
 from flashref.triton.hopper_backward import (_descriptors, _query_tiles, _row_view, _stat_descriptors, _store_dkdv,
                                              _wgmma_layout, _ws_smem)
@@ -190,9 +190,8 @@ def hopper_wide_dkdv(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg
     dk = torch.empty((B, H, N_k, d), dtype=q.dtype, device=q.device)
     dv = torch.empty_like(dk)
     grid = (hopper.host_cdiv(N_k, cfg["block_n"]), B * H)
-    hopper_wide_bwd_dkdv_kernel[grid](*_descriptors(q, k, v, do, cfg, d // 2),
-                                      *_stat_descriptors(m2, l2, delta, cfg["block_m"]), dk, dv, N_q, N_k, scale,
-                                      scale * LOG2E, HEAD_D=d, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
-                                      STAGES=cfg["stages"], CAUSAL=bool(causal), num_warps=cfg["num_warps"],
-                                      maxnreg=hopper.WS_MAXNREG)
+    relaunch.launch(hopper_wide_bwd_dkdv_kernel, grid, *_descriptors(q, k, v, do, cfg, d // 2),
+                    *_stat_descriptors(m2, l2, delta, cfg["block_m"]), dk, dv, N_q, N_k, scale, scale * LOG2E,
+                    HEAD_D=d, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"],
+                    CAUSAL=bool(causal), num_warps=cfg["num_warps"], maxnreg=hopper.WS_MAXNREG)
     return dk, dv

@@ -17,7 +17,7 @@ import triton
 from triton.runtime.errors import OutOfResources
 
 from flashref import validation
-from flashref.triton import configs
+from flashref.triton import configs, relaunch
 from flashref.triton.backward import flash_bwd_dkdv_kernel, flash_bwd_dq_kernel, flash_bwd_preprocess_kernel
 from flashref.triton.forward import (DOT_FP64, DOT_IEEE, DOT_NATIVE, LOG2E, drop_threshold, dropout_mask_kernel,
                                       flash_fwd_kernel, visible_lists_kernel)
@@ -687,8 +687,8 @@ def _delta(o, do):
     """D = rowsum(dO * O), ``(B, H, N_q)`` in fp32: the preprocess kernel every backward starts with."""
     B, H, N_q, d = o.shape
     delta = torch.empty((B, H, N_q), dtype=torch.float32, device=o.device)
-    flash_bwd_preprocess_kernel[(_cdiv(N_q, PRE_M), B * H)](
-        o, do, delta, *_strides(o), *_strides(do), H, N_q, HEAD_DIM=d, BLOCK_D=max(16, _pow2(d)), BLOCK_M=PRE_M)
+    relaunch.launch(flash_bwd_preprocess_kernel, (_cdiv(N_q, PRE_M), B * H), o, do, delta, *_strides(o), *_strides(do),
+                    H, N_q, HEAD_DIM=d, BLOCK_D=max(16, _pow2(d)), BLOCK_M=PRE_M)
     return delta
 
 
