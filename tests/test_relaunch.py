@@ -29,14 +29,16 @@ class _Compiled:
 
 
 class _Kernel:
-    """A JIT function's stand-in with parameters (X, n, scale, BLOCK: constexpr, EVEN: constexpr = True): launching
-    it through "Triton" records the launch and returns the compiled stand-in."""
+    """A JIT function's stand-in with parameters (X, n, scale, BLOCK: constexpr, EVEN: constexpr = True), or with a
+    ``seed`` that Triton does not specialize on (``do_not_specialize``) after ``scale``: launching it through
+    "Triton" records the launch and returns the compiled stand-in."""
 
-    def __init__(self):
+    def __init__(self, seed=False):
         self.calls = []
         empty = inspect.Parameter.empty
-        self.params = [SimpleNamespace(name=name, default=default) for name, default in
-                       (("X", empty), ("n", empty), ("scale", empty), ("BLOCK", empty), ("EVEN", True))]
+        names = ("X", "n", "scale", *(("seed",) if seed else ()), "BLOCK")
+        self.params = [SimpleNamespace(name=name, default=empty, do_not_specialize=name == "seed") for name in names]
+        self.params.append(SimpleNamespace(name="EVEN", default=True, do_not_specialize=False))
         self.compiled = _Compiled(self.calls)
 
     def __getitem__(self, grid):
@@ -89,6 +91,16 @@ def test_what_can_change_the_specialization_makes_a_new_key(fast, change):
     assert _paths(kernel) == ["triton", "triton", "compiled"]
 
 
+def test_a_parameter_triton_does_not_specialize_is_keyed_by_its_width_only(fast):
+    """A dropout seed drawn anew at every call must not make a new key each time; its width (32 or 64 bits)
+    still does."""
+    kernel, x = _Kernel(seed=True), torch.zeros(64)
+    for seed in (7, 16, 1, 2**40, 2**41):
+        relaunch.launch(kernel, (1,), x, 64, 0.5, seed, BLOCK=32)
+    assert _paths(kernel) == ["triton", "compiled", "compiled", "triton", "compiled"]
+    assert kernel.calls[2] == ("compiled", (1, 1, 1), (x, 64, 0.5, 1, 32, True))
+
+
 def test_a_descriptor_is_keyed_by_its_tile_and_layout(fast):
     kernel, x = _Kernel(), torch.zeros(64, 16, dtype=torch.float16)
 
@@ -130,8 +142,9 @@ def test_under_the_interpreter_every_launch_goes_through_triton():
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["dense causal", "block mask", "dropout", "window", "atomic dQ", "d 256"])
 def test_relaunched_steps_give_the_bits_of_launches_through_triton(case, monkeypatch):
-    """Three training steps with the relaunches, against steps launched through Triton's dispatcher each time: the
-    same outputs and gradients, bit for bit, and the later steps took the compiled kernels directly."""
+    """Three training steps with the relaunches, against the same steps launched through Triton's dispatcher: the
+    same outputs and gradients, bit for bit, and the later steps took the compiled kernels directly (with dropout,
+    a new seed at each step, as a training loop draws them: one of them divisible by 16, one past 32 bits)."""
     from flashref import block_masks
     from flashref.triton import flash_attention
 
@@ -139,30 +152,32 @@ def test_relaunched_steps_give_the_bits_of_launches_through_triton(case, monkeyp
         pytest.skip("the Gluon kernels need an sm_90 GPU")
     kw = {"dense causal": dict(causal=True),
           "block mask": dict(block_mask=block_masks.sliding_window(3, window=2, device="cuda"), block_size=128),
-          "dropout": dict(dropout_p=0.1, seed=7), "window": dict(window_size=(40, 0)),
+          "dropout": dict(dropout_p=0.1), "window": dict(window_size=(40, 0)),
           "atomic dQ": dict(causal=True, deterministic=False), "d 256": dict(causal=True)}[case]
+    seeds = (7, 16, 2**40 + 3) if case == "dropout" else (None,) * 3
     d = 256 if case == "d 256" else 64
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (torch.randn(2, 3, 300, d, device="cuda", generator=g, dtype=torch.float16) for _ in range(4))
 
-    def step():
+    def step(seed):
         qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
-        o = flash_attention(qq, kk, vv, **kw)
+        o = flash_attention(qq, kk, vv, **kw, **({} if seed is None else {"seed": seed}))
         o.backward(do)
         return o, qq.grad, kk.grad, vv.grad
 
     monkeypatch.setattr(relaunch, "_FAST", {"on": False})
-    through_triton = step()
+    through_triton = [step(seed) for seed in seeds]
     monkeypatch.setattr(relaunch, "_FAST", {"on": True})
     monkeypatch.setattr(relaunch, "_RECIPES", {})
     compiled_calls = []
-    for i in range(3):
+    for i, seed in enumerate(seeds):
         if i == 1:  # count the launches that went to a compiled kernel
             monkeypatch.setattr(relaunch, "_RECIPES", {key: (_Counting(c, compiled_calls), tail)
                                                        for key, (c, tail) in relaunch._RECIPES.items()})
-        for name, got, want in zip(("o", "dq", "dk", "dv"), step(), through_triton):
+        for name, got, want in zip(("o", "dq", "dk", "dv"), step(seed), through_triton[i]):
             assert torch.equal(got, want), f"{name} differs at step {i}"
-    assert relaunch._FAST["on"] and len(compiled_calls) >= 2 * 3, compiled_calls
+    # the steps after the first relaunched their launches (with dropout, the seed past 32 bits is a new key)
+    assert relaunch._FAST["on"] and len(compiled_calls) >= (3 if case == "dropout" else 2 * 3), compiled_calls
 
 
 class _Counting:

@@ -22,6 +22,7 @@ import torch
 from flashref.triton import INTERPRETED
 
 _RECIPES: dict = {}
+_VALUED: dict = {}  # per kernel: for each parameter, whether Triton specializes on an integer's value
 _MAX_RECIPES = 512  # launch keys kept (a sweep over sequence lengths makes one per length and kernel)
 _FAST = {"on": not INTERPRETED}  # off for good if this Triton's compiled kernels refuse the arguments
 
@@ -30,13 +31,16 @@ class _Unkeyable(Exception):
     """An argument whose specialization :func:`_spec` cannot vouch for: such a launch goes through Triton."""
 
 
-def _spec(x):
+def _spec(x, valued: bool = True):
     """A key of everything Triton's specialization of ``x`` can depend on (more, where cheaper: an integer's
-    value rather than its divisibility by 16)."""
+    value rather than its divisibility by 16). ``valued=False``: a parameter Triton does not specialize on
+    (``do_not_specialize``, a dropout seed say): an integer then keys only the width Triton passes it in."""
     if isinstance(x, torch.Tensor):
         return x.dtype, x.data_ptr() % 16 == 0
     kind = type(x)
-    if kind is int or kind is bool:
+    if kind is int:
+        return (kind, x) if valued else (kind, -2**31 <= x < 2**31, x < 2**63)  # i32, i64 or u64
+    if kind is bool:
         return kind, x
     if kind is float:  # runtime floats are never specialized: every value takes the same kernel
         return kind
@@ -67,6 +71,14 @@ def _tail(kernel, n_args: int, meta: dict):
     return tuple(tail)
 
 
+def _valued(kernel) -> tuple:
+    """For each of the kernel's parameters, whether Triton specializes on its value (not ``do_not_specialize``)."""
+    valued = _VALUED.get(kernel)
+    if valued is None:
+        valued = _VALUED[kernel] = tuple(not getattr(p, "do_not_specialize", False) for p in kernel.params)
+    return valued
+
+
 def launch(kernel, grid: tuple, *args, **meta):
     """``kernel[grid](*args, **meta)``: the first launch of a key through Triton (which compiles the kernel if it
     must), the next ones straight to the kernel it compiled. ``args`` fill the kernel's first parameters in order;
@@ -75,9 +87,9 @@ def launch(kernel, grid: tuple, *args, **meta):
     if not _FAST["on"]:
         return kernel[grid](*args, **meta)
     try:
-        key = (kernel, torch.cuda.current_device(), tuple(map(_spec, args)), tuple(meta.items()))
+        key = (kernel, torch.cuda.current_device(), tuple(map(_spec, args, _valued(kernel))), tuple(meta.items()))
         recipe = _RECIPES.get(key)
-    except (_Unkeyable, TypeError):  # (TypeError: a value that cannot be hashed)
+    except (_Unkeyable, TypeError, AttributeError):  # (a value that cannot be hashed; a kernel without params)
         return kernel[grid](*args, **meta)
     if recipe is None:
         compiled = kernel[grid](*args, **meta)
