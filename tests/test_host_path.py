@@ -55,7 +55,7 @@ def launches(monkeypatch):
     monkeypatch.setattr(ops, "_hopper_refusal", lambda *args, **kwargs: None)
     monkeypatch.setattr(hopper, "supported", lambda q, k, v: None)
     monkeypatch.setattr(ops, "_dq_stream", lambda device: None)  # (a CUDA stream: none here)
-    for memo in ("_CHECKED", "_DISPATCH", "_MASKS_KEPT", "_LISTS_KEPT"):
+    for memo in ("_CHECKED", "_DISPATCH", "_MASKS_KEPT", "_LISTS_KEPT", "_PLANS"):
         monkeypatch.setattr(ops, memo, {})
     monkeypatch.setattr(hopper, "_DESCRIPTOR_TEMPLATES", {})
     return made
@@ -73,7 +73,7 @@ CASES = {
 def _step(q, k, v, do, **kw):
     for x in (q, k, v):
         x.grad = None
-    flash_attention(q, k, v, check_finite=False, **kw).backward(do)
+    flash_attention(q, k, v, **{"check_finite": False, **kw}).backward(do)
 
 
 def _inputs(N=512, d=64):
@@ -129,3 +129,98 @@ def test_a_second_step_checks_and_builds_nothing_again(launches, monkeypatch, ca
     before = dict(calls)
     _step(q, k, v, do, **CASES[case])
     assert calls == before
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_planned_step_launches_what_the_full_path_does(launches, monkeypatch, case):
+    """The second step of a signature runs its plan (ops.StepPlan) where the Gluon forward and two-kernel backward
+    run, and launches what the full path launches, argument for argument; atomic dQ (the one-kernel backward) keeps
+    the full path."""
+    planned = []
+    monkeypatch.setattr(ops.StepPlan, "forward", _recording(ops.StepPlan.forward, planned))
+    q, k, v, do = _inputs()
+    _step(q, k, v, do, **CASES[case])
+    launches.clear()
+    _step(q, k, v, do, **CASES[case])
+    with_plan = list(launches)
+    monkeypatch.setattr(ops, "_PLANS", {})
+    monkeypatch.setattr(ops, "_plan_key", lambda *args: None)  # every call on the full path
+    launches.clear()
+    _step(q, k, v, do, **CASES[case])
+    assert with_plan == launches
+    assert len(planned) == (0 if case == "atomic dQ" else 1)
+
+
+def _recording(fn, calls):
+    def recorded(*args, **kwargs):
+        calls.append(args)
+        return fn(*args, **kwargs)
+    return recorded
+
+
+def test_a_drawn_seed_is_drawn_once_a_call_as_on_the_full_path(launches, monkeypatch):
+    """With dropout and seed=None the plan draws the call's seed from torch's generator as the full path does: the
+    same seed after the same torch.manual_seed, so the same mask."""
+    q, k, v, do = _inputs()
+    runs = {}
+    for planned in (True, False):
+        if not planned:
+            monkeypatch.setattr(ops, "_plan_key", lambda *args: None)
+        _step(q, k, v, do, dropout_p=0.1)  # (the first call of the signature makes the plan)
+        launches.clear()
+        torch.manual_seed(5)
+        _step(q, k, v, do, dropout_p=0.1)
+        runs[planned] = list(launches)
+    assert runs[True] == runs[False]
+    seeds = {arg for _, _, args, _ in runs[True] for arg in args if isinstance(arg, int) and arg > 2**31}
+    assert len(seeds) == 1  # one seed, in every kernel of the step
+
+
+def test_a_mask_changed_in_place_or_replaced_gets_a_new_plan(launches):
+    q, k, v, do = _inputs()
+    mask = block_masks.sliding_window(4, window=2, device=DEVICE)
+    for _ in range(2):
+        _step(q, k, v, do, block_mask=mask)
+    (plan,) = [kept[1] for kept in ops._PLANS.values()]
+    mask[..., 3, 0] = True  # in place: its version moves on
+    _step(q, k, v, do, block_mask=mask)
+    other = block_masks.sliding_window(4, window=2, device=DEVICE)  # equal, but another tensor
+    _step(q, k, v, do, block_mask=other)
+    plans = [kept[1] for kept in ops._PLANS.values()]
+    assert len(plans) == 3 and plans.count(plan) == 1
+    del other
+    import gc
+
+    gc.collect()
+    assert len(ops._PLANS) == 2  # a mask's plans go with it
+
+
+def test_a_planned_call_still_checks_the_data_and_the_seed(launches):
+    q, k, v, do = _inputs()
+    for _ in range(2):
+        _step(q, k, v, do, causal=True, dropout_p=0.1, seed=3, check_finite=True)
+    assert [kept[1] for kept in ops._PLANS.values()][0].check_finite
+    bad = q.detach().clone()
+    bad[0, 0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="q"):
+        flash_attention(bad, k, v, causal=True, dropout_p=0.1, seed=3)
+    with pytest.raises(TypeError, match="seed must be None or an int"):
+        flash_attention(q, k, v, causal=True, dropout_p=0.1, seed=-1)
+    o = flash_attention(q, k, v, causal=True, dropout_p=0.1, seed=3)
+    with pytest.raises(ValueError, match="do"):
+        o.backward(torch.full_like(do, float("inf")))
+
+
+def test_a_non_contiguous_do_is_copied_as_the_full_path_copies_it(launches, monkeypatch):
+    """The plan makes a strided dO contiguous before its kernels read it (the full path copies it for the
+    descriptors only): the same kernels and tiles, dO's copy in place of dO in D's preprocess."""
+    q, k, v, do = _inputs()
+    strided = do.transpose(1, 2).contiguous().transpose(1, 2)
+    for _ in range(2):
+        launches.clear()
+        _step(q, k, v, strided, causal=True)
+    planned = list(launches)
+    monkeypatch.setattr(ops, "_plan_key", lambda *args: None)
+    launches.clear()
+    _step(q, k, v, do, causal=True)
+    assert planned == launches

@@ -101,8 +101,9 @@ def descriptor(x: torch.Tensor, block, layout) -> TensorDescriptor:
     makes one (pure Python, several microseconds, nine descriptors a training step). The first descriptor of a
     (shape, strides, dtype, block, layout) is made and validated that way and kept without its tensor; later
     ones copy it and set their tensor, after the one check that depends on the address (16-byte alignment: a
-    misaligned tensor goes through ``from_tensor``, which refuses it)."""
-    key = (x.shape, x.stride(), x.dtype, tuple(block), layout)
+    misaligned tensor goes through ``from_tensor``, which refuses it). The layout is keyed by its identity (hashing
+    a Gluon layout is pure Python too); its template holds it, so no other layout can take its id meanwhile."""
+    key = (x.shape, x.stride(), x.dtype, tuple(block), id(layout))
     template = _DESCRIPTOR_TEMPLATES.get(key)
     if template is None or x.data_ptr() % 16:
         made = TensorDescriptor.from_tensor(x, list(block), layout)
@@ -1108,29 +1109,45 @@ def launch_forward(q, k, v, causal: bool, scale: float, cfg: dict, window=None, 
     drop_below, keep_scale)`` as :meth:`flashref.triton.ops.Features.scalars` gives them, or None (with a
     ``cfg`` without warp specialization: :func:`dropout_config`'s is the measured one). ``lists``: (the
     visible-block lists of a block mask, :func:`flashref.triton.ops.visible_block_lists`'s; its block_size), or
-    None; with :func:`block_mask_config`'s ``cfg``."""
-    d = q.shape[3]
-    B, H, N_q, _ = q.shape
-    N_k = k.shape[2]
-    q_block, kv_block = _descriptor_blocks(cfg, d)
-    q2, k2, v2 = (x.contiguous().view(-1, d) for x in (q, k, v))
-    gdt = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
-    q_desc = descriptor(q2, q_block, shared_layout(q_block, gdt))
-    kv_lay = shared_layout(kv_block, gdt)
-    k_desc = descriptor(k2, kv_block, kv_lay)
-    v_desc = descriptor(v2, kv_block, kv_lay)
-    o = torch.empty((B, H, N_q, d), dtype=q.dtype, device=q.device)
-    lse, m2, l2 = torch.empty((3, B, H, N_q), dtype=torch.float32, device=q.device).unbind(0)
-    kernel, constexprs, options = kernel_and_constexprs(cfg, d, causal, window is not None, dropout is not None,
-                                                        None if lists is None else lists[1])
-    grid = (host_cdiv(N_q, cfg["block_m"]), B * H)
-    scales = (lse, lse, lse) if cfg["warp_specialize"] else ()  # FP8's scale pointers, unread here
-    drop = () if cfg["warp_specialize"] else dropout if dropout is not None else (0, 0, 1.0)
-    listed = _list_args(q, lists)[0]
-    win_left, win_right = window if window is not None else (0, 0)
-    relaunch.launch(kernel, grid, q_desc, k_desc, v_desc, o, lse, m2, l2, *scales, N_q, N_k, scale * LOG2E, win_left,
-                    win_right, *drop, *listed, **constexprs, **options)
-    return o, lse, (m2, l2)
+    None; with :func:`block_mask_config`'s ``cfg``. Returns ``(o, lse, (m2, l2))``."""
+    return ForwardLaunch(q, k, causal, scale, cfg, window, dropout is not None, lists)(q, k, v, dropout)
+
+
+class ForwardLaunch:
+    """The part of :func:`launch_forward` that depends only on the call's signature (shapes, dtype, switches, the
+    block mask), worked out once: the TMA boxes and layouts, the kernel, its constexprs, grid and fixed arguments.
+    Calling it allocates the outputs, makes the descriptors of this call's q, k, v and launches the kernel; a plan
+    of one call signature (:class:`flashref.triton.ops.StepPlan`) keeps it and calls it at every step."""
+
+    def __init__(self, q, k, causal: bool, scale: float, cfg: dict, window=None, dropout: bool = False, lists=None):
+        B, H, N_q, d = q.shape
+        N_k = k.shape[2]
+        self.d, self.o_shape, self.stats_shape = d, (B, H, N_q, d), (3, B, H, N_q)
+        self.q_block, self.kv_block = _descriptor_blocks(cfg, d)
+        gdt = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
+        self.q_layout, self.kv_layout = shared_layout(self.q_block, gdt), shared_layout(self.kv_block, gdt)
+        kernel, constexprs, options = kernel_and_constexprs(cfg, d, causal, window is not None, dropout,
+                                                            None if lists is None else lists[1])
+        self.launch = relaunch.Bound(kernel, (host_cdiv(N_q, cfg["block_m"]), B * H), **constexprs, **options)
+        self.warp_specialize = cfg["warp_specialize"]
+        win_left, win_right = window if window is not None else (0, 0)
+        self.fixed = (N_q, N_k, scale * LOG2E, win_left, win_right)
+        self.listed = _list_args(q, lists)[0]
+
+    def __call__(self, q, k, v, dropout=None):
+        """``(o, lse, (m2, l2))`` of this call's q, k, v (``dropout``: its ``(seed, drop_below, keep_scale)``, or
+        None without)."""
+        d = self.d
+        q2, k2, v2 = (x.contiguous().view(-1, d) for x in (q, k, v))
+        q_desc = descriptor(q2, self.q_block, self.q_layout)
+        k_desc = descriptor(k2, self.kv_block, self.kv_layout)
+        v_desc = descriptor(v2, self.kv_block, self.kv_layout)
+        o = torch.empty(self.o_shape, dtype=q.dtype, device=q.device)
+        lse, m2, l2 = torch.empty(self.stats_shape, dtype=torch.float32, device=q.device).unbind(0)
+        scales = (lse, lse, lse) if self.warp_specialize else ()  # FP8's scale pointers, unread here
+        drop = () if self.warp_specialize else dropout if dropout is not None else (0, 0, 1.0)
+        self.launch(q_desc, k_desc, v_desc, o, lse, m2, l2, *scales, *self.fixed, *drop, *self.listed)
+        return o, lse, (m2, l2)
 
 
 # ---- FP8: the numerics live in flashref.fp8; here, the fused quantizer and the kernel's launch ---------------

@@ -800,10 +800,11 @@ def _wide():
     return hopper_backward_wide
 
 
-def _check_plain(d: int, window, slopes2, dropout, lists) -> None:
-    """At the :data:`PLAIN_HEAD_DIMS` the kernels take top-left causal masking or none: a ValueError for the rest."""
-    used = [name for name, x in (("window", window), ("slopes2", slopes2), ("dropout", dropout), ("lists", lists))
-            if x is not None]
+def _check_plain(d: int, window, alibi: bool, dropout: bool, lists) -> None:
+    """At the :data:`PLAIN_HEAD_DIMS` the kernels take top-left causal masking or none: a ValueError for the rest
+    (``alibi`` and ``dropout``: whether the call brings slopes and dropout scalars)."""
+    used = [name for name, on in (("window", window is not None), ("slopes2", alibi), ("dropout", dropout),
+                                  ("lists", lists is not None)) if on]
     if d in PLAIN_HEAD_DIMS and used:
         raise ValueError(f"at head dim {d} the Gluon backward takes no {', '.join(used)} (head dims {HEAD_DIMS} do)")
 
@@ -881,11 +882,10 @@ def _padded_stats_kernel(M2, L2, Delta, ROWS, N_q, N_pad, BLOCK: tl.constexpr):
     tl.store(ROWS + tl.num_programs(1).to(tl.int64) * N_pad + dst, D, mask=i < N_pad)
 
 
-def _meta(d: int, causal: bool, cfg: dict, window, slopes2, dropout=None, keep_layout=None) -> dict:
+def _meta(d: int, causal: bool, cfg: dict, window, alibi: bool, dropout: bool = False, keep_layout=None) -> dict:
     return dict(HEAD_D=d, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"],
-                CAUSAL=bool(causal), WINDOW=window is not None, ALIBI=slopes2 is not None,
-                DROPOUT=dropout is not None, KEEP_LAYOUT=keep_layout if dropout is not None else None,
-                num_warps=cfg["num_warps"])
+                CAUSAL=bool(causal), WINDOW=window is not None, ALIBI=bool(alibi), DROPOUT=bool(dropout),
+                KEEP_LAYOUT=keep_layout if dropout else None, num_warps=cfg["num_warps"])
 
 
 def _mod_args(q, window, slopes2) -> tuple:
@@ -922,43 +922,70 @@ def hopper_dkdv(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dic
     ``stats_tma`` (default True): each query tile's lse2 and D come by TMA beside Q and dO; False loads them from
     global memory in the loop (the same bits). At head dim 256: :func:`flashref.triton.hopper_backward_wide.
     hopper_wide_dkdv`, with neither ``masks`` nor the modifications. ``shared``: as :func:`_descriptors` takes it."""
-    B, H, N_q, d = q.shape
-    N_k = k.shape[2]
-    _check_plain(d, window, slopes2, dropout, lists)
-    if d in PLAIN_HEAD_DIMS:
-        if masks is not None or not stats_tma:
-            raise ValueError(f"at head dim {d} the dK/dV kernel takes neither masks nor stats_tma=False")
-        return _wide().hopper_wide_dkdv(q, k, v, do, m2, l2, delta, causal, scale, cfg)
-    cfg = cfg or default_config(d, "dkdv", dropout is not None)
-    if masks not in (None, "every", "branch", "loops"):
-        raise ValueError(f"masks must be None, 'every', 'branch' or 'loops', got {masks!r}")
-    masks = masks or dkdv_masks(bool(cfg.get("warp_specialize")), window is not None, dropout is not None,
-                                lists is not None)
-    if lists is not None and masks == "loops" and cfg.get("warp_specialize"):
-        raise ValueError("masks='loops' with a block mask needs the one-warpgroup kernel: the warp-specialized one "
-                         "takes 'branch' or 'every'")
-    if lists is not None and not lists_fit(cfg, "dkdv", lists[1]):
-        raise ValueError(f"block_size {lists[1]} does not map onto the dK/dV tiles {cfg['block_n']} x {cfg['block_m']}")
-    list_args, list_meta = _list_args(q, lists)
-    dk = torch.empty((B, H, N_k, d), dtype=q.dtype, device=q.device)
-    dv = torch.empty_like(dk)
-    grid = (hopper.host_cdiv(N_k, cfg["block_n"]), B * H)
-    args = (dk, dv, m2.contiguous(), l2.contiguous(), delta, N_q, N_k, scale, scale * LOG2E,
-            *_mod_args(q, window, slopes2), *_drop_args(dropout), *list_args)
-    stat_descs = _stat_descriptors(m2, l2, delta, cfg["block_m"], stats_tma)
-    if cfg.get("warp_specialize"):
-        halves = dict(cfg, block_n=cfg["block_n"] // 2)  # each TMA copy of K or V is one consumer's rows
-        meta = _meta(d, causal, cfg, window, slopes2, dropout,
-                     hopper.keep_t_layout(halves["block_n"], cfg["block_m"], 4))
-        relaunch.launch(hopper_ws_bwd_dkdv_kernel, grid, *_descriptors(q, k, v, do, halves, shared=shared), *stat_descs,
-                        *args, **meta, MASKS=masks, **list_meta, STATS=stats_tma, maxnreg=hopper.WS_MAXNREG)
-    else:
-        meta = _meta(d, causal, cfg, window, slopes2, dropout,
-                     hopper.keep_t_layout(cfg["block_n"], cfg["block_m"], cfg["num_warps"]))
-        cap = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}  # (168: three programs an SM)
-        relaunch.launch(hopper_bwd_dkdv_kernel, grid, *_descriptors(q, k, v, do, cfg, shared=shared), *stat_descs,
-                        *args, **meta, MASKS=masks, **list_meta, STATS=stats_tma, **cap)
-    return dk, dv
+    launch = DkdvLaunch(q, k, causal, scale, cfg, window=window, alibi=slopes2 is not None,
+                        dropout=dropout is not None, masks=masks, lists=lists, stats_tma=stats_tma)
+    return launch(q, k, v, do, m2, l2, delta, slopes2=slopes2, dropout=dropout, shared=shared)
+
+
+class DkdvLaunch:
+    """The part of :func:`hopper_dkdv` that depends only on the call's signature, worked out once: the config, the
+    kernel and its constexprs, the grid, the fixed arguments. Calling it allocates dK and dV, pads the statistics,
+    makes the descriptors and launches; a plan of one call signature (:class:`flashref.triton.ops.StepPlan`) keeps
+    it. ``alibi`` and ``dropout`` say whether calls bring slopes and dropout scalars (their values come with each
+    call). At head dim 256 it calls :func:`flashref.triton.hopper_backward_wide.hopper_wide_dkdv`."""
+
+    def __init__(self, q, k, causal: bool, scale: float, cfg: dict | None = None, *, window=None, alibi=False,
+                 dropout=False, masks: str | None = None, lists=None, stats_tma: bool = True):
+        B, H, N_q, d = q.shape
+        N_k = k.shape[2]
+        _check_plain(d, window, alibi, dropout, lists)
+        self.wide = None
+        if d in PLAIN_HEAD_DIMS:
+            if masks is not None or not stats_tma:
+                raise ValueError(f"at head dim {d} the dK/dV kernel takes neither masks nor stats_tma=False")
+            self.wide = (causal, scale, cfg)
+            return
+        cfg = cfg or default_config(d, "dkdv", dropout)
+        if masks not in (None, "every", "branch", "loops"):
+            raise ValueError(f"masks must be None, 'every', 'branch' or 'loops', got {masks!r}")
+        masks = masks or dkdv_masks(bool(cfg.get("warp_specialize")), window is not None, dropout, lists is not None)
+        if lists is not None and masks == "loops" and cfg.get("warp_specialize"):
+            raise ValueError("masks='loops' with a block mask needs the one-warpgroup kernel: the warp-specialized one "
+                             "takes 'branch' or 'every'")
+        if lists is not None and not lists_fit(cfg, "dkdv", lists[1]):
+            raise ValueError(f"block_size {lists[1]} does not map onto the dK/dV tiles {cfg['block_n']} x "
+                             f"{cfg['block_m']}")
+        list_args, list_meta = _list_args(q, lists)
+        self.dk_shape, self.stats_tma, self.alibi, self.window = (B, H, N_k, d), stats_tma, alibi, window
+        self.fixed = (N_q, N_k, scale, scale * LOG2E)
+        self.mods = None if alibi else _mod_args(q, window, None)
+        self.list_args, self.block_m = list_args, cfg["block_m"]
+        grid = (hopper.host_cdiv(N_k, cfg["block_n"]), B * H)
+        if cfg.get("warp_specialize"):
+            self.tiles = dict(cfg, block_n=cfg["block_n"] // 2)  # each TMA copy of K or V is one consumer's rows
+            meta = _meta(d, causal, cfg, window, alibi, dropout,
+                         hopper.keep_t_layout(self.tiles["block_n"], cfg["block_m"], 4))
+            self.launch = relaunch.Bound(hopper_ws_bwd_dkdv_kernel, grid, **meta, MASKS=masks, **list_meta,
+                                         STATS=stats_tma, maxnreg=hopper.WS_MAXNREG)
+        else:
+            self.tiles = cfg
+            meta = _meta(d, causal, cfg, window, alibi, dropout,
+                         hopper.keep_t_layout(cfg["block_n"], cfg["block_m"], cfg["num_warps"]))
+            cap = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}  # (168: three programs an SM)
+            self.launch = relaunch.Bound(hopper_bwd_dkdv_kernel, grid, **meta, MASKS=masks, **list_meta,
+                                         STATS=stats_tma, **cap)
+
+    def __call__(self, q, k, v, do, m2, l2, delta, *, slopes2=None, dropout=None, shared: dict | None = None):
+        """(dk, dv) of this call (``slopes2``, ``dropout`` and ``shared`` as :func:`hopper_dkdv` takes them)."""
+        if self.wide is not None:
+            return _wide().hopper_wide_dkdv(q, k, v, do, m2, l2, delta, *self.wide)
+        dk = torch.empty(self.dk_shape, dtype=q.dtype, device=q.device)
+        dv = torch.empty_like(dk)
+        mods = self.mods if not self.alibi else _mod_args(q, self.window, slopes2)
+        stat_descs = _stat_descriptors(m2, l2, delta, self.block_m, self.stats_tma)
+        self.launch(*_descriptors(q, k, v, do, self.tiles, shared=shared), *stat_descs, dk, dv, m2.contiguous(),
+                    l2.contiguous(), delta, *self.fixed, *mods, *_drop_args(dropout), *self.list_args)
+        return dk, dv
 
 
 def hopper_dq(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dict | None = None, *, window=None,
@@ -967,21 +994,38 @@ def hopper_dq(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dict 
     ``window`` and ``slopes2`` as :func:`_mod_args` takes them; ``dropout`` as :func:`hopper_dkdv` takes it;
     ``lists``: a block mask, as ``(visible-block lists, block_size)``: only the visible key tiles are loaded.
     ``shared``: as :func:`_descriptors` takes it."""
-    B, H, N_q, d = q.shape
-    _check_plain(d, window, slopes2, dropout, lists)
-    cfg = cfg or default_config(d, "dq")
-    if lists is not None and not lists_fit(cfg, "dq", lists[1]):
-        raise ValueError(f"block_size {lists[1]} does not map onto the dQ tiles {cfg['block_m']} x {cfg['block_n']}")
-    list_args, list_meta = _list_args(q, lists)
-    dq = torch.empty((B, H, N_q, d), dtype=q.dtype, device=q.device)
-    grid = (hopper.host_cdiv(N_q, cfg["block_m"]), B * H)
-    relaunch.launch(hopper_bwd_dq_kernel, grid, *_descriptors(q, k, v, do, cfg, shared=shared), dq, m2.contiguous(),
-                    l2.contiguous(), delta, N_q, k.shape[2], scale, scale * LOG2E, *_mod_args(q, window, slopes2),
-                    *_drop_args(dropout), *list_args,
-                    **_meta(d, causal, cfg, window, slopes2, dropout,
-                            hopper.keep_layout(cfg["block_m"], cfg["block_n"], cfg["num_warps"])),
-                    **list_meta)
-    return dq
+    launch = DqLaunch(q, k, causal, scale, cfg, window=window, alibi=slopes2 is not None, dropout=dropout is not None,
+                      lists=lists)
+    return launch(q, k, v, do, m2, l2, delta, slopes2=slopes2, dropout=dropout, shared=shared)
+
+
+class DqLaunch:
+    """The part of :func:`hopper_dq` that depends only on the call's signature, worked out once (as
+    :class:`DkdvLaunch` for dK/dV). Calling it allocates dQ, makes the descriptors and launches."""
+
+    def __init__(self, q, k, causal: bool, scale: float, cfg: dict | None = None, *, window=None, alibi=False,
+                 dropout=False, lists=None):
+        B, H, N_q, d = q.shape
+        _check_plain(d, window, alibi, dropout, lists)
+        cfg = cfg or default_config(d, "dq")
+        if lists is not None and not lists_fit(cfg, "dq", lists[1]):
+            raise ValueError(f"block_size {lists[1]} does not map onto the dQ tiles {cfg['block_m']} x {cfg['block_n']}")
+        list_args, list_meta = _list_args(q, lists)
+        self.cfg, self.dq_shape, self.alibi, self.window, self.list_args = cfg, (B, H, N_q, d), alibi, window, list_args
+        self.fixed = (N_q, k.shape[2], scale, scale * LOG2E)
+        self.mods = None if alibi else _mod_args(q, window, None)
+        meta = _meta(d, causal, cfg, window, alibi, dropout,
+                     hopper.keep_layout(cfg["block_m"], cfg["block_n"], cfg["num_warps"]))
+        self.launch = relaunch.Bound(hopper_bwd_dq_kernel, (hopper.host_cdiv(N_q, cfg["block_m"]), B * H), **meta,
+                                     **list_meta)
+
+    def __call__(self, q, k, v, do, m2, l2, delta, *, slopes2=None, dropout=None, shared: dict | None = None):
+        """dq of this call (``slopes2``, ``dropout`` and ``shared`` as :func:`hopper_dq` takes them)."""
+        dq = torch.empty(self.dq_shape, dtype=q.dtype, device=q.device)
+        mods = self.mods if not self.alibi else _mod_args(q, self.window, slopes2)
+        self.launch(*_descriptors(q, k, v, do, self.cfg, shared=shared), dq, m2.contiguous(), l2.contiguous(), delta,
+                    *self.fixed, *mods, *_drop_args(dropout), *self.list_args)
+        return dq
 
 
 def hopper_backward(q, k, v, do, m2, l2, delta, causal: bool, scale: float, *, window=None, slopes2=None,

@@ -133,11 +133,7 @@ class Features:
                  window_size=(-1, -1), softcap=0.0, alibi_slopes=None, varlen=None, check_finite=True,
                  causal_align="top_left"):
         self.dropout_p = validation.check_dropout_p(dropout_p)
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
-            raise TypeError(f"seed must be None or an int in [0, 2**63), got {type(seed).__name__}: {seed!r}")
-        if self.dropout_p > 0.0 and seed is None:  # drawn from torch's generator, so torch.manual_seed rules it
-            seed = int(torch.randint(0, 2**62, (1,)).item())
-        self.seed = 0 if seed is None else seed
+        self.seed = _call_seed(seed, self.dropout_p)
         self.block_size = validation.check_block_size(block_size)
         B, H, N_q, _ = q.shape
         N_k = k.shape[2]
@@ -225,6 +221,16 @@ class Features:
         return dict(seed=self.seed, drop_below=drop_threshold(self.dropout_p), keep_scale=1.0 / (1.0 - self.dropout_p),
                     ALIBI_SLOPES=slopes, CU_Q=cu_q, CU_K=cu_k, stride_ab=slopes.stride(0), stride_ah=slopes.stride(1),
                     win_left=self.win_left, win_right=self.win_right, cap_in=self.cap_in, cap_out=self.cap_out)
+
+
+def _call_seed(seed, dropout_p: float) -> int:
+    """The dropout seed of a call: ``seed`` checked, or with ``seed=None`` and dropout one drawn from torch's
+    generator (so ``torch.manual_seed`` rules it); 0 without dropout."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+        raise TypeError(f"seed must be None or an int in [0, 2**63), got {type(seed).__name__}: {seed!r}")
+    if dropout_p > 0.0 and seed is None:
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+    return 0 if seed is None else seed
 
 
 def _kept_for(store: dict, given: torch.Tensor, key: tuple, make, most: int = 16):
@@ -633,16 +639,22 @@ def _gluon_forward_takes_block_mask(q, feat: Features) -> bool:
     return hopper.lists_fit(hopper.block_mask_config(q.shape[3], feat.block_size), "fwd", feat.block_size)
 
 
+def _hopper_forward(q, k, scale: float, feat: Features):
+    """The Gluon forward of this checked call's signature (:class:`flashref.triton.hopper.ForwardLaunch`): its tile
+    config as the measurements chose it for a block mask, dropout, or neither."""
+    hopper = _gluon_module("hopper")
+    if feat.block_mask is not None:  # the loop that walks the lists of visible blocks, as the teaching kernel's
+        cfg = hopper.block_mask_config(q.shape[3], feat.block_size)
+        return hopper.ForwardLaunch(q, k, feat.causal, scale, cfg, lists=(feat.args(q)[1], feat.block_size))
+    dropout = feat.dropout_p > 0.0
+    cfg = hopper.dropout_config(q.shape[3]) if dropout else hopper.default_config(q.shape[3])
+    window = (feat.win_left, feat.win_right) if feat.window else None
+    return hopper.ForwardLaunch(q, k, feat.causal, scale, cfg, window=window, dropout=dropout)
+
+
 def _forward(q, k, v, scale: float, feat: Features, kernel: str = "triton"):
     if _forward_kernel(q, k, v, feat, kernel) == "hopper":
-        hopper = _gluon_module("hopper")
-        window = (feat.win_left, feat.win_right) if feat.window else None
-        dropout = _dropout_scalars(feat)
-        if feat.block_mask is not None:  # the loop that walks the lists of visible blocks, as the teaching kernel's
-            cfg = hopper.block_mask_config(q.shape[3], feat.block_size)
-            return hopper.launch_forward(q, k, v, feat.causal, scale, cfg, lists=(feat.args(q)[1], feat.block_size))
-        cfg = hopper.dropout_config(q.shape[3]) if dropout is not None else hopper.default_config(q.shape[3])
-        return hopper.launch_forward(q, k, v, feat.causal, scale, cfg, window=window, dropout=dropout)
+        return _hopper_forward(q, k, scale, feat)(q, k, v, _dropout_scalars(feat))
     B, H, N_q, d = q.shape
     N_k = k.shape[2]
     # A packed batch's o takes q's layout, (total_q, H, d), through the same view the kernel gets.
@@ -683,13 +695,23 @@ def _group_split(group: int, programs: int, device) -> int:
 PRE_M = 16 if INTERPRETED else 64  # rows of D per program of the preprocess kernel
 
 
-def _delta(o, do):
-    """D = rowsum(dO * O), ``(B, H, N_q)`` in fp32: the preprocess kernel every backward starts with."""
+def _delta(o, do, launch=None):
+    """D = rowsum(dO * O), ``(B, H, N_q)`` in fp32: the preprocess kernel every backward starts with. ``launch``:
+    :func:`_delta_launch`'s for this signature (a plan's), else the kernel is launched through
+    :func:`flashref.triton.relaunch.launch`."""
     B, H, N_q, d = o.shape
     delta = torch.empty((B, H, N_q), dtype=torch.float32, device=o.device)
-    relaunch.launch(flash_bwd_preprocess_kernel, (_cdiv(N_q, PRE_M), B * H), o, do, delta, *_strides(o), *_strides(do),
-                    H, N_q, HEAD_DIM=d, BLOCK_D=max(16, _pow2(d)), BLOCK_M=PRE_M)
+    args = (o, do, delta, *_strides(o), *_strides(do), H, N_q)
+    if launch is None:
+        launch = _delta_launch(B, H, N_q, d)
+    launch(*args)
     return delta
+
+
+def _delta_launch(B: int, H: int, N_q: int, d: int) -> relaunch.Bound:
+    """The preprocess kernel's launch for o and dO of shape (B, H, N_q, d)."""
+    return relaunch.Bound(flash_bwd_preprocess_kernel, (_cdiv(N_q, PRE_M), B * H), HEAD_DIM=d,
+                          BLOCK_D=max(16, _pow2(d)), BLOCK_M=PRE_M)
 
 
 _BOTH = ("dq", "dkdv")
@@ -723,20 +745,16 @@ def _backward(q, k, v, o, stats, do, scale: float, deterministic: bool, feat: Fe
         here = torch.cuda.current_stream(q.device)
         side.wait_stream(here)
     if choice != "triton":
-        hopper = _gluon_module("hopper_backward")
-        mods = dict(window=(feat.win_left, feat.win_right) if feat.window else None, slopes2=feat.slopes2,
-                    dropout=_dropout_scalars(feat), shared={})  # shared: both kernels' TMA descriptors, made once
-        lists_dq = lists_dkdv = None
-        if feat.block_mask is not None:  # the visible-block lists of query blocks, and of key blocks (transposed)
-            lists_dq = (feat.args(q)[1], feat.block_size)
-            lists_dkdv = (feat.args(q, transposed=True)[1], feat.block_size)
+        dq_launch, dkdv_launch = _hopper_backward(q, k, scale, feat, want_dq, want_dkdv)
+        mods = dict(slopes2=feat.slopes2, dropout=_dropout_scalars(feat), shared={})  # shared: both kernels' TMA
+        # descriptors, made once
     else:  # the teaching kernels' arguments (the Gluon kernels take theirs in hopper_backward)
         meta = dict(HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=feat.causal, DOT=_dot_mode(q.dtype),
                     TUNE_N=_bucket(max(feat.rows_q, feat.rows_k)), GROUP=H // H_kv, **feat.scalars(), **feat.meta)
         common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
         tail = (H, N_q, N_k, scale, scale * LOG2E)
     if want_dq and choice == "hopper":
-        dq = hopper.hopper_dq(q, k, v, do, m2, l2, delta, feat.causal, scale, **mods, lists=lists_dq)  # (one stream)
+        dq = dq_launch(q, k, v, do, m2, l2, delta, **mods)  # (one stream)
     elif deterministic and want_dq:
         # Allocated here, on the caller's stream (so are the block lists), whichever stream the kernel runs on.
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -746,7 +764,7 @@ def _backward(q, k, v, o, stats, do, scale: float, deterministic: bool, feat: Fe
                     lists_q, *common, *_strides(dq), *bm_strides_q, *tail, **meta)
     if want_dkdv:
         if choice == "hopper":
-            dk, dv = hopper.hopper_dkdv(q, k, v, do, m2, l2, delta, feat.causal, scale, **mods, lists=lists_dkdv)
+            dk, dv = dkdv_launch(q, k, v, do, m2, l2, delta, **mods)
         else:
             # Atomic dQ accumulates in fp32 (O(N d) more memory); the deterministic path passes a 1-element
             # stand-in.
@@ -758,6 +776,22 @@ def _backward(q, k, v, o, stats, do, scale: float, deterministic: bool, feat: Fe
     if side is not None:
         here.wait_stream(side)  # what follows on this stream sees dQ
     return dq, dk, dv
+
+
+def _hopper_backward(q, k, scale: float, feat: Features, want_dq: bool = True, want_dkdv: bool = True):
+    """The Gluon dQ and dK/dV kernels of this checked call's signature (:class:`flashref.triton.hopper_backward.
+    DqLaunch` and :class:`~flashref.triton.hopper_backward.DkdvLaunch`; None for a part not wanted), at their
+    default tiles."""
+    backward = _gluon_module("hopper_backward")
+    mods = dict(window=(feat.win_left, feat.win_right) if feat.window else None, alibi=feat.slopes2 is not None,
+                dropout=feat.dropout_p > 0.0)
+    lists_dq = lists_dkdv = None
+    if feat.block_mask is not None:  # the visible-block lists of query blocks, and of key blocks (transposed)
+        lists_dq = (feat.args(q)[1], feat.block_size)
+        lists_dkdv = (feat.args(q, transposed=True)[1], feat.block_size)
+    dq = backward.DqLaunch(q, k, feat.causal, scale, **mods, lists=lists_dq) if want_dq else None
+    dkdv = backward.DkdvLaunch(q, k, feat.causal, scale, **mods, lists=lists_dkdv) if want_dkdv else None
+    return dq, dkdv
 
 
 def _dq_beside(feat: Features, choice: str) -> bool:
@@ -942,6 +976,138 @@ class FlashAttentionFunction(torch.autograd.Function):
         return dq, dk, dv, *(None,) * 13
 
 
+# ---- Step plans: a training loop's later calls on the Gluon path skip the host's work of the first ----------------
+#
+# On the H100 machine a forward + backward step of a sliding-window mask at B 4, H 16, N 4K, d 64 takes about 0.7 ms
+# of GPU time and took 1.0-1.2 ms of host time (its checks, the Features of the call, the dispatch, configs, meta
+# dicts, TMA descriptors, five launches through Triton, autograd): the host, not the GPU, set the step's time. A
+# loop calls with the same shapes, strides, dtypes and options at every step, so a plan made from the first call
+# keeps everything but the data, and the next calls only check the data (when check_finite), allocate, make their
+# descriptors and launch the kernels Triton compiled for the first.
+
+_PLANS: dict = {}
+_PLANS_MAX = 64
+
+
+class _NotPlanned(Exception):
+    """A call that does not run the Gluon forward and two-kernel backward: it keeps the full path."""
+
+
+def _plan_key(q, k, v, causal, sm_scale, deterministic, check_finite, dropout_p, seed, block_mask, block_size,
+              window_size, softcap, alibi_slopes, causal_align, kernel):
+    """Everything a call's checks, dispatch, kernels and Triton's specialization of their arguments depend on,
+    except the data: each tensor's shape, strides, dtype, device and 16-byte alignment, the options with their types
+    (``causal=1`` must not pass as ``True`` did), the block mask's identity and version; None for a call no plan
+    takes (ALiBi slopes are data; not plain tensors; unhashable options)."""
+    if alibi_slopes is not None or not (type(q) is type(k) is type(v) is torch.Tensor):
+        return None
+    try:
+        key = (*((x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0) for x in (q, k, v)),
+               torch.cuda.current_device() if q.is_cuda else None, type(causal), causal, type(sm_scale), sm_scale,
+               type(deterministic), deterministic, type(check_finite), check_finite, type(dropout_p), dropout_p,
+               seed is None, None if block_mask is None else (id(block_mask), block_mask._version),
+               type(block_size), block_size, type(window_size), window_size, type(softcap), softcap, causal_align,
+               kernel)
+        hash(key)
+    except (TypeError, RuntimeError, AttributeError):  # unhashable; no strides or address (a sparse tensor, say)
+        return None
+    return key
+
+
+def _planned(key, block_mask):
+    """The plan kept for ``key`` (None when there is none yet, False for a signature no plan takes)."""
+    kept = _PLANS.get(key)
+    if kept is None or (block_mask is not None and kept[0]() is not block_mask):
+        return None
+    return kept[1]
+
+
+def _keep_plan(key, block_mask, plan) -> None:
+    if len(_PLANS) >= _PLANS_MAX:
+        _PLANS.pop(next(iter(_PLANS)))  # the oldest
+    if block_mask is None:
+        _PLANS[key] = (None, plan)
+        return
+    _PLANS[key] = (weakref.ref(block_mask), plan)
+    weakref.finalize(block_mask, _PLANS.pop, key, None)  # forgotten with the mask
+
+
+def _int_width(n: int) -> int:
+    """How Triton passes an integer argument: 32, 64 bits, or unsigned 64."""
+    return 32 if -2**31 <= n < 2**31 else 64 if n < 2**63 else 65
+
+
+class StepPlan:
+    """The Gluon kernels of one call signature (:func:`_plan_key`), as :func:`flash_attention`'s first call of it
+    chose and configured them: the forward (:class:`flashref.triton.hopper.ForwardLaunch`), D's preprocess, dQ and
+    dK/dV (:class:`flashref.triton.hopper_backward.DqLaunch`, :class:`~flashref.triton.hopper_backward.DkdvLaunch`).
+    Made after that call succeeded, from the same arguments (its checks and dispatch answers are remembered by then);
+    raises :class:`_NotPlanned` for a call that runs other kernels."""
+
+    def __init__(self, q, k, v, causal, sm_scale, deterministic, check_finite, dropout_p, block_mask, block_size,
+                 window_size, softcap, causal_align, kernel):
+        _, scale = _check(q, k, v, causal, sm_scale, check_finite=False)
+        feat = Features(q, k, dropout_p, 0, block_mask, block_size, causal=causal, scale=scale,
+                        window_size=window_size, softcap=softcap, check_finite=False, causal_align=causal_align)
+        if (_forward_kernel(q, k, v, feat, kernel) != "hopper"
+                or _backward_kernel(q, k, v, feat, kernel, deterministic) != "hopper"):
+            raise _NotPlanned
+        B, H, N_q, d = q.shape
+        self.check_finite, self.dropout_p = check_finite, feat.dropout_p
+        scalars = feat.scalars()
+        self.drop = (scalars["drop_below"], scalars["keep_scale"]) if feat.dropout_p > 0.0 else None
+        self.seed_width = None  # the first planned call's (the compiled kernels take the seed in that width)
+        self.fwd = _hopper_forward(q, k, scale, feat)
+        self.delta = _delta_launch(B, H, N_q, d)
+        self.dq, self.dkdv = _hopper_backward(q, k, scale, feat)
+
+    def takes_seed(self, seed: int) -> bool:
+        """Whether this call's seed goes in the width the plan's kernels were launched with (a drawn seed is below
+        2**62: 64 bits but once in 2**31 draws)."""
+        if self.drop is None:
+            return True
+        if self.seed_width is None:
+            self.seed_width = _int_width(seed)
+        return _int_width(seed) == self.seed_width
+
+    def _dropout(self, seed):
+        return None if self.drop is None else (seed, *self.drop)
+
+    def forward(self, q, k, v, seed: int):
+        """``(o, lse, (m2, l2))``, as :func:`_forward`."""
+        if self.check_finite:
+            validation.check_finite({"q": q, "k": k, "v": v})
+        return self.fwd(q, k, v, self._dropout(seed))
+
+    def backward(self, q, k, v, o, m2, l2, do, seed: int):
+        """``(dq, dk, dv)``, as :func:`_backward`. dO is made contiguous and 16-byte aligned (a copy where it is
+        not) so that the kernels' arguments keep the specialization the plan's launches were compiled for."""
+        if self.check_finite:
+            validation.check_finite({"do (the gradient of o)": do})
+        if not do.is_contiguous() or do.data_ptr() % 16:
+            do = do.clone(memory_format=torch.contiguous_format)
+        delta = _delta(o, do, self.delta)
+        mods = dict(dropout=self._dropout(seed), shared={})  # shared: both kernels' TMA descriptors, made once
+        dq = self.dq(q, k, v, do, m2, l2, delta, **mods)
+        return (dq, *self.dkdv(q, k, v, do, m2, l2, delta, **mods))
+
+
+class _PlannedAttention(torch.autograd.Function):
+    """:class:`FlashAttentionFunction` for a call whose signature has a :class:`StepPlan`."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan: StepPlan, seed: int):
+        o, _, (m2, l2) = plan.forward(q, k, v, seed)
+        ctx.save_for_backward(q, k, v, o, m2, l2)
+        ctx.plan, ctx.seed = plan, seed
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, m2, l2 = ctx.saved_tensors
+        return (*ctx.plan.backward(q, k, v, o, m2, l2, do, ctx.seed), None, None)
+
+
 def flash_attention(q, k, v, causal=False, sm_scale=None, deterministic=True, *, dropout_p=0.0, seed=None,
                     block_mask=None, block_size=128, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                     check_finite=True, causal_align="top_left", kernel="auto"):
@@ -977,9 +1143,23 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, deterministic=True, *,
     ``deterministic=False``, the one-kernel Gluon backward where it applies).
     Notebooks ``07_triton_forward`` and ``08_triton_backward``.
     """
-    return FlashAttentionFunction.apply(q, k, v, causal, sm_scale, deterministic, check_finite, dropout_p, seed,
-                                        block_mask, block_size, window_size, softcap, alibi_slopes, causal_align,
-                                        kernel)
+    key = _plan_key(q, k, v, causal, sm_scale, deterministic, check_finite, dropout_p, seed, block_mask, block_size,
+                    window_size, softcap, alibi_slopes, causal_align, kernel)
+    plan = _planned(key, block_mask) if key is not None else None
+    if plan:  # a later call of a planned signature (see StepPlan)
+        seed = _call_seed(seed, plan.dropout_p)
+        if plan.takes_seed(seed):
+            return _PlannedAttention.apply(q, k, v, plan, seed)
+    o = FlashAttentionFunction.apply(q, k, v, causal, sm_scale, deterministic, check_finite, dropout_p, seed,
+                                     block_mask, block_size, window_size, softcap, alibi_slopes, causal_align, kernel)
+    if key is not None and plan is None:  # the first call of this signature, checked in full: plan the next ones
+        try:
+            plan = StepPlan(q, k, v, causal, sm_scale, deterministic, check_finite, dropout_p, block_mask, block_size,
+                            window_size, softcap, causal_align, kernel)
+        except _NotPlanned:
+            plan = False
+        _keep_plan(key, block_mask, plan)
+    return o
 
 
 def forward_kernel(q, k, v, causal=False, sm_scale=None, *, dropout_p=0.0, block_mask=None, block_size=128,

@@ -107,3 +107,29 @@ def launch(kernel, grid: tuple, *args, **meta):
         _RECIPES.clear()
         return kernel[grid](*args, **meta)
     return compiled
+
+
+class Bound:
+    """``kernel[grid](*args, **meta)`` for a caller that launches it again and again with arguments that Triton
+    specializes alike: the same dtypes, the same alignments, integers of the same values where Triton specializes
+    on them. The first launch goes through :func:`launch`; the next ones go straight to the kernel it compiled,
+    without keying the arguments at all. What a plan of one call signature holds (:class:`flashref.triton.ops.
+    StepPlan`), whose key vouches for the arguments."""
+
+    __slots__ = ("kernel", "grid", "meta", "runner", "tail")
+
+    def __init__(self, kernel, grid: tuple, **meta):
+        self.kernel, self.grid, self.meta, self.runner, self.tail = kernel, tuple(grid), meta, None, ()
+
+    def __call__(self, *args):
+        if self.runner is not None and _FAST["on"]:
+            try:
+                return self.runner(*args, *self.tail)
+            except TypeError:  # (as in launch: refused before launching)
+                _FAST["on"] = False
+                _RECIPES.clear()
+        compiled = launch(self.kernel, self.grid, *args, **self.meta)
+        tail = _tail(self.kernel, len(args), self.meta) if _FAST["on"] else None
+        if tail is not None and callable(getattr(compiled, "__getitem__", None)) and hasattr(compiled, "function"):
+            self.runner, self.tail = compiled[(*self.grid, 1, 1)[:3]], tail
+        return compiled
