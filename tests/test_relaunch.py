@@ -142,9 +142,10 @@ def test_under_the_interpreter_every_launch_goes_through_triton():
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["dense causal", "block mask", "dropout", "window", "atomic dQ", "d 256"])
 def test_relaunched_steps_give_the_bits_of_launches_through_triton(case, monkeypatch):
-    """Three training steps with the relaunches, against the same steps launched through Triton's dispatcher: the
-    same outputs and gradients, bit for bit, and the later steps took the compiled kernels directly (with dropout,
-    a new seed at each step, as a training loop draws them: one of them divisible by 16, one past 32 bits)."""
+    """Three training steps with the relaunches and the step plans, against the same steps launched through Triton's
+    dispatcher on the full path: the same outputs and gradients, bit for bit, and the later steps took the compiled
+    kernels directly (with dropout, a new seed at each step, as a training loop draws them: one of them divisible by
+    16, one past 32 bits, which the plan then leaves to the full path)."""
     from flashref import block_masks
     from flashref.triton import flash_attention
 
@@ -165,10 +166,17 @@ def test_relaunched_steps_give_the_bits_of_launches_through_triton(case, monkeyp
         o.backward(do)
         return o, qq.grad, kk.grad, vv.grad
 
-    monkeypatch.setattr(relaunch, "_FAST", {"on": False})
-    through_triton = [step(seed) for seed in seeds]
+    from flashref.triton import ops
+
+    with monkeypatch.context() as full_path:  # every launch through Triton, every call checked and planned anew
+        full_path.setattr(relaunch, "_FAST", {"on": False})
+        full_path.setattr(ops, "_plan_key", lambda *args: None)
+        through_triton = [step(seed) for seed in seeds]
     monkeypatch.setattr(relaunch, "_FAST", {"on": True})
     monkeypatch.setattr(relaunch, "_RECIPES", {})
+    monkeypatch.setattr(ops, "_PLANS", {})
+    planned = []
+    monkeypatch.setattr(ops.StepPlan, "forward", _counted(ops.StepPlan.forward, planned))
     compiled_calls = []
     for i, seed in enumerate(seeds):
         if i == 1:  # count the launches that went to a compiled kernel
@@ -176,8 +184,17 @@ def test_relaunched_steps_give_the_bits_of_launches_through_triton(case, monkeyp
                                                        for key, (c, tail) in relaunch._RECIPES.items()})
         for name, got, want in zip(("o", "dq", "dk", "dv"), step(seed), through_triton[i]):
             assert torch.equal(got, want), f"{name} differs at step {i}"
-    # the steps after the first relaunched their launches (with dropout, the seed past 32 bits is a new key)
+    # the steps after the first relaunched their launches (with dropout, the seed past 32 bits is a new key) and,
+    # but for the one-kernel backward of atomic dQ, went through the signature's plan (ops.StepPlan) from the second
     assert relaunch._FAST["on"] and len(compiled_calls) >= (3 if case == "dropout" else 2 * 3), compiled_calls
+    assert len(planned) == {"atomic dQ": 0, "dropout": 1}.get(case, 2), planned
+
+
+def _counted(fn, calls):
+    def counted(*args, **kwargs):
+        calls.append(args[1:])
+        return fn(*args, **kwargs)
+    return counted
 
 
 class _Counting:
