@@ -1141,6 +1141,9 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, deterministic=True, *,
     included, d = 64 or 128 with ``deterministic=True``, or 256 with causal masking or none; unlike the forward, they
     also take ``alibi_slopes``), the teaching backward everywhere else (:func:`backward_kernel` says which; with
     ``deterministic=False``, the one-kernel Gluon backward where it applies).
+    A training loop calls with the same shapes, strides, dtypes and options at every step: where the Gluon forward
+    and two-kernel backward run, the first call of such a signature is checked and dispatched in full and leaves a
+    plan (:class:`StepPlan`) that the later ones run, checking only their data (``check_finite``) and the seed.
     Notebooks ``07_triton_forward`` and ``08_triton_backward``.
     """
     key = _plan_key(q, k, v, causal, sm_scale, deterministic, check_finite, dropout_p, seed, block_mask, block_size,
