@@ -236,9 +236,10 @@ def split_impl(num_splits: int) -> str:
 def implementations(N_q: int, N_k: int, causal: bool, seqlens, impls=IMPLS, splits=()) -> dict:
     """``{name: fn(q, k, v) -> o}`` for the names in ``impls`` that apply (``sdpa causal_lower_right`` only
     when causal), then one :func:`split_impl` per number in ``splits``. SDPA's pinned backends get the
-    bottom-right mask as a boolean ``attn_mask`` when causal; their ``fn.backend()`` makes the ``sdpa_kernel`` context to call them in (entered once around each timing window:
-    entering it costs tens of microseconds of host time, which would be charged to the backend, not its kernel;
-    a factory, since one such context can be entered only once)."""
+    bottom-right mask as a boolean ``attn_mask`` when causal; their ``fn.backend()`` makes the ``sdpa_kernel``
+    context to call them in (entered once around each timing window: entering it costs tens of microseconds of
+    host time, which would be charged to the backend, not its kernel; a factory, since one such context can be
+    entered only once)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
