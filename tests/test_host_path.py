@@ -224,3 +224,21 @@ def test_a_non_contiguous_do_is_copied_as_the_full_path_copies_it(launches, monk
     launches.clear()
     _step(q, k, v, do, causal=True)
     assert planned == launches
+
+
+def test_the_host_benchmarks_switch_turns_plans_off_and_on(launches):
+    """python -m flashref.bench host compares steps with plans off and on (host_bench.plans): on, the second of
+    two steps goes through a StepPlan; off, no plan is made, and the steps launch as many kernels."""
+    from flashref.bench import host_bench
+
+    q, k, v, do = _inputs()
+    counts = {}
+    for on in (True, False):
+        with host_bench.plans(on):
+            for _ in range(2):
+                launches.clear()
+                _step(q, k, v, do, causal=True)
+            counts[on] = len(launches)
+            kept = [plan for _, plan in ops._PLANS.values()]
+            assert (len(kept) == 1 and isinstance(kept[0], ops.StepPlan)) if on else kept == []
+    assert counts[True] == counts[False] > 0
