@@ -64,3 +64,18 @@ def test_the_command_refuses_a_machine_without_a_hopper_gpu(capsys):
         pytest.skip("this machine has an sm_90 GPU: the command would measure")
     assert host_bench.main([]) == 2
     assert "needs an sm_90" in capsys.readouterr().err
+
+
+def test_the_committed_run_holds_every_case_with_plans_off_and_on():
+    """book/data/host_bench.json: each case and mode measured with plans off and on in every round, on the GPU the
+    file names, with its versions and command; and the table has a line for each."""
+    data = host_bench.load_results()
+    assert "H100" in data["device"] and data["versions"]["triton"] and data["command"].startswith(
+        "python -m flashref.bench host")
+    got = {(r["pattern"], r["B"], r["H"], r["N"], r["d"], r["mode"], r["plans"], r["round"])
+           for r in data["results"] if r["case"] == "host"}
+    want = {(*case, mode, on, rnd) for case in host_bench.CASES for mode in host_bench.MODES
+            for on in (False, True) for rnd in range(host_bench.ROUNDS)}
+    assert got == want
+    assert all(r["host_min_ms"] <= r["host_ms"] and r["ms"] > 0 for r in data["results"])
+    assert len(host_bench.table(data).splitlines()) == 1 + len(host_bench.CASES) * len(host_bench.MODES)
