@@ -270,6 +270,12 @@ def test_each_command_line_saves_the_schema_of_its_committed_file(fake_gpu, monk
     saved = results.load("model.json", out)
     assert set(saved) == _committed_keys("model_bench.json")
     assert saved["dtype"] == "bfloat16 autocast" and saved["results"] == [{"part": "compile", "attention": "sdpa"}]
+    monkeypatch.setattr(model_bench, "generate_cases", lambda *a: iter([{"part": "generate", "case": "speed"}]))
+    assert model_bench.main(["--out", out, "--parts", "generate", "--append"]) == 0
+    monkeypatch.setattr(model_bench, "compile_cases", lambda: iter([{"part": "compile", "attention": "flashref"}]))
+    assert model_bench.main(["--out", out, "--parts", "compile", "--append"]) == 0  # measured again: replaced
+    assert results.load("model.json", out)["results"] == [{"part": "generate", "case": "speed"},
+                                                          {"part": "compile", "attention": "flashref"}]
 
     monkeypatch.setattr(cupy_bench, "run", lambda **k: [row])
     out = str(tmp_path / "cupy.json")

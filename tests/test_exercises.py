@@ -333,6 +333,19 @@ def test_model_checkers_accept_right_answers_and_name_the_mistake():
         assert not verdict and words in repr(verdict), repr(verdict)
 
 
+def test_the_end_to_end_exercise_quotes_the_committed_model_run():
+    """SHARE, KERNEL_SPEEDUP and MEASURED are the committed run's figures at N = 4096, rounded as quoted."""
+    from flashref.bench import model_bench
+    from flashref.exercises import model as ex
+
+    rows = {r["attention"]: r for r in model_bench.rows(model_bench.load_results(), "speed", T=4096)
+            if "compiled" not in r}
+    plain, flashref = rows["plain"], rows["flashref"]
+    assert round(plain["attention_share"], 2) == ex.SHARE
+    assert round(plain["attention_gpu_us"] / flashref["attention_gpu_us"]) == ex.KERNEL_SPEEDUP
+    assert round(plain["total_gpu_us"] / flashref["total_gpu_us"], 2) == ex.MEASURED
+
+
 def test_causal_tile_rule_checker_accepts_the_kernels_rule_and_names_each_mistake():
     from flashref.exercises import cupy_kernels as ex
 

@@ -242,3 +242,35 @@ def test_the_host_benchmarks_switch_turns_plans_off_and_on(launches):
             kept = [plan for _, plan in ops._PLANS.values()]
             assert (len(kept) == 1 and isinstance(kept[0], ops.StepPlan)) if on else kept == []
     assert counts[True] == counts[False] > 0
+
+
+@pytest.mark.parametrize("planned", [False, True])
+def test_strided_q_k_v_take_the_gluon_kernels_through_one_copy_each(launches, monkeypatch, planned):
+    """q, k, v seen as (B, H, N, d) in a (B, N, 3, H, d) buffer, as a model's projection gives them: the Gluon
+    kernels run as for contiguous inputs (the same launches, argument for argument), the copies are made in the
+    forward and saved for the backward, which copies nothing more."""
+    q, k, v, do = _inputs()
+    qkv = torch.stack((q, k, v), dim=2).detach().transpose(1, 3).contiguous().transpose(1, 3)  # (B, H, 3, N, d) view
+    leaf = qkv.requires_grad_()
+    strided = [leaf[:, :, i] for i in range(3)]
+    assert not any(x.is_contiguous() for x in strided) and all(x.shape == q.shape for x in strided)
+    if not planned:
+        monkeypatch.setattr(ops, "_plan_key", lambda *args: None)
+    copies = []
+    contiguous = torch.Tensor.contiguous
+    monkeypatch.setattr(torch.Tensor, "contiguous", lambda self, *a, **kw: (
+        copies.append(tuple(self.shape)) if not self.is_contiguous(*a, **kw) else None) or contiguous(self, *a, **kw))
+    for _ in range(2):
+        launches.clear()
+        copies.clear()
+        leaf.grad = None
+        o = flash_attention(*strided, causal=True, check_finite=False)
+        assert all(x.is_contiguous() for x in o.grad_fn.saved_tensors[:3])
+        o.backward(do)
+    assert copies == [tuple(q.shape)] * 3  # q, k and v, once each: the backward copies none of them
+    assert leaf.grad is not None and leaf.grad.shape == qkv.shape
+    with_strides = list(launches)
+    monkeypatch.setattr(torch.Tensor, "contiguous", contiguous)
+    launches.clear()
+    _step(q, k, v, do, causal=True)
+    assert with_strides == launches

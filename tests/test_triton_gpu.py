@@ -232,7 +232,7 @@ def test_auto_takes_the_teaching_kernel_where_the_hopper_forward_cannot_run():
     teaching kernel's atomic dQ otherwise at those head dims, and the Gluon pair at d = 256. A window (or bottom-right causal) takes the Hopper forward and the
     Gluon backward, at d = 64 and 128; so does a block mask whose blocks hold their tiles whole. At d = 256 the
     Gluon backward runs with causal masking or none: a window, ALiBi or a block mask keeps the teaching one.
-    On any other GPU both say there is no sm_90."""
+    Strided q, k, v take the Gluon kernels (through contiguous copies). On any other GPU both say there is no sm_90."""
     from flashref.triton import backward_kernel, flash_attention, forward_kernel
 
     q, k, v, _ = make_qkv(1, 2, 300, 300, 128, torch.float16, "cuda", seed=5)
@@ -243,6 +243,8 @@ def test_auto_takes_the_teaching_kernel_where_the_hopper_forward_cannot_run():
         return
     assert forward_kernel(q, k, v) == "hopper" and backward_kernel(q, k, v) == "hopper"
     assert backward_kernel(q, k, v, deterministic=False) == "hopper-fused"
+    strided = q.transpose(1, 2).contiguous().transpose(1, 2)  # (B, N, H, d) seen as (B, H, N, d): copied, not refused
+    assert forward_kernel(strided, k, v) == "hopper" and backward_kernel(strided, k, v) == "hopper"
     assert backward_kernel(q, k, v, kernel="triton") == backward_kernel(q, k, v, False, kernel="triton") == "triton"
     q256 = torch.cat([q, q], -1)
     assert forward_kernel(q256, q256, q256) == "hopper" and backward_kernel(q256, q256, q256, True) == "hopper"
@@ -279,7 +281,6 @@ def test_auto_takes_the_teaching_kernel_where_the_hopper_forward_cannot_run():
     assert forward_kernel(q, k, v, block_mask=mask, dropout_p=0.1) == "triton"
     calls = {"softcap": ((q, k, v), dict(softcap=30.0)),
              "alibi_slopes": ((q, k, v), dict(alibi_slopes=slopes)),
-             "contiguous": ((q.transpose(1, 2).contiguous().transpose(1, 2), k, v), {}),
              "float16 or bfloat16": ((q.float(), k.float(), v.float()), {}),
              "head dim": (tuple(x[..., :96].contiguous() for x in (q, k, v)), {}),
              "grouped-query": ((q, k[:, :1], v[:, :1]), {})}
@@ -289,3 +290,33 @@ def test_auto_takes_the_teaching_kernel_where_the_hopper_forward_cannot_run():
         assert backward_kernel(*args, **kw) == ("hopper" if why in gluon_backward_takes else "triton"), why
         with pytest.raises(ValueError, match=why):
             flash_attention(*args, **kw, kernel="hopper")
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_strided_q_k_v_give_the_contiguous_inputs_results_bit_for_bit(d, causal):
+    """q, k, v as a model's projection gives them ((B, N, 3, H, d) seen as three (B, H, N, d) views) run the Gluon
+    kernels on contiguous copies: o and the gradients are those of contiguous inputs, bit for bit, on the full path
+    and on the planned steps after it; and within the tolerance rule of the float32 reference."""
+    from flashref.triton import flash_attention, forward_kernel
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernels run on an sm_90 GPU")
+    B, H, N = 2, 3, 333
+    g = torch.Generator(device="cuda").manual_seed(d + causal)
+    buf = torch.randn(B, N, 3, H, d, device="cuda", dtype=torch.float16, generator=g)
+    do = torch.randn(B, H, N, d, device="cuda", dtype=torch.float16, generator=g)
+    views = [buf[:, :, i].transpose(1, 2) for i in range(3)]
+    assert forward_kernel(*views, causal=causal) == "hopper" and not views[0].is_contiguous()
+    plain = [x.contiguous().requires_grad_() for x in views]
+    o_ref = flash_attention(*plain, causal=causal, check_finite=False)
+    o_ref.backward(do)
+    for _ in range(3):  # the first call takes the full path, the next ones its plan
+        leaf = buf.clone().requires_grad_()
+        qkv = [leaf[:, :, i].transpose(1, 2) for i in range(3)]
+        o = flash_attention(*qkv, causal=causal, check_finite=False)
+        o.backward(do)
+        assert torch.equal(o, o_ref)
+        for i, x in enumerate(plain):
+            assert torch.equal(leaf.grad[:, :, i].transpose(1, 2), x.grad)
+    _check(*views, do, causal, kernel="auto")

@@ -507,7 +507,8 @@ def main(argv=None) -> int:
     def show(r):
         print(json.dumps({k: v for k, v in r.items() if k not in ("loss", "val")})[:400], flush=True)
 
-    add = results.recorder(data, args.out, show=show, indent=None)  # saved after each row: a run cut short keeps it
+    # saved after each row (a run cut short keeps it); a part measured again replaces its rows in an appended file
+    add = results.recorder(data, args.out, show=show, indent=None, group=lambda row: row["part"])
     for name in args.parts:
         for r in cases[name]():
             add(r)

@@ -1009,7 +1009,8 @@ class DqLaunch:
         _check_plain(d, window, alibi, dropout, lists)
         cfg = cfg or default_config(d, "dq")
         if lists is not None and not lists_fit(cfg, "dq", lists[1]):
-            raise ValueError(f"block_size {lists[1]} does not map onto the dQ tiles {cfg['block_m']} x {cfg['block_n']}")
+            raise ValueError(f"block_size {lists[1]} does not map onto the dQ tiles "
+                             f"{cfg['block_m']} x {cfg['block_n']}")
         list_args, list_meta = _list_args(q, lists)
         self.cfg, self.dq_shape, self.alibi, self.window, self.list_args = cfg, (B, H, N_q, d), alibi, window, list_args
         self.fixed = (N_q, k.shape[2], scale, scale * LOG2E)

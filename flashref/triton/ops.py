@@ -490,7 +490,8 @@ def _hopper_refusal(q, k, v, feat: Features, backward: bool = False) -> str | No
     (where :func:`_gluon_forward_takes_block_mask` says so). ``backward``: the
     same for the Gluon backward kernels, which also take ALiBi (their statistics come from either forward), a
     window (``hopper_backward(window=)``; which of them a window uses is :func:`_backward_kernel`'s choice) and a
-    block mask (where :func:`_gluon_takes_block_mask` says so)."""
+    block mask (where :func:`_gluon_takes_block_mask` says so). Strided q, k, v are no reason: the Gluon kernels
+    read contiguous copies (:func:`_rows`)."""
     if INTERPRETED or not q.is_cuda:
         return "runs on an sm_90 GPU, not in Triton's CPU interpreter"
     if configs.device_capability(q.device) != 90:  # wgmma and setmaxnreg are sm_90a's
@@ -501,8 +502,6 @@ def _hopper_refusal(q, k, v, feat: Features, backward: bool = False) -> str | No
     features = [name for name, on in used if on]
     if features:
         return f"takes none of {', '.join(features)}"
-    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
-        return "needs contiguous q, k and v (its TMA copies read rows of the (B * H * N, d) matrices)"
     hopper = _gluon_module("hopper")
     if isinstance(hopper, ImportError):
         return f"needs Triton's Gluon with its Hopper ops, which this Triton {triton.__version__} lacks ({hopper})"
@@ -526,11 +525,9 @@ _DISPATCH_MAX = 128
 
 def _dispatch_key(q, k, v, feat: Features) -> tuple:
     """Everything of a checked call that :func:`_hopper_refusal` and :func:`_backward_kernel` read: shapes, dtype,
-    device, contiguity, and which features it uses (their values do not matter to the choice, only the block
-    size does)."""
-    return (q.shape, k.shape, v.shape, q.dtype, q.device, q.is_contiguous(), k.is_contiguous(), v.is_contiguous(),
-            feat.block_mask is not None, feat.block_size, feat.softcap, feat.slopes2 is not None,
-            feat.varlen is not None, feat.dropout_p > 0.0, feat.window, feat.causal)
+    device, and which features it uses (their values do not matter to the choice, only the block size does)."""
+    return (q.shape, k.shape, v.shape, q.dtype, q.device, feat.block_mask is not None, feat.block_size, feat.softcap,
+            feat.slopes2 is not None, feat.varlen is not None, feat.dropout_p > 0.0, feat.window, feat.causal)
 
 
 def _remembered(key: tuple, answer):
@@ -667,6 +664,14 @@ def _forward(q, k, v, scale: float, feat: Features, kernel: str = "triton"):
             **feat.scalars(), HEAD_DIM=d, BLOCK_D=max(16, _pow2(d)), CAUSAL=feat.causal,
             DOT=_dot_mode(q.dtype), **feat.meta)
     return o, lse, (m2, l2)
+
+
+def _rows(q, k, v):
+    """q, k and v as the Gluon kernels read them: contiguous, so that each is a (B * H * N, d) matrix whose rows
+    their TMA copies fetch. A strided one, such as the (B, N, H, d) buffer of a model's projection seen as
+    (B, H, N, d), is copied first: read and written once, O(N d) traffic beside the attention's O(N^2 d) work.
+    The copies are what the autograd Function saves, so the backward's kernels read them without copying again."""
+    return q.contiguous(), k.contiguous(), v.contiguous()
 
 
 def _dropout_scalars(feat: Features):
@@ -961,6 +966,8 @@ class FlashAttentionFunction(torch.autograd.Function):
         feat = Features(q, k, dropout_p, seed, block_mask, block_size, causal=causal, scale=scale,
                         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, check_finite=check_finite,
                         causal_align=causal_align)
+        if _forward_kernel(q, k, v, feat, kernel) == "hopper":
+            q, k, v = _rows(q, k, v)  # copied here once where strided, for the forward's and the backward's kernels
         o, _, (m2, l2) = _forward(q, k, v, scale, feat, kernel)
         ctx.save_for_backward(q, k, v, o, m2, l2)
         ctx.sm_scale, ctx.deterministic, ctx.check_finite, ctx.kernel = scale, deterministic, check_finite, kernel
@@ -1097,6 +1104,7 @@ class _PlannedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, plan: StepPlan, seed: int):
+        q, k, v = _rows(q, k, v)
         o, _, (m2, l2) = plan.forward(q, k, v, seed)
         ctx.save_for_backward(q, k, v, o, m2, l2)
         ctx.plan, ctx.seed = plan, seed
@@ -1133,14 +1141,15 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, deterministic=True, *,
     ``kernel`` (default ``"auto"``): which forward runs. ``"triton"`` is the teaching kernel of notebook
     ``07_triton_forward``, on every GPU and in the CPU interpreter. ``"hopper"`` is the Gluon forward of notebook
     ``14_flashattention3_on_hopper`` (:mod:`flashref.triton.hopper`): an sm_90 GPU, fp16 or bf16, d in 64, 128, 256,
-    contiguous q, k, v with as many heads, none of the features below but a window or (at d = 64 and 128, without a
-    window) dropout; a call it cannot take is a ``ValueError`` saying why. ``"auto"`` takes the Hopper forward where
-    it can and the teaching kernel everywhere else (:func:`forward_kernel` says which). Both give the same o, lse
-    and row statistics. The backward follows: under ``"auto"`` and ``"hopper"`` the Gluon dK/dV and dQ kernels of
-    :mod:`flashref.triton.hopper_backward` run wherever they can (the Hopper forward's conditions, dropout's
-    included, d = 64 or 128 with ``deterministic=True``, or 256 with causal masking or none; unlike the forward, they
-    also take ``alibi_slopes``), the teaching backward everywhere else (:func:`backward_kernel` says which; with
-    ``deterministic=False``, the one-kernel Gluon backward where it applies).
+    q, k, v with as many heads (strided ones are copied to contiguous ones first), none of the features below but a
+    window or (at d = 64 and 128, without a window) dropout; a call it cannot take is a ``ValueError`` saying why.
+    ``"auto"`` takes the Hopper forward where it can and the teaching kernel everywhere else (:func:`forward_kernel`
+    says which). Both give the same o, lse and row statistics. The backward follows: under ``"auto"`` and
+    ``"hopper"`` the Gluon dK/dV and dQ kernels of :mod:`flashref.triton.hopper_backward` run wherever they can (the
+    Hopper forward's conditions, dropout's included, d = 64 or 128 with ``deterministic=True``, or 256 with causal
+    masking or none; unlike the forward, they also take ``alibi_slopes``), the teaching backward everywhere else
+    (:func:`backward_kernel` says which; with ``deterministic=False``, the one-kernel Gluon backward where it
+    applies).
     A training loop calls with the same shapes, strides, dtypes and options at every step: where the Gluon forward
     and two-kernel backward run, the first call of such a signature is checked and dispatched in full and leaves a
     plan (:class:`StepPlan`) that the later ones run, checking only their data (``check_finite``) and the seed.
