@@ -65,6 +65,7 @@ def test_peak_bandwidth_by_name():
     assert peak_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12
     assert peak_bandwidth("NVIDIA H100 PCIe") == 2.0e12
     assert peak_bandwidth("NVIDIA H200") == 4.8e12
+    assert peak_bandwidth("NVIDIA GH200 480GB") == 4.0e12  # contains "H200": the longer key must win
     assert peak_bandwidth("Tesla T4") == 0.32e12
     assert peak_bandwidth("some future GPU") == decode_bench.DEFAULT_PEAK
 
@@ -207,3 +208,40 @@ def test_a_point_times_each_implementation_in_rounds():
         assert "rounds_status" not in r, r["rounds_status"]
         assert len(r["ms_rounds"]) == decode_bench.ROUNDS and r["ms"] == statistics.median(r["ms_rounds"])
         assert r.get("max_abs_diff_vs_decode", 0.0) < 1e-2
+
+
+def test_append_replaces_a_point_measured_again(monkeypatch, tmp_path):
+    import torch
+
+    from flashref.bench import results
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    calls, stamps = [], iter(range(1, 1000))
+
+    def fake_point(H_kv, N_q, N_k, B, impls, peak_bw=None, splits=()):
+        calls.append((H_kv, N_q, N_k, B))
+        for impl in impls:
+            yield dict(case="decode", impl=impl, B=B, H=32, H_kv=H_kv, N_q=N_q, N_k=N_k, d=128, causal=False,
+                       bytes=1, status="ok", ms=float(next(stamps)), gb_per_s=1.0, bw_fraction=0.5,
+                       peak_extra_bytes=0)
+
+    monkeypatch.setattr(decode_bench, "measure_point", fake_point)
+    out = str(tmp_path / "decode.json")
+    assert decode_bench.main(["--out", out, "--n-k", "4096", "16384", "--b", "1", "--impls", "sdpa-cudnn"]) == 0
+    first = results.load("decode.json", out)["results"]
+    calls.clear()
+    assert decode_bench.main(["--out", out, "--n-k", "4096", "--b", "1", "4", "--impls", "sdpa-cudnn", "--append"]) == 0
+    saved = results.load("decode.json", out)["results"]
+    keys = [decode_bench.point_key(r) for r in saved]
+    assert len(keys) == len(set(keys))  # no point twice
+    again = {decode_bench.point_key(r): r["ms"] for r in saved}
+    kept = {decode_bench.point_key(r): r["ms"] for r in first}
+    measured_again = {(H_kv, N_q, N_k, B) for H_kv, N_q, N_k, B in calls}
+    assert measured_again and set(kept) - {k for k in kept if k[:4] in measured_again}  # some of each
+    for key, ms in kept.items():
+        if key[:4] in measured_again:
+            assert again[key] != ms  # measured again: the new row
+        else:
+            assert again[key] == ms  # not measured again: kept as it was
+    assert set(again) > set(kept)  # new points (B 4): added

@@ -58,9 +58,10 @@ QUICK_BATCHES = (1, 16)
 #: the multi-head point: (H_kv, N_q, N_k, B)
 MHA_POINT = (32, 1, 16384, 4)
 
-#: Peak HBM bandwidth in bytes/s by device name (the first key the name contains), from the vendors' data
-#: sheets; :data:`DEFAULT_PEAK` (an H100 SXM) for a name not listed.
-PEAKS = {"H100 PCIe": 2.0e12, "H100 NVL": 3.9e12, "H100": 3.35e12, "H200": 4.8e12, "GH200": 4.0e12,
+#: Peak HBM bandwidth in bytes/s by device name (the first key the name contains, so a longer name that
+#: contains a shorter one comes first: "GH200" before "H200"), from the vendors' data sheets;
+#: :data:`DEFAULT_PEAK` (an H100 SXM) for a name not listed.
+PEAKS = {"H100 PCIe": 2.0e12, "H100 NVL": 3.9e12, "H100": 3.35e12, "GH200": 4.0e12, "H200": 4.8e12,
          "A100-SXM4-80GB": 2.039e12, "A100 80GB PCIe": 1.935e12, "A100": 1.555e12, "L4": 0.3e12, "T4": 0.32e12}
 DEFAULT_PEAK = 3.35e12
 DEVICE = "cuda"
@@ -421,6 +422,12 @@ def describe(r) -> str:
             f"graph {r.get('graph_us') if r.get('graph_us') is not None else float('nan'):7.1f} us{splits}")
 
 
+def point_key(row) -> tuple:
+    """What a row measures: its point and implementation. With ``--append``, a row measured again replaces the
+    saved one of the same key (a point timed again after a noisy window), and new keys are added."""
+    return row["H_kv"], row["N_q"], row["N_k"], row["B"], row["impl"]
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m flashref.bench decode", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -433,7 +440,8 @@ def parse_args(argv=None):
     p.add_argument("--num-splits", nargs="+", type=int, default=[], metavar="S",
                    help="also time flash_decode with each fixed number of splits (a sweep for split_count)")
     p.add_argument("--append", action="store_true",
-                   help="add to the rows already in --out (a run split over several calls; same GPU and versions)")
+                   help="add to the rows already in --out (a run split over several calls; same GPU and versions); "
+                        "a point and implementation measured again replaces its saved row")
     args = p.parse_args(argv)
     if any(s < 1 for s in args.num_splits):
         p.error(f"--num-splits must be positive, got {args.num_splits}")
@@ -455,7 +463,7 @@ def main(argv=None) -> int:
     peak = peak_bandwidth(device)
     data = results.start(args.out if args.append else None, device, results.versions(),
                          results.command("decode", argv), dtype="float16", peak_bytes_per_s=peak)
-    add = results.recorder(data, args.out, show=lambda r: tqdm.write(describe(r)))
+    add = results.recorder(data, args.out, show=lambda r: tqdm.write(describe(r)), group=point_key)
     grid = points(args.quick, args.n_k, args.b)
     for h_kv, n_q, n_k, b in tqdm(grid, desc="decode bench"):
         for row in measure_point(h_kv, n_q, n_k, b, args.impls, peak_bw=peak, splits=args.num_splits):

@@ -234,14 +234,18 @@ def flash_decode_merge_kernel(O_PART, LSE_PART, O, LSE,
 # --------------------------------------------------------------------------------------------------
 
 # The split kernel's candidate configs (block_n, num_warps, num_stages), best first, for head dims up to 64,
-# 128 and 256: about 16 KB a K tile, so K and V in 3 stages leave room for two programs an SM on an H100.
+# 128 and 256: about 16 KB a K tile (32 KB at d = 128 where it fits), K and V in 3 stages. On a
 # T4 (no asynchronous copies, 64 KB): smaller tiles, 2 stages. Swept at d = 128 where the keys take one split
 # (H100, fp16, CUDA graphs, two rounds; B 16 with 4K, 16K and 64K keys, B 4 with 16K on 8 or 32 K/V heads, B 1 with
 # 64K): (64, 4, 3) was the fastest or within 0.5% of the fastest of (64, 4, 4), (64, 4, 5), (128, 4, 3),
-# (128, 8, 3), (64, 8, 4) and (32, 4, 6) at every shape.
+# (128, 8, 3), (64, 8, 4) and (32, 4, 6) at every shape. On an H200 (4.8 TB/s against the H100's 3.35) a tile
+# of 128 keys pays: the same sweep with the split rule below, B 1 / 4 / 16 with 4K to 128K keys on 8 K/V heads
+# and B 4 16K, B 1 64K on 32, put (128, 4, 3) at 0.948-1.002x cuDNN's kernel time (geometric mean 0.987)
+# against 0.950-0.999x (0.967) for (64, 4, 3); it holds one program an SM (136 KB of shared memory with 16
+# query rows, 208 KB with 64: compile_kernels' figures for sm_90; an A100's 164 KB takes the first too).
 GPU_CONFIGS = {
     "large": {64: [(128, 4, 3), (64, 4, 3), (64, 4, 2), (32, 4, 1)],
-              128: [(64, 4, 3), (64, 4, 2), (32, 4, 2), (16, 4, 1)],
+              128: [(128, 4, 3), (64, 4, 3), (64, 4, 2), (32, 4, 2), (16, 4, 1)],
               256: [(32, 4, 3), (32, 4, 2), (16, 4, 2), (16, 4, 1)]},
     "t4": {64: [(64, 4, 2), (32, 4, 2), (16, 4, 1)], 128: [(32, 4, 2), (16, 4, 2), (16, 4, 1)],
            256: [(16, 4, 2), (16, 4, 1)]},
