@@ -116,7 +116,7 @@ def compile_hopper(head_dim: int, switches: dict | None = None, causal: bool = F
     :func:`~flashref.triton.hopper.hopper_forward` with these switches would (none: its defaults), or of
     :func:`~flashref.triton.hopper.fp8_attention` for ``dtype="float8_e4m3"``; return the compiled kernel. Its
     PTX shows the TMA copies, wgmma products and register moves it asks for. ``window``: the kernel that takes
-    ``window_size``; ``dropout``: the kernel that drops P (no warp specialization; without switches, the tile of
+    ``window_size``; ``dropout``: the kernel that drops P (without switches, the tile of
     :func:`~flashref.triton.hopper.dropout_config`); ``block_size``: the kernel that walks a block mask's lists
     (without switches, the tile of :func:`~flashref.triton.hopper.block_mask_config`)."""
     from triton.backends.compiler import GPUTarget
@@ -150,8 +150,7 @@ def compile_hopper(head_dim: int, switches: dict | None = None, causal: bool = F
     if cfg["warp_specialize"]:
         signature.update(QS="*fp32", KS="*fp32", VS="*fp32")
     signature.update({"N_q": "i32", "N_k": "i32", "qk_scale": "fp32", "win_left": "i32", "win_right": "i32"})
-    if not cfg["warp_specialize"]:
-        signature.update({"seed": "i64", "drop_below": "i32", "keep_scale": "fp32"})
+    signature.update({"seed": "i64", "drop_below": "i32", "keep_scale": "fp32"})
     signature.update({"LISTS": "*i32", "stride_lb": "i32", "stride_lh": "i32", "stride_li": "i32", "H": "i32"})
     fn, constexprs, options = hopper.kernel_and_constexprs(cfg, head_dim, causal, window, dropout, block_size)
     if fp8:

@@ -733,7 +733,8 @@ def _ws_rounds(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns, acc
                row_o: gl.constexpr, p_layout: gl.constexpr, s_layout: gl.constexpr, ROWS: gl.constexpr,
                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr, CAUSAL: gl.constexpr,
                WINDOW: gl.constexpr, PINGPONG: gl.constexpr, FP8: gl.constexpr, P_SHIFT: gl.constexpr,
-               LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr, OVERLAP: gl.constexpr = False):
+               LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr, OVERLAP: gl.constexpr, seed, bh, drop_below,
+               DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr):
     """A consumer's rounds over its n_tiles >= 1 key tiles (in round t tile j_lo + t, or with a block mask the
     list's tile t_lo + t): (acc, m, l) at the end. A tile's index is read while its scores are in flight.
 
@@ -748,7 +749,10 @@ def _ws_rounds(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns, acc
     before them, and the overlap is gone (what :func:`hopper_fwd_kernel`'s ``overlap`` shows). Here the wait
     stands in a block of its own, behind a branch on ``t > 0`` that the compilers cannot decide (t >= 1, so it is
     always taken); the other side of the branch waits too, on other registers, so that LLVM does not merge the
-    two sides back into one block."""
+    two sides back into one block.
+
+    DROPOUT: each softmax's P is dropped where :func:`_keep` drops it (after l has summed it), as in
+    :func:`hopper_fwd_kernel`; the two consumers' Philox work takes turns with each other's products."""
     _take_turn(turns, 0, WG, PINGPONG)
     mbarrier.wait(k_ready.index(0), 0)
     S = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -761,6 +765,8 @@ def _ws_rounds(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns, acc
         s_scale = q_scale * gl.load(k_scales + tile)
     P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, tile, lo_full, n_full, start_m, N_k, s_scale, win_left,
                                        win_right, ROWS, BLOCK_N, CAUSAL, WINDOW, s_layout, P_SHIFT)
+    if DROPOUT:
+        P = gl.where(_keep(seed, bh, start_m, tile * BLOCK_N, drop_below, ROWS, BLOCK_N, KEEP_LAYOUT, s_layout), P, 0.0)
     for t in range(1, n_tiles):
         slot = t % STAGES
         prev = (t - 1) % STAGES
@@ -792,6 +798,9 @@ def _ws_rounds(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns, acc
             s_scale = q_scale * gl.load(k_scales + tile)
         P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, tile, lo_full, n_full, start_m, N_k, s_scale,
                                            win_left, win_right, ROWS, BLOCK_N, CAUSAL, WINDOW, s_layout, P_SHIFT)
+        if DROPOUT:
+            P = gl.where(_keep(seed, bh, start_m, tile * BLOCK_N, drop_below, ROWS, BLOCK_N, KEEP_LAYOUT, s_layout),
+                         P, 0.0)
         if OVERLAP:
             if _opaque_positive(t):  # always: the wait for P_{t-1} V_{t-1}, in a block of its own
                 done, S = _wait_products(acc, p, s_zero, FP8)
@@ -810,10 +819,11 @@ def _ws_rounds(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns, acc
 
 @gluon.jit
 def _ws_consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turns, O, LSE, M2, L2,
-                 QS, KS, VS, pid_m, bh, N_q, N_k, qk_scale, win_left, win_right, LISTS, stride_lb, stride_lh,
-                 stride_li, H, WG: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, PINGPONG: gl.constexpr,
-                 FP8: gl.constexpr, LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr, OVERLAP: gl.constexpr):
+                 QS, KS, VS, pid_m, bh, N_q, N_k, qk_scale, win_left, win_right, seed, drop_below, keep_scale, LISTS,
+                 stride_lb, stride_lh, stride_li, H, WG: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                 PINGPONG: gl.constexpr, FP8: gl.constexpr, LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                 OVERLAP: gl.constexpr, DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr):
     """Consumer warpgroup WG (4 warps) owns rows [WG * BLOCK_M/2, +BLOCK_M/2) of the program's tile. Round t
     issues O += P_{t-1} V_{t-1} and S_t = Q K_t^T back to back, waits for both, frees their slots, then runs
     softmax t. With PINGPONG, the rounds of the two warpgroups take turns on the tensor cores: one issues its
@@ -857,31 +867,38 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_em
                                        s_zero, q_scale, k_scales, j_lo, n_tiles, lo_full, n_full, list_row, t_lo,
                                        start_m, N_k, win_left, win_right, row_o, p_layout, s_layout, ROWS, BLOCK_N,
                                        STAGES, WG, CAUSAL, WINDOW, PINGPONG, FP8, P_SHIFT, LISTED, BLOCK_SIZE,
-                                       OVERLAP)
+                                       OVERLAP, seed, bh, drop_below, DROPOUT, KEEP_LAYOUT)
     else:
         acc, m_i, l_i = _ws_rounds(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns, acc, m_i, l_i,
                                    s_zero, q_scale, k_scales, j_lo, n_tiles, lo_full, n_full, list_row, t_lo,
                                    start_m, N_k, win_left, win_right, row_o, p_layout, s_layout, ROWS, BLOCK_N,
-                                   STAGES, WG, CAUSAL, WINDOW, PINGPONG, FP8, P_SHIFT, LISTED, BLOCK_SIZE, OVERLAP)
+                                   STAGES, WG, CAUSAL, WINDOW, PINGPONG, FP8, P_SHIFT, LISTED, BLOCK_SIZE, OVERLAP,
+                                   seed, bh, drop_below, DROPOUT, KEEP_LAYOUT)
     if FP8:  # undo the 2^8 on P (in acc and l alike) and V's scale
         acc = acc * (gl.load(VS + bh) / 256.0)
         l_i = l_i / 256.0
+    if DROPOUT:  # P~ = P * keep / (1 - p), as in hopper_fwd_kernel
+        acc = acc * keep_scale
     _store_rows(acc, m_i, l_i, O, LSE, M2, L2, bh, start_m, N_q, ROWS, HEAD_D, s_layout, o_layout, WINDOW | LISTED)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["seed", "drop_below"])  # 1 and 0 stay runtime values
 def hopper_ws_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, QS, KS, VS, N_q, N_k, qk_scale, win_left, win_right,
-                         LISTS, stride_lb, stride_lh, stride_li, H, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
-                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                         FP8: gl.constexpr, WINDOW: gl.constexpr, LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-                         num_warps: gl.constexpr, OVERLAP: gl.constexpr = False):
+                         seed, drop_below, keep_scale, LISTS, stride_lb, stride_lh, stride_li, H, HEAD_D: gl.constexpr,
+                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                         PINGPONG: gl.constexpr, FP8: gl.constexpr, WINDOW: gl.constexpr, LISTED: gl.constexpr,
+                         BLOCK_SIZE: gl.constexpr, num_warps: gl.constexpr, OVERLAP: gl.constexpr = False,
+                         DROPOUT: gl.constexpr = False, KEEP_LAYOUT: gl.constexpr = None):
     """The warp-specialized forward: program (pid_m, bh) as in :func:`hopper_fwd_kernel`, its work split among
     three partitions. The kernel's own 4 warps are consumer warpgroup 0; a worker warpgroup of 4 is consumer 1;
     one worker warp is the producer. The launch caps registers so that 12 warps fit an SM, and the partitions'
     requests move them: 24 a thread for the producer, 240 for each consumer. FP8 (e4m3 Q, K, V^T with the scales
     QS, KS, VS; see :func:`_ws_consumer`) is a switch of this kernel: the schedule is the same. LISTED: a block
-    mask's lists, as :func:`hopper_fwd_kernel` walks them (BLOCK_SIZE a multiple of BLOCK_M and BLOCK_N)."""
+    mask's lists, as :func:`hopper_fwd_kernel` walks them (BLOCK_SIZE a multiple of BLOCK_M and BLOCK_N).
+    DROPOUT (``seed``, ``drop_below``, ``keep_scale`` as :func:`hopper_fwd_kernel` takes them; not with FP8): each
+    consumer drops its rows' P by :func:`_keep` with ``KEEP_LAYOUT`` = :func:`keep_layout` of a consumer's tile."""
     gl.static_assert(num_warps == 4, "the kernel's own warps are one consumer warpgroup")
+    gl.static_assert(not (DROPOUT and FP8), "dropout runs in fp16 and bf16")
     pid_m = gl.program_id(0)
     if CAUSAL:
         pid_m = gl.num_programs(0) - 1 - pid_m
@@ -909,16 +926,16 @@ def hopper_ws_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, QS, KS, VS, N_q
     # Tuples built here keep constexprs as constexprs only when written out whole (a sum of tuples does not).
     gl.warp_specialize([
         (_ws_consumer, (q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turns, O, LSE, M2, L2,
-                        QS, KS, VS, pid_m, bh, N_q, N_k, qk_scale, win_left, win_right, LISTS, stride_lb, stride_lh,
-                        stride_li, H, 0, HEAD_D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, PINGPONG, FP8, LISTED,
-                        BLOCK_SIZE, OVERLAP)),
+                        QS, KS, VS, pid_m, bh, N_q, N_k, qk_scale, win_left, win_right, seed, drop_below, keep_scale,
+                        LISTS, stride_lb, stride_lh, stride_li, H, 0, HEAD_D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW,
+                        PINGPONG, FP8, LISTED, BLOCK_SIZE, OVERLAP, DROPOUT, KEEP_LAYOUT)),
         (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
                         pid_m, bh, N_q, N_k, win_left, win_right, LISTS, stride_lb, stride_lh, stride_li, H, HEAD_D,
                         BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, FP8, LISTED, BLOCK_SIZE)),
         (_ws_consumer, (q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turns, O, LSE, M2, L2,
-                        QS, KS, VS, pid_m, bh, N_q, N_k, qk_scale, win_left, win_right, LISTS, stride_lb, stride_lh,
-                        stride_li, H, 1, HEAD_D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, PINGPONG, FP8, LISTED,
-                        BLOCK_SIZE, OVERLAP)),
+                        QS, KS, VS, pid_m, bh, N_q, N_k, qk_scale, win_left, win_right, seed, drop_below, keep_scale,
+                        LISTS, stride_lb, stride_lh, stride_li, H, 1, HEAD_D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW,
+                        PINGPONG, FP8, LISTED, BLOCK_SIZE, OVERLAP, DROPOUT, KEEP_LAYOUT)),
     ], [1, 4], [24, 240])
 
 
@@ -969,17 +986,23 @@ DROPOUT_HEAD_DIMS = (64, 128)
 
 
 def dropout_config(head_dim: int) -> dict:
-    """The switches of the forward with dropout, the fastest of ten (d = 64) and six (d = 128) one-warpgroup and
-    two-warpgroup tiles with and without ``overlap`` on an H100 (fp16, B 8, H 16, N 4K, p = 0.1, causal and not;
-    no warp specialization, which has no dropout). Philox's integer work is what dropout adds (44% more SASS
-    instructions in the shipped tile's kernel at d = 64, 58% before each of Philox's multiplies became one
-    instruction, :func:`_mul_wide`; 72% then in the loop without overlap), and only the overlapped
-    loop hides it behind a product in flight: without ``overlap`` every tile measured 0.74-1.03x the teaching
-    kernel's speed, with it 1.08-1.10x (d = 64, 64 x 128 tiles) and 1.09-1.20x (d = 128, 64 x 64)."""
+    """The switches of the forward with dropout. d = 64: the fastest of ten one-warpgroup and two-warpgroup tiles
+    with and without ``overlap`` on an H100 (fp16, B 8, H 16, N 4K, p = 0.1, causal and not). Philox's integer
+    work is what dropout adds (44% more SASS instructions in that tile's kernel, 58% before each of Philox's
+    multiplies became one instruction, :func:`_mul_wide`; 72% then in the loop without overlap), and only the
+    overlapped loop hides it behind a product in flight: without ``overlap`` every tile measured 0.74-1.03x the
+    teaching kernel's speed, with it 1.08-1.10x (64 x 128 tiles). d = 128: the warp-specialized kernel of
+    :func:`default_config`, where one consumer's Philox work runs while the other's products are on the tensor
+    cores: on an H200 (same shapes) 2.65 ms without the causal mask and 1.47 ms with it, against 2.98 and 1.61
+    for the overlapped one-warpgroup 64 x 64 tile that ran before (1.09-1.20x the teaching kernel's speed on the
+    H100), and 0.76x / 0.76x the speed of the same kernel without dropout. At d = 64 the warp-specialized kernel
+    measured 0.96x (0.72x of its speed without dropout) with the causal mask and 1.04x without it: no steady
+    gain, so the overlapped tile stays."""
     if head_dim not in DROPOUT_HEAD_DIMS:
         raise ValueError(f"the Gluon forward runs dropout at head dims {DROPOUT_HEAD_DIMS}, got {head_dim}")
-    block_n = 128 if head_dim <= 64 else 64
-    return dict(block_m=64, block_n=block_n, num_warps=4, stages=3, overlap=True, warp_specialize=False,
+    if head_dim > 64:
+        return default_config(head_dim, warp_specialize=True)
+    return dict(block_m=64, block_n=128, num_warps=4, stages=3, overlap=True, warp_specialize=False,
                 pingpong=False)
 
 
@@ -1014,11 +1037,9 @@ def kernel_and_constexprs(cfg: dict, head_dim: int, causal: bool, window: bool =
     """The Gluon kernel a config launches, its compile-time arguments and launch options. ``window``: the kernel
     that bounds each row's keys (``win_left``, ``win_right``); the one-program overlapped loop has none (the
     warp-specialized one has). ``dropout``: the
-    kernel that drops P (``seed``, ``drop_below``, ``keep_scale``); the warp-specialized one has none.
+    kernel that drops P (``seed``, ``drop_below``, ``keep_scale``; both kernels take them).
     ``block_size``: the kernel that walks a block mask's lists of visible blocks (one warpgroup, two, or
     warp-specialized; without overlap, a window or dropout: :func:`block_mask_config`'s tile)."""
-    if dropout and cfg["warp_specialize"]:
-        raise ValueError("warp_specialize=True takes no dropout: dropout runs the kernel without it")
     if block_size is not None and (cfg["overlap"] or window or dropout or not lists_fit(cfg, "fwd", block_size)):
         raise ValueError(f"a block mask runs a loop without overlap, without a window or dropout, on tiles that its "
                          f"blocks ({block_size}) hold whole; got {cfg}")
@@ -1030,8 +1051,9 @@ def kernel_and_constexprs(cfg: dict, head_dim: int, causal: bool, window: bool =
                  BLOCK_SIZE=int(block_size or 1))
     if cfg["warp_specialize"]:
         # 12 warps (3 warpgroups) at WS_MAXNREG each fit the SM's 64K registers; the partitions then move them.
+        keep = keep_layout(cfg["block_m"] // 2, cfg["block_n"], 4) if dropout else None  # a consumer's tile
         return (hopper_ws_fwd_kernel, dict(shape, PINGPONG=bool(cfg["pingpong"]), OVERLAP=bool(cfg["overlap"]),
-                                           FP8=False, num_warps=4),
+                                           FP8=False, num_warps=4, DROPOUT=bool(dropout), KEEP_LAYOUT=keep),
                 dict(maxnreg=WS_MAXNREG))
     keep = keep_layout(cfg["block_m"], cfg["block_n"], cfg["num_warps"]) if dropout else None
     return (hopper_fwd_kernel, dict(shape, OVERLAP=bool(cfg["overlap"]), DROPOUT=bool(dropout), KEEP_LAYOUT=keep,
@@ -1106,10 +1128,10 @@ def launch_forward(q, k, v, causal: bool, scale: float, cfg: dict, window=None, 
     """:func:`hopper_forward` on inputs already checked (and :func:`supported`), with the switches ``cfg`` (what a
     dispatch from :func:`flashref.triton.flash_attention` will call: its checks are done by then). ``window``:
     ``(win_left, win_right)`` as :class:`flashref.triton.ops.Features` holds them, or None. ``dropout``: ``(seed,
-    drop_below, keep_scale)`` as :meth:`flashref.triton.ops.Features.scalars` gives them, or None (with a
-    ``cfg`` without warp specialization: :func:`dropout_config`'s is the measured one). ``lists``: (the
-    visible-block lists of a block mask, :func:`flashref.triton.ops.visible_block_lists`'s; its block_size), or
-    None; with :func:`block_mask_config`'s ``cfg``. Returns ``(o, lse, (m2, l2))``."""
+    drop_below, keep_scale)`` as :meth:`flashref.triton.ops.Features.scalars` gives them, or None (with dropout,
+    :func:`dropout_config`'s ``cfg`` is the measured one). ``lists``: (the visible-block lists of a block mask,
+    :func:`flashref.triton.ops.visible_block_lists`'s; its block_size), or None; with :func:`block_mask_config`'s
+    ``cfg``. Returns ``(o, lse, (m2, l2))``."""
     return ForwardLaunch(q, k, causal, scale, cfg, window, dropout is not None, lists)(q, k, v, dropout)
 
 
@@ -1145,7 +1167,7 @@ class ForwardLaunch:
         o = torch.empty(self.o_shape, dtype=q.dtype, device=q.device)
         lse, m2, l2 = torch.empty(self.stats_shape, dtype=torch.float32, device=q.device).unbind(0)
         scales = (lse, lse, lse) if self.warp_specialize else ()  # FP8's scale pointers, unread here
-        drop = () if self.warp_specialize else dropout if dropout is not None else (0, 0, 1.0)
+        drop = dropout if dropout is not None else (0, 0, 1.0)
         self.launch(q_desc, k_desc, v_desc, o, lse, m2, l2, *scales, *self.fixed, *drop, *self.listed)
         return o, lse, (m2, l2)
 
@@ -1254,7 +1276,8 @@ def fp8_attention(x: Fp8Inputs, causal=False, sm_scale=None, *, out_dtype=torch.
     _, constexprs, options = kernel_and_constexprs(cfg, d, causal)
     grid = (host_cdiv(N_q, cfg["block_m"]), B * H)
     hopper_ws_fwd_kernel[grid](q_desc, k_desc, v_desc, o, lse, m2, l2, x.q_scale, x.k_scale, x.v_scale, N_q, N_k,
-                               scale * LOG2E, 0, 0, *_list_args(x.q, None)[0], **dict(constexprs, FP8=True), **options)
+                               scale * LOG2E, 0, 0, 0, 0, 1.0, *_list_args(x.q, None)[0], **dict(constexprs, FP8=True),
+                               **options)
     return o, lse
 
 
