@@ -525,7 +525,7 @@ def test_flash_attention_runs_dropout_on_the_gluon_kernels(d):
         kw = dict(causal=causal, dropout_p=p, seed=seed, alibi_slopes=slopes)
         assert forward_kernel(q, k, v, causal, dropout_p=p, alibi_slopes=slopes) == ("triton" if alibi else "hopper")
         assert backward_kernel(q, k, v, causal, deterministic=deterministic, dropout_p=p, alibi_slopes=slopes) == (
-            "hopper" if deterministic else "hopper-fused" if d == 64 else "triton")
+            "hopper-fused" if not deterministic and d == 64 else "hopper")  # at d = 128 the Gluon pair either way
         if not alibi:
             o_h, lse_h = flash_attention_forward(q, k, v, kernel="hopper", **kw)
             o_t, lse_t = flash_attention_forward(q, k, v, kernel="triton", **kw)
