@@ -149,6 +149,35 @@ def test_custom_op_matches_the_autograd_function_and_passes_opcheck():
         attention(q, torch.randn(2, 3, 29, 16, device=DEVICE), torch.randn(2, 3, 29, 16, device=DEVICE))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_the_custom_op_reads_a_models_layout_in_place_on_hopper(d):
+    """On an sm_90 GPU the custom op (what a compiled model calls) reads q, k, v of a (B, N, 3, H, d) buffer in place
+    and gives o in their (B, N, H, d) layout, as its fake implementation says (opcheck compares the two): o and the
+    gradients equal those of contiguous inputs bit for bit."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernels run on an sm_90 GPU")
+    from flashref.triton import ops
+
+    B, N, H = 2, 200, 3
+    g = torch.Generator(device="cuda").manual_seed(d)
+    buf = torch.randn(B, N, 3, H, d, device="cuda", dtype=torch.float16, generator=g).requires_grad_()
+    q, k, v = (buf[:, :, i].transpose(1, 2) for i in range(3))
+    scale = d ** -0.5
+    assert ops.compiled_layout(q, k, v, True, scale)
+    o = attention_forward(q, k, v, True, scale)[0]
+    assert o.transpose(1, 2).is_contiguous()
+    plain = [x.detach().contiguous().requires_grad_() for x in (q, k, v)]
+    o_ref = flash_attention(*plain, causal=True, check_finite=False)
+    assert torch.equal(o, o_ref)
+    do = torch.randn(B, H, N, d, device="cuda", dtype=torch.float16, generator=g)
+    o.backward(do)
+    o_ref.backward(do)
+    for i, x in enumerate(plain):
+        assert torch.equal(buf.grad[:, :, i].transpose(1, 2), x.grad)
+    torch.library.opcheck(attention_forward, (q.detach(), k.detach(), v.detach(), True, scale))
+
+
 def test_compiling_the_model_breaks_no_graph_at_attention():
     gpt = tiny("flashref")
     x = torch.randint(0, 65, (2, 24), device=DEVICE)
