@@ -1225,8 +1225,10 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, deterministic=True, *,
     ``kernel`` (default ``"auto"``): which forward runs. ``"triton"`` is the teaching kernel of notebook
     ``07_triton_forward``, on every GPU and in the CPU interpreter. ``"hopper"`` is the Gluon forward of notebook
     ``14_flashattention3_on_hopper`` (:mod:`flashref.triton.hopper`): an sm_90 GPU, fp16 or bf16, d in 64, 128, 256,
-    q, k, v with as many heads (strided ones are copied to contiguous ones first), none of the features below but a
-    window or (at d = 64 and 128, without a window) dropout; a call it cannot take is a ``ValueError`` saying why.
+    q, k, v with as many heads (those of a model's (B, N, H, d) layout read in place, o then returned in that
+    layout, with the two-kernel backward; other strided ones copied to contiguous ones first), none of the features
+    below but a window or (at d = 64 and 128, without a window) dropout; a call it cannot take is a ``ValueError``
+    saying why.
     ``"auto"`` takes the Hopper forward where it can and the teaching kernel everywhere else (:func:`forward_kernel`
     says which). Both give the same o, lse and row statistics. The backward follows: under ``"auto"`` and
     ``"hopper"`` the Gluon dK/dV and dQ kernels of :mod:`flashref.triton.hopper_backward` run wherever they can (the
