@@ -105,8 +105,11 @@ def test_compiles_for_the_h100_without_spills():
     for (part, d, causal, mods), (ws, shared) in shared_of.items():
         if mods == "dropout" and ws == shared_of[part, d, causal, "none"][0]:
             assert shared == shared_of[part, d, causal, "none"][1], (part, d, causal)
-        if mods == "token":  # a model's (B, N, H, d) layout moves only the copies' coordinates: the same tile
-            assert (ws, shared) == shared_of[part, d, causal, "none"], (part, d, causal)
+        if mods == "token":  # a model's (B, N, H, d) layout moves only the copies' coordinates: the same tile (a
+            # warp-specialized kernel hands its producer the scalars it now uses, H among them, through 16 bytes of
+            # shared memory)
+            plain_ws, plain_shared = shared_of[part, d, causal, "none"]
+            assert ws == plain_ws and shared - plain_shared in ((0, 16) if ws == "1" else (0,)), (part, d, causal)
 
 
 def test_supported_says_why_not():
