@@ -566,8 +566,8 @@ def _ws_smem(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, RING: gl.con
 def _ws_dkdv_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
                       delta_smem, kv_bar, ready, empty, bh, start_n, i_lo, n_tiles, t_lo, list_row, N_q, N_k,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, LISTED: gl.constexpr,
-                      BLOCK_SIZE: gl.constexpr, STATS: gl.constexpr, H, HEAD_D: gl.constexpr,
-                      TOKEN_MAJOR: gl.constexpr):
+                      BLOCK_SIZE: gl.constexpr, STATS: gl.constexpr, H=1, HEAD_D: gl.constexpr = 0,
+                      TOKEN_MAJOR: gl.constexpr = False):
     """One warp with few registers: the K and V rows of both consumers once, then every Q, dO tile pair (and with
     STATS the tile's lse2 and D) into the ring. A slot is refilled once both consumers have arrived on its empty
     barrier."""
@@ -953,9 +953,11 @@ class DkdvLaunch:
         _check_plain(d, window, alibi, dropout, lists)
         self.wide, self.token = None, bool(token)
         if d in PLAIN_HEAD_DIMS:
-            if masks is not None or not stats_tma or token:
-                raise ValueError(f"at head dim {d} the dK/dV kernel takes neither masks, stats_tma=False nor "
-                                 f"token-major inputs")
+            if masks is not None or not stats_tma:
+                raise ValueError(f"at head dim {d} the dK/dV kernel takes neither masks nor stats_tma=False")
+            if token:
+                raise ValueError(f"at head dim {d} the dK/dV kernel reads (B, H, N, d) rows only, not token-major "
+                                 f"inputs (token=True)")
             self.wide = (causal, scale, cfg)
             return
         cfg = cfg or default_config(d, "dkdv", dropout)
