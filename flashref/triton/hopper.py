@@ -250,6 +250,16 @@ def _keep(seed, bh, start_m, start_n, drop_below, BLOCK_M: gl.constexpr, BLOCK_N
 
 
 @gluon.jit
+def _dropped(P, seed, bh, start_m, start_n, drop_below, DROPOUT: gl.constexpr, BLOCK_M: gl.constexpr,
+             BLOCK_N: gl.constexpr, KEEP_LAYOUT: gl.constexpr, s_layout: gl.constexpr):
+    """P with the entries :func:`_keep` drops set to 0 (P itself without DROPOUT): what every forward loop does to
+    a tile's P once l has summed it (as the teaching kernel does); O is scaled by keep_scale once, at the end."""
+    if DROPOUT:
+        P = gl.where(_keep(seed, bh, start_m, start_n, drop_below, BLOCK_M, BLOCK_N, KEEP_LAYOUT, s_layout), P, 0.0)
+    return P
+
+
+@gluon.jit
 def _swap_with_lane_4_apart(x):
     """The 32-bit ``x`` of the lane four apart (lane ^ 4, ``shfl.sync.bfly``): in a wgmma accumulator the lanes
     that hold keys j and j + 1 of the same rows (queries) are four apart."""
@@ -611,8 +621,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, N_q, N_k, qk_scale
         S = warpgroup_mma_wait(0, deps=[S])
         P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, 0, lo_full, n_full, start_m, N_k, qk_scale, win_left,
                                            win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, s_layout)
-        if DROPOUT:
-            P = gl.where(_keep(seed, bh, start_m, 0, drop_below, BLOCK_M, BLOCK_N, KEEP_LAYOUT, s_layout), P, 0.0)
+        P = _dropped(P, seed, bh, start_m, 0, drop_below, DROPOUT, BLOCK_M, BLOCK_N, KEEP_LAYOUT, s_layout)
         for j in range(1, n_tiles):
             slot = j % STAGES
             prev = (j - 1) % STAGES
@@ -632,9 +641,8 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, N_q, N_k, qk_scale
             S = warpgroup_mma_wait(1, deps=[S])
             P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, j, lo_full, n_full, start_m, N_k, qk_scale, win_left,
                                                win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, s_layout)
-            if DROPOUT:
-                P = gl.where(_keep(seed, bh, start_m, j * BLOCK_N, drop_below, BLOCK_M, BLOCK_N, KEEP_LAYOUT,
-                                   s_layout), P, 0.0)
+            P = _dropped(P, seed, bh, start_m, j * BLOCK_N, drop_below, DROPOUT, BLOCK_M, BLOCK_N, KEEP_LAYOUT,
+                         s_layout)
             acc, p = warpgroup_mma_wait(0, deps=[acc, p])
         last = (n_tiles - 1) % STAGES
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
@@ -655,9 +663,8 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, N_q, N_k, qk_scale
             S = warpgroup_mma_wait(0, deps=[S])
             P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, tile, lo_full, n_full, start_m, N_k, qk_scale,
                                                win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, s_layout)
-            if DROPOUT:  # l has summed P before dropout, as in the teaching kernel
-                P = gl.where(_keep(seed, bh, start_m, tile * BLOCK_N, drop_below, BLOCK_M, BLOCK_N,
-                                   KEEP_LAYOUT, s_layout), P, 0.0)
+            P = _dropped(P, seed, bh, start_m, tile * BLOCK_N, drop_below, DROPOUT, BLOCK_M, BLOCK_N, KEEP_LAYOUT,
+                         s_layout)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             mbarrier.wait(v_bars.index(slot), phase)
             p = gl.convert_layout(P.to(dtype), p_layout)
@@ -825,8 +832,7 @@ def _ws_rounds(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns, acc
         s_scale = q_scale * gl.load(k_scales + tile)
     P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, tile, lo_full, n_full, start_m, N_k, s_scale, win_left,
                                        win_right, ROWS, BLOCK_N, CAUSAL, WINDOW, s_layout, P_SHIFT)
-    if DROPOUT:
-        P = gl.where(_keep(seed, bh, start_m, tile * BLOCK_N, drop_below, ROWS, BLOCK_N, KEEP_LAYOUT, s_layout), P, 0.0)
+    P = _dropped(P, seed, bh, start_m, tile * BLOCK_N, drop_below, DROPOUT, ROWS, BLOCK_N, KEEP_LAYOUT, s_layout)
     for t in range(1, n_tiles):
         slot = t % STAGES
         prev = (t - 1) % STAGES
@@ -858,9 +864,7 @@ def _ws_rounds(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns, acc
             s_scale = q_scale * gl.load(k_scales + tile)
         P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, tile, lo_full, n_full, start_m, N_k, s_scale,
                                            win_left, win_right, ROWS, BLOCK_N, CAUSAL, WINDOW, s_layout, P_SHIFT)
-        if DROPOUT:
-            P = gl.where(_keep(seed, bh, start_m, tile * BLOCK_N, drop_below, ROWS, BLOCK_N, KEEP_LAYOUT, s_layout),
-                         P, 0.0)
+        P = _dropped(P, seed, bh, start_m, tile * BLOCK_N, drop_below, DROPOUT, ROWS, BLOCK_N, KEEP_LAYOUT, s_layout)
         if OVERLAP:
             if _opaque_positive(t):  # always: the wait for P_{t-1} V_{t-1}, in a block of its own
                 done, S = _wait_products(acc, p, s_zero, FP8)
