@@ -149,6 +149,15 @@ def test_custom_op_matches_the_autograd_function_and_passes_opcheck():
         attention(q, torch.randn(2, 3, 29, 16, device=DEVICE), torch.randn(2, 3, 29, 16, device=DEVICE))
 
 
+def test_the_custom_op_passes_opcheck_under_dynamic_shapes_at_the_gluon_head_dims():
+    """At d = 64 the fake implementation asks the dispatch which layout o takes (:func:`flashref.triton.ops.
+    compiled_layout`); under dynamic shapes its shapes are SymInts, which the dispatch's memo cannot hash, so it
+    answers them afresh (opcheck's test_aot_dispatch_dynamic failed there before)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 64, generator=g).to(DEVICE) for _ in range(3))
+    torch.library.opcheck(attention_forward, (q, k, v, True, 0.125))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128])
 def test_the_custom_op_reads_a_models_layout_in_place_on_hopper(d):

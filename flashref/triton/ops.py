@@ -532,7 +532,12 @@ def _dispatch_key(q, k, v, feat: Features) -> tuple:
 
 def _remembered(key: tuple, answer):
     """The dispatch's answer for ``key``, computed by ``answer()`` the first time (the oldest forgotten past
-    :data:`_DISPATCH_MAX`)."""
+    :data:`_DISPATCH_MAX`). Not remembered where a shape is symbolic (a custom op's fake call under dynamic shapes:
+    a SymInt has no hash), asked afresh there."""
+    try:
+        hash(key)
+    except TypeError:
+        return answer()
     if key in _DISPATCH:
         return _DISPATCH[key]
     if len(_DISPATCH) >= _DISPATCH_MAX:
