@@ -39,7 +39,6 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from flashref.triton import hopper, relaunch
 # The block-sparse lists' helpers live beside the forward, which walks them too.
 from flashref.triton.hopper import _list_args, _list_range, _listed_tiles_before, _tile_of, lists_fit  # noqa: F401
-from flashref.triton.hopper import head_origin
 from flashref.triton.forward import LOG2E
 
 HEAD_DIMS = (64, 128)  # every feature
@@ -50,22 +49,21 @@ PLAIN_HEAD_DIMS = (256,)
 
 @gluon.jit
 def _load_pair(a_desc, b_desc, a_smem, b_smem, bars, base_row, tile, n, n_tiles, BLOCK: gl.constexpr,
-               STAGES: gl.constexpr, col=0):
+               STAGES: gl.constexpr):
     """Start the TMA copies of the program's n-th pair of streamed tiles (Q and dO in the dK/dV kernel, K and V in
-    the dQ kernel; the tile of index ``tile``, rows base_row + tile * BLOCK on, columns from ``col``:
-    :func:`flashref.triton.hopper.head_origin`) into slot n % STAGES, one barrier for both (nothing from n_tiles
-    on). n counts from the program's first tile, as the loop's waits do."""
+    the dQ kernel; the tile of index ``tile``, rows base_row + tile * BLOCK on) into slot n % STAGES, one barrier
+    for both (nothing from n_tiles on). n counts from the program's first tile, as the loop's waits do."""
     slot = n % STAGES
     go = n < n_tiles
     row = base_row + tile * BLOCK
     mbarrier.expect(bars.index(slot), a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=go)
-    tma.async_copy_global_to_shared(a_desc, [row, col], bars.index(slot), a_smem.index(slot), pred=go)
-    tma.async_copy_global_to_shared(b_desc, [row, col], bars.index(slot), b_smem.index(slot), pred=go)
+    tma.async_copy_global_to_shared(a_desc, [row, 0], bars.index(slot), a_smem.index(slot), pred=go)
+    tma.async_copy_global_to_shared(b_desc, [row, 0], bars.index(slot), b_smem.index(slot), pred=go)
 
 
 @gluon.jit
 def _load_step(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, bars, bh, base_row, tile,
-               n, n_tiles, BLOCK: gl.constexpr, STAGES: gl.constexpr, STATS: gl.constexpr, col=0):
+               n, n_tiles, BLOCK: gl.constexpr, STAGES: gl.constexpr, STATS: gl.constexpr):
     """:func:`_load_pair` of Q and dO, and with STATS the query tile's row statistics too (lse2 = m2 + l2 and D,
     one fp32 number a row), into the same slot under the same barrier."""
     if STATS:
@@ -75,13 +73,13 @@ def _load_step(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
         nbytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes + lse_desc.block_type.nbytes
                                 + delta_desc.block_type.nbytes)
         mbarrier.expect(bars.index(slot), nbytes, pred=go)
-        tma.async_copy_global_to_shared(q_desc, [row, col], bars.index(slot), q_smem.index(slot), pred=go)
-        tma.async_copy_global_to_shared(do_desc, [row, col], bars.index(slot), do_smem.index(slot), pred=go)
+        tma.async_copy_global_to_shared(q_desc, [row, 0], bars.index(slot), q_smem.index(slot), pred=go)
+        tma.async_copy_global_to_shared(do_desc, [row, 0], bars.index(slot), do_smem.index(slot), pred=go)
         tma.async_copy_global_to_shared(lse_desc, [bh, tile * BLOCK], bars.index(slot), lse_smem.index(slot), pred=go)
         tma.async_copy_global_to_shared(delta_desc, [bh, tile * BLOCK], bars.index(slot), delta_smem.index(slot),
                                         pred=go)
     else:
-        _load_pair(q_desc, do_desc, q_smem, do_smem, bars, base_row, tile, n, n_tiles, BLOCK, STAGES, col)
+        _load_pair(q_desc, do_desc, q_smem, do_smem, bars, base_row, tile, n, n_tiles, BLOCK, STAGES)
 
 
 @gluon.jit
@@ -319,7 +317,7 @@ def _dkdv_step(n, masked, FULL: gl.constexpr, k_smem, v_smem, q_smem, do_smem, l
                win_right, seed, drop_below, keep_scale, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr, DROPOUT: gl.constexpr,
                KEEP_LAYOUT: gl.constexpr, ROWS: gl.constexpr, s_layout: gl.constexpr, col_s: gl.constexpr,
-               p_layout: gl.constexpr, LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr, STATS: gl.constexpr, q_col=0):
+               p_layout: gl.constexpr, LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr, STATS: gl.constexpr):
     """Step n of :func:`hopper_bwd_dkdv_kernel`'s loop: query tile i_lo + n (listed tile t_lo + n with a block
     mask) from its ring slot, then the copies of the tile STAGES ahead into the slot it frees."""
     slot = n % STAGES
@@ -334,7 +332,7 @@ def _dkdv_step(n, masked, FULL: gl.constexpr, k_smem, v_smem, q_smem, do_smem, l
                         keep_scale, masked, FULL, BLOCK_M, CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, ROWS, s_layout,
                         col_s, p_layout, STATS)
     _load_step(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, bars, bh, q_base, ahead,
-               n + STAGES, n_tiles, BLOCK_M, STAGES, STATS, q_col)
+               n + STAGES, n_tiles, BLOCK_M, STAGES, STATS)
     return dk, dv
 
 
@@ -346,9 +344,8 @@ def hopper_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc
                            STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr,
                            DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr, MASKS: gl.constexpr,
                            LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr, STATS: gl.constexpr,
-                           num_warps: gl.constexpr, TOKEN_MAJOR: gl.constexpr = False):
-    """Program (pid_n, bh) writes dK and dV of keys [pid_n * BLOCK_N, +BLOCK_N) of head bh (with TOKEN_MAJOR Q, K, V
-    and dO are read in the (B, N, H, d) layout of :func:`flashref.triton.hopper.head_origin`). The descriptors view
+                           num_warps: gl.constexpr):
+    """Program (pid_n, bh) writes dK and dV of keys [pid_n * BLOCK_N, +BLOCK_N) of head bh. The descriptors view
     Q, dO (B * H * N_q, d) and K, V (B * H * N_k, d); query columns past N_q (the next head's rows, or TMA's
     zeros) get P = 0, so they add nothing; key rows past N_k are never stored. LISTED: a block mask, whose
     transposed visible-block lists LISTS (strides per batch, head and key block; H heads) name the query blocks
@@ -374,16 +371,15 @@ def hopper_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc
     # With a block mask n_tiles becomes the number of listed tiles in [i_lo, i_lo + n_tiles).
     list_row, t_lo, n_tiles = _list_range(LISTED, LISTS, bh, H, stride_lb, stride_lh, stride_li,
                                           start_n // BLOCK_SIZE, i_lo, n_tiles, BLOCK_SIZE, BLOCK_M, num_warps)
-    q_base, col = head_origin(bh, H, N_q, HEAD_D, TOKEN_MAJOR)
-    kv_base, _ = head_origin(bh, H, N_k, HEAD_D, TOKEN_MAJOR)
+    q_base = bh * N_q
 
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [kv_base + start_n, col], kv_bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [kv_base + start_n, col], kv_bar, v_smem)
+    tma.async_copy_global_to_shared(k_desc, [bh * N_k + start_n, 0], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [bh * N_k + start_n, 0], kv_bar, v_smem)
     for s in gl.static_range(STAGES):
         first = _tile_of(s, i_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_M)
         _load_step(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, bars, bh, q_base,
-                   first, s, n_tiles, BLOCK_M, STAGES, STATS, col)
+                   first, s, n_tiles, BLOCK_M, STAGES, STATS)
 
     dk = gl.zeros([BLOCK_N, HEAD_D], gl.float32, a_layout)
     dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, a_layout)
@@ -405,7 +401,7 @@ def hopper_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc
                                     keys, start_n, i_lo, t_lo, list_row, bh, M2, L2,
                                     Delta, N_q, qk_scale, slope2, win_left, win_right, seed, drop_below, keep_scale,
                                     BLOCK_M, STAGES, CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, BLOCK_N, s_layout,
-                                    col_s, p_layout, LISTED, BLOCK_SIZE, STATS, col)
+                                    col_s, p_layout, LISTED, BLOCK_SIZE, STATS)
     else:
         for n in range(0, n_tiles):
             masked = True  # a constant unless the branch decides: the mask's code then compiles away
@@ -416,7 +412,7 @@ def hopper_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc
                                 n_tiles, dk, dv, s_zero, keys, start_n, i_lo, t_lo, list_row, bh, M2, L2, Delta, N_q,
                                 qk_scale, slope2, win_left, win_right, seed, drop_below, keep_scale, BLOCK_M, STAGES,
                                 CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, BLOCK_N, s_layout, col_s, p_layout, LISTED,
-                                BLOCK_SIZE, STATS, col)
+                                BLOCK_SIZE, STATS)
 
     mbarrier.invalidate(kv_bar)
     for s in gl.static_range(STAGES):
@@ -433,9 +429,8 @@ def hopper_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, DQ, M2, L2, Delta, N_q
                          stride_li, H, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                          STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr,
                          DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr, LISTED: gl.constexpr,
-                         BLOCK_SIZE: gl.constexpr, num_warps: gl.constexpr, TOKEN_MAJOR: gl.constexpr = False):
-    """Program (pid_m, bh) writes dQ of queries [pid_m * BLOCK_M, +BLOCK_M) of head bh (dQ contiguous; with
-    TOKEN_MAJOR Q, K, V and dO are read in the layout of :func:`flashref.triton.hopper.head_origin`): Q_i and dO_i resident, K_j
+                         BLOCK_SIZE: gl.constexpr, num_warps: gl.constexpr):
+    """Program (pid_m, bh) writes dQ of queries [pid_m * BLOCK_M, +BLOCK_M) of head bh: Q_i and dO_i resident, K_j
     and V_j streamed through the ring, in the forward's orientation (queries are the rows):
 
         S = Q_i K_j^T,  P = exp2(S * scale * log2 e - m2 - l2),  dP = dO_i V_j^T,  dS = P * (dP - D),  dQ_i += dS K_j
@@ -477,15 +472,14 @@ def hopper_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, DQ, M2, L2, Delta, N_q
     # With a block mask n_tiles becomes the number of listed tiles in [j_lo, j_lo + n_tiles).
     list_row, t_lo, n_tiles = _list_range(LISTED, LISTS, bh, H, stride_lb, stride_lh, stride_li,
                                           start_m // BLOCK_SIZE, j_lo, n_tiles, BLOCK_SIZE, BLOCK_N, num_warps)
-    q_base, col = head_origin(bh, H, N_q, HEAD_D, TOKEN_MAJOR)
-    kv_base, _ = head_origin(bh, H, N_k, HEAD_D, TOKEN_MAJOR)
+    kv_base = bh * N_k
 
     mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_base + start_m, col], q_bar, q_smem)
-    tma.async_copy_global_to_shared(do_desc, [q_base + start_m, col], q_bar, do_smem)
+    tma.async_copy_global_to_shared(q_desc, [bh * N_q + start_m, 0], q_bar, q_smem)
+    tma.async_copy_global_to_shared(do_desc, [bh * N_q + start_m, 0], q_bar, do_smem)
     for s in gl.static_range(STAGES):
         first = _tile_of(s, j_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_N)
-        _load_pair(k_desc, v_desc, k_smem, v_smem, bars, kv_base, first, s, n_tiles, BLOCK_N, STAGES, col)
+        _load_pair(k_desc, v_desc, k_smem, v_smem, bars, kv_base, first, s, n_tiles, BLOCK_N, STAGES)
 
     queries = start_m + gl.arange(0, BLOCK_M, layout=row_s)
     live = queries < N_q
@@ -527,7 +521,7 @@ def hopper_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, DQ, M2, L2, Delta, N_q
         ds = gl.convert_layout((P * (dP - gl.expand_dims(D, 1))).to(dtype), ds_layout)
         dq = warpgroup_mma(ds, k_t, dq, is_async=True)
         dq, ds = warpgroup_mma_wait(0, deps=[dq, ds])  # (in flight on into the next tile measured slower)
-        _load_pair(k_desc, v_desc, k_smem, v_smem, bars, kv_base, ahead, n + STAGES, n_tiles, BLOCK_N, STAGES, col)
+        _load_pair(k_desc, v_desc, k_smem, v_smem, bars, kv_base, ahead, n + STAGES, n_tiles, BLOCK_N, STAGES)
 
     mbarrier.invalidate(q_bar)
     for s in gl.static_range(STAGES):
@@ -566,25 +560,23 @@ def _ws_smem(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, RING: gl.con
 def _ws_dkdv_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
                       delta_smem, kv_bar, ready, empty, bh, start_n, i_lo, n_tiles, t_lo, list_row, N_q, N_k,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, LISTED: gl.constexpr,
-                      BLOCK_SIZE: gl.constexpr, STATS: gl.constexpr, H=1, HEAD_D: gl.constexpr = 0,
-                      TOKEN_MAJOR: gl.constexpr = False):
+                      BLOCK_SIZE: gl.constexpr, STATS: gl.constexpr):
     """One warp with few registers: the K and V rows of both consumers once, then every Q, dO tile pair (and with
     STATS the tile's lse2 and D) into the ring. A slot is refilled once both consumers have arrived on its empty
     barrier."""
     ROWS: gl.constexpr = BLOCK_N // 2
-    q_base, col = head_origin(bh, H, N_q, HEAD_D, TOKEN_MAJOR)
-    kv_base, _ = head_origin(bh, H, N_k, HEAD_D, TOKEN_MAJOR)
     mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
     for wg in gl.static_range(2):
-        row = kv_base + start_n + wg * ROWS
-        tma.async_copy_global_to_shared(k_desc, [row, col], kv_bar, k_smem.index(wg))
-        tma.async_copy_global_to_shared(v_desc, [row, col], kv_bar, v_smem.index(wg))
+        row = bh * N_k + start_n + wg * ROWS
+        tma.async_copy_global_to_shared(k_desc, [row, 0], kv_bar, k_smem.index(wg))
+        tma.async_copy_global_to_shared(v_desc, [row, 0], kv_bar, v_smem.index(wg))
+    q_base = bh * N_q
     for n in range(0, n_tiles):
         # A fresh mbarrier counts as having completed the phase before its first, so round 0 passes at once.
         mbarrier.wait(empty.index(n % STAGES), ((n // STAGES) & 1) ^ 1)
         tile = _tile_of(n, i_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_M)
         _load_step(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, ready, bh, q_base,
-                   tile, n, n_tiles, BLOCK_M, STAGES, STATS, col)
+                   tile, n, n_tiles, BLOCK_M, STAGES, STATS)
 
 
 @gluon.jit
@@ -690,13 +682,12 @@ def hopper_ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_d
                               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                               ALIBI: gl.constexpr, DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr,
                               MASKS: gl.constexpr, LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-                              STATS: gl.constexpr, num_warps: gl.constexpr, TOKEN_MAJOR: gl.constexpr = False):
+                              STATS: gl.constexpr, num_warps: gl.constexpr):
     """The warp-specialized dK/dV kernel: program (pid_n, bh) owns BLOCK_N keys of head bh, split between two
     consumer warpgroups (the kernel's own 4 warps and a worker warpgroup), each with the K and V rows of its half;
     one worker warp copies every Q, dO tile pair once for both. As the forward's warp-specialized kernel, the
     launch caps registers at 168 a thread so that 12 warps fit an SM, and the partitions move them: 24 for the
-    producer, 240 for each consumer (two fp32 accumulators of BLOCK_N/2 x d). TOKEN_MAJOR: the producer reads Q, K,
-    V and dO in the layout of :func:`flashref.triton.hopper.head_origin`."""
+    producer, 240 for each consumer (two fp32 accumulators of BLOCK_N/2 x d)."""
     gl.static_assert(num_warps == 4, "the kernel's own warps are one consumer warpgroup")
     pid_n = gl.program_id(0)
     bh = gl.program_id(1)
@@ -714,7 +705,7 @@ def hopper_ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_d
                              STAGES, CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, MASKS, LISTED, BLOCK_SIZE, STATS)),
         (_ws_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                              lse_smem, delta_smem, kv_bar, ready, empty, bh, start_n, i_lo, n_tiles, t_lo, list_row,
-                             N_q, N_k, BLOCK_M, BLOCK_N, STAGES, LISTED, BLOCK_SIZE, STATS, H, HEAD_D, TOKEN_MAJOR)),
+                             N_q, N_k, BLOCK_M, BLOCK_N, STAGES, LISTED, BLOCK_SIZE, STATS)),
         (_ws_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, ready, empty, DK, DV,
                              M2, L2, Delta, bh, start_n, i_lo, n_tiles, t_lo, list_row, N_q, N_k, sm_scale, qk_scale,
                              SLOPES, win_left, win_right, seed, drop_below, keep_scale, 1, HEAD_D, BLOCK_M, BLOCK_N,
@@ -818,9 +809,8 @@ def _check_plain(d: int, window, alibi: bool, dropout: bool, lists) -> None:
         raise ValueError(f"at head dim {d} the Gluon backward takes no {', '.join(used)} (head dims {HEAD_DIMS} do)")
 
 
-def _descriptors(q, k, v, do, cfg: dict, cols: int | None = None, shared: dict | None = None, token: bool = False):
-    """TMA descriptors of Q, K, V and dO viewed as (B * H * N, d) rows, or with ``token`` (all four
-    :func:`flashref.triton.hopper.token_major`) as (B * N, H * d) rows: Q and dO in tiles of block_m rows, K and V
+def _descriptors(q, k, v, do, cfg: dict, cols: int | None = None, shared: dict | None = None):
+    """TMA descriptors of Q, K, V and dO viewed as (B * H * N, d) rows: Q and dO in tiles of block_m rows, K and V
     of block_n; ``cols`` columns wide (default d; the d = 256 kernel copies halves). ``shared``: a dict that one
     backward passes to both of its kernels, so a descriptor of the same tensor and tile is made once (and a
     non-contiguous dO copied once): each made afresh costs host time, in Triton's launch too."""
@@ -829,9 +819,9 @@ def _descriptors(q, k, v, do, cfg: dict, cols: int | None = None, shared: dict |
     gdt = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
     descs = []
     for x, rows in ((q, cfg["block_m"]), (k, cfg["block_n"]), (v, cfg["block_n"]), (do, cfg["block_m"])):
-        key = (id(x), rows, cols, token)  # the tensors outlive the backward that holds ``shared``
+        key = (id(x), rows, cols)  # the tensors outlive the backward that holds ``shared``
         if shared is None or key not in shared:
-            desc = hopper.descriptor(hopper.rows_view(x, token), (rows, cols), hopper.shared_layout((rows, cols), gdt))
+            desc = hopper.descriptor(x.contiguous().view(-1, d), (rows, cols), hopper.shared_layout((rows, cols), gdt))
             if shared is None:
                 descs.append(desc)
                 continue
@@ -921,7 +911,7 @@ def _drop_args(dropout) -> tuple:
 
 def hopper_dkdv(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dict | None = None, *, window=None,
                 slopes2=None, dropout=None, masks: str | None = None, lists=None, stats_tma: bool = True,
-                shared: dict | None = None, token: bool = False):
+                shared: dict | None = None):
     """(dk, dv) from the Gluon kernel, for checked, :func:`supported` inputs; m2, l2, delta: (B, H, N_q) fp32.
     ``cfg`` as :func:`default_config` gives it; with ``warp_specialize=True``, the warp-specialized kernel
     (:func:`hopper_ws_bwd_dkdv_kernel`: block_n keys a program, two consumers' worth, num_warps 4). ``window``
@@ -931,11 +921,9 @@ def hopper_dkdv(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dic
     (:func:`_list_args`; :func:`lists_fit` must hold): only the query tiles of visible blocks are loaded.
     ``stats_tma`` (default True): each query tile's lse2 and D come by TMA beside Q and dO; False loads them from
     global memory in the loop (the same bits). At head dim 256: :func:`flashref.triton.hopper_backward_wide.
-    hopper_wide_dkdv`, with neither ``masks`` nor the modifications. ``shared``: as :func:`_descriptors` takes it.
-    ``token``: q, k, v and do are all :func:`flashref.triton.hopper.token_major` and are read in place (not at
-    head dim 256); dk and dv come contiguous."""
+    hopper_wide_dkdv`, with neither ``masks`` nor the modifications. ``shared``: as :func:`_descriptors` takes it."""
     launch = DkdvLaunch(q, k, causal, scale, cfg, window=window, alibi=slopes2 is not None,
-                        dropout=dropout is not None, masks=masks, lists=lists, stats_tma=stats_tma, token=token)
+                        dropout=dropout is not None, masks=masks, lists=lists, stats_tma=stats_tma)
     return launch(q, k, v, do, m2, l2, delta, slopes2=slopes2, dropout=dropout, shared=shared)
 
 
@@ -947,17 +935,14 @@ class DkdvLaunch:
     call). At head dim 256 it calls :func:`flashref.triton.hopper_backward_wide.hopper_wide_dkdv`."""
 
     def __init__(self, q, k, causal: bool, scale: float, cfg: dict | None = None, *, window=None, alibi=False,
-                 dropout=False, masks: str | None = None, lists=None, stats_tma: bool = True, token: bool = False):
+                 dropout=False, masks: str | None = None, lists=None, stats_tma: bool = True):
         B, H, N_q, d = q.shape
         N_k = k.shape[2]
         _check_plain(d, window, alibi, dropout, lists)
-        self.wide, self.token = None, bool(token)
+        self.wide = None
         if d in PLAIN_HEAD_DIMS:
             if masks is not None or not stats_tma:
                 raise ValueError(f"at head dim {d} the dK/dV kernel takes neither masks nor stats_tma=False")
-            if token:
-                raise ValueError(f"at head dim {d} the dK/dV kernel reads (B, H, N, d) rows only, not token-major "
-                                 f"inputs (token=True)")
             self.wide = (causal, scale, cfg)
             return
         cfg = cfg or default_config(d, "dkdv", dropout)
@@ -981,14 +966,14 @@ class DkdvLaunch:
             meta = _meta(d, causal, cfg, window, alibi, dropout,
                          hopper.keep_t_layout(self.tiles["block_n"], cfg["block_m"], 4))
             self.launch = relaunch.Bound(hopper_ws_bwd_dkdv_kernel, grid, **meta, MASKS=masks, **list_meta,
-                                         STATS=stats_tma, TOKEN_MAJOR=self.token, maxnreg=hopper.WS_MAXNREG)
+                                         STATS=stats_tma, maxnreg=hopper.WS_MAXNREG)
         else:
             self.tiles = cfg
             meta = _meta(d, causal, cfg, window, alibi, dropout,
                          hopper.keep_t_layout(cfg["block_n"], cfg["block_m"], cfg["num_warps"]))
             cap = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}  # (168: three programs an SM)
             self.launch = relaunch.Bound(hopper_bwd_dkdv_kernel, grid, **meta, MASKS=masks, **list_meta,
-                                         STATS=stats_tma, TOKEN_MAJOR=self.token, **cap)
+                                         STATS=stats_tma, **cap)
 
     def __call__(self, q, k, v, do, m2, l2, delta, *, slopes2=None, dropout=None, shared: dict | None = None):
         """(dk, dv) of this call (``slopes2``, ``dropout`` and ``shared`` as :func:`hopper_dkdv` takes them)."""
@@ -998,19 +983,19 @@ class DkdvLaunch:
         dv = torch.empty_like(dk)
         mods = self.mods if not self.alibi else _mod_args(q, self.window, slopes2)
         stat_descs = _stat_descriptors(m2, l2, delta, self.block_m, self.stats_tma)
-        self.launch(*_descriptors(q, k, v, do, self.tiles, shared=shared, token=self.token), *stat_descs, dk, dv,
-                    m2.contiguous(), l2.contiguous(), delta, *self.fixed, *mods, *_drop_args(dropout), *self.list_args)
+        self.launch(*_descriptors(q, k, v, do, self.tiles, shared=shared), *stat_descs, dk, dv, m2.contiguous(),
+                    l2.contiguous(), delta, *self.fixed, *mods, *_drop_args(dropout), *self.list_args)
         return dk, dv
 
 
 def hopper_dq(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dict | None = None, *, window=None,
-              slopes2=None, dropout=None, lists=None, shared: dict | None = None, token: bool = False):
+              slopes2=None, dropout=None, lists=None, shared: dict | None = None):
     """dq from the Gluon kernel, for checked, :func:`supported` inputs; m2, l2, delta: (B, H, N_q) fp32;
     ``window`` and ``slopes2`` as :func:`_mod_args` takes them; ``dropout`` as :func:`hopper_dkdv` takes it;
     ``lists``: a block mask, as ``(visible-block lists, block_size)``: only the visible key tiles are loaded.
-    ``shared``: as :func:`_descriptors` takes it; ``token`` as :func:`hopper_dkdv` takes it (dq comes contiguous)."""
+    ``shared``: as :func:`_descriptors` takes it."""
     launch = DqLaunch(q, k, causal, scale, cfg, window=window, alibi=slopes2 is not None, dropout=dropout is not None,
-                      lists=lists, token=token)
+                      lists=lists)
     return launch(q, k, v, do, m2, l2, delta, slopes2=slopes2, dropout=dropout, shared=shared)
 
 
@@ -1019,10 +1004,9 @@ class DqLaunch:
     :class:`DkdvLaunch` for dK/dV). Calling it allocates dQ, makes the descriptors and launches."""
 
     def __init__(self, q, k, causal: bool, scale: float, cfg: dict | None = None, *, window=None, alibi=False,
-                 dropout=False, lists=None, token: bool = False):
+                 dropout=False, lists=None):
         B, H, N_q, d = q.shape
         _check_plain(d, window, alibi, dropout, lists)
-        self.token = bool(token)
         cfg = cfg or default_config(d, "dq")
         if lists is not None and not lists_fit(cfg, "dq", lists[1]):
             raise ValueError(f"block_size {lists[1]} does not map onto the dQ tiles "
@@ -1034,29 +1018,27 @@ class DqLaunch:
         meta = _meta(d, causal, cfg, window, alibi, dropout,
                      hopper.keep_layout(cfg["block_m"], cfg["block_n"], cfg["num_warps"]))
         self.launch = relaunch.Bound(hopper_bwd_dq_kernel, (hopper.host_cdiv(N_q, cfg["block_m"]), B * H), **meta,
-                                     **list_meta, TOKEN_MAJOR=self.token)
+                                     **list_meta)
 
     def __call__(self, q, k, v, do, m2, l2, delta, *, slopes2=None, dropout=None, shared: dict | None = None):
         """dq of this call (``slopes2``, ``dropout`` and ``shared`` as :func:`hopper_dq` takes them)."""
         dq = torch.empty(self.dq_shape, dtype=q.dtype, device=q.device)
         mods = self.mods if not self.alibi else _mod_args(q, self.window, slopes2)
-        self.launch(*_descriptors(q, k, v, do, self.cfg, shared=shared, token=self.token), dq, m2.contiguous(),
-                    l2.contiguous(), delta,
+        self.launch(*_descriptors(q, k, v, do, self.cfg, shared=shared), dq, m2.contiguous(), l2.contiguous(), delta,
                     *self.fixed, *mods, *_drop_args(dropout), *self.list_args)
         return dq
 
 
 def hopper_backward(q, k, v, do, m2, l2, delta, causal: bool, scale: float, *, window=None, slopes2=None,
-                    dropout=None, lists=None, token: bool = False):
+                    dropout=None, lists=None):
     """(dq, dk, dv) from the two Gluon kernels at their default tiles, for checked, :func:`supported` inputs
     (``delta`` = rowsum(dO * O), as the teaching preprocess kernel computes it): what
     :func:`flashref.triton.flash_attention`'s backward runs on an H100. Deterministic: each gradient element is
     written by one program. A sliding window (``window``) and ALiBi (``slopes2``), as :func:`_mod_args` takes
     them, change the scores as the teaching kernels do, so either forward's statistics feed this backward; so does
     ``dropout`` = ``(seed, drop_below, keep_scale)``, with the forward's mask. ``lists``: a block mask, as
-    ``((visible-block lists, transposed lists), block_size)`` (:func:`flashref.triton.ops.visible_block_lists`).
-    ``token``: q, k, v and do are all :func:`flashref.triton.hopper.token_major`, read in place (d of 64 and 128)."""
-    mods = dict(window=window, slopes2=slopes2, dropout=dropout, token=token)
+    ``((visible-block lists, transposed lists), block_size)`` (:func:`flashref.triton.ops.visible_block_lists`)."""
+    mods = dict(window=window, slopes2=slopes2, dropout=dropout)
     dkdv_lists = dq_lists = None
     if lists is not None:
         (rows, cols), block_size = lists
