@@ -261,7 +261,8 @@ def test_a_models_q_k_v_are_read_in_place(launches, monkeypatch, planned):
     they lie (TOKEN_MAJOR, TMA descriptors over the buffer's (B * N, H * d) rows), nothing copies them, the autograd
     Function saves the views themselves, and o comes in the same (B, N, H, d) layout, so that the model's
     ``o.transpose(1, 2).reshape(B, N, H * d)`` is a view. dO as o's gradient comes in that layout too and is read in
-    place; a contiguous dO is copied into it, once."""
+    place; a contiguous dO is copied into it, once. dQ, dK and dV are written in that layout as well, so that the
+    model's gradient of its buffer gathers them without transposing them."""
     q, k, v, do = _inputs()
     B, H, N, d = q.shape
     leaf, strided = _model_layout(q, k, v)
@@ -293,6 +294,8 @@ def test_a_models_q_k_v_are_read_in_place(launches, monkeypatch, planned):
             assert all(a[2] == (B * N, H * d) for a in descs), launch
             assert sorted(a[3] for a in descs) == [(H * d, 1)] * (len(descs) - 3) + [(3 * H * d, 1)] * 3, launch
     assert leaf.grad is not None and leaf.grad.shape == leaf.shape
+    grads = torch.autograd.grad(flash_attention(*strided, causal=True, check_finite=False), strided, token_do)
+    assert all(hopper.token_major(g) and g.transpose(1, 2).is_contiguous() for g in grads)
     # a contiguous dO: copied into o's layout, once a backward
     leaf.grad = None
     copied = []

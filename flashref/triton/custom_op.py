@@ -41,13 +41,16 @@ def _(q, k, v, causal, sm_scale):
 def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                        do: torch.Tensor, causal: bool, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor,
                                                                                 torch.Tensor]:
-    """``(dq, dk, dv)`` of :func:`flashref.triton.flash_attention_backward` (deterministic; dO read in place where
-    q, k, v are)."""
+    """``(dq, dk, dv)`` of :func:`flashref.triton.flash_attention_backward` (deterministic; dO read in place, and the
+    gradients written, in q, k, v's layout where the forward read them in place)."""
     return ops.custom_backward(q, k, v, o, lse, do, causal, sm_scale)
 
 
 @attention_backward.register_fake
 def _(q, k, v, o, lse, do, causal, sm_scale):
+    # What the real op returns: gradients contiguous, or in q's token-major layout (as o: see the forward's fake).
+    if ops.compiled_layout(q, k, v, causal, sm_scale):
+        return tuple(x.new_empty((x.shape[0], x.shape[2], x.shape[1], x.shape[3])).transpose(1, 2) for x in (q, k, v))
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 

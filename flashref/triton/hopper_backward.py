@@ -232,14 +232,26 @@ def _dkdv_tile(k_t, v_t, q_t, do_t, dk, dv, s_zero, keys, first_key, i, bh, M2, 
 
 
 @gluon.jit
+def _row_starts(bh, H, N, rows, HEAD_D: gl.constexpr, TOKEN_MAJOR: gl.constexpr):
+    """Where rows ``rows`` of head bh start in a gradient of q's or k's shape: a contiguous (B, H, N, d) tensor,
+    or with TOKEN_MAJOR one in the (B, N, H, d) layout the inputs came in (as :func:`flashref.triton.hopper.
+    head_origin` reads them), which a model's gradient then takes as it is, without a transposing copy."""
+    if TOKEN_MAJOR:
+        return (((bh // H).to(gl.int64) * N + rows) * H + bh % H) * HEAD_D
+    return (bh.to(gl.int64) * N + rows) * HEAD_D
+
+
+@gluon.jit
 def _store_dkdv(DK, DV, dk, dv, first_key, bh, N_k, sm_scale, ROWS: gl.constexpr, HEAD_D: gl.constexpr,
-                a_layout: gl.constexpr, FIRST_COL: gl.constexpr = 0, COLS: gl.constexpr = 0):
+                a_layout: gl.constexpr, FIRST_COL: gl.constexpr = 0, COLS: gl.constexpr = 0, H=1,
+                TOKEN_MAJOR: gl.constexpr = False):
     """dK (scaled by sm_scale) and dV of keys [first_key, +ROWS) of head bh; rows past N_k are not stored. dk and
-    dv hold columns [FIRST_COL, +COLS) of the head dim (COLS 0: all HEAD_D of them)."""
+    dv hold columns [FIRST_COL, +COLS) of the head dim (COLS 0: all HEAD_D of them). TOKEN_MAJOR: DK and DV are in
+    the (B, N, H, d) layout (:func:`_row_starts`)."""
     WIDTH: gl.constexpr = COLS if COLS > 0 else HEAD_D
     rows = first_key + gl.arange(0, ROWS, layout=gl.SliceLayout(1, a_layout))
     cols = FIRST_COL + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, a_layout))
-    offs = gl.expand_dims((bh.to(gl.int64) * N_k + rows) * HEAD_D, 1) + gl.expand_dims(cols, 0)
+    offs = gl.expand_dims(_row_starts(bh, H, N_k, rows, HEAD_D, TOKEN_MAJOR), 1) + gl.expand_dims(cols, 0)
     in_range = gl.expand_dims(rows < N_k, 1)
     gl.store(DK + offs, (dk * sm_scale).to(DK.dtype.element_ty), mask=in_range)
     gl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=in_range)
@@ -424,7 +436,7 @@ def hopper_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc
 
     if DROPOUT:  # dV = P~^T dO with P~ = P * keep / (1 - p): the kept entries were summed, now the scale
         dv = dv * keep_scale
-    _store_dkdv(DK, DV, dk, dv, start_n, bh, N_k, sm_scale, BLOCK_N, HEAD_D, a_layout)
+    _store_dkdv(DK, DV, dk, dv, start_n, bh, N_k, sm_scale, BLOCK_N, HEAD_D, a_layout, H=H, TOKEN_MAJOR=TOKEN_MAJOR)
 
 
 @gluon.jit(do_not_specialize=["seed", "drop_below"])  # 1 and 0 stay runtime values
@@ -535,7 +547,7 @@ def hopper_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, DQ, M2, L2, Delta, N_q
 
     rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, a_layout))
     cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, a_layout))
-    offs = gl.expand_dims((bh.to(gl.int64) * N_q + rows) * HEAD_D, 1) + gl.expand_dims(cols, 0)
+    offs = gl.expand_dims(_row_starts(bh, H, N_q, rows, HEAD_D, TOKEN_MAJOR), 1) + gl.expand_dims(cols, 0)
     gl.store(DQ + offs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=gl.expand_dims(rows < N_q, 1))
 
 
@@ -627,9 +639,11 @@ def _ws_dkdv_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_
                       drop_below, keep_scale, WG: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                       ALIBI: gl.constexpr, DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr, MASKS: gl.constexpr,
-                      LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr, STATS: gl.constexpr):
+                      LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr, STATS: gl.constexpr, H=1,
+                      TOKEN_MAJOR: gl.constexpr = False):
     """Consumer warpgroup WG (4 warps) owns keys [start_n + WG * BLOCK_N/2, +BLOCK_N/2): the loop of
-    :func:`hopper_bwd_dkdv_kernel` on every tile pair of the ring, which it then hands back (empty barrier)."""
+    :func:`hopper_bwd_dkdv_kernel` on every tile pair of the ring, which it then hands back (empty barrier); its dK
+    and dV rows in the inputs' layout (TOKEN_MAJOR: :func:`_row_starts`)."""
     ROWS: gl.constexpr = BLOCK_N // 2
     s_layout: gl.constexpr = _wgmma_layout(4, BLOCK_M)
     a_layout: gl.constexpr = _wgmma_layout(4, HEAD_D)
@@ -679,7 +693,7 @@ def _ws_dkdv_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_
                                    OPAQUE, STATS)
     if DROPOUT:
         dv = dv * keep_scale
-    _store_dkdv(DK, DV, dk, dv, first_key, bh, N_k, sm_scale, ROWS, HEAD_D, a_layout)
+    _store_dkdv(DK, DV, dk, dv, first_key, bh, N_k, sm_scale, ROWS, HEAD_D, a_layout, H=H, TOKEN_MAJOR=TOKEN_MAJOR)
 
 
 @gluon.jit(do_not_specialize=["seed", "drop_below"])  # 1 and 0 stay runtime values
@@ -711,14 +725,16 @@ def hopper_ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_d
         (_ws_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, ready, empty, DK, DV,
                              M2, L2, Delta, bh, start_n, i_lo, n_tiles, t_lo, list_row, N_q, N_k, sm_scale, qk_scale,
                              SLOPES, win_left, win_right, seed, drop_below, keep_scale, 0, HEAD_D, BLOCK_M, BLOCK_N,
-                             STAGES, CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, MASKS, LISTED, BLOCK_SIZE, STATS)),
+                             STAGES, CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, MASKS, LISTED, BLOCK_SIZE, STATS, H,
+                             TOKEN_MAJOR)),
         (_ws_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                              lse_smem, delta_smem, kv_bar, ready, empty, bh, start_n, i_lo, n_tiles, t_lo, list_row,
                              N_q, N_k, BLOCK_M, BLOCK_N, STAGES, LISTED, BLOCK_SIZE, STATS, H, HEAD_D, TOKEN_MAJOR)),
         (_ws_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, ready, empty, DK, DV,
                              M2, L2, Delta, bh, start_n, i_lo, n_tiles, t_lo, list_row, N_q, N_k, sm_scale, qk_scale,
                              SLOPES, win_left, win_right, seed, drop_below, keep_scale, 1, HEAD_D, BLOCK_M, BLOCK_N,
-                             STAGES, CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, MASKS, LISTED, BLOCK_SIZE, STATS)),
+                             STAGES, CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, MASKS, LISTED, BLOCK_SIZE, STATS, H,
+                             TOKEN_MAJOR)),
     ], [1, 4], [24, 240])
 
 
@@ -933,7 +949,7 @@ def hopper_dkdv(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dic
     global memory in the loop (the same bits). At head dim 256: :func:`flashref.triton.hopper_backward_wide.
     hopper_wide_dkdv`, with neither ``masks`` nor the modifications. ``shared``: as :func:`_descriptors` takes it.
     ``token``: q, k, v and do are all :func:`flashref.triton.hopper.token_major` and are read in place (not at
-    head dim 256); dk and dv come contiguous."""
+    head dim 256); dk and dv then come in k's (B, N, H, d) layout, as the kernels write them (:func:`_row_starts`)."""
     launch = DkdvLaunch(q, k, causal, scale, cfg, window=window, alibi=slopes2 is not None,
                         dropout=dropout is not None, masks=masks, lists=lists, stats_tma=stats_tma, token=token)
     return launch(q, k, v, do, m2, l2, delta, slopes2=slopes2, dropout=dropout, shared=shared)
@@ -994,8 +1010,9 @@ class DkdvLaunch:
         """(dk, dv) of this call (``slopes2``, ``dropout`` and ``shared`` as :func:`hopper_dkdv` takes them)."""
         if self.wide is not None:
             return _wide().hopper_wide_dkdv(q, k, v, do, m2, l2, delta, *self.wide)
-        dk = torch.empty(self.dk_shape, dtype=q.dtype, device=q.device)
-        dv = torch.empty_like(dk)
+        # with token, in k's (B, N, H, d) layout (the kernels write it there): what a model's gradient takes as is
+        dk = hopper.empty_output(k, True) if self.token else torch.empty(self.dk_shape, dtype=q.dtype, device=q.device)
+        dv = hopper.empty_output(k, True) if self.token else torch.empty_like(dk)
         mods = self.mods if not self.alibi else _mod_args(q, self.window, slopes2)
         stat_descs = _stat_descriptors(m2, l2, delta, self.block_m, self.stats_tma)
         self.launch(*_descriptors(q, k, v, do, self.tiles, shared=shared, token=self.token), *stat_descs, dk, dv,
@@ -1008,7 +1025,8 @@ def hopper_dq(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dict 
     """dq from the Gluon kernel, for checked, :func:`supported` inputs; m2, l2, delta: (B, H, N_q) fp32;
     ``window`` and ``slopes2`` as :func:`_mod_args` takes them; ``dropout`` as :func:`hopper_dkdv` takes it;
     ``lists``: a block mask, as ``(visible-block lists, block_size)``: only the visible key tiles are loaded.
-    ``shared``: as :func:`_descriptors` takes it; ``token`` as :func:`hopper_dkdv` takes it (dq comes contiguous)."""
+    ``shared``: as :func:`_descriptors` takes it; ``token`` as :func:`hopper_dkdv` takes it (dq then comes in q's
+    (B, N, H, d) layout too)."""
     launch = DqLaunch(q, k, causal, scale, cfg, window=window, alibi=slopes2 is not None, dropout=dropout is not None,
                       lists=lists, token=token)
     return launch(q, k, v, do, m2, l2, delta, slopes2=slopes2, dropout=dropout, shared=shared)
@@ -1038,7 +1056,7 @@ class DqLaunch:
 
     def __call__(self, q, k, v, do, m2, l2, delta, *, slopes2=None, dropout=None, shared: dict | None = None):
         """dq of this call (``slopes2``, ``dropout`` and ``shared`` as :func:`hopper_dq` takes them)."""
-        dq = torch.empty(self.dq_shape, dtype=q.dtype, device=q.device)
+        dq = hopper.empty_output(q, True) if self.token else torch.empty(self.dq_shape, dtype=q.dtype, device=q.device)
         mods = self.mods if not self.alibi else _mod_args(q, self.window, slopes2)
         self.launch(*_descriptors(q, k, v, do, self.cfg, shared=shared, token=self.token), dq, m2.contiguous(),
                     l2.contiguous(), delta,
@@ -1055,7 +1073,8 @@ def hopper_backward(q, k, v, do, m2, l2, delta, causal: bool, scale: float, *, w
     them, change the scores as the teaching kernels do, so either forward's statistics feed this backward; so does
     ``dropout`` = ``(seed, drop_below, keep_scale)``, with the forward's mask. ``lists``: a block mask, as
     ``((visible-block lists, transposed lists), block_size)`` (:func:`flashref.triton.ops.visible_block_lists`).
-    ``token``: q, k, v and do are all :func:`flashref.triton.hopper.token_major`, read in place (d of 64 and 128)."""
+    ``token``: q, k, v and do are all :func:`flashref.triton.hopper.token_major`, read in place (d of 64 and 128),
+    and dq, dk, dv come in their layout."""
     mods = dict(window=window, slopes2=slopes2, dropout=dropout, token=token)
     dkdv_lists = dq_lists = None
     if lists is not None:

@@ -731,8 +731,9 @@ def custom_forward(q, k, v, causal: bool, scale: float):
 
 
 def custom_backward(q, k, v, o, lse, do, causal: bool, scale: float):
-    """``(dq, dk, dv)`` (contiguous) as :func:`flash_attention_backward` gives them (deterministic, no NaN check),
-    reading q, k, v and dO in place where :func:`compiled_layout` said token-major."""
+    """``(dq, dk, dv)`` as :func:`flash_attention_backward` gives them (deterministic, no NaN check): contiguous, or
+    where :func:`compiled_layout` said token-major, q, k, v and dO read in place and the gradients written in their
+    (B, N, H, d) layout."""
     feat = Features(q, k, causal=causal, scale=scale, check_finite=False)
     token = compiled_layout(q, k, v, causal, scale)
     if token:
