@@ -204,13 +204,15 @@ def test_the_fused_merge_gives_the_merge_kernels_bits(N_q, H_kv, N_max, causal, 
     the interpreter, where both run the same arithmetic (compiled, the two kernels' warps may sum in another
     order); no merge kernel is launched, on the checked call and on the launch cache's fast path; empty splits (a
     9-key row) weigh nothing, row blocks (16 queries of an MQA group: 64 packed rows, two blocks under the
-    interpreter) merge apart; and the counters are zero again after each launch."""
+    interpreter) merge apart; and the counters are zero again after each launch. Above FUSED_MERGE_MAX_ROWS packed
+    rows a program the merge kernel runs whatever MERGE says."""
     q, k, v, _ = _inputs(2, 4, H_kv, N_q, N_max, 16, dtype, 7)
     seqlens = torch.tensor([N_max, max(9, N_q)], dtype=torch.int32, device=DEVICE)
     want = flash_decode(q, k, v, seqlens, causal=causal, num_splits=num_splits, return_lse=True)
     plan = decode_plan(q, k, num_splits)
     assert plan["merge"] == "kernel" and plan["num_splits"] > 1
     monkeypatch.setitem(decode.MERGE, "where", "fused")
+    monkeypatch.setattr(decode, "FUSED_MERGE_MAX_ROWS", 64)  # the MQA case's two blocks of 32 rows merge here too
     assert decode_plan(q, k, num_splits)["merge"] == "fused"
     merges = []
 
@@ -229,10 +231,12 @@ def test_the_fused_merge_gives_the_merge_kernels_bits(N_q, H_kv, N_max, causal, 
     _same(flash_decode(q, k, v, seqlens, causal=causal, num_splits=num_splits, check_finite=False), want[0])
     assert merges == []
     _check(2, 4, H_kv, N_q, N_max, 16, dtype, causal, num_splits, seqlens, seed=7)
+    monkeypatch.setattr(decode, "FUSED_MERGE_MAX_ROWS", 1)
+    assert decode_plan(q, k, num_splits)["merge"] == "kernel"
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B, N_q, N_k", [(1, 1, 16384), (4, 1, 4096), (2, 16, 8192)])
+@pytest.mark.parametrize("B, N_q, N_k", [(1, 1, 16384), (4, 1, 4096), (2, 2, 8192)])
 def test_the_fused_merge_on_a_gpu_call_after_call(B, N_q, N_k, monkeypatch):
     """On a GPU, where the programs of a group run at once and finish in any order: 30 fused calls in a row, on
     decoding shapes (32 query heads on 8 K/V heads, d = 128, fp16), each within an ulp of the merge kernel's
@@ -243,7 +247,7 @@ def test_the_fused_merge_on_a_gpu_call_after_call(B, N_q, N_k, monkeypatch):
     seqlens = _lengths(B, N_k, N_q, True, 11)
     want = flash_decode(q, k, v, seqlens, causal=True, return_lse=True, check_finite=False)
     monkeypatch.setitem(decode.MERGE, "where", "fused")
-    assert decode_plan(q, k)["num_splits"] > 1
+    assert decode_plan(q, k)["num_splits"] > 1 and decode_plan(q, k)["merge"] == "fused"
     for _ in range(30):
         o, lse = flash_decode(q, k, v, seqlens, causal=True, return_lse=True, check_finite=False)
         _same(o, want[0])

@@ -391,7 +391,8 @@ def decode_plan(q, k_cache, num_splits=None) -> dict:
             num_splits = split_count(B * H_kv * plan["row_blocks"], max(1, tiles // MIN_SPLIT_TILES),
                                      _sm_count(q.device))
     plan["num_splits"] = int(num_splits)
-    plan["merge"] = MERGE["where"]
+    few_rows = min(rows, plan["block_m"]) <= FUSED_MERGE_MAX_ROWS
+    plan["merge"] = "fused" if MERGE["where"] == "fused" and few_rows else "kernel"
     return plan
 
 
@@ -565,6 +566,10 @@ PDL = {"on": True}
 #: Where the partials are merged: ``"kernel"`` (the merge kernel, launched after the split kernel) or ``"fused"``
 #: (the last program of each group, in the split kernel: one launch instead of two). A switch for measuring it.
 MERGE = {"where": "kernel"}
+#: The most packed rows a program merges itself: it merges them one after another (each row a trip to the L2
+#: cache per 16 splits), where the merge kernel gives every row a program of its own; above this the merge kernel
+#: runs whatever :data:`MERGE` says (decoding one token with 4 query heads a K/V head packs 4 rows, 16 tokens 64).
+FUSED_MERGE_MAX_ROWS = 8
 
 _ARRIVALS: dict = {}
 
