@@ -576,8 +576,10 @@ _ARRIVALS: dict = {}
 
 def _arrivals(device, groups: int) -> torch.Tensor:
     """The fused merge's counters (int32, zeros): one per (batch row, K/V head, row block) group, shared by the
-    calls on one device and stream (each launch leaves them zero again; calls on one stream run one after the
-    other). Grown, never shrunk; a launch cache entry keeps the tensor it was built with alive."""
+    calls on one device and stream (each launch leaves them zero again, and calls on one stream run one after the
+    other; two streams have counters of their own, as their calls may run at once). Grown, never shrunk: the
+    smaller tensor it replaces goes back to the caching allocator, which gives its memory again only to work
+    queued on this stream after the launches that used it."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (device, stream)
     counters = _ARRIVALS.get(key)
@@ -685,7 +687,7 @@ class _Launch:
         self.lse_at = self.lse_part_at + _round_up(B * H * S * N_q)
         self.workspace = self.lse_at + _round_up(B * H * N_q)
         o_part, lse_part, _, _, grid, args = _split_args(q, k_cache, v_cache, seqlens, scale, plan, self.direct)
-        self.arrived = args[8] if self.fused else None  # the counters the kernel was built with (kept alive)
+        self.groups = grid[1] * grid[2]  # the fused merge's counters: one a (batch row, K/V head, row block)
         self.split_tail = args[9:]  # strides, sizes and the scale: fixed by the signature
         self.grid = (*grid, 1, 1)[:3]  # a compiled kernel's launcher reads all three grid dimensions
         if not self.direct and not self.fused:
@@ -732,7 +734,8 @@ class _Launch:
             o_part, lse_part, own_lse = self.parts(work)
             lse_out = own_lse if lse is None else lse
             if self.fused:  # the split kernel's last program of each group merges into o and lse
-                self.split(_addresses(q, k_cache, v_cache, o_part, lse_part, seqlens, o, lse_out, self.arrived)
+                arrived = _arrivals(self.device, self.groups)  # this stream's (calls on two streams may overlap)
+                self.split(_addresses(q, k_cache, v_cache, o_part, lse_part, seqlens, o, lse_out, arrived)
                            + self.split_tail)
             else:
                 stand_in = ops._stand_ins(self.device)[1]
