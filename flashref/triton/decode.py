@@ -123,8 +123,7 @@ def flash_decode_split_kernel(Q, K, V, O_PART, LSE_PART, SEQLENS, O, LSE, ARRIVE
     ``ARRIVED`` (one int32 per such group, zero before the launch) once their partials are stored, and the one
     that counts last merges the group's ``num_splits`` partials into O (q's dtype, strides ``stride_o*``) and
     LSE (``(B, H, N_q)``, contiguous), as the merge kernel would, then sets its counter back to zero for the
-    next launch. O_PART and LSE_PART are unused when one split writes the outputs directly (``num_splits`` 1,
-    MERGE False)."""
+    next launch. Without MERGE, O, LSE and ARRIVED are not read (the caller passes stand-ins)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     split = tl.program_id(0)
