@@ -158,6 +158,20 @@ def test_splits_agree():
         torch.testing.assert_close(lse, lse1, rtol=0, atol=2e-6)
 
 
+def _merge_launches(monkeypatch) -> list:
+    """The grids of the merge kernel's launches from now on (it stands in for the kernel, and launches nothing);
+    the launch cache emptied, so that the next call is a checked one."""
+    merges = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: merges.append(grid)
+
+    monkeypatch.setattr(decode, "flash_decode_merge_kernel", Recorder())
+    decode._LAUNCHES.clear()
+    return merges
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_one_split_writes_its_outputs_as_the_merge_would(dtype, monkeypatch):
     """With one split the kernel stores O (rounded to q's dtype) and lse itself and no merge runs; bit for bit
@@ -170,14 +184,7 @@ def test_one_split_writes_its_outputs_as_the_merge_would(dtype, monkeypatch):
     o_part, lse_part = decode._split_forward(q, k, v, seqlens, True, scale, plan)
     assert o_part.dtype == torch.float32 and o_part.shape[2] == 1
     want_o, want_lse = decode._merge(o_part, lse_part, q.dtype, plan["block_d"])
-    merges = []
-
-    class Recorder:  # stands in for the merge kernel: any launch of it is recorded, and launches nothing
-        def __getitem__(self, grid):
-            return lambda *args, **kw: merges.append(grid)
-
-    monkeypatch.setattr(decode, "flash_decode_merge_kernel", Recorder())
-    decode._LAUNCHES.clear()
+    merges = _merge_launches(monkeypatch)
     for check_finite in (True, False, False):  # the second False call takes the launch cache
         o, lse = flash_decode(q, k, v, seqlens, causal=True, num_splits=1, return_lse=True,
                               check_finite=check_finite)
@@ -214,14 +221,7 @@ def test_the_fused_merge_gives_the_merge_kernels_bits(N_q, H_kv, N_max, causal, 
     monkeypatch.setitem(decode.MERGE, "where", "fused")
     monkeypatch.setattr(decode, "FUSED_MERGE_MAX_ROWS", 64)  # the MQA case's two blocks of 32 rows merge here too
     assert decode_plan(q, k, num_splits)["merge"] == "fused"
-    merges = []
-
-    class Recorder:  # stands in for the merge kernel: any launch of it is recorded, and launches nothing
-        def __getitem__(self, grid):
-            return lambda *args, **kw: merges.append(grid)
-
-    monkeypatch.setattr(decode, "flash_decode_merge_kernel", Recorder())
-    decode._LAUNCHES.clear()
+    merges = _merge_launches(monkeypatch)
     for check_finite in (True, False, False):  # the second False call takes the launch cache
         o, lse = flash_decode(q, k, v, seqlens, causal=causal, num_splits=num_splits, return_lse=True,
                               check_finite=check_finite)
