@@ -687,7 +687,7 @@ def _rows(q, k, v):
 def _reads_in_place(q, k, v, feat: Features, deterministic: bool, kernel: str, aligned: bool = True) -> bool:
     """Whether the Gluon kernels read this call's q, k, v where they lie, in the (B, N, H, d) layout of a model's
     projections (:func:`flashref.triton.hopper.token_major`: the three of one (B, N, 3, H, d) buffer, or each its own
-    (B, N, H, d) tensor, seen as (B, H, N, d)), and write o in it, so that neither the inputs nor o are copied: the
+    (B, N, H, d) tensor, seen as (B, H, N, d)), and write o, dQ, dK and dV in it, so that nothing is copied: the
     Gluon forward and its two-kernel backward run (d of 64 and 128; the one-kernel backward of
     ``deterministic=False`` and the d = 256 one read (B, H, N, d) rows only, so those calls copy as before).
     ``aligned=False``: by the strides alone (:func:`flashref.triton.hopper.token_major`)."""
@@ -1231,10 +1231,10 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, deterministic=True, *,
     ``kernel`` (default ``"auto"``): which forward runs. ``"triton"`` is the teaching kernel of notebook
     ``07_triton_forward``, on every GPU and in the CPU interpreter. ``"hopper"`` is the Gluon forward of notebook
     ``14_flashattention3_on_hopper`` (:mod:`flashref.triton.hopper`): an sm_90 GPU, fp16 or bf16, d in 64, 128, 256,
-    q, k, v with as many heads (those of a model's (B, N, H, d) layout read in place, o then returned in that
-    layout, with the two-kernel backward; other strided ones copied to contiguous ones first), none of the features
-    below but a window or (at d = 64 and 128, without a window) dropout; a call it cannot take is a ``ValueError``
-    saying why.
+    q, k, v with as many heads (those of a model's (B, N, H, d) layout read in place, o and the gradients then
+    returned in that layout, with the two-kernel backward; other strided ones copied to contiguous ones first), none
+    of the features below but a window or (at d = 64 and 128, without a window) dropout; a call it cannot take is a
+    ``ValueError`` saying why.
     ``"auto"`` takes the Hopper forward where it can and the teaching kernel everywhere else (:func:`forward_kernel`
     says which). Both give the same o, lse and row statistics. The backward follows: under ``"auto"`` and
     ``"hopper"`` the Gluon dK/dV and dQ kernels of :mod:`flashref.triton.hopper_backward` run wherever they can (the
