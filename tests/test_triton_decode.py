@@ -203,7 +203,7 @@ def _same(got, want):
 
 @pytest.mark.parametrize("N_q, H_kv, N_max, causal, num_splits, dtype",
                          [(1, 2, 120, False, 5, torch.float16), (3, 2, 120, True, 12, torch.float32),
-                          (16, 1, 77, True, 3, torch.float16), (2, 4, 200, False, None, torch.float32)],
+                          (16, 1, 77, True, 3, torch.float16), (2, 4, 1000, False, None, torch.float32)],
                          ids=["gqa2-s5", "nq3-causal-s12", "nq16-mqa-rowblocks", "mha-s-auto"])
 def test_the_fused_merge_gives_the_merge_kernels_bits(N_q, H_kv, N_max, causal, num_splits, dtype, monkeypatch):
     """``MERGE["where"] = "fused"``: the last program of each (batch row, K/V head, row block) group merges the

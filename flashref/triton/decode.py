@@ -563,7 +563,11 @@ def _merge_meta(d, block_d, num_splits, pdl=False):
 #: Programmatic dependent launch of the merge kernel where the GPU has it (sm_90); a switch for measuring it.
 PDL = {"on": True}
 #: Where the partials are merged: ``"kernel"`` (the merge kernel, launched after the split kernel) or ``"fused"``
-#: (the last program of each group, in the split kernel: one launch instead of two). A switch for measuring it.
+#: (the last program of each group, in the split kernel: one launch instead of two). A switch for measuring it:
+#: on an H200 (``book/data/decode_merge_bench.json``, 32 query heads on 8 K/V heads, d = 128) the fused merge was
+#: never faster than the merge kernel launched with PDL, and slower where the cache is short (one token, B = 1:
+#: 19.1 us against 16.8 at 4K keys, 35.5 against 34.0 at 16K; within 1% from B = 4 or 64K keys), the last
+#: program's serial merge after its atomic arrival costing more than the second launch, which PDL overlaps.
 MERGE = {"where": "kernel"}
 #: The most packed rows a program merges itself: it merges them one after another (each row a trip to the L2
 #: cache per 16 splits), where the merge kernel gives every row a program of its own; above this the merge kernel
