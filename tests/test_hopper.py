@@ -46,6 +46,7 @@ for d, dtype, switches, causal, window in [
         (128, "float16", {"warp_specialize": False, "dropout": True}, False, True),
         (128, "float16", {"warp_specialize": True, "dropout": True}, True, False),
         (64, "bfloat16", {"warp_specialize": True, "dropout": True}, False, True),
+        (64, "float16", {"token": True}, True, False), (128, "bfloat16", {"token": True}, False, True),
         (256, "bfloat16", {"warp_specialize": False, "dropout": True}, True, False),
         (64, "float16", {"block_size": 128}, True, False), (128, "bfloat16", {"block_size": 128}, False, False),
         (128, "float16", {"block_size": 64}, True, False), (256, "bfloat16", {"block_size": 64}, False, False),
@@ -53,9 +54,10 @@ for d, dtype, switches, causal, window in [
     switches = dict(switches or {})
     dropout = switches.pop("dropout", False)
     block_size = switches.pop("block_size", None)
+    token = switches.pop("token", False)  # q, k, v read in a model's (B, N, H, d) layout
     switches = switches or None
     k = compile_check.compile_hopper(d, switches, causal=causal, dtype=dtype, window=window, dropout=dropout,
-                                     block_size=block_size)
+                                     block_size=block_size, token=token)
     shared_without = None
     if dropout:  # the same tile without dropout: the mask must take no shared memory (no layout moved through it)
         tile = switches or {n: v for n, v in hopper.dropout_config(d).items()}

@@ -244,18 +244,73 @@ def test_the_host_benchmarks_switch_turns_plans_off_and_on(launches):
     assert counts[True] == counts[False] > 0
 
 
-@pytest.mark.parametrize("planned", [False, True])
-def test_strided_q_k_v_take_the_gluon_kernels_through_one_copy_each(launches, monkeypatch, planned):
-    """q, k, v seen as (B, H, N, d) in a (B, N, 3, H, d) buffer, as a model's projection gives them: the Gluon
-    kernels run as for contiguous inputs (the same launches, argument for argument), the copies are made in the
-    forward and saved for the backward, which copies nothing more."""
-    q, k, v, do = _inputs()
+def _model_layout(q, k, v):
+    """q, k, v seen as (B, H, N, d) in one (B, N, 3, H, d) buffer, as a model's projection gives them (a leaf)."""
     qkv = torch.stack((q, k, v), dim=2).detach().transpose(1, 3).contiguous().transpose(1, 3)  # (B, H, 3, N, d) view
     leaf = qkv.requires_grad_()
-    strided = [leaf[:, :, i] for i in range(3)]
-    assert not any(x.is_contiguous() for x in strided) and all(x.shape == q.shape for x in strided)
+    return leaf, [leaf[:, :, i] for i in range(3)]
+
+
+def _meta(launch, name):
+    return dict(launch[3]).get(name)
+
+
+@pytest.mark.parametrize("planned", [False, True])
+def test_a_models_q_k_v_are_read_in_place(launches, monkeypatch, planned):
+    """q, k, v of a (B, N, 3, H, d) buffer, as a model's projection gives them: the Gluon kernels read them where
+    they lie (TOKEN_MAJOR, TMA descriptors over the buffer's (B * N, H * d) rows), nothing copies them, the autograd
+    Function saves the views themselves, and o comes in the same (B, N, H, d) layout, so that the model's
+    ``o.transpose(1, 2).reshape(B, N, H * d)`` is a view. dO as o's gradient comes in that layout too and is read in
+    place; a contiguous dO is copied into it, once. dQ, dK and dV are written in that layout as well, so that the
+    model's gradient of its buffer gathers them without transposing them."""
+    q, k, v, do = _inputs()
+    B, H, N, d = q.shape
+    leaf, strided = _model_layout(q, k, v)
+    assert all(hopper.token_major(x) for x in strided) and not any(x.is_contiguous() for x in strided)
     if not planned:
         monkeypatch.setattr(ops, "_plan_key", lambda *args: None)
+    copies = []
+    contiguous = torch.Tensor.contiguous
+    monkeypatch.setattr(torch.Tensor, "contiguous", lambda self, *a, **kw: (
+        copies.append(tuple(self.shape)) if not self.is_contiguous(*a, **kw) else None) or contiguous(self, *a, **kw))
+    token_do = do.transpose(1, 2).contiguous().transpose(1, 2)  # the gradient of o's transpose-reshape
+    for _ in range(2):
+        launches.clear()
+        copies.clear()
+        leaf.grad = None
+        o = flash_attention(*strided, causal=True, check_finite=False)
+        saved = o.grad_fn.saved_tensors[:3]
+        assert [x.data_ptr() for x in saved] == [x.data_ptr() for x in strided]  # the views, not copies
+        assert o.transpose(1, 2).is_contiguous() and hopper.token_major(o)
+        o.backward(token_do)
+        assert copies == []
+        names = [name for name, *_ in launches]
+        assert names[0] in ("hopper_fwd_kernel", "hopper_ws_fwd_kernel") and len(names) == 5, names  # as contiguous
+        gluon = [launch for launch in launches if launch[0].startswith("hopper_")]
+        assert gluon and all(_meta(launch, "TOKEN_MAJOR") is True for launch in gluon), gluon
+        for launch in gluon:  # every descriptor reads token rows, (B * N, H * d): q, k and v the buffer's (row
+            # stride 3 H d), dO its own (H d)
+            descs = [a for a in launch[2] if isinstance(a, tuple) and a[0] == "descriptor" and a[1][1][0] == B * N]
+            assert all(a[2] == (B * N, H * d) for a in descs), launch
+            assert sorted(a[3] for a in descs) == [(H * d, 1)] * (len(descs) - 3) + [(3 * H * d, 1)] * 3, launch
+    assert leaf.grad is not None and leaf.grad.shape == leaf.shape
+    grads = torch.autograd.grad(flash_attention(*strided, causal=True, check_finite=False), strided, token_do)
+    assert all(hopper.token_major(g) and g.transpose(1, 2).is_contiguous() for g in grads)
+    # a contiguous dO: copied into o's layout, once a backward
+    leaf.grad = None
+    copied = []
+    monkeypatch.setattr(ops, "_token_do", lambda x, f=ops._token_do: copied.append(hopper.token_major(x)) or f(x))
+    flash_attention(*strided, causal=True, check_finite=False).backward(do)
+    assert copied == [False]
+
+
+def test_strided_q_k_v_in_another_layout_are_copied_once(launches, monkeypatch):
+    """Strided q, k, v that are not in a model's (B, N, H, d) layout (here d is the strided axis) are copied once
+    each in the forward, the copies saved for the backward, which copies nothing more; the kernels then launch as
+    for contiguous inputs, argument for argument."""
+    q, k, v, do = _inputs()
+    leaves = [x.detach().transpose(2, 3).contiguous().transpose(2, 3).requires_grad_() for x in (q, k, v)]
+    assert not any(x.is_contiguous() or hopper.token_major(x) for x in leaves)
     copies = []
     contiguous = torch.Tensor.contiguous
     monkeypatch.setattr(torch.Tensor, "contiguous", lambda self, *a, **kw: (
@@ -263,12 +318,11 @@ def test_strided_q_k_v_take_the_gluon_kernels_through_one_copy_each(launches, mo
     for _ in range(2):
         launches.clear()
         copies.clear()
-        leaf.grad = None
-        o = flash_attention(*strided, causal=True, check_finite=False)
-        assert all(x.is_contiguous() for x in o.grad_fn.saved_tensors[:3])
+        o = flash_attention(*leaves, causal=True, check_finite=False)
+        assert all(x.is_contiguous() for x in o.grad_fn.saved_tensors[:3]) and o.is_contiguous()
         o.backward(do)
-    assert copies == [tuple(q.shape)] * 3  # q, k and v, once each: the backward copies none of them
-    assert leaf.grad is not None and leaf.grad.shape == qkv.shape
+    assert copies == [tuple(q.shape)] * 3
+    assert all(_meta(launch, "TOKEN_MAJOR") in (False, None) for launch in launches)
     with_strides = list(launches)
     monkeypatch.setattr(torch.Tensor, "contiguous", contiguous)
     launches.clear()

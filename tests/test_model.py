@@ -149,6 +149,45 @@ def test_custom_op_matches_the_autograd_function_and_passes_opcheck():
         attention(q, torch.randn(2, 3, 29, 16, device=DEVICE), torch.randn(2, 3, 29, 16, device=DEVICE))
 
 
+def test_the_custom_op_passes_opcheck_under_dynamic_shapes_at_the_gluon_head_dims():
+    """At d = 64 the fake implementation asks the dispatch which layout o takes (:func:`flashref.triton.ops.
+    compiled_layout`); under dynamic shapes its shapes are SymInts, which the dispatch's memo cannot hash, so it
+    answers them afresh (opcheck's test_aot_dispatch_dynamic failed there before)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 64, generator=g).to(DEVICE) for _ in range(3))
+    torch.library.opcheck(attention_forward, (q, k, v, True, 0.125))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_the_custom_op_reads_a_models_layout_in_place_on_hopper(d):
+    """On an sm_90 GPU the custom op (what a compiled model calls) reads q, k, v of a (B, N, 3, H, d) buffer in place
+    and gives o in their (B, N, H, d) layout, as its fake implementation says (opcheck compares the two): o and the
+    gradients equal those the op gives contiguous inputs, bit for bit."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernels run on an sm_90 GPU")
+    from flashref.triton import ops
+
+    B, N, H = 2, 200, 3
+    g = torch.Generator(device="cuda").manual_seed(d)
+    buf = torch.randn(B, N, 3, H, d, device="cuda", dtype=torch.float16, generator=g).requires_grad_()
+    q, k, v = (buf[:, :, i].transpose(1, 2) for i in range(3))
+    scale = d ** -0.5
+    assert ops.compiled_layout(q, k, v, True, scale)
+    o = attention_forward(q, k, v, True, scale)[0]
+    assert o.transpose(1, 2).is_contiguous()
+    plain = [x.detach().contiguous().requires_grad_() for x in (q, k, v)]
+    assert not ops.compiled_layout(*plain, True, scale)
+    o_ref = attention_forward(*plain, True, scale)[0]
+    assert o_ref.is_contiguous() and torch.equal(o, o_ref)
+    do = torch.randn(B, H, N, d, device="cuda", dtype=torch.float16, generator=g)
+    o.backward(do)
+    o_ref.backward(do)
+    for i, x in enumerate(plain):
+        assert torch.equal(buf.grad[:, :, i].transpose(1, 2), x.grad)
+    torch.library.opcheck(attention_forward, (q.detach(), k.detach(), v.detach(), True, scale))
+
+
 def test_compiling_the_model_breaks_no_graph_at_attention():
     gpt = tiny("flashref")
     x = torch.randint(0, 65, (2, 24), device=DEVICE)

@@ -295,9 +295,11 @@ def test_auto_takes_the_teaching_kernel_where_the_hopper_forward_cannot_run():
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 def test_strided_q_k_v_give_the_contiguous_inputs_results_bit_for_bit(d, causal):
-    """q, k, v as a model's projection gives them ((B, N, 3, H, d) seen as three (B, H, N, d) views) run the Gluon
-    kernels on contiguous copies: o and the gradients are those of contiguous inputs, bit for bit, on the full path
-    and on the planned steps after it; and within the tolerance rule of the float32 reference."""
+    """q, k, v as a model's projection gives them ((B, N, 3, H, d) seen as three (B, H, N, d) views) are read in
+    place by the Gluon kernels (tiles past a head's last row now read the next batch row's tokens instead of the
+    next head's, masked alike), and o comes in their (B, N, H, d) layout: o and the gradients are those of
+    contiguous inputs, bit for bit, on the full path and on the planned steps after it, with dO contiguous (copied
+    into o's layout) or in o's layout already; and within the tolerance rule of the float32 reference."""
     from flashref.triton import flash_attention, forward_kernel
 
     if torch.cuda.get_device_capability() != (9, 0):
@@ -311,11 +313,13 @@ def test_strided_q_k_v_give_the_contiguous_inputs_results_bit_for_bit(d, causal)
     plain = [x.contiguous().requires_grad_() for x in views]
     o_ref = flash_attention(*plain, causal=causal, check_finite=False)
     o_ref.backward(do)
-    for _ in range(3):  # the first call takes the full path, the next ones its plan
+    token_do = do.transpose(1, 2).contiguous().transpose(1, 2)  # as the gradient of o.transpose(1, 2) comes
+    for step in range(4):  # the first call takes the full path, the next ones its plan
         leaf = buf.clone().requires_grad_()
         qkv = [leaf[:, :, i].transpose(1, 2) for i in range(3)]
         o = flash_attention(*qkv, causal=causal, check_finite=False)
-        o.backward(do)
+        assert o.transpose(1, 2).is_contiguous()  # o in the model's layout: its transpose-reshape is a view
+        o.backward(do if step % 2 else token_do)
         assert torch.equal(o, o_ref)
         for i, x in enumerate(plain):
             assert torch.equal(leaf.grad[:, :, i].transpose(1, 2), x.grad)

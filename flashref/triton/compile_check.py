@@ -111,14 +111,15 @@ def compile_config(kernel: str, cfg: configs.TileConfig, capability: int, head_d
 
 
 def compile_hopper(head_dim: int, switches: dict | None = None, causal: bool = False, dtype: str = "float16",
-                   window: bool = False, dropout: bool = False, block_size: int | None = None):
+                   window: bool = False, dropout: bool = False, block_size: int | None = None, token: bool = False):
     """Compile :mod:`flashref.triton.hopper`'s Gluon forward for an H100 (sm_90) as a launch of
     :func:`~flashref.triton.hopper.hopper_forward` with these switches would (none: its defaults), or of
     :func:`~flashref.triton.hopper.fp8_attention` for ``dtype="float8_e4m3"``; return the compiled kernel. Its
     PTX shows the TMA copies, wgmma products and register moves it asks for. ``window``: the kernel that takes
     ``window_size``; ``dropout``: the kernel that drops P (without switches, the tile of
     :func:`~flashref.triton.hopper.dropout_config`); ``block_size``: the kernel that walks a block mask's lists
-    (without switches, the tile of :func:`~flashref.triton.hopper.block_mask_config`)."""
+    (without switches, the tile of :func:`~flashref.triton.hopper.block_mask_config`); ``token``: the kernel that
+    reads Q, K, V and writes O in the (B, N, H, d) layout (:func:`~flashref.triton.hopper.token_major`)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -152,7 +153,7 @@ def compile_hopper(head_dim: int, switches: dict | None = None, causal: bool = F
     signature.update({"N_q": "i32", "N_k": "i32", "qk_scale": "fp32", "win_left": "i32", "win_right": "i32"})
     signature.update({"seed": "i64", "drop_below": "i32", "keep_scale": "fp32"})
     signature.update({"LISTS": "*i32", "stride_lb": "i32", "stride_lh": "i32", "stride_li": "i32", "H": "i32"})
-    fn, constexprs, options = hopper.kernel_and_constexprs(cfg, head_dim, causal, window, dropout, block_size)
+    fn, constexprs, options = hopper.kernel_and_constexprs(cfg, head_dim, causal, window, dropout, block_size, token)
     if fp8:
         constexprs["FP8"] = True
     signature.update({n: "constexpr" for n in constexprs})

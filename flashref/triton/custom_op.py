@@ -16,32 +16,41 @@ from __future__ import annotations
 
 import torch
 
-from flashref.triton.ops import flash_attention_backward, flash_attention_forward
+from flashref.triton import ops
 
 
 @torch.library.custom_op("flashref::attention_forward", mutates_args=())
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                       sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(o, lse)`` of :func:`flashref.triton.flash_attention_forward` (inputs not checked for NaN)."""
-    return flash_attention_forward(q, k, v, causal, sm_scale, check_finite=False)
+    """``(o, lse)`` of :func:`flashref.triton.flash_attention_forward` (inputs not checked for NaN); on the Gluon
+    path q, k, v in a model's (B, N, H, d) layout are read in place and o comes in it (:func:`flashref.triton.ops.
+    compiled_layout`)."""
+    return ops.custom_forward(q, k, v, causal, sm_scale)
 
 
 @attention_forward.register_fake
 def _(q, k, v, causal, sm_scale):
-    # What the real op returns: a contiguous o like q, and lse (B, H, N_q) in fp32.
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+    # What the real op returns: o contiguous like q, or in q's token-major layout; lse (B, H, N_q) in fp32.
+    B, H, N, d = q.shape
+    o = q.new_empty((B, N, H, d)).transpose(1, 2) if ops.compiled_layout(q, k, v, causal, sm_scale) else \
+        q.new_empty(q.shape)
+    return o, q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("flashref::attention_backward", mutates_args=())
 def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                        do: torch.Tensor, causal: bool, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor,
                                                                                 torch.Tensor]:
-    """``(dq, dk, dv)`` of :func:`flashref.triton.flash_attention_backward` (deterministic)."""
-    return flash_attention_backward(q, k, v, o, lse, do.contiguous(), causal, sm_scale, check_finite=False)
+    """``(dq, dk, dv)`` of :func:`flashref.triton.flash_attention_backward` (deterministic; dO read in place, and the
+    gradients written, in q, k, v's layout where the forward read them in place)."""
+    return ops.custom_backward(q, k, v, o, lse, do, causal, sm_scale)
 
 
 @attention_backward.register_fake
 def _(q, k, v, o, lse, do, causal, sm_scale):
+    # What the real op returns: gradients contiguous, or in q's token-major layout (as o: see the forward's fake).
+    if ops.compiled_layout(q, k, v, causal, sm_scale):
+        return tuple(x.new_empty((x.shape[0], x.shape[2], x.shape[1], x.shape[3])).transpose(1, 2) for x in (q, k, v))
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 

@@ -118,6 +118,40 @@ def descriptor(x: torch.Tensor, block, layout) -> TensorDescriptor:
     return made
 
 
+def token_major(x: torch.Tensor, aligned: bool = True) -> bool:
+    """Whether a (B, H, N, d) ``x`` that is not contiguous lies in memory as (B, N, H, d) rows that a TMA
+    descriptor can read as a 2-D (B * N, H * d) view (:func:`head_origin`): head h at columns [h * d, +d) of each
+    token's row, a batch row's N rows one after the other, rows 16-byte aligned. A model's projection gives
+    exactly that: ``x.view(B, N, H, d).transpose(1, 2)``, and the q, k, v of one (B, N, 3, H, d) buffer, whose rows
+    hold the other two between a token's heads. ``aligned=False`` reads the strides only, not the address (what a
+    compiler's fake tensor, which has none, can answer)."""
+    if x.dim() != 4 or x.is_contiguous():
+        return False
+    B, H, N, d = x.shape
+    s0, s1, s2, s3 = x.stride()
+    rows_ok = s2 >= H * d and (s2 * x.element_size()) % 16 == 0
+    return (s3 == 1 and (s1 == d or H == 1) and (s0 == N * s2 or B == 1) and rows_ok
+            and (not aligned or x.data_ptr() % 16 == 0))
+
+
+def rows_view(x: torch.Tensor, token: bool) -> torch.Tensor:
+    """The 2-D view of (B, H, N, d) ``x`` that its TMA descriptors read: (B * H * N, d) of the contiguous tensor,
+    or with ``token`` (:func:`token_major`) the (B * N, H * d) rows of its memory."""
+    B, H, N, d = x.shape
+    if token:
+        return x.as_strided((B * N, H * d), (x.stride(2), 1))
+    return x.contiguous().view(-1, d)
+
+
+def empty_output(q: torch.Tensor, token: bool) -> torch.Tensor:
+    """O for q: (B, H, N, d) contiguous, or with ``token`` in the (B, N, H, d) layout the kernels then write
+    (a model's ``o.transpose(1, 2).reshape(B, N, H * d)`` is a view of it, not a copy)."""
+    B, H, N, d = q.shape
+    if token:
+        return torch.empty((B, N, H, d), dtype=q.dtype, device=q.device).transpose(1, 2)
+    return torch.empty((B, H, N, d), dtype=q.dtype, device=q.device)
+
+
 # ---- Dropout: the teaching kernel's Philox mask, computed in the wgmma accumulator's own registers ---------------
 @functools.lru_cache(maxsize=None)  # pure in its integers: built once a tile shape
 def keep_layout(block_m: int, block_n: int, num_warps: int) -> gl.DistributedLinearLayout:
@@ -213,6 +247,16 @@ def _keep(seed, bh, start_m, start_n, drop_below, BLOCK_M: gl.constexpr, BLOCK_N
     keep = gl.join((w << 16) >= t, w >= t)  # (a, b, c, e, bit3(j), bit3(i), bit0(j))
     keep = gl.permute(keep, (0, 5, 1, 2, 4, 3, 6))  # (a, bit3(i), b, c, bit3(j), e, bit0(j)): i, j in order
     return gl.convert_layout(gl.reshape(keep, (BLOCK_M, BLOCK_N)), s_layout)  # the same layout: no data moves
+
+
+@gluon.jit
+def _dropped(P, seed, bh, start_m, start_n, drop_below, DROPOUT: gl.constexpr, BLOCK_M: gl.constexpr,
+             BLOCK_N: gl.constexpr, KEEP_LAYOUT: gl.constexpr, s_layout: gl.constexpr):
+    """P with the entries :func:`_keep` drops set to 0 (P itself without DROPOUT): what every forward loop does to
+    a tile's P once l has summed it (as the teaching kernel does); O is scaled by keep_scale once, at the end."""
+    if DROPOUT:
+        P = gl.where(_keep(seed, bh, start_m, start_n, drop_below, BLOCK_M, BLOCK_N, KEEP_LAYOUT, s_layout), P, 0.0)
+    return P
 
 
 @gluon.jit
@@ -373,18 +417,33 @@ def lists_fit(cfg: dict, part: str, block_size: int) -> bool:
 
 
 @gluon.jit
+def head_origin(bh, H, N, HEAD_D: gl.constexpr, TOKEN_MAJOR: gl.constexpr):
+    """(first row, first column) of head bh's N rows in the 2-D view a TMA descriptor has of a (B, H, N, d)
+    tensor: (B * H * N, d) rows when it is contiguous; with TOKEN_MAJOR, (B * N, H * d) rows, the layout of a
+    model's projections ((B, N, H, d) in memory, seen as (B, H, N, d)), where head h is the column block
+    [h * d, +d) of its batch row's N rows. A tile that runs past the head's last row reads the next head's rows,
+    or the next batch row's, or TMA's zeros past the tensor's end: the kernels mask those alike."""
+    row0 = bh * N
+    col0 = bh * 0
+    if TOKEN_MAJOR:
+        row0 = (bh // H) * N
+        col0 = (bh % H) * HEAD_D
+    return row0, col0
+
+
+@gluon.jit
 def _load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kv_base, tile, j, n_tiles,
-             BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Start the TMA copies of K and V key tile ``tile`` of the head whose rows start at ``kv_base``, for the loop's
-    step j, into slot j % STAGES (nothing when j is past the last step). K and V have a barrier each, so Q K^T can
-    start while V is still on its way."""
+             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, col=0):
+    """Start the TMA copies of K and V key tile ``tile`` of the head whose rows start at ``kv_base`` (and whose
+    columns at ``col``: :func:`head_origin`), for the loop's step j, into slot j % STAGES (nothing when j is past
+    the last step). K and V have a barrier each, so Q K^T can start while V is still on its way."""
     slot = j % STAGES
     go = j < n_tiles
     row = kv_base + tile * BLOCK_N
     mbarrier.expect(k_bars.index(slot), k_desc.block_type.nbytes, pred=go)
-    tma.async_copy_global_to_shared(k_desc, [row, 0], k_bars.index(slot), k_smem.index(slot), pred=go)
+    tma.async_copy_global_to_shared(k_desc, [row, col], k_bars.index(slot), k_smem.index(slot), pred=go)
     mbarrier.expect(v_bars.index(slot), v_desc.block_type.nbytes, pred=go)
-    tma.async_copy_global_to_shared(v_desc, [row, 0], v_bars.index(slot), v_smem.index(slot), pred=go)
+    tma.async_copy_global_to_shared(v_desc, [row, col], v_bars.index(slot), v_smem.index(slot), pred=go)
 
 
 @gluon.jit
@@ -443,8 +502,10 @@ def _key_tiles(start_m, N_k, win_left, win_right, BLOCK_M: gl.constexpr, BLOCK_N
 
 @gluon.jit
 def _store_rows(acc, m_i, l_i, O, LSE, M2, L2, bh, start_m, N_q, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
-                s_layout: gl.constexpr, o_layout: gl.constexpr, WINDOW: gl.constexpr = False):
-    """O = acc / l for rows [start_m, +BLOCK_M) of head bh, the natural-log lse and the backward's (m2, l2).
+                s_layout: gl.constexpr, o_layout: gl.constexpr, WINDOW: gl.constexpr = False, H=1,
+                TOKEN_MAJOR: gl.constexpr = False):
+    """O = acc / l for rows [start_m, +BLOCK_M) of head bh, the natural-log lse and the backward's (m2, l2). O is
+    (B, H, N_q, d) contiguous, or with TOKEN_MAJOR (B, N_q, H, d) in memory (:func:`head_origin`).
     Without a window every real row saw key 0 (top-left causal), so l >= 1; rows past N_q are not stored. In a
     window a row may see no key (l = 0): as the teaching kernel, it stores O = 0, lse = -inf, m2 = 0 and
     l2 = +inf, which make the backward's recomputed P exactly 0."""
@@ -466,7 +527,10 @@ def _store_rows(acc, m_i, l_i, O, LSE, M2, L2, bh, start_m, N_q, BLOCK_M: gl.con
     gl.store(L2 + stat, log2_l, mask=offs_s < N_q)
     offs_m = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
     offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
-    rows = bh.to(gl.int64) * N_q + offs_m
+    if TOKEN_MAJOR:  # row n of head h of batch row b starts at ((b * N_q + n) * H + h) * d
+        rows = ((bh // H).to(gl.int64) * N_q + offs_m) * H + bh % H
+    else:
+        rows = bh.to(gl.int64) * N_q + offs_m
     ptrs = O + gl.expand_dims(rows * HEAD_D, 1) + gl.expand_dims(offs_d, 0)
     gl.store(ptrs, acc.to(O.dtype.element_ty), mask=gl.expand_dims(offs_m < N_q, 1))
 
@@ -476,15 +540,17 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, N_q, N_k, qk_scale
                       drop_below, keep_scale, LISTS, stride_lb, stride_lh, stride_li, H, HEAD_D: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                       OVERLAP: gl.constexpr, WINDOW: gl.constexpr, DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr,
-                      LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr, num_warps: gl.constexpr):
+                      LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr, num_warps: gl.constexpr,
+                      TOKEN_MAJOR: gl.constexpr = False):
     """Program (pid_m, bh) writes O rows [pid_m * BLOCK_M, +BLOCK_M) of head bh, its lse (natural log) and the
     backward's M2 (base-2 row max) and L2 (log2 of the row sum), as the teaching kernel does. WINDOW: query i
     sees keys i - win_left <= j <= i + win_right only, and the tiles outside every row's window are never
     loaded (the loop counts tiles from the first one visited, so the slots' phases stay its own).
 
-    The descriptors view Q, K, V as 2-D (B * H * N, d) tensors. A tile that runs past its head's last row
-    reads the next head's rows (or TMA's zeros past the tensor's end): their scores are masked to -inf
-    (keys), or their rows never stored (queries).
+    The descriptors view Q, K, V as 2-D (B * H * N, d) tensors, or with TOKEN_MAJOR as (B * N, H * d) ones, O
+    stored in the same layout (:func:`head_origin`). A tile that runs past its head's last row reads the next
+    head's (or batch row's) rows, or TMA's zeros past the tensor's end: their scores are masked to -inf (keys),
+    or their rows never stored (queries).
 
     DROPOUT: P is dropped where the teaching kernel's mask for ``seed`` drops it (:func:`_keep`, threshold
     ``drop_below``) after l has summed it, and O is scaled by ``keep_scale`` = 1 / (1 - p) at the end.
@@ -524,19 +590,20 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, N_q, N_k, qk_scale
     # Key tiles [lo_full, n_full) need no mask; the others hold the ragged end, the causal diagonal or a
     # window's edges. The loop's j counts from tile j_lo (0 without a window).
     j_lo, n_tiles, lo_full, n_full = _key_tiles(start_m, N_k, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
-    kv_base = bh * N_k
+    q_base, col = head_origin(bh, H, N_q, HEAD_D, TOKEN_MAJOR)
+    kv_base, _ = head_origin(bh, H, N_k, HEAD_D, TOKEN_MAJOR)
     gl.static_assert(not (LISTED and OVERLAP), "the overlapped loop starts with a first key tile a block mask may hide")
     # With a block mask n_tiles becomes the number of listed tiles in [j_lo, j_lo + n_tiles).
     list_row, t_lo, n_tiles = _list_range(LISTED, LISTS, bh, H, stride_lb, stride_lh, stride_li,
                                           start_m // BLOCK_SIZE, j_lo, n_tiles, BLOCK_SIZE, BLOCK_N, num_warps)
 
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [bh * N_q + start_m, 0], q_bar, q_smem)
+    tma.async_copy_global_to_shared(q_desc, [q_base + start_m, col], q_bar, q_smem)
     # The overlapped loop keeps two tiles in use (K_j, V_{j-1}), so it prefetches one tile fewer.
     for j in gl.static_range(STAGES - 1 if OVERLAP else STAGES):
         _load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kv_base,
                  _tile_of(j, j_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_N), j, n_tiles,
-                 BLOCK_N, STAGES)
+                 BLOCK_N, STAGES, col)
 
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
@@ -554,8 +621,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, N_q, N_k, qk_scale
         S = warpgroup_mma_wait(0, deps=[S])
         P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, 0, lo_full, n_full, start_m, N_k, qk_scale, win_left,
                                            win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, s_layout)
-        if DROPOUT:
-            P = gl.where(_keep(seed, bh, start_m, 0, drop_below, BLOCK_M, BLOCK_N, KEEP_LAYOUT, s_layout), P, 0.0)
+        P = _dropped(P, seed, bh, start_m, 0, drop_below, DROPOUT, BLOCK_M, BLOCK_N, KEEP_LAYOUT, s_layout)
         for j in range(1, n_tiles):
             slot = j % STAGES
             prev = (j - 1) % STAGES
@@ -571,13 +637,12 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, N_q, N_k, qk_scale
             # Issued after the wait for O instead, ptxas hoists that wait (with the barrier guarding the
             # slot) above the exponentials, and the overlap is gone.
             _load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kv_base, j - 2 + STAGES, j - 2 + STAGES,
-                     n_tiles, BLOCK_N, STAGES)
+                     n_tiles, BLOCK_N, STAGES, col)
             S = warpgroup_mma_wait(1, deps=[S])
             P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, j, lo_full, n_full, start_m, N_k, qk_scale, win_left,
                                                win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, s_layout)
-            if DROPOUT:
-                P = gl.where(_keep(seed, bh, start_m, j * BLOCK_N, drop_below, BLOCK_M, BLOCK_N, KEEP_LAYOUT,
-                                   s_layout), P, 0.0)
+            P = _dropped(P, seed, bh, start_m, j * BLOCK_N, drop_below, DROPOUT, BLOCK_M, BLOCK_N, KEEP_LAYOUT,
+                         s_layout)
             acc, p = warpgroup_mma_wait(0, deps=[acc, p])
         last = (n_tiles - 1) % STAGES
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
@@ -598,16 +663,15 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, N_q, N_k, qk_scale
             S = warpgroup_mma_wait(0, deps=[S])
             P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, tile, lo_full, n_full, start_m, N_k, qk_scale,
                                                win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, s_layout)
-            if DROPOUT:  # l has summed P before dropout, as in the teaching kernel
-                P = gl.where(_keep(seed, bh, start_m, tile * BLOCK_N, drop_below, BLOCK_M, BLOCK_N,
-                                   KEEP_LAYOUT, s_layout), P, 0.0)
+            P = _dropped(P, seed, bh, start_m, tile * BLOCK_N, drop_below, DROPOUT, BLOCK_M, BLOCK_N, KEEP_LAYOUT,
+                         s_layout)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             mbarrier.wait(v_bars.index(slot), phase)
             p = gl.convert_layout(P.to(dtype), p_layout)
             acc = warpgroup_mma(p, v_smem.index(slot), acc, is_async=True)
             acc, p = warpgroup_mma_wait(0, deps=[acc, p])
             _load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kv_base, ahead, j + STAGES, n_tiles, BLOCK_N,
-                     STAGES)
+                     STAGES, col)
 
     mbarrier.invalidate(q_bar)
     for s in gl.static_range(STAGES):
@@ -617,7 +681,8 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, N_q, N_k, qk_scale
     if DROPOUT:  # P~ = P * keep / (1 - p): one scaling of O instead of one per entry of P
         acc = acc * keep_scale
     # A window or a block mask may leave a row no key: stored as O = 0, lse = -inf.
-    _store_rows(acc, m_i, l_i, O, LSE, M2, L2, bh, start_m, N_q, BLOCK_M, HEAD_D, s_layout, o_layout, WINDOW | LISTED)
+    _store_rows(acc, m_i, l_i, O, LSE, M2, L2, bh, start_m, N_q, BLOCK_M, HEAD_D, s_layout, o_layout, WINDOW | LISTED,
+                H, TOKEN_MAJOR)
 
 # ---- Warp specialization: a producer warp feeds two consumer warpgroups ---------------------------------------
 
@@ -640,16 +705,18 @@ def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready
                  pid_m, bh, N_q, N_k, win_left, win_right, LISTS, stride_lb, stride_lh, stride_li, H,
                  HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                  CAUSAL: gl.constexpr, WINDOW: gl.constexpr, FP8: gl.constexpr, LISTED: gl.constexpr,
-                 BLOCK_SIZE: gl.constexpr):
+                 BLOCK_SIZE: gl.constexpr, TOKEN_MAJOR: gl.constexpr):
     """One warp with few registers: it issues every TMA copy. Each consumer warpgroup's Q half has a barrier of
     its own; a K or V slot is refilled once both consumers have arrived on its empty barrier. In FP8, V comes
     transposed, (B * H * d, N_k): the tensor cores take 8-bit operands only with the reduced dimension
     contiguous, and P V reduces over keys. With a block mask it reads each tile's index from the list; the
     load waits here, in the warp that runs ahead, not in the consumers."""
     ROWS: gl.constexpr = BLOCK_M // 2
+    q_base, col = head_origin(bh, H, N_q, HEAD_D, TOKEN_MAJOR)
+    kv_base, _ = head_origin(bh, H, N_k, HEAD_D, TOKEN_MAJOR)
     for wg in gl.static_range(2):
         mbarrier.expect(q_bars.index(wg), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [bh * N_q + pid_m * BLOCK_M + wg * ROWS, 0], q_bars.index(wg),
+        tma.async_copy_global_to_shared(q_desc, [q_base + pid_m * BLOCK_M + wg * ROWS, col], q_bars.index(wg),
                                         q_smem.index(wg))
     j_lo, n_tiles, lo_full, n_full, list_row, t_lo = _ws_tiles(pid_m, bh, N_k, win_left, win_right, LISTS,
                                                                stride_lb, stride_lh, stride_li, H, BLOCK_M, BLOCK_N,
@@ -658,18 +725,18 @@ def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready
         slot = j % STAGES
         phase = (j // STAGES) & 1
         tile = _tile_of(j, j_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_N)
-        row = bh * N_k + tile * BLOCK_N
+        row = kv_base + tile * BLOCK_N
         # A fresh mbarrier counts as having completed the phase before its first, so round 0 passes at once.
         mbarrier.wait(k_empty.index(slot), phase ^ 1)
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [row, 0], k_ready.index(slot), k_smem.index(slot))
+        tma.async_copy_global_to_shared(k_desc, [row, col], k_ready.index(slot), k_smem.index(slot))
         mbarrier.wait(v_empty.index(slot), phase ^ 1)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
         if FP8:
             tma.async_copy_global_to_shared(v_desc, [bh * HEAD_D, tile * BLOCK_N], v_ready.index(slot),
                                             v_smem.index(slot))
         else:
-            tma.async_copy_global_to_shared(v_desc, [row, 0], v_ready.index(slot), v_smem.index(slot))
+            tma.async_copy_global_to_shared(v_desc, [row, col], v_ready.index(slot), v_smem.index(slot))
 
 
 @gluon.jit
@@ -765,8 +832,7 @@ def _ws_rounds(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns, acc
         s_scale = q_scale * gl.load(k_scales + tile)
     P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, tile, lo_full, n_full, start_m, N_k, s_scale, win_left,
                                        win_right, ROWS, BLOCK_N, CAUSAL, WINDOW, s_layout, P_SHIFT)
-    if DROPOUT:
-        P = gl.where(_keep(seed, bh, start_m, tile * BLOCK_N, drop_below, ROWS, BLOCK_N, KEEP_LAYOUT, s_layout), P, 0.0)
+    P = _dropped(P, seed, bh, start_m, tile * BLOCK_N, drop_below, DROPOUT, ROWS, BLOCK_N, KEEP_LAYOUT, s_layout)
     for t in range(1, n_tiles):
         slot = t % STAGES
         prev = (t - 1) % STAGES
@@ -798,9 +864,7 @@ def _ws_rounds(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns, acc
             s_scale = q_scale * gl.load(k_scales + tile)
         P, m_i, l_i, alpha = _softmax_tile(S, m_i, l_i, tile, lo_full, n_full, start_m, N_k, s_scale,
                                            win_left, win_right, ROWS, BLOCK_N, CAUSAL, WINDOW, s_layout, P_SHIFT)
-        if DROPOUT:
-            P = gl.where(_keep(seed, bh, start_m, tile * BLOCK_N, drop_below, ROWS, BLOCK_N, KEEP_LAYOUT, s_layout),
-                         P, 0.0)
+        P = _dropped(P, seed, bh, start_m, tile * BLOCK_N, drop_below, DROPOUT, ROWS, BLOCK_N, KEEP_LAYOUT, s_layout)
         if OVERLAP:
             if _opaque_positive(t):  # always: the wait for P_{t-1} V_{t-1}, in a block of its own
                 done, S = _wait_products(acc, p, s_zero, FP8)
@@ -823,7 +887,7 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_em
                  stride_lb, stride_lh, stride_li, H, WG: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                  PINGPONG: gl.constexpr, FP8: gl.constexpr, LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-                 OVERLAP: gl.constexpr, DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr):
+                 OVERLAP: gl.constexpr, DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr, TOKEN_MAJOR: gl.constexpr):
     """Consumer warpgroup WG (4 warps) owns rows [WG * BLOCK_M/2, +BLOCK_M/2) of the program's tile. Round t
     issues O += P_{t-1} V_{t-1} and S_t = Q K_t^T back to back, waits for both, frees their slots, then runs
     softmax t. With PINGPONG, the rounds of the two warpgroups take turns on the tensor cores: one issues its
@@ -879,7 +943,8 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_em
         l_i = l_i / 256.0
     if DROPOUT:  # P~ = P * keep / (1 - p), as in hopper_fwd_kernel
         acc = acc * keep_scale
-    _store_rows(acc, m_i, l_i, O, LSE, M2, L2, bh, start_m, N_q, ROWS, HEAD_D, s_layout, o_layout, WINDOW | LISTED)
+    _store_rows(acc, m_i, l_i, O, LSE, M2, L2, bh, start_m, N_q, ROWS, HEAD_D, s_layout, o_layout, WINDOW | LISTED,
+                H, TOKEN_MAJOR)
 
 
 @gluon.jit(do_not_specialize=["seed", "drop_below"])  # 1 and 0 stay runtime values
@@ -888,7 +953,8 @@ def hopper_ws_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, QS, KS, VS, N_q
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                          PINGPONG: gl.constexpr, FP8: gl.constexpr, WINDOW: gl.constexpr, LISTED: gl.constexpr,
                          BLOCK_SIZE: gl.constexpr, num_warps: gl.constexpr, OVERLAP: gl.constexpr = False,
-                         DROPOUT: gl.constexpr = False, KEEP_LAYOUT: gl.constexpr = None):
+                         DROPOUT: gl.constexpr = False, KEEP_LAYOUT: gl.constexpr = None,
+                         TOKEN_MAJOR: gl.constexpr = False):
     """The warp-specialized forward: program (pid_m, bh) as in :func:`hopper_fwd_kernel`, its work split among
     three partitions. The kernel's own 4 warps are consumer warpgroup 0; a worker warpgroup of 4 is consumer 1;
     one worker warp is the producer. The launch caps registers so that 12 warps fit an SM, and the partitions'
@@ -896,9 +962,11 @@ def hopper_ws_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, QS, KS, VS, N_q
     QS, KS, VS; see :func:`_ws_consumer`) is a switch of this kernel: the schedule is the same. LISTED: a block
     mask's lists, as :func:`hopper_fwd_kernel` walks them (BLOCK_SIZE a multiple of BLOCK_M and BLOCK_N).
     DROPOUT (``seed``, ``drop_below``, ``keep_scale`` as :func:`hopper_fwd_kernel` takes them; not with FP8): each
-    consumer drops its rows' P by :func:`_keep` with ``KEEP_LAYOUT`` = :func:`keep_layout` of a consumer's tile."""
+    consumer drops its rows' P by :func:`_keep` with ``KEEP_LAYOUT`` = :func:`keep_layout` of a consumer's tile.
+    TOKEN_MAJOR: Q, K, V read and O written in the (B, N, H, d) layout of :func:`head_origin`."""
     gl.static_assert(num_warps == 4, "the kernel's own warps are one consumer warpgroup")
     gl.static_assert(not (DROPOUT and FP8), "dropout runs in fp16 and bf16")
+    gl.static_assert(not (TOKEN_MAJOR and FP8), "FP8 reads its own quantized (B, H, N, d) copies")
     pid_m = gl.program_id(0)
     if CAUSAL:
         pid_m = gl.num_programs(0) - 1 - pid_m
@@ -928,14 +996,14 @@ def hopper_ws_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, QS, KS, VS, N_q
         (_ws_consumer, (q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turns, O, LSE, M2, L2,
                         QS, KS, VS, pid_m, bh, N_q, N_k, qk_scale, win_left, win_right, seed, drop_below, keep_scale,
                         LISTS, stride_lb, stride_lh, stride_li, H, 0, HEAD_D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW,
-                        PINGPONG, FP8, LISTED, BLOCK_SIZE, OVERLAP, DROPOUT, KEEP_LAYOUT)),
+                        PINGPONG, FP8, LISTED, BLOCK_SIZE, OVERLAP, DROPOUT, KEEP_LAYOUT, TOKEN_MAJOR)),
         (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
                         pid_m, bh, N_q, N_k, win_left, win_right, LISTS, stride_lb, stride_lh, stride_li, H, HEAD_D,
-                        BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, FP8, LISTED, BLOCK_SIZE)),
+                        BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, FP8, LISTED, BLOCK_SIZE, TOKEN_MAJOR)),
         (_ws_consumer, (q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turns, O, LSE, M2, L2,
                         QS, KS, VS, pid_m, bh, N_q, N_k, qk_scale, win_left, win_right, seed, drop_below, keep_scale,
                         LISTS, stride_lb, stride_lh, stride_li, H, 1, HEAD_D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW,
-                        PINGPONG, FP8, LISTED, BLOCK_SIZE, OVERLAP, DROPOUT, KEEP_LAYOUT)),
+                        PINGPONG, FP8, LISTED, BLOCK_SIZE, OVERLAP, DROPOUT, KEEP_LAYOUT, TOKEN_MAJOR)),
     ], [1, 4], [24, 240])
 
 
@@ -1033,13 +1101,14 @@ def _descriptor_blocks(cfg: dict, head_dim: int):
 
 
 def kernel_and_constexprs(cfg: dict, head_dim: int, causal: bool, window: bool = False, dropout: bool = False,
-                          block_size: int | None = None):
+                          block_size: int | None = None, token: bool = False):
     """The Gluon kernel a config launches, its compile-time arguments and launch options. ``window``: the kernel
     that bounds each row's keys (``win_left``, ``win_right``); the one-program overlapped loop has none (the
     warp-specialized one has). ``dropout``: the
     kernel that drops P (``seed``, ``drop_below``, ``keep_scale``; both kernels take them).
     ``block_size``: the kernel that walks a block mask's lists of visible blocks (one warpgroup, two, or
-    warp-specialized; without overlap, a window or dropout: :func:`block_mask_config`'s tile)."""
+    warp-specialized; without overlap, a window or dropout: :func:`block_mask_config`'s tile). ``token``: the
+    kernel that reads Q, K, V and writes O in the (B, N, H, d) layout (:func:`token_major`)."""
     if block_size is not None and (cfg["overlap"] or window or dropout or not lists_fit(cfg, "fwd", block_size)):
         raise ValueError(f"a block mask runs a loop without overlap, without a window or dropout, on tiles that its "
                          f"blocks ({block_size}) hold whole; got {cfg}")
@@ -1048,7 +1117,7 @@ def kernel_and_constexprs(cfg: dict, head_dim: int, causal: bool, window: bool =
                          "tile that a window may not have")
     shape = dict(HEAD_D=head_dim, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"],
                  CAUSAL=bool(causal), WINDOW=bool(window), LISTED=block_size is not None,
-                 BLOCK_SIZE=int(block_size or 1))
+                 BLOCK_SIZE=int(block_size or 1), TOKEN_MAJOR=bool(token))
     if cfg["warp_specialize"]:
         # 12 warps (3 warpgroups) at WS_MAXNREG each fit the SM's 64K registers; the partitions then move them.
         keep = keep_layout(cfg["block_m"] // 2, cfg["block_n"], 4) if dropout else None  # a consumer's tile
@@ -1124,15 +1193,17 @@ def hopper_forward(q, k, v, causal=False, sm_scale=None, *, window_size=(-1, -1)
     return launch_forward(q, k, v, feat.causal, scale, cfg, window=window)
 
 
-def launch_forward(q, k, v, causal: bool, scale: float, cfg: dict, window=None, dropout=None, lists=None):
+def launch_forward(q, k, v, causal: bool, scale: float, cfg: dict, window=None, dropout=None, lists=None,
+                   token: bool = False):
     """:func:`hopper_forward` on inputs already checked (and :func:`supported`), with the switches ``cfg`` (what a
     dispatch from :func:`flashref.triton.flash_attention` will call: its checks are done by then). ``window``:
     ``(win_left, win_right)`` as :class:`flashref.triton.ops.Features` holds them, or None. ``dropout``: ``(seed,
     drop_below, keep_scale)`` as :meth:`flashref.triton.ops.Features.scalars` gives them, or None (with dropout,
     :func:`dropout_config`'s ``cfg`` is the measured one). ``lists``: (the visible-block lists of a block mask,
     :func:`flashref.triton.ops.visible_block_lists`'s; its block_size), or None; with :func:`block_mask_config`'s
-    ``cfg``. Returns ``(o, lse, (m2, l2))``."""
-    return ForwardLaunch(q, k, causal, scale, cfg, window, dropout is not None, lists)(q, k, v, dropout)
+    ``cfg``. ``token``: q, k, v are all :func:`token_major` and are read in place (o comes in their layout).
+    Returns ``(o, lse, (m2, l2))``."""
+    return ForwardLaunch(q, k, causal, scale, cfg, window, dropout is not None, lists, token)(q, k, v, dropout)
 
 
 class ForwardLaunch:
@@ -1141,15 +1212,16 @@ class ForwardLaunch:
     Calling it allocates the outputs, makes the descriptors of this call's q, k, v and launches the kernel; a plan
     of one call signature (:class:`flashref.triton.ops.StepPlan`) keeps it and calls it at every step."""
 
-    def __init__(self, q, k, causal: bool, scale: float, cfg: dict, window=None, dropout: bool = False, lists=None):
+    def __init__(self, q, k, causal: bool, scale: float, cfg: dict, window=None, dropout: bool = False, lists=None,
+                 token: bool = False):
         B, H, N_q, d = q.shape
         N_k = k.shape[2]
-        self.d, self.o_shape, self.stats_shape = d, (B, H, N_q, d), (3, B, H, N_q)
+        self.d, self.stats_shape, self.token = d, (3, B, H, N_q), bool(token)
         self.q_block, self.kv_block = _descriptor_blocks(cfg, d)
         gdt = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
         self.q_layout, self.kv_layout = shared_layout(self.q_block, gdt), shared_layout(self.kv_block, gdt)
         kernel, constexprs, options = kernel_and_constexprs(cfg, d, causal, window is not None, dropout,
-                                                            None if lists is None else lists[1])
+                                                            None if lists is None else lists[1], self.token)
         self.launch = relaunch.Bound(kernel, (host_cdiv(N_q, cfg["block_m"]), B * H), **constexprs, **options)
         self.warp_specialize = cfg["warp_specialize"]
         win_left, win_right = window if window is not None else (0, 0)
@@ -1158,13 +1230,12 @@ class ForwardLaunch:
 
     def __call__(self, q, k, v, dropout=None):
         """``(o, lse, (m2, l2))`` of this call's q, k, v (``dropout``: its ``(seed, drop_below, keep_scale)``, or
-        None without)."""
-        d = self.d
-        q2, k2, v2 = (x.contiguous().view(-1, d) for x in (q, k, v))
+        None without). With ``token`` (all three :func:`token_major`), o is written in that layout too."""
+        q2, k2, v2 = (rows_view(x, self.token) for x in (q, k, v))
         q_desc = descriptor(q2, self.q_block, self.q_layout)
         k_desc = descriptor(k2, self.kv_block, self.kv_layout)
         v_desc = descriptor(v2, self.kv_block, self.kv_layout)
-        o = torch.empty(self.o_shape, dtype=q.dtype, device=q.device)
+        o = empty_output(q, self.token)
         lse, m2, l2 = torch.empty(self.stats_shape, dtype=torch.float32, device=q.device).unbind(0)
         scales = (lse, lse, lse) if self.warp_specialize else ()  # FP8's scale pointers, unread here
         drop = dropout if dropout is not None else (0, 0, 1.0)

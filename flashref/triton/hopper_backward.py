@@ -39,6 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from flashref.triton import hopper, relaunch
 # The block-sparse lists' helpers live beside the forward, which walks them too.
 from flashref.triton.hopper import _list_args, _list_range, _listed_tiles_before, _tile_of, lists_fit  # noqa: F401
+from flashref.triton.hopper import head_origin
 from flashref.triton.forward import LOG2E
 
 HEAD_DIMS = (64, 128)  # every feature
@@ -49,21 +50,22 @@ PLAIN_HEAD_DIMS = (256,)
 
 @gluon.jit
 def _load_pair(a_desc, b_desc, a_smem, b_smem, bars, base_row, tile, n, n_tiles, BLOCK: gl.constexpr,
-               STAGES: gl.constexpr):
+               STAGES: gl.constexpr, col=0):
     """Start the TMA copies of the program's n-th pair of streamed tiles (Q and dO in the dK/dV kernel, K and V in
-    the dQ kernel; the tile of index ``tile``, rows base_row + tile * BLOCK on) into slot n % STAGES, one barrier
-    for both (nothing from n_tiles on). n counts from the program's first tile, as the loop's waits do."""
+    the dQ kernel; the tile of index ``tile``, rows base_row + tile * BLOCK on, columns from ``col``:
+    :func:`flashref.triton.hopper.head_origin`) into slot n % STAGES, one barrier for both (nothing from n_tiles
+    on). n counts from the program's first tile, as the loop's waits do."""
     slot = n % STAGES
     go = n < n_tiles
     row = base_row + tile * BLOCK
     mbarrier.expect(bars.index(slot), a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=go)
-    tma.async_copy_global_to_shared(a_desc, [row, 0], bars.index(slot), a_smem.index(slot), pred=go)
-    tma.async_copy_global_to_shared(b_desc, [row, 0], bars.index(slot), b_smem.index(slot), pred=go)
+    tma.async_copy_global_to_shared(a_desc, [row, col], bars.index(slot), a_smem.index(slot), pred=go)
+    tma.async_copy_global_to_shared(b_desc, [row, col], bars.index(slot), b_smem.index(slot), pred=go)
 
 
 @gluon.jit
 def _load_step(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, bars, bh, base_row, tile,
-               n, n_tiles, BLOCK: gl.constexpr, STAGES: gl.constexpr, STATS: gl.constexpr):
+               n, n_tiles, BLOCK: gl.constexpr, STAGES: gl.constexpr, STATS: gl.constexpr, col=0):
     """:func:`_load_pair` of Q and dO, and with STATS the query tile's row statistics too (lse2 = m2 + l2 and D,
     one fp32 number a row), into the same slot under the same barrier."""
     if STATS:
@@ -73,13 +75,13 @@ def _load_step(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
         nbytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes + lse_desc.block_type.nbytes
                                 + delta_desc.block_type.nbytes)
         mbarrier.expect(bars.index(slot), nbytes, pred=go)
-        tma.async_copy_global_to_shared(q_desc, [row, 0], bars.index(slot), q_smem.index(slot), pred=go)
-        tma.async_copy_global_to_shared(do_desc, [row, 0], bars.index(slot), do_smem.index(slot), pred=go)
+        tma.async_copy_global_to_shared(q_desc, [row, col], bars.index(slot), q_smem.index(slot), pred=go)
+        tma.async_copy_global_to_shared(do_desc, [row, col], bars.index(slot), do_smem.index(slot), pred=go)
         tma.async_copy_global_to_shared(lse_desc, [bh, tile * BLOCK], bars.index(slot), lse_smem.index(slot), pred=go)
         tma.async_copy_global_to_shared(delta_desc, [bh, tile * BLOCK], bars.index(slot), delta_smem.index(slot),
                                         pred=go)
     else:
-        _load_pair(q_desc, do_desc, q_smem, do_smem, bars, base_row, tile, n, n_tiles, BLOCK, STAGES)
+        _load_pair(q_desc, do_desc, q_smem, do_smem, bars, base_row, tile, n, n_tiles, BLOCK, STAGES, col)
 
 
 @gluon.jit
@@ -230,14 +232,26 @@ def _dkdv_tile(k_t, v_t, q_t, do_t, dk, dv, s_zero, keys, first_key, i, bh, M2, 
 
 
 @gluon.jit
+def _row_starts(bh, H, N, rows, HEAD_D: gl.constexpr, TOKEN_MAJOR: gl.constexpr):
+    """Where rows ``rows`` of head bh start in a gradient of q's or k's shape: a contiguous (B, H, N, d) tensor,
+    or with TOKEN_MAJOR one in the (B, N, H, d) layout the inputs came in (as :func:`flashref.triton.hopper.
+    head_origin` reads them), which a model's gradient then takes as it is, without a transposing copy."""
+    if TOKEN_MAJOR:
+        return (((bh // H).to(gl.int64) * N + rows) * H + bh % H) * HEAD_D
+    return (bh.to(gl.int64) * N + rows) * HEAD_D
+
+
+@gluon.jit
 def _store_dkdv(DK, DV, dk, dv, first_key, bh, N_k, sm_scale, ROWS: gl.constexpr, HEAD_D: gl.constexpr,
-                a_layout: gl.constexpr, FIRST_COL: gl.constexpr = 0, COLS: gl.constexpr = 0):
+                a_layout: gl.constexpr, FIRST_COL: gl.constexpr = 0, COLS: gl.constexpr = 0, H=1,
+                TOKEN_MAJOR: gl.constexpr = False):
     """dK (scaled by sm_scale) and dV of keys [first_key, +ROWS) of head bh; rows past N_k are not stored. dk and
-    dv hold columns [FIRST_COL, +COLS) of the head dim (COLS 0: all HEAD_D of them)."""
+    dv hold columns [FIRST_COL, +COLS) of the head dim (COLS 0: all HEAD_D of them). TOKEN_MAJOR: DK and DV are in
+    the (B, N, H, d) layout (:func:`_row_starts`)."""
     WIDTH: gl.constexpr = COLS if COLS > 0 else HEAD_D
     rows = first_key + gl.arange(0, ROWS, layout=gl.SliceLayout(1, a_layout))
     cols = FIRST_COL + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, a_layout))
-    offs = gl.expand_dims((bh.to(gl.int64) * N_k + rows) * HEAD_D, 1) + gl.expand_dims(cols, 0)
+    offs = gl.expand_dims(_row_starts(bh, H, N_k, rows, HEAD_D, TOKEN_MAJOR), 1) + gl.expand_dims(cols, 0)
     in_range = gl.expand_dims(rows < N_k, 1)
     gl.store(DK + offs, (dk * sm_scale).to(DK.dtype.element_ty), mask=in_range)
     gl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=in_range)
@@ -317,7 +331,7 @@ def _dkdv_step(n, masked, FULL: gl.constexpr, k_smem, v_smem, q_smem, do_smem, l
                win_right, seed, drop_below, keep_scale, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr, DROPOUT: gl.constexpr,
                KEEP_LAYOUT: gl.constexpr, ROWS: gl.constexpr, s_layout: gl.constexpr, col_s: gl.constexpr,
-               p_layout: gl.constexpr, LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr, STATS: gl.constexpr):
+               p_layout: gl.constexpr, LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr, STATS: gl.constexpr, q_col=0):
     """Step n of :func:`hopper_bwd_dkdv_kernel`'s loop: query tile i_lo + n (listed tile t_lo + n with a block
     mask) from its ring slot, then the copies of the tile STAGES ahead into the slot it frees."""
     slot = n % STAGES
@@ -332,7 +346,7 @@ def _dkdv_step(n, masked, FULL: gl.constexpr, k_smem, v_smem, q_smem, do_smem, l
                         keep_scale, masked, FULL, BLOCK_M, CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, ROWS, s_layout,
                         col_s, p_layout, STATS)
     _load_step(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, bars, bh, q_base, ahead,
-               n + STAGES, n_tiles, BLOCK_M, STAGES, STATS)
+               n + STAGES, n_tiles, BLOCK_M, STAGES, STATS, q_col)
     return dk, dv
 
 
@@ -344,8 +358,9 @@ def hopper_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc
                            STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr,
                            DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr, MASKS: gl.constexpr,
                            LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr, STATS: gl.constexpr,
-                           num_warps: gl.constexpr):
-    """Program (pid_n, bh) writes dK and dV of keys [pid_n * BLOCK_N, +BLOCK_N) of head bh. The descriptors view
+                           num_warps: gl.constexpr, TOKEN_MAJOR: gl.constexpr = False):
+    """Program (pid_n, bh) writes dK and dV of keys [pid_n * BLOCK_N, +BLOCK_N) of head bh (with TOKEN_MAJOR Q, K, V
+    and dO are read in the (B, N, H, d) layout of :func:`flashref.triton.hopper.head_origin`). The descriptors view
     Q, dO (B * H * N_q, d) and K, V (B * H * N_k, d); query columns past N_q (the next head's rows, or TMA's
     zeros) get P = 0, so they add nothing; key rows past N_k are never stored. LISTED: a block mask, whose
     transposed visible-block lists LISTS (strides per batch, head and key block; H heads) name the query blocks
@@ -371,15 +386,16 @@ def hopper_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc
     # With a block mask n_tiles becomes the number of listed tiles in [i_lo, i_lo + n_tiles).
     list_row, t_lo, n_tiles = _list_range(LISTED, LISTS, bh, H, stride_lb, stride_lh, stride_li,
                                           start_n // BLOCK_SIZE, i_lo, n_tiles, BLOCK_SIZE, BLOCK_M, num_warps)
-    q_base = bh * N_q
+    q_base, col = head_origin(bh, H, N_q, HEAD_D, TOKEN_MAJOR)
+    kv_base, _ = head_origin(bh, H, N_k, HEAD_D, TOKEN_MAJOR)
 
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [bh * N_k + start_n, 0], kv_bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [bh * N_k + start_n, 0], kv_bar, v_smem)
+    tma.async_copy_global_to_shared(k_desc, [kv_base + start_n, col], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [kv_base + start_n, col], kv_bar, v_smem)
     for s in gl.static_range(STAGES):
         first = _tile_of(s, i_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_M)
         _load_step(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, bars, bh, q_base,
-                   first, s, n_tiles, BLOCK_M, STAGES, STATS)
+                   first, s, n_tiles, BLOCK_M, STAGES, STATS, col)
 
     dk = gl.zeros([BLOCK_N, HEAD_D], gl.float32, a_layout)
     dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, a_layout)
@@ -401,7 +417,7 @@ def hopper_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc
                                     keys, start_n, i_lo, t_lo, list_row, bh, M2, L2,
                                     Delta, N_q, qk_scale, slope2, win_left, win_right, seed, drop_below, keep_scale,
                                     BLOCK_M, STAGES, CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, BLOCK_N, s_layout,
-                                    col_s, p_layout, LISTED, BLOCK_SIZE, STATS)
+                                    col_s, p_layout, LISTED, BLOCK_SIZE, STATS, col)
     else:
         for n in range(0, n_tiles):
             masked = True  # a constant unless the branch decides: the mask's code then compiles away
@@ -412,7 +428,7 @@ def hopper_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc
                                 n_tiles, dk, dv, s_zero, keys, start_n, i_lo, t_lo, list_row, bh, M2, L2, Delta, N_q,
                                 qk_scale, slope2, win_left, win_right, seed, drop_below, keep_scale, BLOCK_M, STAGES,
                                 CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, BLOCK_N, s_layout, col_s, p_layout, LISTED,
-                                BLOCK_SIZE, STATS)
+                                BLOCK_SIZE, STATS, col)
 
     mbarrier.invalidate(kv_bar)
     for s in gl.static_range(STAGES):
@@ -420,7 +436,7 @@ def hopper_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc
 
     if DROPOUT:  # dV = P~^T dO with P~ = P * keep / (1 - p): the kept entries were summed, now the scale
         dv = dv * keep_scale
-    _store_dkdv(DK, DV, dk, dv, start_n, bh, N_k, sm_scale, BLOCK_N, HEAD_D, a_layout)
+    _store_dkdv(DK, DV, dk, dv, start_n, bh, N_k, sm_scale, BLOCK_N, HEAD_D, a_layout, H=H, TOKEN_MAJOR=TOKEN_MAJOR)
 
 
 @gluon.jit(do_not_specialize=["seed", "drop_below"])  # 1 and 0 stay runtime values
@@ -429,8 +445,9 @@ def hopper_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, DQ, M2, L2, Delta, N_q
                          stride_li, H, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                          STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr,
                          DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr, LISTED: gl.constexpr,
-                         BLOCK_SIZE: gl.constexpr, num_warps: gl.constexpr):
-    """Program (pid_m, bh) writes dQ of queries [pid_m * BLOCK_M, +BLOCK_M) of head bh: Q_i and dO_i resident, K_j
+                         BLOCK_SIZE: gl.constexpr, num_warps: gl.constexpr, TOKEN_MAJOR: gl.constexpr = False):
+    """Program (pid_m, bh) writes dQ of queries [pid_m * BLOCK_M, +BLOCK_M) of head bh (dQ contiguous; with
+    TOKEN_MAJOR Q, K, V and dO are read in the layout of :func:`flashref.triton.hopper.head_origin`): Q_i and dO_i resident, K_j
     and V_j streamed through the ring, in the forward's orientation (queries are the rows):
 
         S = Q_i K_j^T,  P = exp2(S * scale * log2 e - m2 - l2),  dP = dO_i V_j^T,  dS = P * (dP - D),  dQ_i += dS K_j
@@ -472,14 +489,15 @@ def hopper_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, DQ, M2, L2, Delta, N_q
     # With a block mask n_tiles becomes the number of listed tiles in [j_lo, j_lo + n_tiles).
     list_row, t_lo, n_tiles = _list_range(LISTED, LISTS, bh, H, stride_lb, stride_lh, stride_li,
                                           start_m // BLOCK_SIZE, j_lo, n_tiles, BLOCK_SIZE, BLOCK_N, num_warps)
-    kv_base = bh * N_k
+    q_base, col = head_origin(bh, H, N_q, HEAD_D, TOKEN_MAJOR)
+    kv_base, _ = head_origin(bh, H, N_k, HEAD_D, TOKEN_MAJOR)
 
     mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [bh * N_q + start_m, 0], q_bar, q_smem)
-    tma.async_copy_global_to_shared(do_desc, [bh * N_q + start_m, 0], q_bar, do_smem)
+    tma.async_copy_global_to_shared(q_desc, [q_base + start_m, col], q_bar, q_smem)
+    tma.async_copy_global_to_shared(do_desc, [q_base + start_m, col], q_bar, do_smem)
     for s in gl.static_range(STAGES):
         first = _tile_of(s, j_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_N)
-        _load_pair(k_desc, v_desc, k_smem, v_smem, bars, kv_base, first, s, n_tiles, BLOCK_N, STAGES)
+        _load_pair(k_desc, v_desc, k_smem, v_smem, bars, kv_base, first, s, n_tiles, BLOCK_N, STAGES, col)
 
     queries = start_m + gl.arange(0, BLOCK_M, layout=row_s)
     live = queries < N_q
@@ -521,7 +539,7 @@ def hopper_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, DQ, M2, L2, Delta, N_q
         ds = gl.convert_layout((P * (dP - gl.expand_dims(D, 1))).to(dtype), ds_layout)
         dq = warpgroup_mma(ds, k_t, dq, is_async=True)
         dq, ds = warpgroup_mma_wait(0, deps=[dq, ds])  # (in flight on into the next tile measured slower)
-        _load_pair(k_desc, v_desc, k_smem, v_smem, bars, kv_base, ahead, n + STAGES, n_tiles, BLOCK_N, STAGES)
+        _load_pair(k_desc, v_desc, k_smem, v_smem, bars, kv_base, ahead, n + STAGES, n_tiles, BLOCK_N, STAGES, col)
 
     mbarrier.invalidate(q_bar)
     for s in gl.static_range(STAGES):
@@ -529,7 +547,7 @@ def hopper_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, DQ, M2, L2, Delta, N_q
 
     rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, a_layout))
     cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, a_layout))
-    offs = gl.expand_dims((bh.to(gl.int64) * N_q + rows) * HEAD_D, 1) + gl.expand_dims(cols, 0)
+    offs = gl.expand_dims(_row_starts(bh, H, N_q, rows, HEAD_D, TOKEN_MAJOR), 1) + gl.expand_dims(cols, 0)
     gl.store(DQ + offs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=gl.expand_dims(rows < N_q, 1))
 
 
@@ -560,23 +578,25 @@ def _ws_smem(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, RING: gl.con
 def _ws_dkdv_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
                       delta_smem, kv_bar, ready, empty, bh, start_n, i_lo, n_tiles, t_lo, list_row, N_q, N_k,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, LISTED: gl.constexpr,
-                      BLOCK_SIZE: gl.constexpr, STATS: gl.constexpr):
+                      BLOCK_SIZE: gl.constexpr, STATS: gl.constexpr, H=1, HEAD_D: gl.constexpr = 0,
+                      TOKEN_MAJOR: gl.constexpr = False):
     """One warp with few registers: the K and V rows of both consumers once, then every Q, dO tile pair (and with
     STATS the tile's lse2 and D) into the ring. A slot is refilled once both consumers have arrived on its empty
     barrier."""
     ROWS: gl.constexpr = BLOCK_N // 2
+    q_base, col = head_origin(bh, H, N_q, HEAD_D, TOKEN_MAJOR)
+    kv_base, _ = head_origin(bh, H, N_k, HEAD_D, TOKEN_MAJOR)
     mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
     for wg in gl.static_range(2):
-        row = bh * N_k + start_n + wg * ROWS
-        tma.async_copy_global_to_shared(k_desc, [row, 0], kv_bar, k_smem.index(wg))
-        tma.async_copy_global_to_shared(v_desc, [row, 0], kv_bar, v_smem.index(wg))
-    q_base = bh * N_q
+        row = kv_base + start_n + wg * ROWS
+        tma.async_copy_global_to_shared(k_desc, [row, col], kv_bar, k_smem.index(wg))
+        tma.async_copy_global_to_shared(v_desc, [row, col], kv_bar, v_smem.index(wg))
     for n in range(0, n_tiles):
         # A fresh mbarrier counts as having completed the phase before its first, so round 0 passes at once.
         mbarrier.wait(empty.index(n % STAGES), ((n // STAGES) & 1) ^ 1)
         tile = _tile_of(n, i_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_M)
         _load_step(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, ready, bh, q_base,
-                   tile, n, n_tiles, BLOCK_M, STAGES, STATS)
+                   tile, n, n_tiles, BLOCK_M, STAGES, STATS, col)
 
 
 @gluon.jit
@@ -619,9 +639,11 @@ def _ws_dkdv_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_
                       drop_below, keep_scale, WG: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                       ALIBI: gl.constexpr, DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr, MASKS: gl.constexpr,
-                      LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr, STATS: gl.constexpr):
+                      LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr, STATS: gl.constexpr, H=1,
+                      TOKEN_MAJOR: gl.constexpr = False):
     """Consumer warpgroup WG (4 warps) owns keys [start_n + WG * BLOCK_N/2, +BLOCK_N/2): the loop of
-    :func:`hopper_bwd_dkdv_kernel` on every tile pair of the ring, which it then hands back (empty barrier)."""
+    :func:`hopper_bwd_dkdv_kernel` on every tile pair of the ring, which it then hands back (empty barrier); its dK
+    and dV rows in the inputs' layout (TOKEN_MAJOR: :func:`_row_starts`)."""
     ROWS: gl.constexpr = BLOCK_N // 2
     s_layout: gl.constexpr = _wgmma_layout(4, BLOCK_M)
     a_layout: gl.constexpr = _wgmma_layout(4, HEAD_D)
@@ -671,7 +693,7 @@ def _ws_dkdv_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_
                                    OPAQUE, STATS)
     if DROPOUT:
         dv = dv * keep_scale
-    _store_dkdv(DK, DV, dk, dv, first_key, bh, N_k, sm_scale, ROWS, HEAD_D, a_layout)
+    _store_dkdv(DK, DV, dk, dv, first_key, bh, N_k, sm_scale, ROWS, HEAD_D, a_layout, H=H, TOKEN_MAJOR=TOKEN_MAJOR)
 
 
 @gluon.jit(do_not_specialize=["seed", "drop_below"])  # 1 and 0 stay runtime values
@@ -682,12 +704,13 @@ def hopper_ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_d
                               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                               ALIBI: gl.constexpr, DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr,
                               MASKS: gl.constexpr, LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-                              STATS: gl.constexpr, num_warps: gl.constexpr):
+                              STATS: gl.constexpr, num_warps: gl.constexpr, TOKEN_MAJOR: gl.constexpr = False):
     """The warp-specialized dK/dV kernel: program (pid_n, bh) owns BLOCK_N keys of head bh, split between two
     consumer warpgroups (the kernel's own 4 warps and a worker warpgroup), each with the K and V rows of its half;
     one worker warp copies every Q, dO tile pair once for both. As the forward's warp-specialized kernel, the
     launch caps registers at 168 a thread so that 12 warps fit an SM, and the partitions move them: 24 for the
-    producer, 240 for each consumer (two fp32 accumulators of BLOCK_N/2 x d)."""
+    producer, 240 for each consumer (two fp32 accumulators of BLOCK_N/2 x d). TOKEN_MAJOR: the producer reads Q, K,
+    V and dO in the layout of :func:`flashref.triton.hopper.head_origin`."""
     gl.static_assert(num_warps == 4, "the kernel's own warps are one consumer warpgroup")
     pid_n = gl.program_id(0)
     bh = gl.program_id(1)
@@ -702,14 +725,16 @@ def hopper_ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_d
         (_ws_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, ready, empty, DK, DV,
                              M2, L2, Delta, bh, start_n, i_lo, n_tiles, t_lo, list_row, N_q, N_k, sm_scale, qk_scale,
                              SLOPES, win_left, win_right, seed, drop_below, keep_scale, 0, HEAD_D, BLOCK_M, BLOCK_N,
-                             STAGES, CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, MASKS, LISTED, BLOCK_SIZE, STATS)),
+                             STAGES, CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, MASKS, LISTED, BLOCK_SIZE, STATS, H,
+                             TOKEN_MAJOR)),
         (_ws_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                              lse_smem, delta_smem, kv_bar, ready, empty, bh, start_n, i_lo, n_tiles, t_lo, list_row,
-                             N_q, N_k, BLOCK_M, BLOCK_N, STAGES, LISTED, BLOCK_SIZE, STATS)),
+                             N_q, N_k, BLOCK_M, BLOCK_N, STAGES, LISTED, BLOCK_SIZE, STATS, H, HEAD_D, TOKEN_MAJOR)),
         (_ws_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, ready, empty, DK, DV,
                              M2, L2, Delta, bh, start_n, i_lo, n_tiles, t_lo, list_row, N_q, N_k, sm_scale, qk_scale,
                              SLOPES, win_left, win_right, seed, drop_below, keep_scale, 1, HEAD_D, BLOCK_M, BLOCK_N,
-                             STAGES, CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, MASKS, LISTED, BLOCK_SIZE, STATS)),
+                             STAGES, CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, MASKS, LISTED, BLOCK_SIZE, STATS, H,
+                             TOKEN_MAJOR)),
     ], [1, 4], [24, 240])
 
 
@@ -809,8 +834,9 @@ def _check_plain(d: int, window, alibi: bool, dropout: bool, lists) -> None:
         raise ValueError(f"at head dim {d} the Gluon backward takes no {', '.join(used)} (head dims {HEAD_DIMS} do)")
 
 
-def _descriptors(q, k, v, do, cfg: dict, cols: int | None = None, shared: dict | None = None):
-    """TMA descriptors of Q, K, V and dO viewed as (B * H * N, d) rows: Q and dO in tiles of block_m rows, K and V
+def _descriptors(q, k, v, do, cfg: dict, cols: int | None = None, shared: dict | None = None, token: bool = False):
+    """TMA descriptors of Q, K, V and dO viewed as (B * H * N, d) rows, or with ``token`` (all four
+    :func:`flashref.triton.hopper.token_major`) as (B * N, H * d) rows: Q and dO in tiles of block_m rows, K and V
     of block_n; ``cols`` columns wide (default d; the d = 256 kernel copies halves). ``shared``: a dict that one
     backward passes to both of its kernels, so a descriptor of the same tensor and tile is made once (and a
     non-contiguous dO copied once): each made afresh costs host time, in Triton's launch too."""
@@ -819,9 +845,9 @@ def _descriptors(q, k, v, do, cfg: dict, cols: int | None = None, shared: dict |
     gdt = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
     descs = []
     for x, rows in ((q, cfg["block_m"]), (k, cfg["block_n"]), (v, cfg["block_n"]), (do, cfg["block_m"])):
-        key = (id(x), rows, cols)  # the tensors outlive the backward that holds ``shared``
+        key = (id(x), rows, cols, token)  # the tensors outlive the backward that holds ``shared``
         if shared is None or key not in shared:
-            desc = hopper.descriptor(x.contiguous().view(-1, d), (rows, cols), hopper.shared_layout((rows, cols), gdt))
+            desc = hopper.descriptor(hopper.rows_view(x, token), (rows, cols), hopper.shared_layout((rows, cols), gdt))
             if shared is None:
                 descs.append(desc)
                 continue
@@ -911,7 +937,7 @@ def _drop_args(dropout) -> tuple:
 
 def hopper_dkdv(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dict | None = None, *, window=None,
                 slopes2=None, dropout=None, masks: str | None = None, lists=None, stats_tma: bool = True,
-                shared: dict | None = None):
+                shared: dict | None = None, token: bool = False):
     """(dk, dv) from the Gluon kernel, for checked, :func:`supported` inputs; m2, l2, delta: (B, H, N_q) fp32.
     ``cfg`` as :func:`default_config` gives it; with ``warp_specialize=True``, the warp-specialized kernel
     (:func:`hopper_ws_bwd_dkdv_kernel`: block_n keys a program, two consumers' worth, num_warps 4). ``window``
@@ -921,9 +947,11 @@ def hopper_dkdv(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dic
     (:func:`_list_args`; :func:`lists_fit` must hold): only the query tiles of visible blocks are loaded.
     ``stats_tma`` (default True): each query tile's lse2 and D come by TMA beside Q and dO; False loads them from
     global memory in the loop (the same bits). At head dim 256: :func:`flashref.triton.hopper_backward_wide.
-    hopper_wide_dkdv`, with neither ``masks`` nor the modifications. ``shared``: as :func:`_descriptors` takes it."""
+    hopper_wide_dkdv`, with neither ``masks`` nor the modifications. ``shared``: as :func:`_descriptors` takes it.
+    ``token``: q, k, v and do are all :func:`flashref.triton.hopper.token_major` and are read in place (not at
+    head dim 256); dk and dv then come in k's (B, N, H, d) layout, as the kernels write them (:func:`_row_starts`)."""
     launch = DkdvLaunch(q, k, causal, scale, cfg, window=window, alibi=slopes2 is not None,
-                        dropout=dropout is not None, masks=masks, lists=lists, stats_tma=stats_tma)
+                        dropout=dropout is not None, masks=masks, lists=lists, stats_tma=stats_tma, token=token)
     return launch(q, k, v, do, m2, l2, delta, slopes2=slopes2, dropout=dropout, shared=shared)
 
 
@@ -935,14 +963,17 @@ class DkdvLaunch:
     call). At head dim 256 it calls :func:`flashref.triton.hopper_backward_wide.hopper_wide_dkdv`."""
 
     def __init__(self, q, k, causal: bool, scale: float, cfg: dict | None = None, *, window=None, alibi=False,
-                 dropout=False, masks: str | None = None, lists=None, stats_tma: bool = True):
+                 dropout=False, masks: str | None = None, lists=None, stats_tma: bool = True, token: bool = False):
         B, H, N_q, d = q.shape
         N_k = k.shape[2]
         _check_plain(d, window, alibi, dropout, lists)
-        self.wide = None
+        self.wide, self.token = None, bool(token)
         if d in PLAIN_HEAD_DIMS:
             if masks is not None or not stats_tma:
                 raise ValueError(f"at head dim {d} the dK/dV kernel takes neither masks nor stats_tma=False")
+            if token:
+                raise ValueError(f"at head dim {d} the dK/dV kernel reads (B, H, N, d) rows only, not token-major "
+                                 f"inputs (token=True)")
             self.wide = (causal, scale, cfg)
             return
         cfg = cfg or default_config(d, "dkdv", dropout)
@@ -966,36 +997,38 @@ class DkdvLaunch:
             meta = _meta(d, causal, cfg, window, alibi, dropout,
                          hopper.keep_t_layout(self.tiles["block_n"], cfg["block_m"], 4))
             self.launch = relaunch.Bound(hopper_ws_bwd_dkdv_kernel, grid, **meta, MASKS=masks, **list_meta,
-                                         STATS=stats_tma, maxnreg=hopper.WS_MAXNREG)
+                                         STATS=stats_tma, TOKEN_MAJOR=self.token, maxnreg=hopper.WS_MAXNREG)
         else:
             self.tiles = cfg
             meta = _meta(d, causal, cfg, window, alibi, dropout,
                          hopper.keep_t_layout(cfg["block_n"], cfg["block_m"], cfg["num_warps"]))
             cap = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}  # (168: three programs an SM)
             self.launch = relaunch.Bound(hopper_bwd_dkdv_kernel, grid, **meta, MASKS=masks, **list_meta,
-                                         STATS=stats_tma, **cap)
+                                         STATS=stats_tma, TOKEN_MAJOR=self.token, **cap)
 
     def __call__(self, q, k, v, do, m2, l2, delta, *, slopes2=None, dropout=None, shared: dict | None = None):
         """(dk, dv) of this call (``slopes2``, ``dropout`` and ``shared`` as :func:`hopper_dkdv` takes them)."""
         if self.wide is not None:
             return _wide().hopper_wide_dkdv(q, k, v, do, m2, l2, delta, *self.wide)
-        dk = torch.empty(self.dk_shape, dtype=q.dtype, device=q.device)
-        dv = torch.empty_like(dk)
+        # with token, in k's (B, N, H, d) layout (the kernels write it there): what a model's gradient takes as is
+        dk = hopper.empty_output(k, True) if self.token else torch.empty(self.dk_shape, dtype=q.dtype, device=q.device)
+        dv = hopper.empty_output(k, True) if self.token else torch.empty_like(dk)
         mods = self.mods if not self.alibi else _mod_args(q, self.window, slopes2)
         stat_descs = _stat_descriptors(m2, l2, delta, self.block_m, self.stats_tma)
-        self.launch(*_descriptors(q, k, v, do, self.tiles, shared=shared), *stat_descs, dk, dv, m2.contiguous(),
-                    l2.contiguous(), delta, *self.fixed, *mods, *_drop_args(dropout), *self.list_args)
+        self.launch(*_descriptors(q, k, v, do, self.tiles, shared=shared, token=self.token), *stat_descs, dk, dv,
+                    m2.contiguous(), l2.contiguous(), delta, *self.fixed, *mods, *_drop_args(dropout), *self.list_args)
         return dk, dv
 
 
 def hopper_dq(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dict | None = None, *, window=None,
-              slopes2=None, dropout=None, lists=None, shared: dict | None = None):
+              slopes2=None, dropout=None, lists=None, shared: dict | None = None, token: bool = False):
     """dq from the Gluon kernel, for checked, :func:`supported` inputs; m2, l2, delta: (B, H, N_q) fp32;
     ``window`` and ``slopes2`` as :func:`_mod_args` takes them; ``dropout`` as :func:`hopper_dkdv` takes it;
     ``lists``: a block mask, as ``(visible-block lists, block_size)``: only the visible key tiles are loaded.
-    ``shared``: as :func:`_descriptors` takes it."""
+    ``shared``: as :func:`_descriptors` takes it; ``token`` as :func:`hopper_dkdv` takes it (dq then comes in q's
+    (B, N, H, d) layout too)."""
     launch = DqLaunch(q, k, causal, scale, cfg, window=window, alibi=slopes2 is not None, dropout=dropout is not None,
-                      lists=lists)
+                      lists=lists, token=token)
     return launch(q, k, v, do, m2, l2, delta, slopes2=slopes2, dropout=dropout, shared=shared)
 
 
@@ -1004,9 +1037,10 @@ class DqLaunch:
     :class:`DkdvLaunch` for dK/dV). Calling it allocates dQ, makes the descriptors and launches."""
 
     def __init__(self, q, k, causal: bool, scale: float, cfg: dict | None = None, *, window=None, alibi=False,
-                 dropout=False, lists=None):
+                 dropout=False, lists=None, token: bool = False):
         B, H, N_q, d = q.shape
         _check_plain(d, window, alibi, dropout, lists)
+        self.token = bool(token)
         cfg = cfg or default_config(d, "dq")
         if lists is not None and not lists_fit(cfg, "dq", lists[1]):
             raise ValueError(f"block_size {lists[1]} does not map onto the dQ tiles "
@@ -1018,27 +1052,30 @@ class DqLaunch:
         meta = _meta(d, causal, cfg, window, alibi, dropout,
                      hopper.keep_layout(cfg["block_m"], cfg["block_n"], cfg["num_warps"]))
         self.launch = relaunch.Bound(hopper_bwd_dq_kernel, (hopper.host_cdiv(N_q, cfg["block_m"]), B * H), **meta,
-                                     **list_meta)
+                                     **list_meta, TOKEN_MAJOR=self.token)
 
     def __call__(self, q, k, v, do, m2, l2, delta, *, slopes2=None, dropout=None, shared: dict | None = None):
         """dq of this call (``slopes2``, ``dropout`` and ``shared`` as :func:`hopper_dq` takes them)."""
-        dq = torch.empty(self.dq_shape, dtype=q.dtype, device=q.device)
+        dq = hopper.empty_output(q, True) if self.token else torch.empty(self.dq_shape, dtype=q.dtype, device=q.device)
         mods = self.mods if not self.alibi else _mod_args(q, self.window, slopes2)
-        self.launch(*_descriptors(q, k, v, do, self.cfg, shared=shared), dq, m2.contiguous(), l2.contiguous(), delta,
+        self.launch(*_descriptors(q, k, v, do, self.cfg, shared=shared, token=self.token), dq, m2.contiguous(),
+                    l2.contiguous(), delta,
                     *self.fixed, *mods, *_drop_args(dropout), *self.list_args)
         return dq
 
 
 def hopper_backward(q, k, v, do, m2, l2, delta, causal: bool, scale: float, *, window=None, slopes2=None,
-                    dropout=None, lists=None):
+                    dropout=None, lists=None, token: bool = False):
     """(dq, dk, dv) from the two Gluon kernels at their default tiles, for checked, :func:`supported` inputs
     (``delta`` = rowsum(dO * O), as the teaching preprocess kernel computes it): what
     :func:`flashref.triton.flash_attention`'s backward runs on an H100. Deterministic: each gradient element is
     written by one program. A sliding window (``window``) and ALiBi (``slopes2``), as :func:`_mod_args` takes
     them, change the scores as the teaching kernels do, so either forward's statistics feed this backward; so does
     ``dropout`` = ``(seed, drop_below, keep_scale)``, with the forward's mask. ``lists``: a block mask, as
-    ``((visible-block lists, transposed lists), block_size)`` (:func:`flashref.triton.ops.visible_block_lists`)."""
-    mods = dict(window=window, slopes2=slopes2, dropout=dropout)
+    ``((visible-block lists, transposed lists), block_size)`` (:func:`flashref.triton.ops.visible_block_lists`).
+    ``token``: q, k, v and do are all :func:`flashref.triton.hopper.token_major`, read in place (d of 64 and 128),
+    and dq, dk, dv come in their layout."""
+    mods = dict(window=window, slopes2=slopes2, dropout=dropout, token=token)
     dkdv_lists = dq_lists = None
     if lists is not None:
         (rows, cols), block_size = lists

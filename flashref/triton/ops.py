@@ -491,7 +491,7 @@ def _hopper_refusal(q, k, v, feat: Features, backward: bool = False) -> str | No
     same for the Gluon backward kernels, which also take ALiBi (their statistics come from either forward), a
     window (``hopper_backward(window=)``; which of them a window uses is :func:`_backward_kernel`'s choice) and a
     block mask (where :func:`_gluon_takes_block_mask` says so). Strided q, k, v are no reason: the Gluon kernels
-    read contiguous copies (:func:`_rows`)."""
+    read them in place in a model's layout (:func:`_reads_in_place`), or contiguous copies (:func:`_rows`)."""
     if INTERPRETED or not q.is_cuda:
         return "runs on an sm_90 GPU, not in Triton's CPU interpreter"
     if configs.device_capability(q.device) != 90:  # wgmma and setmaxnreg are sm_90a's
@@ -532,7 +532,12 @@ def _dispatch_key(q, k, v, feat: Features) -> tuple:
 
 def _remembered(key: tuple, answer):
     """The dispatch's answer for ``key``, computed by ``answer()`` the first time (the oldest forgotten past
-    :data:`_DISPATCH_MAX`)."""
+    :data:`_DISPATCH_MAX`). Not remembered where a shape is symbolic (a custom op's fake call under dynamic shapes:
+    a SymInt has no hash), asked afresh there."""
+    try:
+        hash(key)
+    except TypeError:
+        return answer()
     if key in _DISPATCH:
         return _DISPATCH[key]
     if len(_DISPATCH) >= _DISPATCH_MAX:
@@ -639,22 +644,24 @@ def _gluon_forward_takes_block_mask(q, feat: Features) -> bool:
     return hopper.lists_fit(hopper.block_mask_config(q.shape[3], feat.block_size), "fwd", feat.block_size)
 
 
-def _hopper_forward(q, k, scale: float, feat: Features):
+def _hopper_forward(q, k, scale: float, feat: Features, token: bool = False):
     """The Gluon forward of this checked call's signature (:class:`flashref.triton.hopper.ForwardLaunch`): its tile
-    config as the measurements chose it for a block mask, dropout, or neither."""
+    config as the measurements chose it for a block mask, dropout, or neither. ``token``: q, k, v are read in
+    their (B, N, H, d) layout and o written in it (:func:`_reads_in_place`)."""
     hopper = _gluon_module("hopper")
     if feat.block_mask is not None:  # the loop that walks the lists of visible blocks, as the teaching kernel's
         cfg = hopper.block_mask_config(q.shape[3], feat.block_size)
-        return hopper.ForwardLaunch(q, k, feat.causal, scale, cfg, lists=(feat.args(q)[1], feat.block_size))
+        return hopper.ForwardLaunch(q, k, feat.causal, scale, cfg, lists=(feat.args(q)[1], feat.block_size),
+                                    token=token)
     dropout = feat.dropout_p > 0.0
     cfg = hopper.dropout_config(q.shape[3]) if dropout else hopper.default_config(q.shape[3])
     window = (feat.win_left, feat.win_right) if feat.window else None
-    return hopper.ForwardLaunch(q, k, feat.causal, scale, cfg, window=window, dropout=dropout)
+    return hopper.ForwardLaunch(q, k, feat.causal, scale, cfg, window=window, dropout=dropout, token=token)
 
 
-def _forward(q, k, v, scale: float, feat: Features, kernel: str = "triton"):
+def _forward(q, k, v, scale: float, feat: Features, kernel: str = "triton", token: bool = False):
     if _forward_kernel(q, k, v, feat, kernel) == "hopper":
-        return _hopper_forward(q, k, scale, feat)(q, k, v, _dropout_scalars(feat))
+        return _hopper_forward(q, k, scale, feat, token)(q, k, v, _dropout_scalars(feat))
     B, H, N_q, d = q.shape
     N_k = k.shape[2]
     # A packed batch's o takes q's layout, (total_q, H, d), through the same view the kernel gets.
@@ -670,11 +677,78 @@ def _forward(q, k, v, scale: float, feat: Features, kernel: str = "triton"):
 
 
 def _rows(q, k, v):
-    """q, k and v as the Gluon kernels read them: contiguous, so that each is a (B * H * N, d) matrix whose rows
-    their TMA copies fetch. A strided one, such as the (B, N, H, d) buffer of a model's projection seen as
-    (B, H, N, d), is copied first: read and written once, O(N d) traffic beside the attention's O(N^2 d) work.
-    The copies are what the autograd Function saves, so the backward's kernels read them without copying again."""
+    """q, k and v as the Gluon kernels read them when not in place (:func:`_reads_in_place`): contiguous, so that
+    each is a (B * H * N, d) matrix whose rows their TMA copies fetch. Another strided one is copied first: read
+    and written once, O(N d) traffic beside the attention's O(N^2 d) work. The copies are what the autograd
+    Function saves, so the backward's kernels read them without copying again."""
     return q.contiguous(), k.contiguous(), v.contiguous()
+
+
+def _reads_in_place(q, k, v, feat: Features, deterministic: bool, kernel: str, aligned: bool = True) -> bool:
+    """Whether the Gluon kernels read this call's q, k, v where they lie, in the (B, N, H, d) layout of a model's
+    projections (:func:`flashref.triton.hopper.token_major`: the three of one (B, N, 3, H, d) buffer, or each its own
+    (B, N, H, d) tensor, seen as (B, H, N, d)), and write o, dQ, dK and dV in it, so that nothing is copied: the
+    Gluon forward and its two-kernel backward run (d of 64 and 128; the one-kernel backward of
+    ``deterministic=False`` and the d = 256 one read (B, H, N, d) rows only, so those calls copy as before).
+    ``aligned=False``: by the strides alone (:func:`flashref.triton.hopper.token_major`)."""
+    if q.shape[3] not in (64, 128) or _forward_kernel(q, k, v, feat, kernel) != "hopper":
+        return False
+    if _backward_kernel(q, k, v, feat, kernel, deterministic) != "hopper":
+        return False
+    hopper = _gluon_module("hopper")
+    return all(hopper.token_major(x, aligned) for x in (q, k, v))
+
+
+# ---- The custom op's calls (flashref.triton.custom_op): o's layout decided from strides alone ------------------
+#
+# Under torch.compile a custom op's outputs must have the strides its fake implementation gave them, and a fake
+# tensor has shapes and strides but no address. So the layout of o is decided from the strides of q, k, v
+# (:func:`compiled_layout`), and an input whose strides say token-major but whose address is not 16-byte aligned
+# is copied into an aligned tensor of that layout before the in-place kernels read it.
+
+def compiled_layout(q, k, v, causal: bool, scale: float) -> bool:
+    """Whether :func:`custom_forward` gives o in the token-major layout (else contiguous): the answer of
+    :func:`_reads_in_place` from strides alone, for the custom op's call (deterministic, no options)."""
+    feat = Features(q, k, causal=causal, scale=scale, check_finite=False)
+    return _reads_in_place(q, k, v, feat, True, "auto", aligned=False)
+
+
+def _aligned_token(x):
+    hopper = _gluon_module("hopper")
+    return x if hopper.token_major(x) else hopper.empty_output(x, True).copy_(x)
+
+
+def custom_forward(q, k, v, causal: bool, scale: float):
+    """``(o, lse)`` as :func:`flash_attention_forward` gives them (no NaN check), with o in :func:`compiled_layout`'s
+    layout: read in place, no copy of q, k, v, where it says token-major."""
+    feat = Features(q, k, causal=causal, scale=scale, check_finite=False)
+    token = compiled_layout(q, k, v, causal, scale)
+    if token:
+        q, k, v = (_aligned_token(x) for x in (q, k, v))
+    with torch.no_grad():
+        o, lse, _ = _forward(q, k, v, scale, feat, "auto", token)
+    return o, lse
+
+
+def custom_backward(q, k, v, o, lse, do, causal: bool, scale: float):
+    """``(dq, dk, dv)`` as :func:`flash_attention_backward` gives them (deterministic, no NaN check): contiguous, or
+    where :func:`compiled_layout` said token-major, q, k, v and dO read in place and the gradients written in their
+    (B, N, H, d) layout."""
+    feat = Features(q, k, causal=causal, scale=scale, check_finite=False)
+    token = compiled_layout(q, k, v, causal, scale)
+    if token:
+        q, k, v, o = (_aligned_token(x) for x in (q, k, v, o))
+    with torch.no_grad():
+        return _backward(q, k, v, o, _stats_from_lse(lse), do, scale, True, feat, "auto", token=token)
+
+
+def _token_do(do):
+    """dO in the layout the in-place kernels read (:func:`_reads_in_place`): as it comes when it is already so
+    (the gradient of a model's ``o.transpose(1, 2).reshape(...)`` is), else copied into it."""
+    hopper = _gluon_module("hopper")
+    if hopper.token_major(do):
+        return do
+    return hopper.empty_output(do, True).copy_(do)
 
 
 def _dropout_scalars(feat: Features):
@@ -726,12 +800,14 @@ _BOTH = ("dq", "dkdv")
 
 
 def _backward(q, k, v, o, stats, do, scale: float, deterministic: bool, feat: Features, kernel: str = "triton", *,
-              parts=_BOTH, delta=None):
+              parts=_BOTH, delta=None, token: bool = False):
     """``stats`` = (m2, l2) from :func:`_forward` (base-2 row max and log2 of the row sum). ``deterministic``:
     dQ from its own kernel (bitwise reproducible); otherwise added atomically by the dK/dV kernel. ``kernel`` as
     in :func:`_backward_kernel`. ``parts``: which kernels run; ``("dq",)`` or ``("dkdv",)`` alone (deterministic
     only: only there are the two kernels separate) leaves the other gradients ``None`` (ring attention runs
-    them in two rings). ``delta``: D from :func:`_delta` when the caller has it (``o`` is then not read)."""
+    them in two rings). ``delta``: D from :func:`_delta` when the caller has it (``o`` is then not read).
+    ``token``: q, k, v (and o) lie in the (B, N, H, d) layout the Gluon pair reads in place (:func:`_reads_in_place`);
+    dO is brought to it."""
     m2, l2 = stats
     B, H, N_q, d = q.shape
     H_kv, N_k = k.shape[1], k.shape[2]
@@ -752,8 +828,10 @@ def _backward(q, k, v, o, stats, do, scale: float, deterministic: bool, feat: Fe
     if side is not None:  # dQ beside dK/dV: see _dq_stream
         here = torch.cuda.current_stream(q.device)
         side.wait_stream(here)
+    if token:
+        do = _token_do(do)
     if choice != "triton":
-        dq_launch, dkdv_launch = _hopper_backward(q, k, scale, feat, want_dq, want_dkdv)
+        dq_launch, dkdv_launch = _hopper_backward(q, k, scale, feat, want_dq, want_dkdv, token)
         mods = dict(slopes2=feat.slopes2, dropout=_dropout_scalars(feat), shared={})  # shared: both kernels' TMA
         # descriptors, made once
     else:  # the teaching kernels' arguments (the Gluon kernels take theirs in hopper_backward)
@@ -786,13 +864,14 @@ def _backward(q, k, v, o, stats, do, scale: float, deterministic: bool, feat: Fe
     return dq, dk, dv
 
 
-def _hopper_backward(q, k, scale: float, feat: Features, want_dq: bool = True, want_dkdv: bool = True):
+def _hopper_backward(q, k, scale: float, feat: Features, want_dq: bool = True, want_dkdv: bool = True,
+                     token: bool = False):
     """The Gluon dQ and dK/dV kernels of this checked call's signature (:class:`flashref.triton.hopper_backward.
     DqLaunch` and :class:`~flashref.triton.hopper_backward.DkdvLaunch`; None for a part not wanted), at their
-    default tiles."""
+    default tiles; ``token``: reading q, k, v and dO in place (:func:`_reads_in_place`)."""
     backward = _gluon_module("hopper_backward")
     mods = dict(window=(feat.win_left, feat.win_right) if feat.window else None, alibi=feat.slopes2 is not None,
-                dropout=feat.dropout_p > 0.0)
+                dropout=feat.dropout_p > 0.0, token=token)
     lists_dq = lists_dkdv = None
     if feat.block_mask is not None:  # the visible-block lists of query blocks, and of key blocks (transposed)
         lists_dq = (feat.args(q)[1], feat.block_size)
@@ -969,11 +1048,13 @@ class FlashAttentionFunction(torch.autograd.Function):
         feat = Features(q, k, dropout_p, seed, block_mask, block_size, causal=causal, scale=scale,
                         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, check_finite=check_finite,
                         causal_align=causal_align)
-        if _forward_kernel(q, k, v, feat, kernel) == "hopper":
+        token = _reads_in_place(q, k, v, feat, deterministic, kernel)
+        if not token and _forward_kernel(q, k, v, feat, kernel) == "hopper":
             q, k, v = _rows(q, k, v)  # copied here once where strided, for the forward's and the backward's kernels
-        o, _, (m2, l2) = _forward(q, k, v, scale, feat, kernel)
+        o, _, (m2, l2) = _forward(q, k, v, scale, feat, kernel, token)
         ctx.save_for_backward(q, k, v, o, m2, l2)
         ctx.sm_scale, ctx.deterministic, ctx.check_finite, ctx.kernel = scale, deterministic, check_finite, kernel
+        ctx.token = token
         ctx.feat = feat  # the seed, the block mask and the slopes: autograd keeps them for the backward
         return o
 
@@ -982,7 +1063,8 @@ class FlashAttentionFunction(torch.autograd.Function):
         q, k, v, o, m2, l2 = ctx.saved_tensors
         if ctx.check_finite:
             validation.check_finite({"do (the gradient of o)": do})
-        dq, dk, dv = _backward(q, k, v, o, (m2, l2), do, ctx.sm_scale, ctx.deterministic, ctx.feat, ctx.kernel)
+        dq, dk, dv = _backward(q, k, v, o, (m2, l2), do, ctx.sm_scale, ctx.deterministic, ctx.feat, ctx.kernel,
+                               token=ctx.token)
         return dq, dk, dv, *(None,) * 13
 
 
@@ -1067,9 +1149,10 @@ class StepPlan:
         scalars = feat.scalars()
         self.drop = (scalars["drop_below"], scalars["keep_scale"]) if feat.dropout_p > 0.0 else None
         self.seed_width = None  # the first planned call's (the compiled kernels take the seed in that width)
-        self.fwd = _hopper_forward(q, k, scale, feat)
+        self.token = _reads_in_place(q, k, v, feat, deterministic, kernel)
+        self.fwd = _hopper_forward(q, k, scale, feat, self.token)
         self.delta = _delta_launch(B, H, N_q, d)
-        self.dq, self.dkdv = _hopper_backward(q, k, scale, feat)
+        self.dq, self.dkdv = _hopper_backward(q, k, scale, feat, token=self.token)
 
     def takes_seed(self, seed: int) -> bool:
         """Whether this call's seed goes in the width the plan's kernels were launched with (a drawn seed is below
@@ -1090,11 +1173,14 @@ class StepPlan:
         return self.fwd(q, k, v, self._dropout(seed))
 
     def backward(self, q, k, v, o, m2, l2, do, seed: int):
-        """``(dq, dk, dv)``, as :func:`_backward`. dO is made contiguous and 16-byte aligned (a copy where it is
-        not) so that the kernels' arguments keep the specialization the plan's launches were compiled for."""
+        """``(dq, dk, dv)``, as :func:`_backward`. dO is made contiguous and 16-byte aligned, or in place reading
+        token-major (:func:`_token_do`), a copy where it is not, so that the kernels' arguments keep the
+        specialization the plan's launches were compiled for."""
         if self.check_finite:
             validation.check_finite({"do (the gradient of o)": do})
-        if not do.is_contiguous() or do.data_ptr() % 16:
+        if self.token:
+            do = _token_do(do)
+        elif not do.is_contiguous() or do.data_ptr() % 16:
             do = do.clone(memory_format=torch.contiguous_format)
         delta = _delta(o, do, self.delta)
         mods = dict(dropout=self._dropout(seed), shared={})  # shared: both kernels' TMA descriptors, made once
@@ -1107,7 +1193,8 @@ class _PlannedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, plan: StepPlan, seed: int):
-        q, k, v = _rows(q, k, v)
+        if not plan.token:
+            q, k, v = _rows(q, k, v)
         o, _, (m2, l2) = plan.forward(q, k, v, seed)
         ctx.save_for_backward(q, k, v, o, m2, l2)
         ctx.plan, ctx.seed = plan, seed
@@ -1144,8 +1231,10 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, deterministic=True, *,
     ``kernel`` (default ``"auto"``): which forward runs. ``"triton"`` is the teaching kernel of notebook
     ``07_triton_forward``, on every GPU and in the CPU interpreter. ``"hopper"`` is the Gluon forward of notebook
     ``14_flashattention3_on_hopper`` (:mod:`flashref.triton.hopper`): an sm_90 GPU, fp16 or bf16, d in 64, 128, 256,
-    q, k, v with as many heads (strided ones are copied to contiguous ones first), none of the features below but a
-    window or (at d = 64 and 128, without a window) dropout; a call it cannot take is a ``ValueError`` saying why.
+    q, k, v with as many heads (those of a model's (B, N, H, d) layout read in place, o and the gradients then
+    returned in that layout, with the two-kernel backward; other strided ones copied to contiguous ones first), none
+    of the features below but a window or (at d = 64 and 128, without a window) dropout; a call it cannot take is a
+    ``ValueError`` saying why.
     ``"auto"`` takes the Hopper forward where it can and the teaching kernel everywhere else (:func:`forward_kernel`
     says which). Both give the same o, lse and row statistics. The backward follows: under ``"auto"`` and
     ``"hopper"`` the Gluon dK/dV and dQ kernels of :mod:`flashref.triton.hopper_backward` run wherever they can (the
