@@ -158,20 +158,6 @@ def test_splits_agree():
         torch.testing.assert_close(lse, lse1, rtol=0, atol=2e-6)
 
 
-def _merge_launches(monkeypatch) -> list:
-    """The grids of the merge kernel's launches from now on (it stands in for the kernel, and launches nothing);
-    the launch cache emptied, so that the next call is a checked one."""
-    merges = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kw: merges.append(grid)
-
-    monkeypatch.setattr(decode, "flash_decode_merge_kernel", Recorder())
-    decode._LAUNCHES.clear()
-    return merges
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_one_split_writes_its_outputs_as_the_merge_would(dtype, monkeypatch):
     """With one split the kernel stores O (rounded to q's dtype) and lse itself and no merge runs; bit for bit
@@ -184,77 +170,20 @@ def test_one_split_writes_its_outputs_as_the_merge_would(dtype, monkeypatch):
     o_part, lse_part = decode._split_forward(q, k, v, seqlens, True, scale, plan)
     assert o_part.dtype == torch.float32 and o_part.shape[2] == 1
     want_o, want_lse = decode._merge(o_part, lse_part, q.dtype, plan["block_d"])
-    merges = _merge_launches(monkeypatch)
+    merges = []
+
+    class Recorder:  # stands in for the merge kernel: any launch of it is recorded, and launches nothing
+        def __getitem__(self, grid):
+            return lambda *args, **kw: merges.append(grid)
+
+    monkeypatch.setattr(decode, "flash_decode_merge_kernel", Recorder())
+    decode._LAUNCHES.clear()
     for check_finite in (True, False, False):  # the second False call takes the launch cache
         o, lse = flash_decode(q, k, v, seqlens, causal=True, num_splits=1, return_lse=True,
                               check_finite=check_finite)
         assert o.dtype == dtype and o.shape == q.shape and lse.shape == q.shape[:3]
         assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
     assert merges == []
-
-
-def _same(got, want):
-    """Bit for bit under the interpreter; compiled, within a unit in the last place of the output's dtype."""
-    if decode.INTERPRETED:
-        assert torch.equal(got, want)
-    else:
-        torch.testing.assert_close(got, want, rtol=torch.finfo(got.dtype).eps, atol=1e-6)
-
-
-@pytest.mark.parametrize("N_q, H_kv, N_max, causal, num_splits, dtype",
-                         [(1, 2, 120, False, 5, torch.float16), (3, 2, 120, True, 12, torch.float32),
-                          (16, 1, 77, True, 3, torch.float16), (2, 4, 1000, False, None, torch.float32)],
-                         ids=["gqa2-s5", "nq3-causal-s12", "nq16-mqa-rowblocks", "mha-s-auto"])
-def test_the_fused_merge_gives_the_merge_kernels_bits(N_q, H_kv, N_max, causal, num_splits, dtype, monkeypatch):
-    """``MERGE["where"] = "fused"``: the last program of each (batch row, K/V head, row block) group merges the
-    group's partials with the merge kernel's own function, so o and lse are the merge kernel's: bit for bit under
-    the interpreter, where both run the same arithmetic (compiled, the two kernels' warps may sum in another
-    order); no merge kernel is launched, on the checked call and on the launch cache's fast path; empty splits (a
-    9-key row) weigh nothing, row blocks (16 queries of an MQA group: 64 packed rows, two blocks under the
-    interpreter) merge apart; and the counters are zero again after each launch. Above FUSED_MERGE_MAX_ROWS packed
-    rows a program the merge kernel runs whatever MERGE says."""
-    q, k, v, _ = _inputs(2, 4, H_kv, N_q, N_max, 16, dtype, 7)
-    seqlens = torch.tensor([N_max, max(9, N_q)], dtype=torch.int32, device=DEVICE)
-    want = flash_decode(q, k, v, seqlens, causal=causal, num_splits=num_splits, return_lse=True)
-    plan = decode_plan(q, k, num_splits)
-    assert plan["merge"] == "kernel" and plan["num_splits"] > 1
-    monkeypatch.setitem(decode.MERGE, "where", "fused")
-    monkeypatch.setattr(decode, "FUSED_MERGE_MAX_ROWS", 64)  # the MQA case's two blocks of 32 rows merge here too
-    assert decode_plan(q, k, num_splits)["merge"] == "fused"
-    merges = _merge_launches(monkeypatch)
-    for check_finite in (True, False, False):  # the second False call takes the launch cache
-        o, lse = flash_decode(q, k, v, seqlens, causal=causal, num_splits=num_splits, return_lse=True,
-                              check_finite=check_finite)
-        _same(o, want[0])
-        _same(lse, want[1])
-        assert not decode._arrivals(q.device, 1).any()  # every counter back to zero
-    _same(flash_decode(q, k, v, seqlens, causal=causal, num_splits=num_splits, check_finite=False), want[0])
-    assert merges == []
-    _check(2, 4, H_kv, N_q, N_max, 16, dtype, causal, num_splits, seqlens, seed=7)
-    monkeypatch.setattr(decode, "FUSED_MERGE_MAX_ROWS", 1)
-    assert decode_plan(q, k, num_splits)["merge"] == "kernel"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("B, N_q, N_k", [(1, 1, 16384), (4, 1, 4096), (2, 2, 8192)])
-def test_the_fused_merge_on_a_gpu_call_after_call(B, N_q, N_k, monkeypatch):
-    """On a GPU, where the programs of a group run at once and finish in any order: 30 fused calls in a row, on
-    decoding shapes (32 query heads on 8 K/V heads, d = 128, fp16), each within an ulp of the merge kernel's
-    answer and the counters zero after each, and within the tolerance rule of the float64 reference."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a GPU")
-    q, k, v, _ = _inputs(B, 32, 8, N_q, N_k, 128, torch.float16, 11)
-    seqlens = _lengths(B, N_k, N_q, True, 11)
-    want = flash_decode(q, k, v, seqlens, causal=True, return_lse=True, check_finite=False)
-    monkeypatch.setitem(decode.MERGE, "where", "fused")
-    assert decode_plan(q, k)["num_splits"] > 1 and decode_plan(q, k)["merge"] == "fused"
-    for _ in range(30):
-        o, lse = flash_decode(q, k, v, seqlens, causal=True, return_lse=True, check_finite=False)
-        _same(o, want[0])
-        _same(lse, want[1])
-    torch.cuda.synchronize()
-    assert not decode._arrivals(q.device, 1).any()
-    _check(B, 32, 8, N_q, N_k, 128, torch.float16, True, seqlens=seqlens, seed=11)
 
 
 def test_partials_merge_as_notebook_02():
@@ -589,7 +518,7 @@ def one(job):
     spec = configs.GPUS[gpu]
     ks = decode.compile_kernels(spec["capability"], d, dtype, causal=causal, group=group, n_q=n_q)
     return [gpu, d, dtype, causal, group * n_q, ks["split"].metadata.shared, ks["merge"].metadata.shared,
-            spec["shared_bytes"], ks["fused"].metadata.shared, ks["fused"].asm["ptx"].count("atom.global.gpu.acq_rel")]
+            spec["shared_bytes"]]
 
 # Llama-style GQA (4 query heads a K/V head) with 16 queries, bottom-right causal: the largest Q tile (64
 # rows); and fp32 (input_precision="ieee") decoding of one query on an H100.
@@ -602,8 +531,7 @@ with ProcessPoolExecutor(2) as pool:
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_both_kernels_compile_for_every_gpu_and_fit():
     """triton.compile for sm_75, sm_80 and sm_90 in a child process with the interpreter off (kernels defined
-    under it cannot be compiled); the split kernel's shared memory fits each GPU's per-block limit, with its
-    fused merge too (no more than without it, and one acquire-release count in its PTX)."""
+    under it cannot be compiled); the split kernel's shared memory fits each GPU's per-block limit."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["FLASHREF_TRITON_COMPILE_ONLY"] = "1"
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
@@ -612,10 +540,9 @@ def test_both_kernels_compile_for_every_gpu_and_fit():
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
     assert {r[0] for r in rows} == {"T4", "A100", "H100"} and len(rows) == 4
-    for gpu, d, dtype, causal, rows_, split_shared, merge_shared, limit, fused_shared, counts in rows:
+    for gpu, d, dtype, causal, rows_, split_shared, merge_shared, limit in rows:
         assert 0 < split_shared <= limit, (gpu, d, dtype, causal, rows_, split_shared, limit)
         assert merge_shared <= limit
-        assert fused_shared <= split_shared and counts == 1, (gpu, fused_shared, split_shared, counts)
 
 
 def test_the_package_loads_decoding_on_first_use():

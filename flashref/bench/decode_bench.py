@@ -17,8 +17,6 @@ Implementations, on the same inputs in the same run:
   the peers get it), the number of splits chosen from the SM count (recorded as ``num_splits``);
 - ``flashref-decode num_splits=1``: the same kernel unsplit, the ablation: one program per (batch row, K/V
   head), as few as B * H_kv programs on 132 SMs;
-- ``flashref-decode fused-merge``: the same splits, merged by the last program of each group inside the split
-  kernel instead of by a second kernel (:data:`flashref.triton.decode.MERGE`);
 - ``flashref-triton``: :func:`flashref.triton.flash_attention_forward`, the training kernel, which gives one
   program to each tile of 128 queries: with 1 to 16 queries, B * H programs, each reading its whole cache;
 - ``sdpa-flash``, ``sdpa-cudnn``, ``sdpa-efficient``, ``sdpa-math``: ``scaled_dot_product_attention`` pinned
@@ -50,7 +48,7 @@ from flashref.bench import results
 from flashref.bench.features_bench import _time, graph_time_us  # the suites' timers: do_bench's, and the kernels' alone
 
 IMPLS = ["flashref-decode", "flashref-decode num_splits=1", "flashref-triton", "sdpa-flash", "sdpa-cudnn",
-         "sdpa-efficient", "sdpa-math", "flashref-decode fused-merge", "sdpa causal_lower_right"]
+         "sdpa-efficient", "sdpa-math", "sdpa causal_lower_right"]
 D, H, H_KV = 128, 32, 8
 N_QS = (1, 16)
 N_KS = (4096, 16384, 65536, 131072)
@@ -100,8 +98,7 @@ def _ok(rows):
 
 def _short(impl: str) -> str:
     """A column title of at most 10 characters."""
-    return {"flashref-decode": "decode", "flashref-decode num_splits=1": "unsplit",
-            "flashref-decode fused-merge": "fused", "flashref-triton": "triton",
+    return {"flashref-decode": "decode", "flashref-decode num_splits=1": "unsplit", "flashref-triton": "triton",
             "sdpa causal_lower_right": "lower-rt"}.get(impl, impl.removeprefix("sdpa-"))
 
 
@@ -270,17 +267,7 @@ def implementations(N_q: int, N_k: int, causal: bool, seqlens, impls=IMPLS, spli
         return lambda q, k, v: flash_decode(q, k, v, seqlens, causal=causal, num_splits=num_splits,
                                             check_finite=False)
 
-    def fused_merge(q, k, v):  # the rule's splits, merged inside the split kernel
-        from flashref.triton import decode
-
-        where = decode.MERGE["where"]
-        decode.MERGE["where"] = "fused"
-        try:
-            return flash_decode(q, k, v, seqlens, causal=causal, check_finite=False)
-        finally:
-            decode.MERGE["where"] = where
-
-    fns = {"flashref-decode": split(), split_impl(1): split(1), "flashref-decode fused-merge": fused_merge,
+    fns = {"flashref-decode": split(), split_impl(1): split(1),
            "flashref-triton": lambda q, k, v: flash_attention_forward(q, k, v, window_size=window, check_finite=False,
                                                                       kernel="triton")[0],
            **{name: pinned(backend) for name, backend in backends.items()}}

@@ -28,13 +28,18 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     return ops.custom_forward(q, k, v, causal, sm_scale)
 
 
+def _empty_like(x: torch.Tensor, token: bool) -> torch.Tensor:
+    """An empty tensor of x's (B, H, N, d) shape as the real ops allocate it: contiguous, or with ``token`` in the
+    (B, N, H, d) layout they write when they read q, k, v in place (:func:`flashref.triton.hopper.empty_output`)."""
+    B, H, N, d = x.shape
+    return x.new_empty((B, N, H, d)).transpose(1, 2) if token else x.new_empty(x.shape)
+
+
 @attention_forward.register_fake
 def _(q, k, v, causal, sm_scale):
-    # What the real op returns: o contiguous like q, or in q's token-major layout; lse (B, H, N_q) in fp32.
-    B, H, N, d = q.shape
-    o = q.new_empty((B, N, H, d)).transpose(1, 2) if ops.compiled_layout(q, k, v, causal, sm_scale) else \
-        q.new_empty(q.shape)
-    return o, q.new_empty(q.shape[:3], dtype=torch.float32)
+    # What the real op returns: o like q (see _empty_like); lse (B, H, N_q) in fp32.
+    return _empty_like(q, ops.compiled_layout(q, k, v, causal, sm_scale)), q.new_empty(q.shape[:3],
+                                                                                       dtype=torch.float32)
 
 
 @torch.library.custom_op("flashref::attention_backward", mutates_args=())
@@ -48,10 +53,9 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
 
 @attention_backward.register_fake
 def _(q, k, v, o, lse, do, causal, sm_scale):
-    # What the real op returns: gradients contiguous, or in q's token-major layout (as o: see the forward's fake).
-    if ops.compiled_layout(q, k, v, causal, sm_scale):
-        return tuple(x.new_empty((x.shape[0], x.shape[2], x.shape[1], x.shape[3])).transpose(1, 2) for x in (q, k, v))
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    # What the real op returns: each gradient like its input, laid out as the forward's o (see _empty_like).
+    token = ops.compiled_layout(q, k, v, causal, sm_scale)
+    return tuple(_empty_like(x, token) for x in (q, k, v))
 
 
 def _setup_context(ctx, inputs, output):

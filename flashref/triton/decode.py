@@ -97,18 +97,16 @@ def _decode_tile(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_
 
 
 @triton.jit(do_not_specialize=["H_kv", "N_q", "GROUP", "num_splits", "N_max"])
-def flash_decode_split_kernel(Q, K, V, O_PART, LSE_PART, SEQLENS, O, LSE, ARRIVED,
+def flash_decode_split_kernel(Q, K, V, O_PART, LSE_PART, SEQLENS,
                               stride_qb, stride_qh, stride_qm, stride_qd,
                               stride_kb, stride_kh, stride_kn, stride_kd,
                               stride_vb, stride_vh, stride_vn, stride_vd,
                               stride_pb, stride_ph, stride_ps, stride_pm, stride_pd,
                               stride_lb, stride_lh, stride_ls, stride_lm,
-                              stride_ob, stride_oh, stride_om, stride_od,
                               H_kv, N_q, GROUP, num_splits, N_max, qk_scale,
                               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                               BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr,
-                              PDL: tl.constexpr = False, RAGGED: tl.constexpr = True, MERGE: tl.constexpr = False,
-                              BLOCK_S: tl.constexpr = 16):
+                              PDL: tl.constexpr = False, RAGGED: tl.constexpr = True):
     """Program (split, b * H_kv + kv head, row block) writes the partial O (normalized, fp32) and lse
     (natural log, fp32) of its key slice for BLOCK_M packed rows of the group: row r is query ``r % N_q`` of
     query head ``kv_head * GROUP + r // N_q``. The cache of batch row b holds ``L = SEQLENS[b]`` keys (RAGGED;
@@ -117,13 +115,7 @@ def flash_decode_split_kernel(Q, K, V, O_PART, LSE_PART, SEQLENS, O, LSE, ARRIVE
     which weigh nothing in the merge.
 
     PDL (sm_90): the merge kernel, launched as this one's programmatic dependent, may start now; it waits for
-    this grid's writes before reading them (:func:`flash_decode_merge_kernel`).
-
-    MERGE (no merge kernel): the programs of one (batch row, K/V head, row block) count themselves in
-    ``ARRIVED`` (one int32 per such group, zero before the launch) once their partials are stored, and the one
-    that counts last merges the group's ``num_splits`` partials into O (q's dtype, strides ``stride_o*``) and
-    LSE (``(B, H, N_q)``, contiguous), as the merge kernel would, then sets its counter back to zero for the
-    next launch. Without MERGE, O, LSE and ARRIVED are not read (the caller passes stand-ins)."""
+    this grid's writes before reading them (:func:`flash_decode_merge_kernel`)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     split = tl.program_id(0)
@@ -182,27 +174,6 @@ def flash_decode_split_kernel(Q, K, V, O_PART, LSE_PART, SEQLENS, O, LSE, ARRIVE
     row = b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + split * stride_ls + i * stride_lm
     tl.store(LSE_PART + row, lse, mask=real)
 
-    if MERGE:
-        # Every thread's stores come before the count (one thread's atomic, acquire and release at GPU scope):
-        # the program that counts last then sees all the group's partials.
-        tl.debug_barrier()
-        group = pid_bh * tl.num_programs(2) + tl.program_id(2)
-        if tl.atomic_add(ARRIVED + group, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-            tl.store(ARRIVED + group, 0)  # every program of the group has counted: ready for the next launch
-            o_rows = O + b.to(tl.int64) * stride_ob + (hk * GROUP).to(tl.int64) * stride_oh
-            for r in range(tl.program_id(2) * BLOCK_M, tl.minimum(tl.program_id(2) * BLOCK_M + BLOCK_M, GROUP * N_q)):
-                g_r = r // N_q
-                i_r = r - g_r * N_q
-                h_r = hk * GROUP + g_r
-                o_r, lse_r = _merge_splits(
-                    O_PART + b.to(tl.int64) * stride_pb + h_r.to(tl.int64) * stride_ph + i_r * stride_pm,
-                    LSE_PART + b.to(tl.int64) * stride_lb + h_r.to(tl.int64) * stride_lh + i_r * stride_lm,
-                    stride_ps, stride_pd, stride_ls, num_splits, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
-                    BLOCK_S=BLOCK_S, CACHE=".cg")  # .cg: around the L1, which may hold lines from before
-                tl.store(o_rows + g_r * stride_oh + i_r * stride_om + offs_d * stride_od, o_r.to(O.dtype.element_ty),
-                         mask=offs_d < HEAD_DIM)
-                tl.store(LSE + (b * H_kv * GROUP + h_r).to(tl.int64) * N_q + i_r, lse_r)
-
 
 # --------------------------------------------------------------------------------------------------
 # Kernel 2: merge the slices (notebook 02's merge of partial softmax states)
@@ -231,30 +202,17 @@ def flash_decode_merge_kernel(O_PART, LSE_PART, O, LSE,
     b = bh // H
     h = bh % H
     offs_d = tl.arange(0, BLOCK_D)
-    o, lse = _merge_splits(O_PART + b.to(tl.int64) * stride_pb + h.to(tl.int64) * stride_ph + i * stride_pm,
-                           LSE_PART + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + i * stride_lm,
-                           stride_ps, stride_pd, stride_ls, num_splits, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
-                           BLOCK_S=BLOCK_S, CACHE="")
-    tl.store(O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + i * stride_om + offs_d * stride_od,
-             o.to(O.dtype.element_ty), mask=offs_d < HEAD_DIM)
-    tl.store(LSE + pid, lse)
+    o_base = O_PART + b.to(tl.int64) * stride_pb + h.to(tl.int64) * stride_ph + i * stride_pm
+    l_base = LSE_PART + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + i * stride_lm
 
-
-@triton.jit
-def _merge_splits(o_base, l_base, stride_ps, stride_pd, stride_ls, num_splits, HEAD_DIM: tl.constexpr,
-                  BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, CACHE: tl.constexpr):
-    """(O, lse) of one query row from its ``num_splits`` partials (O_s at ``o_base + s * stride_ps``, lse_s at
-    ``l_base + s * stride_ls``), BLOCK_S slices a step with a running max (notebook 02's merge); slices with
-    lse_s = -inf weigh nothing, and a row that saw no key at all gives O = 0, lse = -inf."""
-    offs_d = tl.arange(0, BLOCK_D)
     m = float("-inf")  # the largest lse_s so far
     total = 0.0  # sum of exp(lse_s - m)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)  # sum of exp(lse_s - m) O_s
     for s0 in range(0, num_splits, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)
-        lse_s = tl.load(l_base + s * stride_ls, mask=s < num_splits, other=float("-inf"), cache_modifier=CACHE)
+        lse_s = tl.load(l_base + s * stride_ls, mask=s < num_splits, other=float("-inf"))
         o_s = tl.load(o_base + s[:, None] * stride_ps + offs_d[None, :] * stride_pd,
-                      mask=(s[:, None] < num_splits) & (offs_d[None, :] < HEAD_DIM), other=0.0, cache_modifier=CACHE)
+                      mask=(s[:, None] < num_splits) & (offs_d[None, :] < HEAD_DIM), other=0.0)
         m_new = tl.maximum(m, tl.max(lse_s, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # every slice so far empty: weights 0, not NaN
         alpha = tl.exp(m - m_safe)
@@ -264,8 +222,11 @@ def _merge_splits(o_base, l_base, stride_ps, stride_pd, stride_ls, num_splits, H
         m = m_new
     seen = total > 0.0
     t_safe = tl.where(seen, total, 1.0)
+    o = acc / t_safe
     lse = tl.where(seen, tl.where(m == float("-inf"), 0.0, m) + tl.log(t_safe), float("-inf"))
-    return acc / t_safe, lse
+    tl.store(O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + i * stride_om + offs_d * stride_od,
+             o.to(O.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    tl.store(LSE + pid, lse)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -390,8 +351,6 @@ def decode_plan(q, k_cache, num_splits=None) -> dict:
             num_splits = split_count(B * H_kv * plan["row_blocks"], max(1, tiles // MIN_SPLIT_TILES),
                                      _sm_count(q.device))
     plan["num_splits"] = int(num_splits)
-    few_rows = min(rows, plan["block_m"]) <= FUSED_MERGE_MAX_ROWS
-    plan["merge"] = "fused" if MERGE["where"] == "fused" and few_rows else "kernel"
     return plan
 
 
@@ -492,7 +451,7 @@ def _launch_split(grid, args, meta, plan, device):
     returns: on a GPU the compiled kernel."""
     if INTERPRETED:
         return flash_decode_split_kernel[grid](*args, **meta)
-    key = (device, meta["BLOCK_D"], meta["BLOCK_M"], meta["BLOCK_N"], meta["MERGE"], args[0].dtype)
+    key = (device, meta["BLOCK_D"], meta["BLOCK_M"], meta["BLOCK_N"], args[0].dtype)
     stages = [_STAGES_CHOSEN[key]] if key in _STAGES_CHOSEN else list(range(plan["num_stages"], 0, -1))
     for n, s in enumerate(stages):
         try:
@@ -506,16 +465,12 @@ def _launch_split(grid, args, meta, plan, device):
 
 
 def _split_args(q, k_cache, v_cache, seqlens, scale, plan, direct=False):
-    """The split kernel's buffers, grid and runtime arguments for one call: ``(o_part, lse_part, o, lse, grid,
-    args)``. ``direct`` (one split only): the partial buffers are the call's outputs themselves, ``o`` in q's
-    dtype (the kernel's store rounds its fp32 O to it) and ``lse``, viewed with a split axis of length 1, so no
-    merge has to run. With ``plan["merge"] == "fused"`` the kernel also merges (``o`` and ``lse`` are the
-    outputs it merges into, and :func:`_arrivals` its counters); otherwise ``o`` and ``lse`` are None and the
-    kernel's O, LSE and ARRIVED are stand-ins it never reads."""
+    """The split kernel's partial buffers, grid and runtime arguments for one call. ``direct`` (one split
+    only): the buffers are the call's outputs themselves, ``o`` in q's dtype (the kernel's store rounds its
+    fp32 O to it) and ``lse``, viewed with a split axis of length 1, so no merge has to run."""
     B, H, N_q, d = q.shape
     H_kv = k_cache.shape[1]
     S = plan["num_splits"]
-    o = lse = None
     if direct:
         if S != 1:
             raise ValueError(f"a direct launch writes the outputs of one split, got num_splits={S}")
@@ -524,17 +479,9 @@ def _split_args(q, k_cache, v_cache, seqlens, scale, plan, direct=False):
     else:
         o_part = torch.empty((B, H, S, N_q, d), dtype=torch.float32, device=q.device)
         lse_part = torch.empty((B, H, S, N_q), dtype=torch.float32, device=q.device)
-    fused = plan.get("merge") == "fused" and not direct
-    if fused:
-        o = torch.empty((B, H, N_q, d), dtype=q.dtype, device=q.device)
-        lse = torch.empty((B, H, N_q), dtype=torch.float32, device=q.device)
-    grid = (S, B * H_kv, plan["row_blocks"])
-    o_args = (o, lse, _arrivals(q.device, grid[1] * grid[2])) if fused else (o_part, lse_part, ops._stand_ins(
-        q.device)[1])
-    args = (q, k_cache, v_cache, o_part, lse_part, seqlens, *o_args, *q.stride(), *k_cache.stride(),
-            *v_cache.stride(), *o_part.stride(), *lse_part.stride(), *(o if fused else q).stride(), H_kv, N_q,
-            H // H_kv, S, k_cache.shape[2], scale * LOG2E)
-    return o_part, lse_part, o, lse, grid, args
+    args = (q, k_cache, v_cache, o_part, lse_part, seqlens, *q.stride(), *k_cache.stride(), *v_cache.stride(),
+            *o_part.stride(), *lse_part.stride(), H_kv, N_q, H // H_kv, S, k_cache.shape[2], scale * LOG2E)
+    return o_part, lse_part, (S, B * H_kv, plan["row_blocks"]), args
 
 
 def _merge_args(o_part, lse_part, dtype):
@@ -547,13 +494,9 @@ def _merge_args(o_part, lse_part, dtype):
 
 def _split_meta(q, causal, plan, ragged=True):
     """The split kernel's constexprs. ``ragged``: each batch row's length is read from ``cache_seqlens``; False
-    (``cache_seqlens=None``): every row holds all N_max keys, which the kernel then takes from its arguments.
-    MERGE: the last program of each group merges (``plan["merge"] == "fused"``, more than one split); no
-    merge kernel follows, so no programmatic dependent launch either."""
-    fused = plan.get("merge") == "fused" and plan["num_splits"] > 1
+    (``cache_seqlens=None``): every row holds all N_max keys, which the kernel then takes from its arguments."""
     return dict(HEAD_DIM=q.shape[3], BLOCK_D=plan["block_d"], BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"],
-                CAUSAL=causal, DOT=ops._dot_mode(q.dtype), PDL=plan.get("pdl", False) and not fused, RAGGED=ragged,
-                MERGE=fused, BLOCK_S=min(MERGE_SPLITS, max(2, ops._pow2(plan["num_splits"]))))
+                CAUSAL=causal, DOT=ops._dot_mode(q.dtype), PDL=plan.get("pdl", False), RAGGED=ragged)
 
 
 def _merge_meta(d, block_d, num_splits, pdl=False):
@@ -561,35 +504,12 @@ def _merge_meta(d, block_d, num_splits, pdl=False):
 
 
 #: Programmatic dependent launch of the merge kernel where the GPU has it (sm_90); a switch for measuring it.
+#: The second launch stays: a split kernel whose last program of each group merged the group's partials itself
+#: (counted in by an acquire-release atomic; one launch; commit 64722dc, removed since) was never faster on an
+#: H200 (``book/data/decode_merge_bench.json``, 32 query heads on 8 K/V heads, d = 128): one token at B = 1 took
+#: 19.1 us against 16.8 at 4K keys and 35.5 against 34.0 at 16K, within 1% from B = 4 or 64K keys on. One program
+#: merging its group row after row costs more than a launch that PDL already overlaps with the split kernel's end.
 PDL = {"on": True}
-#: Where the partials are merged: ``"kernel"`` (the merge kernel, launched after the split kernel) or ``"fused"``
-#: (the last program of each group, in the split kernel: one launch instead of two). A switch for measuring it:
-#: on an H200 (``book/data/decode_merge_bench.json``, 32 query heads on 8 K/V heads, d = 128) the fused merge was
-#: never faster than the merge kernel launched with PDL, and slower where the cache is short (one token, B = 1:
-#: 19.1 us against 16.8 at 4K keys, 35.5 against 34.0 at 16K; within 1% from B = 4 or 64K keys), the last
-#: program's serial merge after its atomic arrival costing more than the second launch, which PDL overlaps.
-MERGE = {"where": "kernel"}
-#: The most packed rows a program merges itself: it merges them one after another (each row a trip to the L2
-#: cache per 16 splits), where the merge kernel gives every row a program of its own; above this the merge kernel
-#: runs whatever :data:`MERGE` says (decoding one token with 4 query heads a K/V head packs 4 rows, 16 tokens 64).
-FUSED_MERGE_MAX_ROWS = 8
-
-_ARRIVALS: dict = {}
-
-
-def _arrivals(device, groups: int) -> torch.Tensor:
-    """The fused merge's counters (int32, zeros): one per (batch row, K/V head, row block) group, shared by the
-    calls on one device and stream (each launch leaves them zero again, and calls on one stream run one after the
-    other; two streams have counters of their own, as their calls may run at once). Grown, never shrunk: the
-    smaller tensor it replaces goes back to the caching allocator, which gives its memory again only to work
-    queued on this stream after the launches that used it."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
-    counters = _ARRIVALS.get(key)
-    if counters is None or counters.numel() < groups:
-        counters = torch.zeros(max(groups, 1024), dtype=torch.int32, device=device)
-        _ARRIVALS[key] = counters
-    return counters
 #: Whether this Triton has the griddepcontrol builtins (``tl.extra.cuda.gdc_wait``; Triton 3.3 and newer).
 HAS_PDL = hasattr(tl.extra.cuda, "gdc_wait") and hasattr(tl.extra.cuda, "gdc_launch_dependents")
 
@@ -600,22 +520,11 @@ def _split_forward(q, k_cache, v_cache, seqlens, causal, scale, plan, compiled=N
     ``compiled`` receives the compiled kernel (on a GPU). ``direct`` (one split): the final ``o`` ``(B, H, N_q,
     d)`` in q's dtype and ``lse`` ``(B, H, N_q)`` instead (see :func:`_split_args`). ``ragged=False``: every
     row's length is N_max (``seqlens`` is then not read, see :func:`_split_meta`)."""
-    o_part, lse_part, _, _, grid, args = _split_args(q, k_cache, v_cache, seqlens, scale,
-                                                     dict(plan, merge="kernel"), direct)
-    kernel = _launch_split(grid, args, _split_meta(q, causal, dict(plan, merge="kernel"), ragged), plan, q.device)
-    if compiled is not None:
-        compiled["split"] = kernel
-    return (o_part.squeeze(2), lse_part.squeeze(2)) if direct else (o_part, lse_part)
-
-
-def _split_and_merge(q, k_cache, v_cache, seqlens, causal, scale, plan, compiled=None, ragged=True):
-    """``(o, lse)`` from the split kernel that merges its own partials (``plan["merge"] == "fused"``, more than
-    one split): one launch."""
-    _, _, o, lse, grid, args = _split_args(q, k_cache, v_cache, seqlens, scale, plan)
+    o_part, lse_part, grid, args = _split_args(q, k_cache, v_cache, seqlens, scale, plan, direct)
     kernel = _launch_split(grid, args, _split_meta(q, causal, plan, ragged), plan, q.device)
     if compiled is not None:
         compiled["split"] = kernel
-    return o, lse
+    return (o_part.squeeze(2), lse_part.squeeze(2)) if direct else (o_part, lse_part)
 
 
 def _merge(o_part, lse_part, dtype, block_d, compiled=None, pdl=False):
@@ -647,13 +556,12 @@ def _signature(q, k_cache, v_cache, cache_seqlens, causal, sm_scale, num_splits,
     """Everything the checks, the plan and Triton's specialization of the kernels depend on, except the data:
     for each tensor its shape, strides, dtype, device and whether its address is 16-byte aligned (Triton
     compiles a faster kernel when it is); the options with their types (``True`` and ``1`` hash alike but
-    are not the same answer to the checks), and where the partials are merged (:data:`MERGE`). None where an
-    argument is not what the fast path can key on."""
+    are not the same answer to the checks). None where an argument is not what the fast path can key on."""
     tensors = (q, k_cache, v_cache) if cache_seqlens is None else (q, k_cache, v_cache, cache_seqlens)
     try:
         layout = tuple((x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0) for x in tensors)
         key = (layout, cache_seqlens is None, type(causal), causal, type(sm_scale), sm_scale, type(num_splits),
-               num_splits, type(return_lse), return_lse, MERGE["where"])
+               num_splits, type(return_lse), return_lse)
         hash(key)
     except (AttributeError, TypeError, RuntimeError):  # not a tensor; unhashable; no address (a sparse tensor)
         return None
@@ -680,7 +588,6 @@ class _Launch:
 
     def __init__(self, q, k_cache, v_cache, causal, scale, plan, compiled, ragged, seqlens):
         self.scale, self.plan, self.direct = scale, plan, plan["num_splits"] == 1
-        self.fused = plan.get("merge") == "fused" and not self.direct  # the split kernel merges: no merge kernel
         self.dtype, self.device = q.dtype, q.device
         B, H, N_q, d = q.shape
         S = plan["num_splits"]
@@ -689,11 +596,10 @@ class _Launch:
         self.lse_part_at = _round_up(B * H * S * N_q * d)
         self.lse_at = self.lse_part_at + _round_up(B * H * S * N_q)
         self.workspace = self.lse_at + _round_up(B * H * N_q)
-        o_part, lse_part, _, _, grid, args = _split_args(q, k_cache, v_cache, seqlens, scale, plan, self.direct)
-        self.groups = grid[1] * grid[2]  # the fused merge's counters: one a (batch row, K/V head, row block)
-        self.split_tail = args[9:]  # strides, sizes and the scale: fixed by the signature
+        o_part, lse_part, grid, args = _split_args(q, k_cache, v_cache, seqlens, scale, plan, self.direct)
+        self.split_tail = args[6:]  # strides, sizes and the scale: fixed by the signature
         self.grid = (*grid, 1, 1)[:3]  # a compiled kernel's launcher reads all three grid dimensions
-        if not self.direct and not self.fused:
+        if not self.direct:
             _, _, merge_grid, merge_args = _merge_args(o_part, lse_part, q.dtype)
             self.merge_tail, self.merge_grid = merge_args[4:], (*merge_grid, 1, 1)[:3]
         split_meta = _split_meta(q, causal, plan, ragged)
@@ -705,7 +611,7 @@ class _Launch:
             split_meta, merge_meta = tuple(split_meta.values()), tuple(merge_meta.values())
             split = compiled["split"][self.grid]  # the runners, bound to their grids once
             self.split = lambda args: split(*args, *split_meta)
-            if not self.direct and not self.fused:
+            if not self.direct:
                 merge = compiled["merge"][self.merge_grid]
                 self.merge = lambda args: merge(*args, *merge_meta)
         self.seqlens = seqlens  # cache_seqlens=None: the stand-in the kernel never reads; else None
@@ -729,22 +635,12 @@ class _Launch:
         if self.direct:  # the split kernel writes o and lse (its own, if not returned) with a split axis of 1
             lse_out = lse if lse is not None else torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
             o_part, lse_part = (o.unsqueeze(2), lse_out.unsqueeze(2)) if INTERPRETED else (o, lse_out)
-            stand_in = ops._stand_ins(self.device)[1]
-            self.split(_addresses(q, k_cache, v_cache, o_part, lse_part, seqlens, o_part, lse_part, stand_in)
-                       + self.split_tail)
+            self.split(_addresses(q, k_cache, v_cache, o_part, lse_part, seqlens) + self.split_tail)
         else:
             work = torch.empty(self.workspace, dtype=torch.float32, device=self.device)
             o_part, lse_part, own_lse = self.parts(work)
-            lse_out = own_lse if lse is None else lse
-            if self.fused:  # the split kernel's last program of each group merges into o and lse
-                arrived = _arrivals(self.device, self.groups)  # this stream's (calls on two streams may overlap)
-                self.split(_addresses(q, k_cache, v_cache, o_part, lse_part, seqlens, o, lse_out, arrived)
-                           + self.split_tail)
-            else:
-                stand_in = ops._stand_ins(self.device)[1]
-                self.split(_addresses(q, k_cache, v_cache, o_part, lse_part, seqlens, o_part, lse_part, stand_in)
-                           + self.split_tail)
-                self.merge(_addresses(o_part, lse_part, o, lse_out) + self.merge_tail)
+            self.split(_addresses(q, k_cache, v_cache, o_part, lse_part, seqlens) + self.split_tail)
+            self.merge(_addresses(o_part, lse_part, o, own_lse if lse is None else lse) + self.merge_tail)
         return (o, lse) if return_lse else o
 
 
@@ -808,8 +704,6 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens=None, *, sm_scale=None, caus
         if plan["num_splits"] == 1:  # one split holds every key: it writes O and lse itself, no merge
             o, lse = _split_forward(q, k_cache, v_cache, seqlens, causal, scale, plan, compiled, direct=True,
                                     ragged=ragged)
-        elif plan["merge"] == "fused":  # the last program of each group merges: one launch
-            o, lse = _split_and_merge(q, k_cache, v_cache, seqlens, causal, scale, plan, compiled, ragged)
         else:
             o_part, lse_part = _split_forward(q, k_cache, v_cache, seqlens, causal, scale, plan, compiled,
                                               ragged=ragged)
@@ -957,9 +851,8 @@ _TY = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 
 def compile_kernels(capability: int, head_dim: int = 128, dtype: str = "float16", causal: bool = True,
                     group: int = 4, n_q: int = 1) -> dict:
-    """Compile the kernels for a GPU of compute ``capability`` (75, 80, 90) on any machine, as a launch on
-    contiguous tensors with :func:`gpu_config` would; returns ``{"split": compiled, "fused": compiled, "merge":
-    compiled}`` (``"fused"``: the split kernel that merges its partials itself, :data:`MERGE`)
+    """Compile both kernels for a GPU of compute ``capability`` (75, 80, 90) on any machine, as a launch on
+    contiguous tensors with :func:`gpu_config` would; returns ``{"split": compiled, "merge": compiled}``
     (``.metadata.shared``: shared memory in bytes). Needs the kernels defined without the interpreter: run
     with ``FLASHREF_TRITON_COMPILE_ONLY=1`` and ``TRITON_INTERPRET`` unset (see
     :mod:`flashref.triton.compile_check`)."""
@@ -982,21 +875,17 @@ def compile_kernels(capability: int, head_dim: int = 128, dtype: str = "float16"
     kv = torch.empty((B, H_kv, N_max, head_dim), device="meta")
     o_part = torch.empty((B, H_kv * group, S, n_q, head_dim), device="meta")
     lse_part = torch.empty((B, H_kv * group, S, n_q), device="meta")
-    split_strides = [*q.stride(), *kv.stride(), *kv.stride(), *o_part.stride(), *lse_part.stride(), *q.stride()]
+    split_strides = [*q.stride(), *kv.stride(), *kv.stride(), *o_part.stride(), *lse_part.stride()]
     merge_strides = [*o_part.stride(), *lse_part.stride(), *q.stride()]
     target = GPUTarget("cuda", capability, 32)
-    split_types = [ptr] * 3 + ["*fp32", "*fp32", "*i32", ptr, "*fp32", "*i32"] + ["i32"] * 30 + ["fp32"]
-    split_constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=cfg["block_n"],
-                            CAUSAL=causal, DOT=(DOT_IEEE if dtype == "float32" else DOT_NATIVE).value,
-                            RAGGED=True,  # KVCache's kernel; a full cache's (False) differs only in where L comes from
-                            BLOCK_S=min(MERGE_SPLITS, S))
-    split_options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     out = {}
     for name, fn, types, strides, constexprs, options in (
-        ("split", flash_decode_split_kernel, split_types, split_strides,
-         dict(split_constexprs, PDL=capability >= 90 and HAS_PDL, MERGE=False), split_options),
-        ("fused", flash_decode_split_kernel, split_types, split_strides,
-         dict(split_constexprs, PDL=False, MERGE=True), split_options),
+        ("split", flash_decode_split_kernel, [ptr] * 3 + ["*fp32", "*fp32", "*i32"] + ["i32"] * 26 + ["fp32"],
+         split_strides,
+         dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=cfg["block_n"], CAUSAL=causal,
+              DOT=(DOT_IEEE if dtype == "float32" else DOT_NATIVE).value, PDL=capability >= 90 and HAS_PDL,
+              RAGGED=True),  # KVCache's kernel; a full cache's (False) differs only in where L comes from
+         dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])),
         ("merge", flash_decode_merge_kernel, ["*fp32", "*fp32", ptr, "*fp32"] + ["i32"] * 16, merge_strides,
          dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=MERGE_SPLITS, PDL=capability >= 90 and HAS_PDL),
          dict(num_warps=4 if block_d >= 128 else 2, launch_pdl=capability >= 90 and HAS_PDL)),

@@ -1012,7 +1012,7 @@ class DkdvLaunch:
             return _wide().hopper_wide_dkdv(q, k, v, do, m2, l2, delta, *self.wide)
         # with token, in k's (B, N, H, d) layout (the kernels write it there): what a model's gradient takes as is
         dk = hopper.empty_output(k, True) if self.token else torch.empty(self.dk_shape, dtype=q.dtype, device=q.device)
-        dv = hopper.empty_output(k, True) if self.token else torch.empty_like(dk)
+        dv = torch.empty_like(dk)  # dk's strides too: token-major where dk is
         mods = self.mods if not self.alibi else _mod_args(q, self.window, slopes2)
         stat_descs = _stat_descriptors(m2, l2, delta, self.block_m, self.stats_tma)
         self.launch(*_descriptors(q, k, v, do, self.tiles, shared=shared, token=self.token), *stat_descs, dk, dv,
