@@ -88,3 +88,59 @@ def test_the_flex_table_gives_both_ratios_and_says_what_is_missing():
     assert big16k.split()[-4:] == ["RuntimeErr", "-", "|", "-"], big16k  # Flex failed: no ratio either way
     assert fwdbwd.startswith("fwd+bwd") and fwdbwd.split()[-3:] == ["0.50", "|", "-"], fwdbwd
     assert flex_table([row("flashref-triton", "fwd", 0.5, 0.2)]) == "this run has no FlexAttention rows"
+
+
+def test_kept_fraction_counts_the_entries_a_dropout_keeps_whatever_their_scale():
+    """kept_fraction on an attention that keeps each entry of P with probability 230/256 (8-bit numbers, as a
+    kernel that rounds 1 - p to 8 bits would) and scales by a rounded 1 / (1 - p): P is uniform (every key the
+    same), so it counts exactly the entries kept, and at 16.8M entries 230/256 is many standard errors from 0.9."""
+    from flashref.bench.features_bench import kept_fraction
+
+    counted = []
+
+    def eight_bit(q, k, v, seed):
+        assert torch.equal(k, k[..., :1, :].expand_as(k)), "every key the same: P uniform"
+        g = torch.Generator().manual_seed(seed)
+        keep = torch.randint(0, 256, (*q.shape[:3], k.shape[2]), generator=g) < 230
+        counted.append(int(keep.sum()))
+        return (keep.float() / k.shape[2] * 1.1113) @ v.float()
+
+    got = kept_fraction(eight_bit, 0.1, device="cpu")
+    assert got["entries"] == 4 * 16 * 4096 * 64
+    assert got["kept"] == sum(counted) / got["entries"]
+    assert abs(got["kept"] - 230 / 256) < 4 * got["std_error"]
+    assert (0.9 - got["kept"]) / got["std_error"] > 20
+    assert got["scale"] == pytest.approx(1.1113 * 0.9, rel=1e-6)
+
+
+def test_flashrefs_kept_fraction_is_its_masks_and_one_minus_p():
+    """Counted through flashref's own dropout (the kernels in Triton's interpreter), the kept fraction is that of
+    ``dropout_mask`` for the same seed, entry count for entry count, and 1 - p within four standard errors over
+    64K entries."""
+    from flashref.bench.features_bench import _seeded, kept_fraction
+    from flashref.triton import dropout_mask
+
+    got = kept_fraction(_seeded("flashref-triton", 0.1), 0.1, N_q=512, H=2, draws=1, device="cpu")
+    assert got["entries"] == 2 * 512 * 64
+    assert got["kept"] * got["entries"] == int(dropout_mask(0, 1, 2, 512, 64, 0.1, "cpu").sum())
+    assert abs(got["kept"] - 0.9) < 4 * got["std_error"], got
+    assert got["scale"] == pytest.approx(1, abs=2**-11)  # 1 / (1 - p), as fp16 rounds O
+
+
+def test_the_dropout_cost_table_gives_the_added_time_the_ratio_and_the_kept_fraction_in_standard_errors():
+    from flashref.bench.features_bench import dropout_cost_table
+
+    rows = [{"case": "dropout cost fwd+bwd", "impl": "sdpa-flash", "d": 64, "causal": False, "ms": 5.0,
+             "ms_no_dropout": 4.0, "ratio": 0.8},
+            {"case": "dropout cost fwd+bwd", "impl": "flashref-triton", "d": 64, "causal": False, "ms": 3.0,
+             "ms_no_dropout": 2.25, "ratio": 0.75},
+            {"case": "dropout cost fwd+bwd", "impl": "sdpa-cudnn", "d": 64, "causal": False,
+             "status": "RuntimeError: no kernel"},
+            {"case": "dropout kept fraction", "impl": "sdpa-flash", "dropout_p": 0.1, "kept": 0.8984,
+             "entries": 1000, "std_error": 0.0008, "scale": 1.0}]
+    lines = dropout_cost_table(rows).splitlines()
+    assert lines[1].split() == ["sdpa-flash", "64", "False", "4.00", "5.00", "1.00", "0.80"], lines[1]
+    assert lines[2].startswith("sdpa-cudnn") and "no kernel" in lines[2], lines[2]  # in DROPOUT_COST_IMPLS order
+    assert lines[3].split() == ["flashref-triton", "64", "False", "2.25", "3.00", "0.75", "0.75"], lines[3]
+    assert lines[-1].split() == ["sdpa-flash", "0.89840", "0.9000", "-2.0", "1000", "1.0000", "0.9982"], lines[-1]
+    assert dropout_cost_table([]) == "this run has no dropout-cost rows"

@@ -10,6 +10,11 @@ block-sparse attention against its own dense time.
   "atomic dQ" rows, with dropout and without: one backward kernel draws the mask instead of two, on an H100 at
   d = 64 the one-kernel Gluon backward), and the teaching kernels (``kernel="triton"``) with dropout beside the
   Gluon ones that an H100 runs.
+- Dropout's cost (``--parts dropout-cost``, not in the default run): forward + backward with p = 0.1 and
+  without, for SDPA's flash, cuDNN and memory-efficient backends and flashref's two backward paths, timed in
+  turns in one run, at d = 64 and 128; and the fraction of P each keeps, counted over 16.8M entries
+  (:func:`kept_fraction`): what each pays for dropout, and how finely it draws its numbers.
+  ``book/data/dropout_cost.json`` is such a run (``--out book/data/dropout_cost.json``).
 - Block-sparse: a causal sliding window of ``w`` blocks of 128 keys, time against density (visible
   blocks / all blocks) next to the dense kernel's time, and an all-True mask against no mask; forward and
   forward + backward, each side through the default dispatch, with ``graph_ms`` beside ``ms``.
@@ -25,9 +30,9 @@ FLOPs are counted on the visible (query, key) pairs only (4 d per pair forward, 
 :func:`flashref.bench.results.pair_flops` of :func:`flashref.block_masks.visible_pairs`, notebook
 ``10_dropout_masks_sparsity``). fp16 unless a row says ``dtype``. Results go to
 ``book/data/features_bench.json`` with the device, library versions and command (:func:`load_results` reads
-them back); ``--parts`` runs some of them (gqa, dropout, sparse, flex), and ``--append`` adds them to the
-file's rows in place of those it measures again (one run split over several calls of the same machine). The
-whole run takes about 8 minutes on an H100, most of it compiling Flex.
+them back); ``--parts`` runs some of them (gqa, dropout, sparse, flex, dropout-cost), and ``--append`` adds
+them to the file's rows in place of those it measures again (one run split over several calls of the same
+machine). The whole run takes about 8 minutes on an H100, most of it compiling Flex.
 """
 
 from __future__ import annotations
@@ -170,6 +175,143 @@ def dropout_cases(N=4096, head_dims=(64,), B=8, H=16, p=0.1):
         for impl, fn in peers.items():
             ms, peak = _time(_fwd_bwd(fn, q, k, v, do), True, [q, k, v])
             yield _row("dropout fwd+bwd", impl, B, H, H, N, d, causal, ms, peak, work, dropout_p=p)
+
+
+#: What the dropout-cost part runs, each with dropout and without: SDPA's three fused backends and flashref's
+#: deterministic and one-kernel (``deterministic=False``) backward paths
+DROPOUT_COST_IMPLS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flashref-triton", "flashref-triton atomic dQ")
+
+
+def _with_dropout(impl: str, causal: bool, p: float):
+    """``fn(q, k, v)`` of one of :data:`DROPOUT_COST_IMPLS` with ``dropout_p=p`` (0: the same call without)."""
+    from flashref.triton import flash_attention
+
+    if impl.startswith("sdpa"):
+        return lambda q, k, v: sdpa(impl, dropout_p=p)(q, k, v, causal)
+    atomic = impl.endswith("atomic dQ")
+    return lambda q, k, v: flash_attention(q, k, v, causal=causal, dropout_p=p, seed=1 if p else None,
+                                           deterministic=not atomic, check_finite=False)
+
+
+def _interleaved_ms(calls: dict, tensors, rounds: int) -> dict:
+    """Median do_bench ms of each call, every call timed once a round, ``rounds`` rounds: the calls share
+    whatever drifts during the run (clocks, the host), where timing one after another would give the later ones
+    a different GPU (seen on an H200: a 2-4% "gain" that was only the order)."""
+    import statistics
+
+    import triton
+
+    times = {key: [] for key in calls}
+    for _ in range(rounds):
+        for key, fn in calls.items():
+            times[key].append(triton.testing.do_bench(fn, warmup=10, rep=50, grad_to_none=tensors,
+                                                      return_mode="median"))
+    return {key: statistics.median(t) for key, t in times.items()}
+
+
+def kept_fraction(attention, p: float, N_q: int = 4096, N_k: int = 64, B: int = 1, H: int = 16, draws: int = 4,
+                  device: str = "cuda") -> dict:
+    """The fraction of P's entries that ``attention(q, k, v, seed)`` keeps under dropout ``p``, counted. Every key
+    is the same vector, so every score of a row is the same and P = 1 / N_k exactly; V is the identity (key j
+    holds 1 in column j, d = N_k), so O[i, j] = Z[i, j] / (N_k (1 - p)): not 0 exactly where entry (i, j) is
+    kept, whatever the scale. ``draws`` calls (seeds 0, 1, ...) of B x H x N_q x N_k entries each. Returns
+    ``kept``, ``entries`` and ``std_error``, the binomial standard error of ``kept`` (four of them off is no
+    accident); and ``scale``, what the kept entries are multiplied by, times 1 - p (1: by 1 / (1 - p), within
+    fp16's rounding of O), so that ``kept * scale / (1 - p)`` is the expected O over the O without dropout."""
+    import torch
+
+    q = torch.randn(B, H, N_q, N_k, device=device, dtype=torch.float16)
+    k = torch.randn(B, H, 1, N_k, device=device, dtype=torch.float16).expand(B, H, N_k, N_k).contiguous()
+    v = torch.eye(N_k, device=device, dtype=torch.float16).expand(B, H, N_k, N_k).contiguous()
+    kept, total = 0, 0.0
+    for seed in range(draws):
+        with torch.no_grad():
+            o = attention(q, k, v, seed)
+        kept += int((o != 0).sum())
+        total += float(o.double().sum())
+    entries = draws * B * H * N_q * N_k
+    frac = kept / entries
+    return {"kept": frac, "entries": entries, "std_error": (frac * (1 - frac) / entries) ** 0.5,
+            "scale": total / kept * N_k * (1 - p)}
+
+
+def _seeded(impl: str, p: float):
+    """``attention(q, k, v, seed)`` of an implementation, drawing its mask from ``seed`` (SDPA: torch's generator
+    seeded with it)."""
+    import torch
+
+    from flashref.triton import flash_attention
+
+    if impl.startswith("sdpa"):
+        def attention(q, k, v, seed):
+            torch.manual_seed(seed)
+            return sdpa(impl, dropout_p=p)(q, k, v, False)
+        return attention
+    return lambda q, k, v, seed: flash_attention(q, k, v, dropout_p=p, seed=seed, check_finite=False)
+
+
+def dropout_cost_cases(N=4096, head_dims=(64, 128), B=8, H=16, p=0.1, rounds=5):
+    """What dropout costs each implementation, in one run (the dropout-cost part): forward + backward of every
+    :data:`DROPOUT_COST_IMPLS` with ``dropout_p=p`` and without (``ms`` and ``ms_no_dropout``, interleaved:
+    :func:`_interleaved_ms`), and the fraction of P each one keeps (:func:`kept_fraction`), which says how
+    finely it draws: ``1 - p`` exactly, or ``1 - p`` rounded to the random numbers' bits."""
+    for d, causal in itertools.product(head_dims, (False, True)):
+        q, k, v, do = _inputs(B, H, H, N, d)
+        work = flops(B, H, N, N, d, causal, "fwd+bwd")
+        calls, failed = {}, {}
+        for impl, drop in itertools.product(DROPOUT_COST_IMPLS, (p, 0.0)):
+            call = _fwd_bwd(_with_dropout(impl, causal, drop), q, k, v, do)
+            try:
+                call()
+                calls[impl, drop] = call
+            except Exception as exc:  # noqa: BLE001 (a backend that refuses is recorded)
+                failed[impl] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+        ms = _interleaved_ms(calls, [q, k, v], rounds)
+        for impl in DROPOUT_COST_IMPLS:
+            if impl in failed:
+                yield {"case": "dropout cost fwd+bwd", "impl": impl, "d": d, "causal": causal, "status": failed[impl]}
+                continue
+            yield _row("dropout cost fwd+bwd", impl, B, H, H, N, d, causal, ms[impl, p], None, work, dropout_p=p,
+                       ms_no_dropout=ms[impl, 0.0], ratio=ms[impl, 0.0] / ms[impl, p])
+        del q, k, v, do
+    for impl in DROPOUT_COST_IMPLS:
+        if impl.endswith("atomic dQ"):  # the same forward, the same mask
+            continue
+        try:
+            yield {"case": "dropout kept fraction", "impl": impl, "dropout_p": p, **kept_fraction(_seeded(impl, p), p)}
+        except Exception as exc:  # noqa: BLE001
+            yield {"case": "dropout kept fraction", "impl": impl, "dropout_p": p,
+                   "status": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"}
+
+
+def dropout_cost_table(rows) -> str:
+    """The dropout-cost part as text: per implementation, head dim and causality, the step's ms without dropout
+    and with it, what dropout adds (ms) and the ratio (time without over time with: 1 would be free); then each
+    implementation's kept fraction against 1 - p, in standard errors, the scale of its kept entries (times 1 - p)
+    and the expected O it gives over the O without dropout (1: unbiased)."""
+    cost = [r for r in rows if r.get("case") == "dropout cost fwd+bwd"]
+    kept = [r for r in rows if r.get("case") == "dropout kept fraction"]
+    if not cost and not kept:
+        return "this run has no dropout-cost rows"
+    lines = [f"{'implementation':26} {'d':>4} {'causal':>6} {'ms, p = 0':>10} {'ms, p':>8} {'added':>7} {'ratio':>6}"]
+    for r in sorted(cost, key=lambda r: (r["d"], r["causal"], DROPOUT_COST_IMPLS.index(r["impl"]))):
+        if "ms" not in r:
+            lines.append(f"{r['impl']:26} {r['d']:4} {r['causal']!s:>6} {r['status'][:40]}")
+            continue
+        lines.append(f"{r['impl']:26} {r['d']:4} {r['causal']!s:>6} {r['ms_no_dropout']:10.2f} {r['ms']:8.2f} "
+                     f"{r['ms'] - r['ms_no_dropout']:7.2f} {r['ratio']:6.2f}")
+    if kept:
+        lines.append("")
+        lines.append(f"{'implementation':26} {'kept':>9} {'1 - p':>7} {'off, std errors':>16} {'entries':>11} "
+                     f"{'scale':>7} {'E[O] / O':>9}")
+    for r in kept:
+        if "kept" not in r:
+            lines.append(f"{r['impl']:26} {r['status'][:60]}")
+            continue
+        off = (r["kept"] - (1 - r["dropout_p"])) / r["std_error"]
+        lines.append(f"{r['impl']:26} {r['kept']:9.5f} {1 - r['dropout_p']:7.4f} {off:16.1f} {r['entries']:11d} "
+                     f"{r['scale']:7.4f} {r['kept'] * r['scale'] / (1 - r['dropout_p']):9.4f}")
+    return "\n".join(lines)
 
 
 def windows(N, block, device=None):
@@ -360,11 +502,17 @@ def flex_table(rows) -> str:
 
 
 def _print(r):
+    if "kept" in r:
+        print(f"{r['case']:22} {r['impl']:28} kept {r['kept']:.5f} of {r['entries']} entries "
+              f"(standard error {r['std_error']:.1e}), scaled by {r['scale']:.4f} / (1 - p)", flush=True)
+        return
     extra = f" density {r['density']:.3f}" if "density" in r else ""
+    extra += f" (without dropout {r['ms_no_dropout']:.3f} ms)" if "ms_no_dropout" in r else ""
+    peak = f" peak+ {r['peak_extra_bytes'] / 2**20:8.1f} MiB" if r.get("peak_extra_bytes") is not None else ""
     what = f" {r.get('pattern', '')} N={r.get('N')} d={r.get('d')} {r.get('dtype', '')}"
     print(f"{r['case']:22} {r['impl']:28} H_kv={r.get('H_kv')} causal={r.get('causal')!s:5}{what}"
-          + (f" {r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s peak+ {r['peak_extra_bytes'] / 2**20:8.1f} MiB"
-             f"{extra}" if "ms" in r else f" {r.get('status')}"), flush=True)
+          + (f" {r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s{peak}{extra}" if "ms" in r else f" {r.get('status')}"),
+          flush=True)
 
 
 def load_results(path=None) -> dict:
@@ -375,6 +523,7 @@ def load_results(path=None) -> dict:
 
 #: The cases each part's rows are named by
 PART_CASES = {"gqa": ("gqa fwd+bwd",), "dropout": ("dropout fwd+bwd",),
+              "dropout-cost": ("dropout cost fwd+bwd", "dropout kept fraction"),
               "sparse": ("block-sparse fwd", "block-sparse fwd+bwd", "dense fwd", "dense fwd+bwd"),
               "flex": ("sparse vs flex fwd", "sparse vs flex fwd+bwd", "flex block mask")}
 
@@ -391,8 +540,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m flashref.bench features", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="book/data/features_bench.json")
-    p.add_argument("--parts", nargs="+", default=["gqa", "dropout", "sparse", "flex"],
-                   choices=["gqa", "dropout", "sparse", "flex"])
+    p.add_argument("--parts", nargs="+", default=["gqa", "dropout", "sparse", "flex"],  # dropout-cost: its own file
+                   choices=["gqa", "dropout", "sparse", "flex", "dropout-cost"])
     p.add_argument("--flex-n", nargs="+", type=int, default=None, metavar="N",
                    help="only these sequence lengths of the FlexAttention comparison (4096 16384 65536)")
     p.add_argument("--append", action="store_true",
@@ -410,7 +559,8 @@ def main(argv=None) -> int:
     grid = [g for g in FLEX_GRID if args.flex_n is None or g[0] in args.flex_n]
     if not grid and "flex" in args.parts:
         p.error(f"--flex-n {args.flex_n}: none of the comparison's lengths {sorted({g[0] for g in FLEX_GRID})}")
-    parts = {"gqa": gqa_cases, "dropout": dropout_cases, "sparse": sparse_cases, "flex": lambda: flex_cases(grid)}
+    parts = {"gqa": gqa_cases, "dropout": dropout_cases, "sparse": sparse_cases, "flex": lambda: flex_cases(grid),
+             "dropout-cost": dropout_cost_cases}
     add = results.recorder(data, args.out, show=_print, group=measures)  # saved after each row
     for name in args.parts:
         for r in parts[name]():
