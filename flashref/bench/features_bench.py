@@ -536,10 +536,14 @@ def measures(row: dict) -> tuple:
     return part, row.get("N") if part == "flex" else None
 
 
+#: Where a run's results go unless ``--out`` says otherwise
+OUT = "book/data/features_bench.json"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m flashref.bench features", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="book/data/features_bench.json")
+    p.add_argument("--out", default=OUT)
     p.add_argument("--parts", nargs="+", default=["gqa", "dropout", "sparse", "flex"],  # dropout-cost: its own file
                    choices=["gqa", "dropout", "sparse", "flex", "dropout-cost"])
     p.add_argument("--flex-n", nargs="+", type=int, default=None, metavar="N",
@@ -555,7 +559,8 @@ def main(argv=None) -> int:
         return 2
     data = results.start(args.out if args.append else None, torch.cuda.get_device_name(), results.versions(),
                          "python -m flashref.bench features --parts " + " ".join(args.parts)
-                         + (f" --flex-n {' '.join(map(str, args.flex_n))}" if args.flex_n else ""), dtype="float16")
+                         + (f" --flex-n {' '.join(map(str, args.flex_n))}" if args.flex_n else "")
+                         + (f" --out {args.out}" if args.out != OUT else ""), dtype="float16")
     grid = [g for g in FLEX_GRID if args.flex_n is None or g[0] in args.flex_n]
     if not grid and "flex" in args.parts:
         p.error(f"--flex-n {args.flex_n}: none of the comparison's lengths {sorted({g[0] for g in FLEX_GRID})}")
