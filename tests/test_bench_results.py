@@ -259,8 +259,8 @@ def test_each_command_line_saves_the_schema_of_its_committed_file(fake_gpu, monk
     saved = results.load("features.json", out)
     assert set(saved) == _committed_keys("features_bench.json", "note")
     assert [r["case"] for r in saved["results"]] == ["gqa fwd+bwd", "dropout fwd+bwd"]
-    assert saved["command"] == ("python -m flashref.bench features --parts gqa; "
-                                "python -m flashref.bench features --parts dropout")
+    assert saved["command"] == (f"python -m flashref.bench features --parts gqa --out {out}; "
+                                f"python -m flashref.bench features --parts dropout --out {out}")
     assert features_bench.main(["--out", out, "--parts", "gqa", "--append"]) == 0  # measured again: replaced
     assert [r["case"] for r in results.load("features.json", out)["results"]] == ["dropout fwd+bwd", "gqa fwd+bwd"]
 
