@@ -237,6 +237,35 @@ def test_the_three_mask_schedules_give_the_same_bits(d, cfg):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128])
+def test_the_three_mask_schedules_give_the_same_bits_with_dropout(d):
+    """With dropout the one-warpgroup dK/dV kernel (the tile flash_attention runs it on) gives the same dK and dV,
+    bit for bit, with the mask on every tile, in a branch and in loops of their own (dkdv_masks takes loops), on
+    uneven lengths, causal and not."""
+    from flashref.triton import flash_attention_forward, ops
+    from flashref.triton.forward import drop_threshold
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon backward needs an sm_90 GPU")
+    from flashref.triton import hopper_backward as hb
+
+    cfg = hb.default_config(d, "dkdv", dropout=True)
+    assert not cfg.get("warp_specialize") and hb.dkdv_masks(False, False, dropout=True) == "loops"
+    drop = (1234, drop_threshold(0.2), 1 / 0.8)
+    for i, ((N_q, N_k), causal) in enumerate(zip([(300, 700), (700, 300), (1023, 1024), (129, 1)],
+                                                 (False, True, True, False))):
+        q, k, v, do = make_qkv(2, 3, N_q, N_k, d, torch.float16, "cuda", seed=i)
+        o, lse = flash_attention_forward(q, k, v, causal, kernel="triton", dropout_p=0.2, seed=1234)
+        m2, l2 = ops._stats_from_lse(lse)
+        delta = (o.float() * do.float()).sum(-1).contiguous()
+        got = {masks: hb.hopper_dkdv(q, k, v, do, m2, l2, delta, causal, d ** -0.5, cfg, masks=masks, dropout=drop)
+               for masks in ("every", "branch", "loops")}
+        for masks in ("branch", "loops"):
+            for name, a, b in zip(("dk", "dv"), got[masks], got["every"]):
+                assert torch.equal(a, b), f"{name} with {masks} ({N_q}, {N_k}, causal={causal})"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
 def test_the_row_statistics_copied_by_tma_give_the_same_bits(d):
     """The dK/dV kernels with each query tile's lse2 and D copied into shared memory beside Q and dO (the default)
     against the same kernels loading them from global memory: the same dK and dV, bit for bit, on uneven lengths,
@@ -297,7 +326,8 @@ def test_the_mask_schedule_is_checked():
     with pytest.raises(ValueError, match="masks must be"):
         hb.hopper_dkdv(q, q, q, q, None, None, None, False, 1.0, masks="sometimes")
     assert hb.dkdv_masks(False, False) == "loops" and hb.dkdv_masks(True, True) == "branch"
-    assert hb.dkdv_masks(True, False) == "every" and hb.dkdv_masks(False, True, dropout=True) == "every"
+    assert hb.dkdv_masks(True, False) == "every" and hb.dkdv_masks(False, True, dropout=True) == "loops"
+    assert hb.dkdv_masks(False, False, dropout=True) == "loops" and hb.dkdv_masks(True, False, dropout=True) == "every"
 
 
 # (causal, window, alibi, causal_align): windows both sides, one side unbounded, rows that see no key (N_q > N_k

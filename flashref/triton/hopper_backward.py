@@ -796,15 +796,15 @@ def dkdv_masks(warp_specialize: bool, window: bool, dropout: bool = False, liste
     causal masking the time over every tile's was 1.04-1.09x with loops and 0.95-1.05x with the branch (two
     timings of the same kernel differed by up to 6% in that run); causal, 1.11-1.14x with loops and 1.15-1.19x
     with the branch; with a window the branch is still the fastest (every tile 1.15-1.42x its time). With
-    dropout every tile keeps its mask: those kernels were measured that way (:func:`default_config`), and the
-    other two were not (compiled, separate loops hold the mask's Philox rounds twice and spill 20-40 bytes a
-    thread causal where the shipped kernels spill none)."""
-    if dropout:
-        return "every"
+    dropout the one-warpgroup kernel takes separate loops too (each holds the mask's Philox rounds; ptxas: 236-253
+    registers, no spills, at d = 64 and 128): on an H200 (B 8, H 16, N 4K, fp16, p = 0.1, the kernel alone, medians
+    of five interleaved rounds) 1.06x the speed of a mask on every tile at d = 64 and 1.16x causal, 1.03-1.04x at
+    d = 128 and 1.04-1.07x causal (two runs), the branch 1.01-1.11x. The warp-specialized kernel keeps a mask on
+    every tile with dropout (it was measured that way: :func:`default_config`)."""
     if not warp_specialize:  # (with a block mask too: its masked tiles are the first and the last it lists)
         return "loops"
-    if listed:  # the consumers take each tile's own index: a branch, or (ptxas: 524 bytes of spills) every tile
-        return "every"
+    if listed or dropout:  # a block mask: the consumers take each tile's own index, a branch or (ptxas: 524 bytes
+        return "every"  # of spills) every tile
     return "branch" if window else "every"
 
 
