@@ -144,3 +144,23 @@ def test_the_dropout_cost_table_gives_the_added_time_the_ratio_and_the_kept_frac
     assert lines[3].split() == ["flashref-triton", "64", "False", "2.25", "3.00", "0.75", "0.75"], lines[3]
     assert lines[-1].split() == ["sdpa-flash", "0.89840", "0.9000", "-2.0", "1000", "1.0000", "0.9982"], lines[-1]
     assert dropout_cost_table([]) == "this run has no dropout-cost rows"
+
+
+def test_the_dropout_rounds_part_runs_each_count_in_a_process_of_its_own_and_reports_a_failed_one():
+    """Each count of Philox's rounds reaches its child through FLASHREF_PHILOX_ROUNDS (the child reports what
+    its kernels were built with); a child that fails, or a count the kernels refuse, gives a row that says why."""
+    from flashref.bench.features_bench import dropout_rounds_cases, dropout_rounds_table
+
+    child = ("import json\nfrom flashref.triton.forward import PHILOX_ROUNDS\nn = PHILOX_ROUNDS.value\n"
+             "assert n != 5, 'five rounds'\n"
+             "print(json.dumps({'impl': 'flashref-triton', 'd': 64, 'causal': False, 'ms': 3.0 + n / 10,"
+             " 'ms_no_dropout': 3.0, 'ratio': 3.0 / (3.0 + n / 10), 'philox_rounds': n}))\n")
+    rows = list(dropout_rounds_cases((0, 5, 10, 17), child=child))
+    assert [(r["philox_rounds"], "ms" in r) for r in rows] == [(0, True), (5, False), (10, True), (17, False)]
+    assert all(r["case"] == "dropout rounds fwd+bwd" for r in rows)
+    assert rows[1]["status"] == "child failed: AssertionError: five rounds", rows[1]
+    assert rows[3]["status"].startswith("child failed: ValueError: FLASHREF_PHILOX_ROUNDS must be"), rows[3]
+    lines = dropout_rounds_table(rows).splitlines()
+    assert lines[0].split()[-4:] == ["0", "rounds", "10", "rounds"], lines[0]
+    assert lines[1].split() == ["flashref-triton", "64", "False", "3.00", "+0.00", "(1.00)", "+1.00", "(0.75)"], lines
+    assert dropout_rounds_table(rows[1:2]) == "this run has no dropout-rounds rows"

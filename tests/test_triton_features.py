@@ -136,6 +136,53 @@ def test_dropout_is_reproducible_from_its_seed_and_keeps_one_minus_p():
     assert not torch.equal(keep[0, 0], keep[0, 1]) and not torch.equal(keep[0, 0], keep[1, 0])  # a stream per head
 
 
+def test_philox_rounds_change_the_mask_and_every_kernel_draws_the_same_one():
+    """FLASHREF_PHILOX_ROUNDS (read once at import: the dropout-rounds benchmark's knob) in a process of its own:
+    3 rounds draw another mask than 7, still about 1 - p of it kept, and the forward and backward kernels use
+    the very mask dropout_mask returns (against the float64 reference given it). A bad count is refused."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from flashref.triton.forward import PHILOX_ROUNDS, philox_rounds
+
+    child = """
+import json
+import numpy as np, torch
+import flashref.triton
+from flashref import reference
+from flashref.triton import dropout_mask, flash_attention
+from flashref.triton.forward import PHILOX_ROUNDS
+from tests._triton_helpers import DEVICE, feature_inputs, np64
+q, k, v, do = feature_inputs(1, 2, 2, 33, 47, 16, torch.float32, 0)
+q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+o = flash_attention(q, k, v, dropout_p=0.25, seed=7)
+o.backward(do)
+keep = dropout_mask(7, 1, 2, 33, 47, 0.25, DEVICE)
+kw = dict(dropout_mask=keep.cpu().numpy(), dropout_p=0.25)
+q64, k64, v64, do64 = (np64(x) for x in (q, k, v, do))
+refs = [reference.attention(q64, k64, v64, **kw), *reference.attention_backward(q64, k64, v64, do64, **kw)]
+err = max(float(np.abs(np64(x) - r).max() / max(1.0, np.abs(r).max())) for x, r in zip((o, q.grad, k.grad, v.grad), refs))
+print(json.dumps({"rounds": PHILOX_ROUNDS.value, "keep": keep.flatten().tolist(), "err": err}))
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-c", child], env={**os.environ, "FLASHREF_PHILOX_ROUNDS": "3"},
+                         capture_output=True, text=True, cwd=root, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout.splitlines()[-1])
+    assert got["rounds"] == 3 and PHILOX_ROUNDS.value == 7
+    keep3 = torch.tensor(got["keep"])
+    keep7 = dropout_mask(7, 1, 2, 33, 47, 0.25, DEVICE).flatten().cpu()
+    assert not torch.equal(keep3, keep7)
+    assert abs(keep3.float().mean().item() - 0.75) < 0.04  # 3102 entries: the standard error is 0.008
+    assert got["err"] < 1e-5, got["err"]
+    assert philox_rounds({}) == 7 and philox_rounds({"FLASHREF_PHILOX_ROUNDS": "0"}) == 0
+    for bad in ("-1", "17", "seven", ""):
+        with pytest.raises(ValueError, match="FLASHREF_PHILOX_ROUNDS"):
+            philox_rounds({"FLASHREF_PHILOX_ROUNDS": bad})
+
+
 @triton.jit
 def _keep_tiles(KEEP, KEEP_T, seed, start_m, start_n, drop_below, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One tile of the mask from each orientation's function: _keep (queries in rows), _keep_t (keys)."""

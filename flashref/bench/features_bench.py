@@ -15,6 +15,10 @@ block-sparse attention against its own dense time.
   turns in one run, at d = 64 and 128; and the fraction of P each keeps, counted over 16.8M entries
   (:func:`kept_fraction`): what each pays for dropout, and how finely it draws its numbers.
   ``book/data/dropout_cost.json`` is such a run (``--out book/data/dropout_cost.json``).
+- What Philox's rounds cost (``--parts dropout-rounds``, not in the default run): flashref's rows of the
+  dropout-cost part again with its kernels compiled for 0, 2, 4, 7 (the shipped count) and 10 rounds, each count
+  in a process of its own (``--philox-rounds`` picks others); at 0 rounds what is left is the mask's cost without
+  a generator. ``book/data/dropout_rounds.json`` is such a run.
 - Block-sparse: a causal sliding window of ``w`` blocks of 128 keys, time against density (visible
   blocks / all blocks) next to the dense kernel's time, and an all-True mask against no mask; forward and
   forward + backward, each side through the default dispatch, with ``graph_ms`` beside ``ms``.
@@ -30,7 +34,7 @@ FLOPs are counted on the visible (query, key) pairs only (4 d per pair forward, 
 :func:`flashref.bench.results.pair_flops` of :func:`flashref.block_masks.visible_pairs`, notebook
 ``10_dropout_masks_sparsity``). fp16 unless a row says ``dtype``. Results go to
 ``book/data/features_bench.json`` with the device, library versions and command (:func:`load_results` reads
-them back); ``--parts`` runs some of them (gqa, dropout, sparse, flex, dropout-cost), and ``--append`` adds
+them back); ``--parts`` runs some of them (gqa, dropout, sparse, flex, dropout-cost, dropout-rounds), and ``--append`` adds
 them to the file's rows in place of those it measures again (one run split over several calls of the same
 machine). The whole run takes about 8 minutes on an H100, most of it compiling Flex.
 """
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import statistics
 import sys
 
 from flashref.bench import results
@@ -250,16 +255,18 @@ def _seeded(impl: str, p: float):
     return lambda q, k, v, seed: flash_attention(q, k, v, dropout_p=p, seed=seed, check_finite=False)
 
 
-def dropout_cost_cases(N=4096, head_dims=(64, 128), B=8, H=16, p=0.1, rounds=5):
+def dropout_cost_cases(N=4096, head_dims=(64, 128), B=8, H=16, p=0.1, rounds=5, impls=DROPOUT_COST_IMPLS,
+                       kept=True):
     """What dropout costs each implementation, in one run (the dropout-cost part): forward + backward of every
-    :data:`DROPOUT_COST_IMPLS` with ``dropout_p=p`` and without (``ms`` and ``ms_no_dropout``, interleaved:
-    :func:`_interleaved_ms`), and the fraction of P each one keeps (:func:`kept_fraction`), which says how
-    finely it draws: ``1 - p`` exactly, or ``1 - p`` rounded to the random numbers' bits."""
+    one of ``impls`` (:data:`DROPOUT_COST_IMPLS`) with ``dropout_p=p`` and without (``ms`` and ``ms_no_dropout``,
+    interleaved: :func:`_interleaved_ms`), and with ``kept`` the fraction of P each one keeps
+    (:func:`kept_fraction`), which says how finely it draws: ``1 - p`` exactly, or ``1 - p`` rounded to the
+    random numbers' bits."""
     for d, causal in itertools.product(head_dims, (False, True)):
         q, k, v, do = _inputs(B, H, H, N, d)
         work = flops(B, H, N, N, d, causal, "fwd+bwd")
         calls, failed = {}, {}
-        for impl, drop in itertools.product(DROPOUT_COST_IMPLS, (p, 0.0)):
+        for impl, drop in itertools.product(impls, (p, 0.0)):
             call = _fwd_bwd(_with_dropout(impl, causal, drop), q, k, v, do)
             try:
                 call()
@@ -267,14 +274,14 @@ def dropout_cost_cases(N=4096, head_dims=(64, 128), B=8, H=16, p=0.1, rounds=5):
             except Exception as exc:  # noqa: BLE001 (a backend that refuses is recorded)
                 failed[impl] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
         ms = _interleaved_ms(calls, [q, k, v], rounds)
-        for impl in DROPOUT_COST_IMPLS:
+        for impl in impls:
             if impl in failed:
                 yield {"case": "dropout cost fwd+bwd", "impl": impl, "d": d, "causal": causal, "status": failed[impl]}
                 continue
             yield _row("dropout cost fwd+bwd", impl, B, H, H, N, d, causal, ms[impl, p], None, work, dropout_p=p,
                        ms_no_dropout=ms[impl, 0.0], ratio=ms[impl, 0.0] / ms[impl, p])
         del q, k, v, do
-    for impl in DROPOUT_COST_IMPLS:
+    for impl in impls if kept else ():
         if impl.endswith("atomic dQ"):  # the same forward, the same mask
             continue
         try:
@@ -501,6 +508,71 @@ def flex_table(rows) -> str:
     return "\n".join(lines)
 
 
+#: flashref's two backward paths: the implementations of the dropout-cost part whose mask Philox's rounds draw
+FLASHREF_DROPOUT_IMPLS = ("flashref-triton", "flashref-triton atomic dQ")
+#: The counts of rounds the dropout-rounds part compiles: none (the counters, compares and selects alone: what
+#: the mask costs without a generator), the shipped 7 (FlashAttention-2's, the fewest that Random123 found to
+#: pass BigCrush), 10 (Random123's and cuRAND's default) and two between
+PHILOX_ROUNDS_SWEPT = (0, 2, 4, 7, 10)
+
+# What each child process of the dropout-rounds part runs: the dropout-cost part's flashref rows, one JSON line
+# each, with the count of rounds its kernels were compiled with.
+_ROUNDS_CHILD = """
+import json
+from flashref.bench import features_bench
+from flashref.triton.forward import PHILOX_ROUNDS
+for row in features_bench.dropout_cost_cases(impls=features_bench.FLASHREF_DROPOUT_IMPLS, kept=False):
+    print(json.dumps({**row, "philox_rounds": PHILOX_ROUNDS.value}), flush=True)
+"""
+
+
+def dropout_rounds_cases(rounds=PHILOX_ROUNDS_SWEPT, child=_ROUNDS_CHILD):
+    """What Philox's rounds cost (the dropout-rounds part): the dropout-cost part's flashref rows (forward +
+    backward with p = 0.1 and without, interleaved) once for each count of ``rounds``. The count is compiled into
+    the kernels and read once at import (``FLASHREF_PHILOX_ROUNDS``, :func:`flashref.triton.forward.philox_rounds`),
+    so each count runs ``child`` in a Python process of its own. Rows ``dropout rounds fwd+bwd`` carry
+    ``philox_rounds``, the count the child's kernels were built with (a child that fails gives one row with its
+    last line of error). Time falls with the rounds; what is left at 0 is the mask's cost without a generator."""
+    import json
+    import os
+    import subprocess
+
+    for n in rounds:
+        env = {**os.environ, "FLASHREF_PHILOX_ROUNDS": str(n)}
+        run = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True)
+        lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
+        for line in lines:
+            yield {**json.loads(line), "case": "dropout rounds fwd+bwd"}
+        if run.returncode != 0 or not lines:
+            last = (run.stderr.strip().splitlines() or [f"exit status {run.returncode}, no rows"])[-1]
+            yield {"case": "dropout rounds fwd+bwd", "philox_rounds": n, "status": f"child failed: {last[:160]}"}
+
+
+def _added(row) -> str:
+    """'+ms added (ratio)' of a dropout-rounds row, '-' where there is none."""
+    return "-" if row is None else f"+{row['ms'] - row['ms_no_dropout']:.2f} ({row['ratio']:.2f})"
+
+
+def dropout_rounds_table(rows) -> str:
+    """The dropout-rounds part as text: for each implementation, head dim and causality, what dropout adds to the
+    step (ms) and the ratio (time without over time with) at each count of Philox's rounds."""
+    cost = [r for r in rows if r.get("case") == "dropout rounds fwd+bwd" and "ms" in r]
+    if not cost:
+        return "this run has no dropout-rounds rows"
+    counts = sorted({r["philox_rounds"] for r in cost})
+    head = "".join(f"{f'{n} rounds':>16}" for n in counts)
+    lines = [f"{'implementation':26} {'d':>4} {'causal':>6} {'ms, p = 0':>10}{head}"]
+    by_point = {}
+    for r in cost:
+        by_point.setdefault((r["d"], r["causal"], r["impl"]), {})[r["philox_rounds"]] = r
+    for (d, causal, impl), got in sorted(by_point.items(), key=lambda kv: (kv[0][0], kv[0][1],
+                                                                            FLASHREF_DROPOUT_IMPLS.index(kv[0][2]))):
+        base = statistics.median(r["ms_no_dropout"] for r in got.values())
+        cells = "".join(f"{_added(got.get(n)):>16}" for n in counts)
+        lines.append(f"{impl:26} {d:4} {causal!s:>6} {base:10.2f}{cells}")
+    return "\n".join(lines)
+
+
 def _print(r):
     if "kept" in r:
         print(f"{r['case']:22} {r['impl']:28} kept {r['kept']:.5f} of {r['entries']} entries "
@@ -524,16 +596,17 @@ def load_results(path=None) -> dict:
 #: The cases each part's rows are named by
 PART_CASES = {"gqa": ("gqa fwd+bwd",), "dropout": ("dropout fwd+bwd",),
               "dropout-cost": ("dropout cost fwd+bwd", "dropout kept fraction"),
+              "dropout-rounds": ("dropout rounds fwd+bwd",),
               "sparse": ("block-sparse fwd", "block-sparse fwd+bwd", "dense fwd", "dense fwd+bwd"),
               "flex": ("sparse vs flex fwd", "sparse vs flex fwd+bwd", "flex block mask")}
 
 
 def measures(row: dict) -> tuple:
     """What a row measures, as :func:`flashref.bench.results.recorder` groups rows: its part, and for the
-    FlexAttention comparison its length too (``--flex-n``). ``--append`` replaces the saved rows of each group
-    a run measures again."""
+    FlexAttention comparison its length too (``--flex-n``), for the dropout-rounds part its count of rounds
+    (``--philox-rounds``). ``--append`` replaces the saved rows of each group a run measures again."""
     part = next((name for name, cases in PART_CASES.items() if row.get("case") in cases), None)
-    return part, row.get("N") if part == "flex" else None
+    return part, row.get("N") if part == "flex" else row.get("philox_rounds") if part == "dropout-rounds" else None
 
 
 #: Where a run's results go unless ``--out`` says otherwise
@@ -544,10 +617,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m flashref.bench features", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=OUT)
-    p.add_argument("--parts", nargs="+", default=["gqa", "dropout", "sparse", "flex"],  # dropout-cost: its own file
-                   choices=["gqa", "dropout", "sparse", "flex", "dropout-cost"])
+    p.add_argument("--parts", nargs="+", default=["gqa", "dropout", "sparse", "flex"],  # dropout-*: their own files
+                   choices=["gqa", "dropout", "sparse", "flex", "dropout-cost", "dropout-rounds"])
     p.add_argument("--flex-n", nargs="+", type=int, default=None, metavar="N",
                    help="only these sequence lengths of the FlexAttention comparison (4096 16384 65536)")
+    p.add_argument("--philox-rounds", nargs="+", type=int, default=None, metavar="R",
+                   help=f"the dropout-rounds part's counts of rounds (default {' '.join(map(str, PHILOX_ROUNDS_SWEPT))})")
     p.add_argument("--append", action="store_true",
                    help="add to the rows already in --out (a run split over several calls; same GPU and versions), "
                         "replacing those of the parts (and --flex-n lengths) measured again")
@@ -560,12 +635,14 @@ def main(argv=None) -> int:
     data = results.start(args.out if args.append else None, torch.cuda.get_device_name(), results.versions(),
                          "python -m flashref.bench features --parts " + " ".join(args.parts)
                          + (f" --flex-n {' '.join(map(str, args.flex_n))}" if args.flex_n else "")
+                         + (f" --philox-rounds {' '.join(map(str, args.philox_rounds))}" if args.philox_rounds else "")
                          + (f" --out {args.out}" if args.out != OUT else ""), dtype="float16")
     grid = [g for g in FLEX_GRID if args.flex_n is None or g[0] in args.flex_n]
     if not grid and "flex" in args.parts:
         p.error(f"--flex-n {args.flex_n}: none of the comparison's lengths {sorted({g[0] for g in FLEX_GRID})}")
     parts = {"gqa": gqa_cases, "dropout": dropout_cases, "sparse": sparse_cases, "flex": lambda: flex_cases(grid),
-             "dropout-cost": dropout_cost_cases}
+             "dropout-cost": dropout_cost_cases,
+             "dropout-rounds": lambda: dropout_rounds_cases(args.philox_rounds or PHILOX_ROUNDS_SWEPT)}
     add = results.recorder(data, args.out, show=_print, group=measures)  # saved after each row
     for name in args.parts:
         for r in parts[name]():

@@ -54,9 +54,21 @@ def _dot(a, b, DOT: tl.constexpr):
         return tl.dot(a, b)
 
 
+def philox_rounds(environ=os.environ) -> int:
+    """Philox's rounds for dropout: 7, unless ``FLASHREF_PHILOX_ROUNDS`` (0 to 16) says otherwise, read once at
+    import. The variable is for measuring what the generator costs (``python -m flashref.bench features --parts
+    dropout-rounds`` runs each count in a process of its own): fewer rounds are cheaper and less random, and 0
+    gives the counter itself, no randomness at all. Every kernel and :func:`flashref.triton.dropout_mask` read
+    the same count, so the backward still replays the forward's mask bit for bit."""
+    text = environ.get("FLASHREF_PHILOX_ROUNDS", "7")
+    if not text.strip().isdigit() or not 0 <= int(text) <= 16:
+        raise ValueError(f"FLASHREF_PHILOX_ROUNDS must be a whole number from 0 to 16, got {text!r}")
+    return int(text)
+
+
 # Dropout's random numbers: Philox-4x32 with 7 rounds (as FlashAttention-2 uses; Random123 found 7 rounds
 # already pass BigCrush), and each call's 128 random bits cut into eight 16-bit numbers, one per entry of P.
-PHILOX_ROUNDS = tl.constexpr(7)
+PHILOX_ROUNDS = tl.constexpr(philox_rounds())
 DROP_BITS = 16
 
 
@@ -121,7 +133,8 @@ def _keep_t(seed, bh, start_m, start_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.const
 
 @triton.jit
 def _philox(seed, bh, col, row):
-    """Philox-4x32-7 of counter (col, row, head, 0) under key ``seed``: four independent 32-bit words."""
+    """Philox-4x32 (PHILOX_ROUNDS rounds: 7) of counter (col, row, head, 0) under key ``seed``: four independent
+    32-bit words."""
     return tl.philox(seed, col, row, row * 0 + bh.to(tl.uint32), row * 0, n_rounds=PHILOX_ROUNDS)
 
 
