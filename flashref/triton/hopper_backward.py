@@ -803,8 +803,10 @@ def dkdv_masks(warp_specialize: bool, window: bool, dropout: bool = False, liste
     every tile with dropout (it was measured that way: :func:`default_config`)."""
     if not warp_specialize:  # (with a block mask too: its masked tiles are the first and the last it lists)
         return "loops"
-    if listed or dropout:  # a block mask: the consumers take each tile's own index, a branch or (ptxas: 524 bytes
-        return "every"  # of spills) every tile
+    if listed:  # a block mask: the consumers take each tile's own index, a branch or (ptxas: 524 bytes of spills)
+        return "every"  # every tile
+    if dropout:  # measured with a mask on every tile (above)
+        return "every"
     return "branch" if window else "every"
 
 
