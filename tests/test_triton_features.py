@@ -163,7 +163,8 @@ keep = dropout_mask(7, 1, 2, 33, 47, 0.25, DEVICE)
 kw = dict(dropout_mask=keep.cpu().numpy(), dropout_p=0.25)
 q64, k64, v64, do64 = (np64(x) for x in (q, k, v, do))
 refs = [reference.attention(q64, k64, v64, **kw), *reference.attention_backward(q64, k64, v64, do64, **kw)]
-err = max(float(np.abs(np64(x) - r).max() / max(1.0, np.abs(r).max())) for x, r in zip((o, q.grad, k.grad, v.grad), refs))
+got = (o, q.grad, k.grad, v.grad)
+err = max(float(np.abs(np64(x) - r).max() / max(1.0, np.abs(r).max())) for x, r in zip(got, refs))
 print(json.dumps({"rounds": PHILOX_ROUNDS.value, "keep": keep.flatten().tolist(), "err": err}))
 """
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
