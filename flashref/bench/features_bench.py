@@ -34,9 +34,9 @@ FLOPs are counted on the visible (query, key) pairs only (4 d per pair forward, 
 :func:`flashref.bench.results.pair_flops` of :func:`flashref.block_masks.visible_pairs`, notebook
 ``10_dropout_masks_sparsity``). fp16 unless a row says ``dtype``. Results go to
 ``book/data/features_bench.json`` with the device, library versions and command (:func:`load_results` reads
-them back); ``--parts`` runs some of them (gqa, dropout, sparse, flex, dropout-cost, dropout-rounds), and ``--append`` adds
-them to the file's rows in place of those it measures again (one run split over several calls of the same
-machine). The whole run takes about 8 minutes on an H100, most of it compiling Flex.
+them back); ``--parts`` runs some of them (gqa, dropout, sparse, flex, dropout-cost, dropout-rounds), and
+``--append`` adds them to the file's rows in place of those it measures again (one run split over several calls
+of the same machine). The whole run takes about 8 minutes on an H100, most of it compiling Flex.
 """
 
 from __future__ import annotations
@@ -74,8 +74,6 @@ def graph_time_us(fn, replays: int = 20) -> float | None:
     slower than the GPU; this is what the kernels take, the figure to compare kernels by where one call is short
     (and what a loop captured in a CUDA graph, a decoding loop say, would see). None when the call cannot be
     captured."""
-    import statistics
-
     import torch
 
     flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")  # do_bench's L2 flush buffer, 256 MiB
@@ -182,9 +180,11 @@ def dropout_cases(N=4096, head_dims=(64,), B=8, H=16, p=0.1):
             yield _row("dropout fwd+bwd", impl, B, H, H, N, d, causal, ms, peak, work, dropout_p=p)
 
 
-#: What the dropout-cost part runs, each with dropout and without: SDPA's three fused backends and flashref's
-#: deterministic and one-kernel (``deterministic=False``) backward paths
-DROPOUT_COST_IMPLS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flashref-triton", "flashref-triton atomic dQ")
+#: flashref's two backward paths with dropout: deterministic, and one kernel (``deterministic=False``)
+FLASHREF_DROPOUT_IMPLS = ("flashref-triton", "flashref-triton atomic dQ")
+#: What the dropout-cost part runs, each with dropout and without: SDPA's three fused backends and flashref's two
+#: backward paths
+DROPOUT_COST_IMPLS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", *FLASHREF_DROPOUT_IMPLS)
 
 
 def _with_dropout(impl: str, causal: bool, p: float):
@@ -202,8 +202,6 @@ def _interleaved_ms(calls: dict, tensors, rounds: int) -> dict:
     """Median do_bench ms of each call, every call timed once a round, ``rounds`` rounds: the calls share
     whatever drifts during the run (clocks, the host), where timing one after another would give the later ones
     a different GPU (seen on an H200: a 2-4% "gain" that was only the order)."""
-    import statistics
-
     import triton
 
     times = {key: [] for key in calls}
@@ -508,8 +506,6 @@ def flex_table(rows) -> str:
     return "\n".join(lines)
 
 
-#: flashref's two backward paths: the implementations of the dropout-cost part whose mask Philox's rounds draw
-FLASHREF_DROPOUT_IMPLS = ("flashref-triton", "flashref-triton atomic dQ")
 #: The counts of rounds the dropout-rounds part compiles: none (the counters, compares and selects alone: what
 #: the mask costs without a generator), the shipped 7 (FlashAttention-2's, the fewest that Random123 found to
 #: pass BigCrush), 10 (Random123's and cuRAND's default) and two between
@@ -622,7 +618,8 @@ def main(argv=None) -> int:
     p.add_argument("--flex-n", nargs="+", type=int, default=None, metavar="N",
                    help="only these sequence lengths of the FlexAttention comparison (4096 16384 65536)")
     p.add_argument("--philox-rounds", nargs="+", type=int, default=None, metavar="R",
-                   help=f"the dropout-rounds part's counts of rounds (default {' '.join(map(str, PHILOX_ROUNDS_SWEPT))})")
+                   help="the dropout-rounds part's counts of rounds (default: "
+                        + " ".join(map(str, PHILOX_ROUNDS_SWEPT)) + ")")
     p.add_argument("--append", action="store_true",
                    help="add to the rows already in --out (a run split over several calls; same GPU and versions), "
                         "replacing those of the parts (and --flex-n lengths) measured again")
