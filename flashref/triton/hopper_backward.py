@@ -166,12 +166,36 @@ def _in_window(keep, rows, cols, win_left, win_right, WINDOW: gl.constexpr):
 
 
 @gluon.jit
+def _tile_lse2(M2, L2, stat, live, col_s: gl.constexpr, FULL: gl.constexpr, STATS: gl.constexpr):
+    """A query tile's lse2 (log2-domain log-sum-exp), as :func:`_dkdv_tile` takes its rows (``stat``)."""
+    if STATS:  # the tile's statistics came with it (M2: lse2's slot)
+        lse2 = M2.load(col_s)
+    elif FULL:  # every row below N_q (_full_query_tiles): loads without a predicate
+        lse2 = gl.load(M2 + stat) + gl.load(L2 + stat)
+    else:
+        lse2 = gl.load(M2 + stat, mask=live, other=0.0) + gl.load(L2 + stat, mask=live, other=0.0)
+    return lse2
+
+
+@gluon.jit
+def _tile_delta(Delta, stat, live, col_s: gl.constexpr, FULL: gl.constexpr, STATS: gl.constexpr):
+    """A query tile's D = rowsum(dO * O), as :func:`_dkdv_tile` takes its rows (``stat``)."""
+    if STATS:  # (Delta: D's slot)
+        D = Delta.load(col_s)
+    elif FULL:
+        D = gl.load(Delta + stat)
+    else:
+        D = gl.load(Delta + stat, mask=live, other=0.0)
+    return D
+
+
+@gluon.jit
 def _dkdv_tile(k_t, v_t, q_t, do_t, dk, dv, s_zero, keys, first_key, i, bh, M2, L2, Delta, N_q, qk_scale, slope2,
                win_left, win_right, seed, drop_below, keep_scale, masked, FULL: gl.constexpr, BLOCK_M: gl.constexpr,
                CAUSAL: gl.constexpr,
                WINDOW: gl.constexpr, ALIBI: gl.constexpr, DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr,
                ROWS: gl.constexpr, s_layout: gl.constexpr, col_s: gl.constexpr, p_layout: gl.constexpr,
-               STATS: gl.constexpr = False):
+               STATS: gl.constexpr = False, LATE_MASK: gl.constexpr = False):
     """dK_j and dV_j (fp32, in registers) after query tile i, whose Q_i and dO_i are in shared memory, in the
     transposed orientation (the rows are keys)::
 
@@ -188,27 +212,35 @@ def _dkdv_tile(k_t, v_t, q_t, do_t, dk, dv, s_zero, keys, first_key, i, bh, M2, 
     global fp32 rows, read here. A constant
     compiles one version of the tile; a runtime flag compiles both under a branch (:func:`dkdv_masks`). FULL: the
     caller knows (at compile time) that every query row of the tile lies below N_q, so the row statistics are
-    loaded without a predicate (measured: the loop without a mask 16% fewer instructions at d = 64)."""
+    loaded without a predicate (measured: the loop without a mask 16% fewer instructions at d = 64).
+
+    LATE_MASK (with DROPOUT): both products are waited for before the mask is drawn, dP^T is dropped at once,
+    lse2 is read after it and D only for dS^T. Drawn while the products run, the mask's words and Philox's
+    rounds are live beside S^T, dP^T, lse2, D and the 128 registers of dK and dV a warp-specialized consumer
+    holds at d = 128: ptxas spilled 256-292 bytes a thread there, and 0 (non-causal) and 108 (causal) so
+    (Triton 3.7, a mask on every tile). On an H200 (B 8, H 16, N 4K, fp16, p = 0.1, profiler) the
+    warp-specialized kernel so took 4.21 ms non-causal and 2.63 causal, against 5.66 and 3.85 with the mask
+    drawn early, and 4.87 and 2.57 for the one-warpgroup kernel that ran dropout at d = 128 before
+    (:func:`default_config`)."""
     dtype: gl.constexpr = q_t.dtype
     # S^T and dP^T issued back to back: the second runs while the first's exponentials wait.
     St = warpgroup_mma(k_t, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     dPt = warpgroup_mma(v_t, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     kept = None
-    if DROPOUT:  # Philox's integer work while both products run
+    if DROPOUT and not LATE_MASK:  # Philox's integer work while both products run
         kept = hopper._keep_t(seed, bh, i * BLOCK_M, first_key, drop_below, BLOCK_M, ROWS, KEEP_LAYOUT, s_layout)
     queries = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_s)
     live = queries < N_q
     stat = bh.to(gl.int64) * N_q + queries
-    if STATS:  # the tile's statistics came with it (M2: lse2's slot, Delta: D's)
-        lse2 = M2.load(col_s)
-        D = Delta.load(col_s)
-    elif FULL:  # every row below N_q (_full_query_tiles): loads without a predicate
-        lse2 = gl.load(M2 + stat) + gl.load(L2 + stat)
-        D = gl.load(Delta + stat)
+    if LATE_MASK:  # (the docstring says why)
+        St, dPt = warpgroup_mma_wait(0, deps=[St, dPt])
+        kept = hopper._keep_t(seed, bh, i * BLOCK_M, first_key, drop_below, BLOCK_M, ROWS, KEEP_LAYOUT, s_layout)
+        dPt = _dropped_dp(dPt, kept, keep_scale, DROPOUT)
+        lse2 = _tile_lse2(M2, L2, stat, live, col_s, FULL, STATS)
     else:
-        lse2 = gl.load(M2 + stat, mask=live, other=0.0) + gl.load(L2 + stat, mask=live, other=0.0)
-        D = gl.load(Delta + stat, mask=live, other=0.0)
-    St = warpgroup_mma_wait(1, deps=[St])
+        lse2 = _tile_lse2(M2, L2, stat, live, col_s, FULL, STATS)
+        D = _tile_delta(Delta, stat, live, col_s, FULL, STATS)
+        St = warpgroup_mma_wait(1, deps=[St])
     St = _scaled_scores(St, gl.expand_dims(queries, 0), gl.expand_dims(keys, 1), qk_scale, slope2, ALIBI)
     St = St - gl.expand_dims(lse2, 0)
     if masked:  # the ragged end, the causal diagonal, a window's edges
@@ -220,7 +252,10 @@ def _dkdv_tile(k_t, v_t, q_t, do_t, dk, dv, s_zero, keys, first_key, i, bh, M2, 
     Pt = gl.exp2(St)
     p = _p_operand(Pt, kept, dtype, p_layout, DROPOUT)
     dv = warpgroup_mma(p, do_t, dv, is_async=True)
-    dPt = _dropped_dp(warpgroup_mma_wait(1, deps=[dPt]), kept, keep_scale, DROPOUT)
+    if LATE_MASK:
+        D = _tile_delta(Delta, stat, live, col_s, FULL, STATS)
+    else:
+        dPt = _dropped_dp(warpgroup_mma_wait(1, deps=[dPt]), kept, keep_scale, DROPOUT)
     dSt = Pt * (dPt - gl.expand_dims(D, 0))
     ds = gl.convert_layout(dSt.to(dtype), p_layout)
     dk = warpgroup_mma(ds, q_t, dk, is_async=True)
@@ -615,9 +650,10 @@ def _ws_dkdv_step(n, masked, FULL: gl.constexpr, k_t, v_t, q_smem, do_smem, lse_
                   CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr, DROPOUT: gl.constexpr,
                   KEEP_LAYOUT: gl.constexpr, ROWS: gl.constexpr, s_layout: gl.constexpr, col_s: gl.constexpr,
                   p_layout: gl.constexpr, LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr, OPAQUE: gl.constexpr,
-                  STATS: gl.constexpr):
+                  STATS: gl.constexpr, LATE_MASK: gl.constexpr):
     """Step n of a consumer's loop: query tile i_lo + n (listed tile t_lo + n with a block mask) from its ring
-    slot, which it then hands back. OPAQUE: the index passes through :func:`_opaque`."""
+    slot, which it then hands back. OPAQUE: the index passes through :func:`_opaque`; LATE_MASK: as
+    :func:`_dkdv_tile` takes it."""
     slot = n % STAGES
     mbarrier.wait(ready.index(slot), (n // STAGES) & 1)
     i = _tile_of(n, i_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_M)
@@ -627,7 +663,7 @@ def _ws_dkdv_step(n, masked, FULL: gl.constexpr, k_t, v_t, q_smem, do_smem, lse_
     dk, dv = _dkdv_tile(k_t, v_t, q_smem.index(slot), do_smem.index(slot), dk, dv, s_zero, keys, first_key, i, bh,
                         lse2_rows, L2, d_rows, N_q, qk_scale, slope2, win_left, win_right, seed, drop_below,
                         keep_scale, masked, FULL, BLOCK_M, CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, ROWS, s_layout,
-                        col_s, p_layout, STATS)
+                        col_s, p_layout, STATS, LATE_MASK)
     mbarrier.arrive(empty.index(slot), count=1)
     return dk, dv
 
@@ -670,6 +706,7 @@ def _ws_dkdv_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_
     # without causal masking (the loop lost ~200 instructions and its spills), 1.05-1.07x with a window (the
     # branch); causal with a mask on every tile it measured 0.91-0.93x, so there it stays a plain sum.
     OPAQUE: gl.constexpr = (not LISTED) and (MASKS == "branch" or not CAUSAL)
+    LATE_MASK: gl.constexpr = DROPOUT and HEAD_D > 64  # (_dkdv_tile: what the consumers' registers hold at d = 128)
     mbarrier.wait(kv_bar, 0)
     if MASKS == "loops":  # as hopper_bwd_dkdv_kernel's loops
         for part in gl.static_range(3):
@@ -679,7 +716,7 @@ def _ws_dkdv_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_
                                        keys, first_key, i_lo, n_tiles, t_lo, list_row, bh, M2, L2, Delta, N_q, qk_scale,
                                        slope2, win_left, win_right, seed, drop_below, keep_scale, BLOCK_M, STAGES,
                                        CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, ROWS, s_layout, col_s, p_layout,
-                                       LISTED, BLOCK_SIZE, OPAQUE, STATS)
+                                       LISTED, BLOCK_SIZE, OPAQUE, STATS, LATE_MASK)
     else:
         for n in range(0, n_tiles):
             masked = True  # a constant unless the branch decides: the mask's code then compiles away
@@ -690,7 +727,7 @@ def _ws_dkdv_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_
                                    first_key, i_lo, n_tiles, t_lo, list_row, bh, M2, L2, Delta, N_q, qk_scale, slope2,
                                    win_left, win_right, seed, drop_below, keep_scale, BLOCK_M, STAGES, CAUSAL, WINDOW,
                                    ALIBI, DROPOUT, KEEP_LAYOUT, ROWS, s_layout, col_s, p_layout, LISTED, BLOCK_SIZE,
-                                   OPAQUE, STATS)
+                                   OPAQUE, STATS, LATE_MASK)
     if DROPOUT:
         dv = dv * keep_scale
     _store_dkdv(DK, DV, dk, dv, first_key, bh, N_k, sm_scale, ROWS, HEAD_D, a_layout, H=H, TOKEN_MAJOR=TOKEN_MAJOR)
@@ -755,26 +792,24 @@ def default_config(head_dim: int, part: str = "dkdv", dropout: bool = False) -> 
     speed (B 8, H 8, N 4K; 64 x 32 0.85-0.88x, with a ring of 3 0.76-0.84x), and dK/dV take
     :func:`flashref.triton.hopper_backward_wide.default_config`. Other dQ tiles (2026-11-27, d = 64 and 128, N 4K
     and 16K): 128 keys a step 0.86-0.95x, 128 queries on 8 warps 0.86-0.95x, a ring of 3 0.80-0.94x the shipped.
-    With dropout the same tiles, but for dK/dV at d = 128: the warp-specialized kernel spills 0.8-1 KB a thread
-    with the mask's words and measured 0.65-0.70x the teaching kernel's speed (H100, B 8, H 16, N 4K, p = 0.1), so
-    one warpgroup takes 64 keys and steps 32 queries with a ring of 2 (1.12-1.24x the teaching kernel's speed; 64
-    queries a step, or a ring of 3, measured slower). Those ratios were measured while every lane drew both Philox
-    calls of its mask words; :func:`flashref.triton.hopper._keep_t` now draws each once, which took the d = 64 dK/dV
-    kernel from 15.0 to 12.9 ms (B 16, H 32, N 4K, p = 0.1). Since each query tile's lse2 and D come by TMA
-    (``stats_tma``; measured 1.04-1.23x the dK/dV kernel's speed without dropout, 0.996-1.02x with it, against
-    loading them in the loop, H100, same shapes) the warp-specialized kernel spills 0-52 bytes at d = 128 instead
-    of 260-340, and was timed again with dropout at d = 128, N = 4K: 0.94-0.96x the one-warpgroup tile at 64
-    queries a step, 0.99-1.02x at 32, so the one-warpgroup tile stays. At d = 64 three programs an SM (``maxnreg``
-    168) measured 1.00-1.02x, a ring of 3 0.88-0.91x, the warp-specialized kernel with 2 x 64 keys 0.90-1.01x:
-    the tile stays."""
+    With dropout the same tiles. Until 2026-11-29 dK/dV at d = 128 ran dropout on one warpgroup of 64 keys stepping
+    32 queries (1.12-1.24x the teaching kernel's speed on an H100, B 8, H 16, N 4K, p = 0.1), because the
+    warp-specialized kernel spilled 0.8-1 KB a thread with the mask's words (0.65-0.70x the teaching kernel's
+    speed), then 256-292 bytes once each query tile's lse2 and D came by TMA (0.94-0.96x the one-warpgroup tile).
+    With the mask drawn after both products (``LATE_MASK`` in :func:`_dkdv_tile`) it spills 0-108 bytes and took
+    4.21 ms against the one-warpgroup kernel's 4.87 non-causal, 2.63 against 2.57 causal (H200, profiler, same
+    shapes): it runs dropout too. (``stats_tma`` measured 1.04-1.23x the dK/dV kernel's speed without dropout,
+    0.996-1.02x with it, against loading the statistics in the loop, H100, same shapes; and
+    :func:`flashref.triton.hopper._keep_t`'s drawing each Philox call once took the d = 64 dK/dV kernel from
+    15.0 to 12.9 ms, B 16, H 32, N 4K, p = 0.1.) At d = 64 three programs an SM (``maxnreg`` 168) measured
+    1.00-1.02x, a ring of 3 0.88-0.91x, the warp-specialized kernel with 2 x 64 keys 0.90-1.01x: the tile
+    stays."""
     if part not in ("dkdv", "dq"):
         raise ValueError(f"part must be 'dkdv' or 'dq', got {part!r}")
     if part == "dq":
         return dict(block_m=64, block_n=64, num_warps=4, stages=2)
     if head_dim in PLAIN_HEAD_DIMS:
         return _wide().default_config()
-    if dropout and head_dim > 64:
-        return dict(block_m=32, block_n=64, num_warps=4, stages=2)
     if head_dim <= 64:
         return dict(block_m=64, block_n=64, num_warps=4, stages=2)
     return dict(block_m=64, block_n=128, num_warps=4, stages=2, warp_specialize=True)
@@ -800,12 +835,13 @@ def dkdv_masks(warp_specialize: bool, window: bool, dropout: bool = False, liste
     registers, no spills, at d = 64 and 128): on an H200 (B 8, H 16, N 4K, fp16, p = 0.1, the kernel alone, medians
     of five interleaved rounds) 1.06x the speed of a mask on every tile at d = 64 and 1.16x causal, 1.03-1.04x at
     d = 128 and 1.04-1.07x causal (two runs), the branch 1.01-1.11x. The warp-specialized kernel keeps a mask on
-    every tile with dropout (it was measured that way: :func:`default_config`)."""
+    every tile with dropout: its branch measured 5.04 ms against 4.21 non-causal, 2.69 against 2.63 causal (H200,
+    d = 128, B 8, H 16, N 4K, p = 0.1, the mask drawn late: :func:`_dkdv_tile`'s ``LATE_MASK``)."""
     if not warp_specialize:  # (with a block mask too: its masked tiles are the first and the last it lists)
         return "loops"
     if listed:  # a block mask: the consumers take each tile's own index, a branch or (ptxas: 524 bytes of spills)
         return "every"  # every tile
-    if dropout:  # measured with a mask on every tile (above)
+    if dropout:  # the branch measured slower (above)
         return "every"
     return "branch" if window else "every"
 

@@ -28,7 +28,7 @@ do_bench windows):
   d = 64 and 0.77-0.79x at d = 128, though the reduce itself cost only 4-8% of its time.
 
 Scope: what :func:`flashref.triton.hopper_backward.supported` takes at head dims 64 and 128, top-left causal or not,
-and dropout at d = 64 (the forward's mask, drawn once a tile for all three gradients where the two kernels draw it
+and dropout (the forward's mask, drawn once a tile for all three gradients where the two kernels draw it
 twice); no window, ALiBi or block mask (those keep the two kernels). Triton's Gluon has no public TMA reduce yet:
 :func:`_tma_reduce_add` reaches the builder's, and :func:`supported` says so where a Triton lacks it.
 """
@@ -51,9 +51,8 @@ from flashref.triton.hopper_backward import (_descriptors, _drop_args, _dropped_
                                              _ws_dkdv_producer, _ws_smem)
 
 HEAD_DIMS = (64, 128)
-#: Head dims at which the kernel takes dropout: at d = 128 the mask's words and Philox's rounds make ptxas spill
-#: 512-592 bytes a thread (none at d = 64), as they do in the warp-specialized dK/dV kernel.
-DROPOUT_HEAD_DIMS = (64,)
+#: Head dims at which the kernel takes dropout (at d = 128 with the mask drawn late: :func:`_fused_step`).
+DROPOUT_HEAD_DIMS = (64, 128)
 
 
 @builtin
@@ -92,7 +91,12 @@ def _fused_step(n, q_smem, do_smem, k_smem, lse_smem, delta_smem, ds_smem, dq_sm
     """Step n of consumer WG: query tile i_lo + n against its 64 keys, then dQ's share of all 128 keys: half its
     columns (SPLIT_COLS), or all of them on the steps n % 2 == WG. DROPOUT: the forward's mask of these keys and
     queries, drawn once for dV, dK and dQ alike (:func:`flashref.triton.hopper._keep_t`; the caller scales dV by
-    ``keep_scale`` at the end), as :func:`flashref.triton.hopper_backward._dkdv_tile` applies it."""
+    ``keep_scale`` at the end), as :func:`flashref.triton.hopper_backward._dkdv_tile` applies it. At d = 128 it is
+    drawn after both products, and lse2 and D are read after it (``_dkdv_tile``'s ``LATE_MASK``): drawn while the
+    products run, ptxas spilled 512-592 bytes a thread there; drawn late with the statistics read early, 316-320;
+    so, 132-204 (Triton 3.7). On an H200 (B 8, H 16, N 4K, fp16, p = 0.1, the kernel alone, medians of five
+    do_bench rounds) dropout so added 1.06 ms non-causal and 0.80 causal to the kernel's 5.64 and 3.23 ms, where
+    with the statistics read early it added 1.96 and 2.13 (the causal kernel then slower than the two kernels)."""
     dtype: gl.constexpr = q_smem.dtype
     ROWS: gl.constexpr = 64
     s_layout: gl.constexpr = _wgmma_layout(4, BLOCK_M)
@@ -108,13 +112,20 @@ def _fused_step(n, q_smem, do_smem, k_smem, lse_smem, delta_smem, ds_smem, dq_sm
     s_zero = gl.zeros([ROWS, BLOCK_M], gl.float32, s_layout)
     St = warpgroup_mma(k_t, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     dPt = warpgroup_mma(v_t, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    LATE: gl.constexpr = DROPOUT and HEAD_D > 64  # (the docstring says why)
     kept = None
-    if DROPOUT:  # Philox's integer work while both products run
+    if DROPOUT and not LATE:  # Philox's integer work while both products run
         kept = hopper._keep_t(seed, bh, i * BLOCK_M, first_key, drop_below, BLOCK_M, ROWS, KEEP_LAYOUT, s_layout)
     queries = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_s)
-    lse2 = _row_view(lse_smem, slot, BLOCK_M, STAGES).load(col_s)
-    D = _row_view(delta_smem, slot, BLOCK_M, STAGES).load(col_s)
-    St = warpgroup_mma_wait(1, deps=[St])
+    if LATE:
+        St, dPt = warpgroup_mma_wait(0, deps=[St, dPt])
+        kept = hopper._keep_t(seed, bh, i * BLOCK_M, first_key, drop_below, BLOCK_M, ROWS, KEEP_LAYOUT, s_layout)
+        dPt = _dropped_dp(dPt, kept, keep_scale, DROPOUT)
+        lse2 = _row_view(lse_smem, slot, BLOCK_M, STAGES).load(col_s)
+    else:
+        lse2 = _row_view(lse_smem, slot, BLOCK_M, STAGES).load(col_s)
+        D = _row_view(delta_smem, slot, BLOCK_M, STAGES).load(col_s)
+        St = warpgroup_mma_wait(1, deps=[St])
     # Keys past N_k (the next head's rows) are masked here, unlike in the dK/dV kernel: their dK and dV are never
     # stored, but their dS would reach dQ.
     keep = gl.expand_dims(queries < N_q, 0) & key_live
@@ -123,7 +134,10 @@ def _fused_step(n, q_smem, do_smem, k_smem, lse_smem, delta_smem, ds_smem, dq_sm
     Pt = gl.exp2(gl.where(keep, St * qk_scale - gl.expand_dims(lse2, 0), float("-inf")))
     p = _p_operand(Pt, kept, dtype, p_layout, DROPOUT)
     dv = warpgroup_mma(p, do_t, dv, is_async=True)
-    dPt = _dropped_dp(warpgroup_mma_wait(1, deps=[dPt]), kept, keep_scale, DROPOUT)
+    if LATE:
+        D = _row_view(delta_smem, slot, BLOCK_M, STAGES).load(col_s)
+    else:
+        dPt = _dropped_dp(warpgroup_mma_wait(1, deps=[dPt]), kept, keep_scale, DROPOUT)
     dSt = Pt * (dPt - gl.expand_dims(D, 0))
     ds_t = ds_smem.index(buf * 2 + WG)
     mbarrier.wait(ds_empty.index(buf), ((n // 2) & 1) ^ 1)  # the dQ product two steps back has read this buffer
