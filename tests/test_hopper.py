@@ -504,7 +504,7 @@ def test_flash_attention_runs_dropout_on_the_gluon_kernels(d):
     kernels' mask (3x plain fp16 attention's error, as every backward), on uneven shapes, causal and not, two
     batch rows (the mask's head index is b * H + h); with ALiBi, which only the Gluon backward takes (the
     teaching forward's statistics feed it); and with deterministic=False (the Gluon forward's statistics feed the
-    one-kernel backward at d = 64, the teaching backward's atomic dQ at d = 128)."""
+    one-kernel backward, its mask drawn after S^T and dP^T at d = 128)."""
     _hopper_or_skip()
     import numpy as np
 
@@ -517,7 +517,7 @@ def test_flash_attention_runs_dropout_on_the_gluon_kernels(d):
     # same 0.0027 at p = 0.2, d = 64). The no-dropout tests keep N_k = 1, where O = V exactly.
     cases = [(shape, causal, False, True) for shape, causal in
              itertools.product([(600, 700), (1, 239), (239, 3), (1000, 1000)], (False, True))]
-    # ALiBi; and deterministic=False, whose backward is the one-kernel one (d = 64) or the teaching kernel's atomic dQ
+    # ALiBi; and deterministic=False, whose backward is the one-kernel one
     for (N_q, N_k), causal, alibi, deterministic in cases + [((500, 600), True, True, True),
                                                              ((600, 700), True, False, False)]:
         B, H, p, seed = 2, 4, 0.2, 77 + N_q
@@ -527,7 +527,7 @@ def test_flash_attention_runs_dropout_on_the_gluon_kernels(d):
         kw = dict(causal=causal, dropout_p=p, seed=seed, alibi_slopes=slopes)
         assert forward_kernel(q, k, v, causal, dropout_p=p, alibi_slopes=slopes) == ("triton" if alibi else "hopper")
         assert backward_kernel(q, k, v, causal, deterministic=deterministic, dropout_p=p, alibi_slopes=slopes) == (
-            "hopper-fused" if not deterministic and d == 64 else "hopper")  # at d = 128 the Gluon pair either way
+            "hopper-fused" if not deterministic else "hopper")
         if not alibi:
             o_h, lse_h = flash_attention_forward(q, k, v, kernel="hopper", **kw)
             o_t, lse_t = flash_attention_forward(q, k, v, kernel="triton", **kw)
