@@ -29,7 +29,7 @@ KERNELS = {"dkdv": hb.hopper_bwd_dkdv_kernel, "dq": hb.hopper_bwd_dq_kernel}
 for part, d, causal, mods in [*itertools.product(("dkdv", "dq"), hb.HEAD_DIMS, (False, True),
                                                  ("none", "window+alibi", "dropout", "block", "token")),
                               *(("dq", d, causal, "none") for d in hb.PLAIN_HEAD_DIMS for causal in (False, True))]:
-    cfg = hb.default_config(d, part, mods == "dropout")
+    cfg = hb.default_config(d, part)
     ws = cfg.get("warp_specialize", False)  # then each K, V copy is one consumer's half of block_n
     kernel = hb.hopper_ws_bwd_dkdv_kernel if ws else KERNELS[part]
     bm, bn = cfg["block_m"], cfg["block_n"] // (2 if ws else 1)
@@ -253,7 +253,7 @@ def test_the_three_mask_schedules_give_the_same_bits_with_dropout(d, cfg):
         pytest.skip("the Gluon backward needs an sm_90 GPU")
     from flashref.triton import hopper_backward as hb
 
-    cfg = cfg or hb.default_config(d, "dkdv", dropout=True)
+    cfg = cfg or hb.default_config(d, "dkdv")
     ws = bool(cfg.get("warp_specialize"))
     assert ws == (d == 128 and cfg["block_n"] == 128)
     assert hb.dkdv_masks(ws, False, dropout=True) == ("every" if ws else "loops")

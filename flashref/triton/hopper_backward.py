@@ -105,6 +105,13 @@ def _stat_rows(M2, Delta, lse_smem, delta_smem, slot, BLOCK_M: gl.constexpr, STA
 
 
 @gluon.constexpr_function
+def _late_mask(dropout, head_d):
+    """Whether a backward tile draws its dropout mask after both products (:func:`_dkdv_tile`'s ``LATE_MASK``, the
+    one-kernel backward's ``LATE``): with dropout at d = 128, where a consumer's registers run out."""
+    return bool(dropout) and head_d > 64
+
+
+@gluon.constexpr_function
 def _wgmma_layout(num_warps, cols):
     """The register layout of a wgmma result with ``cols`` columns: each of the num_warps warps holds 16 rows."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, cols, 16])
@@ -221,7 +228,10 @@ def _dkdv_tile(k_t, v_t, q_t, do_t, dk, dv, s_zero, keys, first_key, i, bh, M2, 
     (Triton 3.7, a mask on every tile). On an H200 (B 8, H 16, N 4K, fp16, p = 0.1, profiler) the
     warp-specialized kernel so took 4.21 ms non-causal and 2.63 causal, against 5.66 and 3.85 with the mask
     drawn early, and 4.87 and 2.57 for the one-warpgroup kernel that ran dropout at d = 128 before
-    (:func:`default_config`)."""
+    (:func:`default_config`; another run of the same shapes). Without dropout the late order spills nothing
+    either (0 bytes, against 0-52) but measured slower (H200, B 16, H 16, N 4K and 16K, d = 128, kernel alone,
+    medians of three interleaved runs): dK/dV 1.05x the time non-causal, 1.02x causal, the one-kernel backward
+    1.02-1.03x; there dP^T's product running under S^T's exponentials is worth more (:func:`_late_mask`)."""
     dtype: gl.constexpr = q_t.dtype
     # S^T and dP^T issued back to back: the second runs while the first's exponentials wait.
     St = warpgroup_mma(k_t, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -706,7 +716,7 @@ def _ws_dkdv_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_
     # without causal masking (the loop lost ~200 instructions and its spills), 1.05-1.07x with a window (the
     # branch); causal with a mask on every tile it measured 0.91-0.93x, so there it stays a plain sum.
     OPAQUE: gl.constexpr = (not LISTED) and (MASKS == "branch" or not CAUSAL)
-    LATE_MASK: gl.constexpr = DROPOUT and HEAD_D > 64  # (_dkdv_tile: what the consumers' registers hold at d = 128)
+    LATE_MASK: gl.constexpr = _late_mask(DROPOUT, HEAD_D)  # (_dkdv_tile: what the consumers' registers hold)
     mbarrier.wait(kv_bar, 0)
     if MASKS == "loops":  # as hopper_bwd_dkdv_kernel's loops
         for part in gl.static_range(3):
@@ -775,8 +785,8 @@ def hopper_ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_d
     ], [1, 4], [24, 240])
 
 
-def default_config(head_dim: int, part: str = "dkdv", dropout: bool = False) -> dict:
-    """The tiles the ``part`` kernel ("dkdv" or "dq") launches with (``dropout``: with dropout).
+def default_config(head_dim: int, part: str = "dkdv") -> dict:
+    """The tiles the ``part`` kernel ("dkdv" or "dq") launches with, with dropout or without.
 
     dK/dV, the best of three on an H100 (fp16, B x N = 65536, H x d = 2048, N = 4K and 16K, causal and not): at
     d = 64, 64 keys a program in one warpgroup, 64 queries a step, Q and dO in a ring of 2 (measured 1.13-1.33x
@@ -798,7 +808,7 @@ def default_config(head_dim: int, part: str = "dkdv", dropout: bool = False) -> 
     speed), then 256-292 bytes once each query tile's lse2 and D came by TMA (0.94-0.96x the one-warpgroup tile).
     With the mask drawn after both products (``LATE_MASK`` in :func:`_dkdv_tile`) it spills 0-108 bytes and took
     4.21 ms against the one-warpgroup kernel's 4.87 non-causal, 2.63 against 2.57 causal (H200, profiler, same
-    shapes): it runs dropout too. (``stats_tma`` measured 1.04-1.23x the dK/dV kernel's speed without dropout,
+    shapes, the one-warpgroup figures from another run): it runs dropout too. (``stats_tma`` measured 1.04-1.23x the dK/dV kernel's speed without dropout,
     0.996-1.02x with it, against loading the statistics in the loop, H100, same shapes; and
     :func:`flashref.triton.hopper._keep_t`'s drawing each Philox call once took the d = 64 dK/dV kernel from
     15.0 to 12.9 ms, B 16, H 32, N 4K, p = 0.1.) At d = 64 three programs an SM (``maxnreg`` 168) measured
@@ -1014,7 +1024,7 @@ class DkdvLaunch:
                                  f"inputs (token=True)")
             self.wide = (causal, scale, cfg)
             return
-        cfg = cfg or default_config(d, "dkdv", dropout)
+        cfg = cfg or default_config(d, "dkdv")
         if masks not in (None, "every", "branch", "loops"):
             raise ValueError(f"masks must be None, 'every', 'branch' or 'loops', got {masks!r}")
         masks = masks or dkdv_masks(bool(cfg.get("warp_specialize")), window is not None, dropout, lists is not None)

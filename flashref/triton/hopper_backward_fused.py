@@ -46,8 +46,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from flashref.triton import hopper, hopper_backward, relaunch
 from flashref.triton.forward import LOG2E
-from flashref.triton.hopper_backward import (_descriptors, _drop_args, _dropped_dp, _p_operand, _query_tiles,
-                                             _row_view, _stat_descriptors, _store_dkdv, _wgmma_layout,
+from flashref.triton.hopper_backward import (_descriptors, _drop_args, _dropped_dp, _late_mask, _p_operand,
+                                             _query_tiles, _row_view, _stat_descriptors, _store_dkdv, _wgmma_layout,
                                              _ws_dkdv_producer, _ws_smem)
 
 HEAD_DIMS = (64, 128)
@@ -112,7 +112,7 @@ def _fused_step(n, q_smem, do_smem, k_smem, lse_smem, delta_smem, ds_smem, dq_sm
     s_zero = gl.zeros([ROWS, BLOCK_M], gl.float32, s_layout)
     St = warpgroup_mma(k_t, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     dPt = warpgroup_mma(v_t, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    LATE: gl.constexpr = DROPOUT and HEAD_D > 64  # (the docstring says why)
+    LATE: gl.constexpr = _late_mask(DROPOUT, HEAD_D)  # (the docstring says why)
     kept = None
     if DROPOUT and not LATE:  # Philox's integer work while both products run
         kept = hopper._keep_t(seed, bh, i * BLOCK_M, first_key, drop_below, BLOCK_M, ROWS, KEEP_LAYOUT, s_layout)

@@ -567,11 +567,11 @@ def _backward_kernel(q, k, v, feat: Features, kernel: str, deterministic: bool) 
     128 or 256 and the gradients are to be deterministic (theirs are). With ``deterministic=False`` they take the
     one-kernel Gluon backward (``"hopper-fused"``, :mod:`flashref.triton.hopper_backward_fused`: dQ added by TMA
     reduces, measured 1.05-1.18x the two kernels' speed on an H100) at d = 64 and 128 with top-left causal masking
-    or none (and dropout at d = 64), and the teaching kernel's atomic dQ for the rest at d <= 128; at d = 256 the
-    deterministic Gluon pair, which is faster there (H100, B 8, H 8, N 4K, fp16, fwd+bwd: 10.3 ms against the
-    atomic dQ's 18.4; deterministic=False permits run-to-run variation, it does not ask for it), and with dropout
-    at d = 128 (H200, B 8, H 16, N 4K, fp16, p = 0.1, backward alone: 8.97 ms against 9.88 without the causal mask,
-    4.83 against 5.96 with it). A window takes
+    or none (and dropout, its mask drawn after the first two products at d = 128: notebook
+    ``10_dropout_masks_sparsity`` measures it), and the teaching kernel's atomic dQ for the rest at d <= 128; at
+    d = 256 the deterministic Gluon pair, which is faster there (H100, B 8, H 8, N 4K, fp16, fwd+bwd: 10.3 ms
+    against the atomic dQ's 18.4; deterministic=False permits run-to-run variation, it does not ask for it). A
+    window takes
     them too since they mask only the tiles at its edges (H100, causal window of 1024 keys, N = 8K, fp16: Gluon
     dK/dV 1.23 ms at d = 128 and 1.39 at d = 64 against the teaching kernel's 1.47 and 1.78; dQ 0.79 and 0.86
     against 0.92 and 0.98). Dropout (without a window) runs both Gluon kernels, with the forward's mask. A block
@@ -616,8 +616,8 @@ def _modifications(feat: Features) -> set:
 
 def _fused_takes(q, k, v, feat: Features) -> bool:
     """Whether the one-kernel Gluon backward (:mod:`flashref.triton.hopper_backward_fused`) takes this call, which
-    the Hopper backward could run: head dims 64 and 128, top-left causal masking or none, dropout at d = 64 (no
-    window, ALiBi or block mask)."""
+    the Hopper backward could run: head dims 64 and 128, top-left causal masking or none, dropout (no window,
+    ALiBi or block mask)."""
     fused = _gluon_module("hopper_backward_fused")
     if isinstance(fused, ImportError) or fused.supported(q, k, v) is not None:
         return False
@@ -1221,7 +1221,7 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, deterministic=True, *,
     repeated runs agree bit for bit; False adds dQ with atomic additions instead, as FlashAttention-2 does,
     which saves two of the seven tile products but lets the last bits of dQ vary between runs (the teaching
     kernel's atomics measured slower on the H100, notebook ``08_triton_backward``; there, at head dims 64 and
-    128 without a window, ALiBi or block mask (dropout at 64 only), the one-kernel Gluon backward runs instead,
+    128 without a window, ALiBi or block mask, the one-kernel Gluon backward runs instead,
     its dQ added by TMA reduces, and at d = 256 the deterministic Gluon pair, which is faster there: notebook
     ``14_flashattention3_on_hopper``).
     ``check_finite`` (default True): refuse NaN or inf in q, k, v (and, in the backward, in dO) with a
