@@ -240,9 +240,10 @@ def flash_decode_merge_kernel(O_PART, LSE_PART, O, LSE,
 # 64K): (64, 4, 3) was the fastest or within 0.5% of the fastest of (64, 4, 4), (64, 4, 5), (128, 4, 3),
 # (128, 8, 3), (64, 8, 4) and (32, 4, 6) at every shape. On an H200 (4.8 TB/s against the H100's 3.35) a tile
 # of 128 keys pays: the same sweep with the split rule below, B 1 / 4 / 16 with 4K to 128K keys on 8 K/V heads
-# and B 4 16K, B 1 64K on 32, put (128, 4, 3) at 0.948-1.002x cuDNN's kernel time (geometric mean 0.987)
-# against 0.950-0.999x (0.967) for (64, 4, 3); it holds one program an SM (136 KB of shared memory with 16
-# query rows, 208 KB with 64: compile_kernels' figures for sm_90; an A100's 164 KB takes the first too).
+# and B 4 16K, B 1 64K on 32, put (128, 4, 3) at 0.948-1.002x cuDNN's speed (cuDNN's kernel time over
+# flashref's; geometric mean 0.987) against 0.950-0.999x (0.967) for (64, 4, 3); it holds one program an SM
+# (136 KB of shared memory with 16 query rows, 208 KB with 64: compile_kernels' figures for sm_90; an A100's
+# 164 KB takes the first too).
 GPU_CONFIGS = {
     "large": {64: [(128, 4, 3), (64, 4, 3), (64, 4, 2), (32, 4, 1)],
               128: [(128, 4, 3), (64, 4, 3), (64, 4, 2), (32, 4, 2), (16, 4, 1)],
@@ -298,11 +299,11 @@ def split_count(programs: int, tiles: int, sms: int, good: float = 0.95, residen
     programs / slots) * slots)``. The answer is the fewest splits whose efficiency is at least ``good`` of the
     best one up to two waves (fewer splits: less to merge), never more splits than tiles. On an H100 (132 SMs)
     with 8 K/V heads, one program an SM: B = 1 gives 16 splits (128 programs), B = 4 gives 4, B = 16 gives 1;
-    with ``resident=2``, 32, 8 and 2. :func:`flash_decode` counts one program an SM: an H100's SM has room
-    for two of them at d = 128, but a sweep of fixed split counts (``book/data/decode_split_sweep.json``)
-    measured two an SM 2-17% slower than one at B = 1 with one query (7-51% with 16), and a decode run with
-    two an SM was 0-4% slower than the run before it with one at B = 4 and 16 (``book/data/decode_bench.json``
-    in git's history)."""
+    with ``resident=2``, 32, 8 and 2. :func:`flash_decode` counts one program an SM: with the 64-key tile an
+    H100's SM had room for two of them at d = 128, but a sweep of fixed split counts
+    (``book/data/decode_split_sweep.json``) measured two an SM 2-17% slower than one at B = 1 with one query
+    (7-51% with 16), and a decode run with two an SM was 0-4% slower than the run before it with one at B = 4
+    and 16 (``book/data/decode_bench.json`` in git's history)."""
     validation.check_positive_int("programs", programs)
     validation.check_positive_int("sms", sms)
     validation.check_positive_int("resident", resident)
