@@ -95,7 +95,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     stale = publish(args.url, args.branch)
     print(f"The course now points at {args.url} ({args.branch}).")
-    print("Execute the notebooks again on a GPU (README, 'Notebooks'):", *map(os.path.relpath, stale), sep="\n  ")
+    print("Execute the notebooks again on a GPU (README, 'GPU notes'):", *map(os.path.relpath, stale), sep="\n  ")
 
 
 if __name__ == "__main__":
