@@ -714,13 +714,13 @@ def test_the_gluon_forward_walks_a_block_mask(d, block_size, causal):
         base = plain_with_features(q, k, v, do, causal, visible=mask[:, :, rows][:, :, :, cols])[0]
         for name, x in (("gluon", o), ("teaching", o_t)):
             assert torch.isfinite(x).all(), f"{name} o: non-finite ({N_q}, {N_k})"
-            assert_within_tolerance(x, o_ref, base, factor=3.0, name=f"{name} o ({N_q}, {N_k}, bs {block_size})")
+            assert_within_tolerance(x, o_ref, base, factor=2.0, name=f"{name} o ({N_q}, {N_k}, bs {block_size})")
         blind = np.isneginf(lse_ref)
         assert np.array_equal(np.isneginf(np64(lse)), blind), "lse = -inf exactly where a row sees no key"
         assert np.all(np64(o)[blind] == 0), "rows that see no key: o = 0"
         seen = ~blind
-        assert np.allclose(np64(lse)[seen], lse_ref[seen], atol=2e-2) and np.allclose(np64(lse_t)[seen], lse_ref[seen],
-                                                                                     atol=2e-2)
+        for name, x in (("gluon", lse), ("teaching", lse_t)):
+            assert np.allclose(np64(x)[seen], lse_ref[seen], rtol=1e-4, atol=1e-3), f"{name} lse ({N_q}, {N_k})"
 
 
 @pytest.mark.gpu
@@ -755,8 +755,8 @@ def test_the_warp_specialized_forward_walks_a_block_mask(d, block_size, pingpong
         rows, cols = torch.arange(N_q) // block_size, torch.arange(N_k) // block_size
         base = plain_with_features(q, k, v, do, causal, visible=mask.cuda()[:, :, rows][:, :, :, cols])[0]
         assert torch.isfinite(o).all(), f"o: non-finite ({N_q}, {N_k})"
-        assert_within_tolerance(o, o_ref, base, factor=3.0, name=f"o ({N_q}, {N_k}, bs {block_size})")
+        assert_within_tolerance(o, o_ref, base, factor=2.0, name=f"o ({N_q}, {N_k}, bs {block_size})")
         blind = np.isneginf(lse_ref)
         assert np.array_equal(np.isneginf(np64(lse)), blind), "lse = -inf exactly where a row sees no key"
         assert np.all(np64(o)[blind] == 0), "rows that see no key: o = 0"
-        assert np.allclose(np64(lse)[~blind], lse_ref[~blind], atol=2e-2)
+        assert np.allclose(np64(lse)[~blind], lse_ref[~blind], rtol=1e-4, atol=1e-3)

@@ -11,8 +11,9 @@ import traceback
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                                reason="ring attention over NCCL needs two CUDA devices")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                                 reason="ring attention over NCCL needs two CUDA devices")]
 
 # (B, H, H_kv, N, d, causal, dtype): N a multiple of 2R but of no tile size; GQA; fp16 and bf16
 CASES = [(1, 4, 4, 3000, 64, True, "float16"), (1, 4, 2, 3000, 64, False, "float16"),

@@ -121,10 +121,22 @@ def test_not_an_array(name, fn, backward, which):
 
 @pytest.mark.parametrize("name,fn,backward", ENTRY_POINTS, ids=ENTRY_IDS)
 def test_good_input_passes(name, fn, backward):
-    """The same calls with good input succeed, so the failures above are about the bad argument only."""
+    """The same calls with good input succeed and compute attention (the float64 reference's output, or its
+    gradients), so the failures above are about the bad argument only."""
     q, k, v = arrays()
     result = _call(fn, q, k, v, backward, causal=True, sm_scale=0.5)
-    assert result is not None
+    if backward:
+        do = np.ones(q.shape)
+        if fn is _numpy_flash_backward:  # its o and lse were placeholders: the gradients need the real ones
+            o, lse = reference.attention(q, k, v, causal=True, sm_scale=0.5, return_lse=True)
+            result = numpy_flash.flash_attention_backward(q, k, v, o, lse, do, causal=True, sm_scale=0.5)
+        expected = reference.attention_backward(q, k, v, do, causal=True, sm_scale=0.5)
+    else:
+        expected = (reference.attention(q, k, v, causal=True, sm_scale=0.5),)
+    result = result if isinstance(result, tuple) else (result,)
+    assert len(result) >= len(expected)
+    for got, want in zip(result, expected):  # (a forward's lse, after O, is not compared)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("name,fn", list(BACKWARDS.items()), ids=list(BACKWARDS))
