@@ -388,7 +388,7 @@ def test_window_and_alibi_gradients_against_the_reference(d, dtype, causal, wind
                                    slopes=slopes)[1:]
         for name, x, r, b in zip(("dq", "dk", "dv"), got, refs, base):
             assert torch.isfinite(x).all(), f"{name}: non-finite values ({N_q}, {N_k})"
-            assert_within_tolerance(x, r, b, factor=2.0 if name == "o" else 3.0, name=f"{name} ({N_q}, {N_k})")
+            assert_within_tolerance(x, r, b, factor=3.0, name=f"{name} ({N_q}, {N_k})")
         blind = np.isneginf(reference.attention(q64, k64, v64, return_lse=True, **ref_kw)[1])
         assert np.all(np64(got[0])[blind] == 0), "rows that see no key: dq = 0"
 
@@ -488,7 +488,8 @@ def test_flash_attention_takes_the_gluon_backward_for_a_block_mask(d, block_size
         base = plain_with_features(q, k, v, do, causal, visible=visible)
         for name, x, r, b in zip(("o", "dq", "dk", "dv"), got, refs, base):
             assert torch.isfinite(x).all(), f"{name}: non-finite values ({N_q}, {N_k})"
-            assert_within_tolerance(x, r, b, factor=2.0 if name == "o" else 3.0, name=f"{name} ({N_q}, {N_k}, bs {block_size})")
+            assert_within_tolerance(x, r, b, factor=2.0 if name == "o" else 3.0,
+                                    name=f"{name} ({N_q}, {N_k}, bs {block_size})")
         blind = np.isneginf(reference.attention(q64, k64, v64, return_lse=True, **rkw)[1])
         assert np.all(np64(got[1])[blind] == 0), "rows that see no key: dq = 0"
 

@@ -25,12 +25,12 @@ DTYPES = [torch.float32, torch.float16]
 
 
 def _one_key_slack(q, k, do, o, group):
-    """The absolute slack of dQ and dK when every query sees one key (N_k = 1), with dropout. The softmax of one score is 1
-    whatever the score, so the exact dQ and dK are 0: dS = P (dP - D) cancels, and plain attention's autograd finds
-    that 0 exactly (its baseline error is 0). The kernels read D = rowsum(dO o O) from the rounded low-precision
-    O, as FlashAttention does. Without dropout that O is V's own bits and D is exact; with it O = V / (1 - p) is
-    rounded, and dS is a rounding of the terms of dO o O: two rounding steps of those terms (the rule's convention),
-    carried through dQ = scale dS K and dK = scale sum_i dS_i Q_i."""
+    """The absolute slack of dQ and dK when every query sees one key (N_k = 1), with dropout. The softmax of one
+    score is 1 whatever the score, so the exact dQ and dK are 0: dS = P (dP - D) cancels, and plain attention's
+    autograd finds that 0 exactly (its baseline error is 0). The kernels read D = rowsum(dO o O) from the
+    rounded low-precision O, as FlashAttention does. Without dropout that O is V's own bits and D is exact; with
+    it O = V / (1 - p) is rounded, and dS is a rounding of the terms of dO o O: two rounding steps of those
+    terms (the rule's convention), carried through dQ = scale dS K and dK = scale sum_i dS_i Q_i."""
     eps = float(torch.finfo(q.dtype).eps)
     scale = q.shape[-1] ** -0.5
     dS = 2 * eps * np.abs(_np64(do) * _np64(o)).sum(-1).max()  # a bound on |dS| of any row
