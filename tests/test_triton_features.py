@@ -92,6 +92,15 @@ def test_block_sparse(block_size, causal, dtype):
            block_size=block_size)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("N_q, N_k", [(1, 1), (1, 47), (47, 1)])
+def test_block_sparse_on_one_query_or_one_key(N_q, N_k, causal, dtype):
+    """A mask of 8-token blocks on a single query or a single key (a row may see nothing: O = 0, lse = -inf)."""
+    _check(2, 2, 2, N_q, N_k, 16, dtype, causal, block_shape=(2, 2, -(-N_q // 8), -(-N_k // 8)), block_size=8,
+           seed=5)
+
+
 # block_size 64: each visible block is two tiles of the interpreter's 32 x 16 forward tiles, walked from the
 # kernels' lists of visible blocks; with grouped-query heads whose dK/dV programs split the group.
 @pytest.mark.parametrize("causal", [False, True])

@@ -98,6 +98,14 @@ def test_softcap(softcap, causal, dtype):
     _check(1, 2, 1, 70, 95, 16, dtype, causal, softcap=softcap, scale=4.0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("N_q, N_k", [(1, 1), (1, 47), (47, 1)])
+def test_softcap_and_alibi_on_one_query_or_one_key(N_q, N_k, causal, dtype):
+    _check(1, 2, 1, N_q, N_k, 16, dtype, causal, softcap=0.5, scale=4.0)
+    _check(2, 4, 2, N_q, N_k, 16, dtype, causal, alibi="BH")
+
+
 def test_softcap_with_extreme_logits():
     """Logits of 1e3: the cap holds every score within c, and nothing overflows."""
     _check(1, 2, 2, 47, 33, 16, torch.float32, False, softcap=20.0, scale=1e3)
