@@ -33,8 +33,6 @@ def pytest_configure(config):
     must happen before triton is first imported. A test that imports triton itself (``results.versions()``
     does), or under a faked GPU, would otherwise leave the kernels of every later test in that process
     unable to run."""
-    if not hasattr(config, "workerinput"):  # once, before any worker or notebook kernel starts
-        _matplotlib_font_cache()
     expected = os.environ.get("FLASHREF_EXPECT_OPENBLAS_CORE")
     if expected and openblas_core().lower() != expected.lower():
         raise pytest.UsageError(f"OPENBLAS_CORETYPE={expected} was asked for, but OpenBLAS runs {openblas_core()}")
@@ -43,18 +41,6 @@ def pytest_configure(config):
             import flashref.triton  # noqa: F401
         except ImportError:  # no triton installed: the tests that need it skip
             pass
-
-
-def _matplotlib_font_cache():
-    """matplotlib's font cache, built before the notebooks run: building it prints "Matplotlib is building the font
-    cache" to stderr, which nbval would read as a cell's output. A cache that lacks matplotlib's own fonts (its
-    package deleted while another copy wrote the cache) is built again: mathtext would warn in every plot."""
-    try:
-        from matplotlib import font_manager
-    except ImportError:
-        return
-    if "cmr10" not in {font.name for font in font_manager.fontManager.ttflist}:
-        font_manager.fontManager = font_manager._load_fontmanager(try_read_cache=False)
 
 
 @functools.lru_cache(maxsize=None)
