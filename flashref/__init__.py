@@ -31,3 +31,5 @@ __version__ = "0.1.0"
 #: The course repository (the same URL as _config.yml's repository.url; a test keeps them equal). Code
 #: that runs on Colab, where only the package is installed, fetches committed data from it.
 REPOSITORY_URL = "https://github.com/flashref/flashref"
+#: Its branch (_config.yml's repository.branch), from which Colab fetches the committed data.
+REPOSITORY_BRANCH = "main"

@@ -3,8 +3,8 @@
     python -m flashref.publish https://github.com/OWNER/NAME [--branch main]
 
 The address lives in ``_config.yml`` (``repository.url`` and ``repository.branch``, the source the book's
-buttons use), and is repeated where the book cannot read that file: ``flashref.REPOSITORY_URL`` (code on Colab
-fetches committed data with it), the README's Colab and pip links,
+buttons use), and is repeated where the book cannot read that file: ``flashref.REPOSITORY_URL`` and
+``REPOSITORY_BRANCH`` (code on Colab fetches committed data from them), the README's Colab and pip links,
 and every notebook's Colab setup cell (``flashref.run_notebooks.colab_setup_source``). This rewrites all
 of them; tests keep them equal. Notebooks must then be executed again: their first cell changed, and so
 did ``flashref/__init__.py``, which every notebook reads.
@@ -63,7 +63,8 @@ def publish(url: str, branch: str = "main", root: str = ROOT) -> list:
         return re.sub(r"^([ \t]*branch:[ \t]*)\S+[ \t]*$", lambda m: m.group(1) + branch, text, count=1, flags=re.M)
 
     def package(text):
-        return re.sub(r'^REPOSITORY_URL = ".*"$', f'REPOSITORY_URL = "{url}"', text, count=1, flags=re.M)
+        text = re.sub(r'^REPOSITORY_URL = ".*"$', f'REPOSITORY_URL = "{url}"', text, count=1, flags=re.M)
+        return re.sub(r'^REPOSITORY_BRANCH = ".*"$', f'REPOSITORY_BRANCH = "{branch}"', text, count=1, flags=re.M)
 
     def readme(text):
         return text.replace(_colab(old_url, old_branch), _colab(url, branch)).replace(old_url, url)

@@ -31,7 +31,7 @@ def test_there_are_notebooks():
 def test_package_names_the_repository_of_config_yml():
     import flashref
 
-    assert flashref.REPOSITORY_URL == configured()[0]
+    assert (flashref.REPOSITORY_URL, flashref.REPOSITORY_BRANCH) == configured()
 
 
 def test_toc_lists_every_notebook_in_order():

@@ -37,7 +37,7 @@ def test_publish_rewrites_every_copy_and_back(copy):
     config = _text(copy, "_config.yml")
     assert f"url: {url}\n" in config and f"branch: {branch}\n" in config
     package = _text(copy, "flashref/__init__.py")
-    assert f'REPOSITORY_URL = "{url}"' in package
+    assert f'REPOSITORY_URL = "{url}"' in package and f'REPOSITORY_BRANCH = "{branch}"' in package
     readme = _text(copy, "README.md")
     assert REPOSITORY_URL not in readme
     assert f"https://colab.research.google.com/github/someone/attention-course/blob/{branch}/notebooks/" in readme

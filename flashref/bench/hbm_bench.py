@@ -3,7 +3,7 @@
     python -m flashref.bench hbm            # the whole grid and the block-size sweep (an H100: minutes)
     python -m flashref.bench hbm --quick    # N in {1K, 4K, 16K}, d = 64, a short sweep
 
-Notebook ``04b_measured_io`` plots the committed result, ``book/data/hbm_bench.json``.
+Notebook ``09_measured_io`` plots the committed result, ``book/data/hbm_bench.json``.
 
 What is measured. Each case (an implementation, a pass, a shape) runs in a child process under ``ncu``,
 which reads, for every kernel launched between ``torch.cuda.profiler.start()`` and ``stop()``:

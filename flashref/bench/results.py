@@ -13,10 +13,11 @@ import shlex
 import sys
 import time
 
-from flashref import REPOSITORY_URL, reference
+from flashref import REPOSITORY_BRANCH, REPOSITORY_URL, reference
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RAW_URL = REPOSITORY_URL.replace("https://github.com/", "https://raw.githubusercontent.com/") + "/main/"
+RAW_URL = (REPOSITORY_URL.replace("https://github.com/", "https://raw.githubusercontent.com/")
+           + f"/{REPOSITORY_BRANCH}/")
 
 
 def load(name: str, path: str | None = None) -> dict:

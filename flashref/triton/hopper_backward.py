@@ -808,12 +808,12 @@ def default_config(head_dim: int, part: str = "dkdv") -> dict:
     speed), then 256-292 bytes once each query tile's lse2 and D came by TMA (0.94-0.96x the one-warpgroup tile).
     With the mask drawn after both products (``LATE_MASK`` in :func:`_dkdv_tile`) it spills 0-108 bytes and took
     4.21 ms against the one-warpgroup kernel's 4.87 non-causal, 2.63 against 2.57 causal (H200, profiler, same
-    shapes, the one-warpgroup figures from another run): it runs dropout too. (``stats_tma`` measured 1.04-1.23x the dK/dV kernel's speed without dropout,
-    0.996-1.02x with it, against loading the statistics in the loop, H100, same shapes; and
-    :func:`flashref.triton.hopper._keep_t`'s drawing each Philox call once took the d = 64 dK/dV kernel from
-    15.0 to 12.9 ms, B 16, H 32, N 4K, p = 0.1.) At d = 64 three programs an SM (``maxnreg`` 168) measured
-    1.00-1.02x, a ring of 3 0.88-0.91x, the warp-specialized kernel with 2 x 64 keys 0.90-1.01x: the tile
-    stays."""
+    shapes, the one-warpgroup figures from another run): it runs dropout too. (``stats_tma`` measured
+    1.04-1.23x the dK/dV kernel's speed without dropout, 0.996-1.02x with it, against loading the statistics in
+    the loop, H100, same shapes; and :func:`flashref.triton.hopper._keep_t`'s drawing each Philox call once took
+    the d = 64 dK/dV kernel from 15.0 to 12.9 ms, B 16, H 32, N 4K, p = 0.1.) At d = 64 three programs an SM
+    (``maxnreg`` 168) measured 1.00-1.02x, a ring of 3 0.88-0.91x, the warp-specialized kernel with 2 x 64 keys
+    0.90-1.01x: the tile stays."""
     if part not in ("dkdv", "dq"):
         raise ValueError(f"part must be 'dkdv' or 'dq', got {part!r}")
     if part == "dq":

@@ -467,7 +467,7 @@ def _launch_first_fit(kernel, name, grid_rows, bh, args, meta):
 #: ``kernel=`` of :func:`flash_attention` and :func:`flash_attention_forward`: ``"auto"`` takes the Hopper forward
 #: wherever it can run, ``"triton"`` always the teaching kernel, ``"hopper"`` the Hopper one or a ValueError saying
 #: why it cannot. Over lengths 128 to 16K, causal or not, the Hopper forward measured 1.06-1.54x the teaching one at
-#: d = 128 and 256 and 0.96-1.20x at d = 64 (``python -m flashref.bench hopper``'s dispatch table, H100). The
+#: d = 128 and 256 and 1.01-1.22x at d = 64 (``python -m flashref.bench hopper``'s dispatch table, H100). The
 #: backward follows (:func:`_backward_kernel`).
 KERNELS = ("auto", "triton", "hopper")
 
@@ -566,7 +566,7 @@ def _backward_kernel(q, k, v, feat: Features, kernel: str, deterministic: bool) 
     (:mod:`flashref.triton.hopper_backward`) wherever the Hopper forward could run, and also with ALiBi, d is 64,
     128 or 256 and the gradients are to be deterministic (theirs are). With ``deterministic=False`` they take the
     one-kernel Gluon backward (``"hopper-fused"``, :mod:`flashref.triton.hopper_backward_fused`: dQ added by TMA
-    reduces, measured 1.05-1.18x the two kernels' speed on an H100) at d = 64 and 128 with top-left causal masking
+    reduces, measured 1.04-1.25x the two kernels' speed on an H100) at d = 64 and 128 with top-left causal masking
     or none (and dropout, its mask drawn after the first two products at d = 128: notebook
     ``10_dropout_masks_sparsity`` measures it), and the teaching kernel's atomic dQ for the rest at d <= 128; at
     d = 256 the deterministic Gluon pair, which is faster there (H100, B 8, H 8, N 4K, fp16, fwd+bwd: 10.3 ms
