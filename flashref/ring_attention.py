@@ -13,7 +13,11 @@ hands the block on to rank ``r + 1`` and receives the next one from ``r - 1``. T
 is posted (``torch.distributed.batch_isend_irecv``) before the compute on the current one starts, so the
 network works while the kernel does: after R steps every query has met every key, and no GPU ever held more
 than its own K/V shard and two visiting blocks. With NCCL on GPUs the sends run on NCCL's own stream, beside
-the kernels; with gloo on CPUs (the tests) the same code runs, the kernels in Triton's interpreter.
+the kernels, when that stream has high priority: create the group with ``torch.distributed.ProcessGroupNCCL.Options``
+and ``is_high_priority_stream = True``, as ``python -m flashref.bench ring`` does. At normal priority a transfer
+posted just before a kernel can wait for the whole kernel, whose programs the GPU hands out first (on two H200s
+55% of NCCL's time overlapped compute that way, 93% at high priority: notebook 13's timeline). With gloo on CPUs
+(the tests) the same code runs, the kernels in Triton's interpreter.
 
 **The merge.** Each step gives a partial attention over one key block: its normalized output O_b and its
 log-sum-exp lse_b = m_b + log l_b (the running max m and sum l of notebook ``02_online_softmax``). Two partial
@@ -644,7 +648,8 @@ def ring_attention(q, k, v, causal=False, sm_scale=None, group=None, *, check_fi
     (any layout works there, everything being visible), the zigzag layout for ``causal=True`` (chunks r and
     2R-1-r of 2R; causal is top-left over the global positions). dtypes and devices as
     :func:`flashref.triton.flash_attention`: CUDA tensors with the ``nccl`` backend (one process per GPU,
-    ``torch.cuda.set_device`` first), CPU tensors with ``gloo`` (Triton's interpreter). Every rank must call
+    ``torch.cuda.set_device`` first; a high-priority NCCL stream keeps the transfers beside the kernels, as the
+    module docstring says), CPU tensors with ``gloo`` (Triton's interpreter). Every rank must call
     it, with the same shapes. ``check_finite`` (default True): refuse NaN or inf (also in dO) and compare the
     shapes, dtype, ``causal`` and ``sm_scale`` of all ranks, with one small all_gather per pass, so that every
     rank raises together rather than one raising and the others waiting in the ring; False skips both, as the
