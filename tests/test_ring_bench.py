@@ -261,3 +261,20 @@ def test_append_replaces_what_a_run_measures_again(tmp_path):
                     ("scaling", "ring 2 GPUs", 8), ("longest", "ring 2 GPUs", 1), ("longest", "ring 2 GPUs", 2),
                     ("scaling", "ring 2 GPUs", 16)]
     assert data["results"][-1] is not old[-1]  # the re-measured point is the new row, once
+
+
+def test_nccl_groups_get_a_high_priority_stream(monkeypatch):
+    """The ring's NCCL group asks for a high-priority stream (notebook 13: at normal priority a transfer posted
+    before a kernel waited for the whole kernel); gloo takes no options. ``ProcessGroupNCCL`` exists only in
+    CUDA builds of torch, so a stand-in records what is set."""
+    import torch.distributed as dist
+
+    class Options:
+        is_high_priority_stream = False
+
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", type("ProcessGroupNCCL", (), {"Options": Options}), raising=False)
+    gpu, cpu = (object.__new__(ring_bench._Device) for _ in range(2))  # no set_device, no thread count change
+    gpu.kind, cpu.kind = "cuda", "cpu"
+    options = ring_bench._group_options(gpu)
+    assert isinstance(options, Options) and options.is_high_priority_stream is True
+    assert ring_bench._group_options(cpu) is None
