@@ -13,11 +13,11 @@ hands the block on to rank ``r + 1`` and receives the next one from ``r - 1``. T
 is posted (``torch.distributed.batch_isend_irecv``) before the compute on the current one starts, so the
 network works while the kernel does: after R steps every query has met every key, and no GPU ever held more
 than its own K/V shard and two visiting blocks. With NCCL on GPUs the sends run on NCCL's own stream, beside
-the kernels, when that stream has high priority: create the group with ``torch.distributed.ProcessGroupNCCL.Options``
-and ``is_high_priority_stream = True``, as ``python -m flashref.bench ring`` does. At normal priority a transfer
-posted just before a kernel can wait for the whole kernel, whose programs the GPU hands out first (on two H200s
-55% of NCCL's time overlapped compute that way, 93% at high priority: notebook 13's timeline). With gloo on CPUs
-(the tests) the same code runs, the kernels in Triton's interpreter.
+the kernels, when that stream has high priority: create the group with
+``init_process_group("nccl", pg_options=nccl_group_options())``, as ``python -m flashref.bench ring`` does
+(at normal priority a transfer posted just before a kernel can wait for the whole kernel: on two H200s 55% of
+NCCL's time overlapped compute so, 93% at high priority; :func:`nccl_group_options` says why). With gloo on
+CPUs (the tests) the same code runs, the kernels in Triton's interpreter.
 
 **The merge.** Each step gives a partial attention over one key block: its normalized output O_b and its
 log-sum-exp lse_b = m_b + log l_b (the running max m and sum l of notebook ``02_online_softmax``). Two partial
@@ -80,8 +80,8 @@ from flashref.triton import ops
 from flashref.triton.ops import _check
 
 __all__ = ["ring_attention", "ring_attention_forward", "ring_attention_backward", "RingAttentionFunction",
-           "shard_sequence", "gather_sequence", "sequence_positions", "block_visibility", "simulate_ring",
-           "head_groups", "HEAD_GROUP_BYTES"]
+           "nccl_group_options", "shard_sequence", "gather_sequence", "sequence_positions", "block_visibility",
+           "simulate_ring", "head_groups", "HEAD_GROUP_BYTES"]
 
 # Message tags: K/V blocks and visiting queries are separate streams of messages between two ranks
 # (gloo matches messages by tag; NCCL by order, which is the same on every rank anyway).
@@ -208,11 +208,31 @@ def block_visibility(rank: int, source: int, n_local: int, causal: bool):
 # The process group: peers, one exchange around the ring, and agreement on the inputs
 # --------------------------------------------------------------------------------------------------
 
+def nccl_group_options():
+    """The options to create the ring's NCCL group with:
+    ``torch.distributed.init_process_group("nccl", pg_options=nccl_group_options())``.
+
+    They put NCCL's kernels on a high-priority stream. A transfer is posted just before the kernel it should
+    hide behind, and both become ready when the compute stream reaches the same point: at equal priority the GPU
+    hands out the kernel's thousands of programs first, and NCCL's kernel gets an SM only once the last of them
+    has started and one finishes, at the kernel's end (seen on two H200s: the backward's second ring's first
+    transfer ran after the dQ kernel it was posted before, and 55% of NCCL's time overlapped compute). At high
+    priority NCCL's programs take the first SMs that free up (93%; notebook 13's timeline). gloo takes no
+    options. Raises RuntimeError where torch was built without NCCL."""
+    nccl = getattr(dist, "ProcessGroupNCCL", None)
+    if nccl is None:
+        raise RuntimeError("nccl_group_options needs a torch built with NCCL (torch.distributed.ProcessGroupNCCL); "
+                           "this one has none. On CPUs use the gloo backend, which takes no pg_options")
+    options = nccl.Options()
+    options.is_high_priority_stream = True
+    return options
+
+
 def _group_of(group):
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("ring_attention needs an initialized torch.distributed process group: call "
-                           "torch.distributed.init_process_group('nccl') on GPUs (one process per GPU, after "
-                           "torch.cuda.set_device) or ('gloo') on CPUs first")
+                           "torch.distributed.init_process_group('nccl', pg_options=nccl_group_options()) on GPUs "
+                           "(one process per GPU, after torch.cuda.set_device) or ('gloo') on CPUs first")
     return dist.group.WORLD if group is None else group
 
 
@@ -648,12 +668,12 @@ def ring_attention(q, k, v, causal=False, sm_scale=None, group=None, *, check_fi
     (any layout works there, everything being visible), the zigzag layout for ``causal=True`` (chunks r and
     2R-1-r of 2R; causal is top-left over the global positions). dtypes and devices as
     :func:`flashref.triton.flash_attention`: CUDA tensors with the ``nccl`` backend (one process per GPU,
-    ``torch.cuda.set_device`` first; a high-priority NCCL stream keeps the transfers beside the kernels, as the
-    module docstring says), CPU tensors with ``gloo`` (Triton's interpreter). Every rank must call
-    it, with the same shapes. ``check_finite`` (default True): refuse NaN or inf (also in dO) and compare the
-    shapes, dtype, ``causal`` and ``sm_scale`` of all ranks, with one small all_gather per pass, so that every
-    rank raises together rather than one raising and the others waiting in the ring; False skips both, as the
-    benchmarks do. Notebook ``13_beyond_one_gpu_and_decoding``; the module docstring explains the ring.
+    ``torch.cuda.set_device`` first, the group created with ``pg_options=nccl_group_options()``: a high-priority
+    NCCL stream keeps the transfers beside the kernels), CPU tensors with ``gloo`` (Triton's interpreter). Every
+    rank must call it, with the same shapes. ``check_finite`` (default True): refuse NaN or inf (also in dO) and
+    compare the shapes, dtype, ``causal`` and ``sm_scale`` of all ranks, with one small all_gather per pass, so
+    that every rank raises together rather than one raising and the others waiting in the ring; False skips
+    both, as the benchmarks do. Notebook ``13_beyond_one_gpu_and_decoding``; the module docstring explains the ring.
     """
     return RingAttentionFunction.apply(q, k, v, causal, sm_scale, group, check_finite)
 

@@ -261,6 +261,23 @@ def test_needs_an_initialized_process_group():
         ring_attention(q, q, q)
 
 
+def test_nccl_group_options_ask_for_a_high_priority_stream(monkeypatch):
+    """The options the docstrings tell users to create the NCCL group with put NCCL on a high-priority stream
+    (notebook 13: at normal priority a transfer posted before a kernel waited for the whole kernel).
+    ``ProcessGroupNCCL`` exists only in CUDA builds of torch, so a stand-in records what is set; where it is
+    missing the error names NCCL and says what to use instead. tests/test_ring_gpu.py creates its groups with
+    the real options."""
+    class Options:
+        is_high_priority_stream = False
+
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", type("ProcessGroupNCCL", (), {"Options": Options}), raising=False)
+    options = ring_module.nccl_group_options()
+    assert isinstance(options, Options) and options.is_high_priority_stream is True
+    monkeypatch.delattr(dist, "ProcessGroupNCCL")
+    with pytest.raises(RuntimeError, match="ProcessGroupNCCL.*gloo"):
+        ring_module.nccl_group_options()
+
+
 @pytest.fixture
 def one_rank_group():
     """A gloo group of one rank in this process; gloo carries CPU tensors, which a machine with CUDA refuses."""

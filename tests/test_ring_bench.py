@@ -264,9 +264,9 @@ def test_append_replaces_what_a_run_measures_again(tmp_path):
 
 
 def test_nccl_groups_get_a_high_priority_stream(monkeypatch):
-    """The ring's NCCL group asks for a high-priority stream (notebook 13: at normal priority a transfer posted
-    before a kernel waited for the whole kernel); gloo takes no options. ``ProcessGroupNCCL`` exists only in
-    CUDA builds of torch, so a stand-in records what is set."""
+    """The bench's NCCL group takes ``nccl_group_options`` (a high-priority stream: notebook 13's timeline);
+    gloo takes no options. ``ProcessGroupNCCL`` exists only in CUDA builds of torch, so a stand-in records what
+    is set."""
     import torch.distributed as dist
 
     class Options:

@@ -26,12 +26,13 @@ def _worker(rank, port, queue):
         import torch.distributed as dist
 
         import flashref.ring_attention as ring_module
-        from flashref.ring_attention import ring_attention, shard_sequence
+        from flashref.ring_attention import nccl_group_options, ring_attention, shard_sequence
         from tests._triton_helpers import feature_inputs
 
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", rank=rank, world_size=WORLD)
+        dist.init_process_group("nccl", rank=rank, world_size=WORLD, pg_options=nccl_group_options())
+        assert dist.group.WORLD._get_backend(torch.device("cuda")).options.is_high_priority_stream
         out, default = [], ring_module.HEAD_GROUP_BYTES
         for B, H, H_kv, N, d, causal, dtype in CASES:
             q, k, v, do = feature_inputs(B, H, H_kv, N, N, d, getattr(torch, dtype), seed=N)

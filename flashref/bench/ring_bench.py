@@ -628,18 +628,13 @@ def _ring_worker(rank, world, port, plan: Plan, pinned, out):
 
 
 def _group_options(dev: _Device):
-    """NCCL's kernels on a high-priority stream. A transfer is posted just before the kernel it should hide
-    behind, and both become ready when the compute stream reaches the same point: at normal priority the GPU
-    hands out the kernel's thousands of programs first and NCCL's kernel waits for the last of them to start,
-    which is the whole kernel (seen on two H200s: the backward's second ring's first transfer ran only after
-    the dQ kernel it was posted before). At high priority NCCL's programs take the first SMs that free up."""
+    """NCCL's kernels on a high-priority stream (:func:`flashref.ring_attention.nccl_group_options` says why);
+    gloo takes no options."""
     if dev.backend != "nccl":
         return None
-    import torch.distributed as dist
+    from flashref.ring_attention import nccl_group_options
 
-    options = dist.ProcessGroupNCCL.Options()
-    options.is_high_priority_stream = True
-    return options
+    return nccl_group_options()
 
 
 def _ring_fn(causal):
