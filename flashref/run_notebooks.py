@@ -3,12 +3,17 @@
     python -m flashref.run_notebooks                 # every notebook under notebooks/
     python -m flashref.run_notebooks notebooks/03_*.ipynb
 
+    python -m flashref.run_notebooks --status         # only write book/status.md again from the stamps
+
 The committed outputs come from this script on a GPU (the CPU-only NumPy notebooks may be run on a
 CPU). Each notebook's metadata gets ``metadata["flashref"] = {"device": ..., "code_sha256": ...,
-"inputs": {...}}``: the device that produced the outputs, the hash of the notebook's own code, and the
-sha256 of every file of this repository that the notebook's kernel read while it ran (the flashref
-modules it imported, the ``.cu`` sources it compiled, the benchmark files it loaded). A test fails when
-either hash no longer matches, so an edit to a kernel file names the notebooks to execute again.
+"inputs": {...}, "versions": {...}, "seconds": ..., "executed": ...}``: the device that produced the
+outputs, the hash of the notebook's own code, the sha256 of every file of this repository that the
+notebook's kernel read while it ran (the flashref modules it imported, the ``.cu`` sources it compiled,
+the benchmark files it loaded), the versions of Python and the libraries in that kernel, how long the
+run took and its date (UTC). A test fails when either hash no longer matches, so an edit to a kernel
+file names the notebooks to execute again. After a run the script writes the book's status page
+(``book/status.md``, :func:`status_page`) from every notebook's stamp; a test keeps the two equal.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import glob
 import hashlib
+import json
 import os
 import sys
 import tempfile
@@ -27,11 +33,33 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: Triton or CuPy kernel cache kept in the checkout on the GPU machine, so that it survives between calls)
 _NOT_INPUTS = (".git", ".venv", ".whl", "_build", "notebooks", ".pytest_cache", ".tcache")
 
-# Installed in the notebook's kernel (as an IPython startup file) before its first cell runs: an audit hook
-# that appends to a log every file under the repository that is opened for reading. Imports open a module's
-# .py (or its cached .pyc, mapped back to the .py); CuPy's sources and benchmark JSON are opened as files.
+#: the distributions whose versions a stamp records (the first CuPy wheel found is CuPy's), read from the
+#: kernel's own environment: the kernel may run another Python than this script
+VERSIONED = ("torch", "triton", "numpy", ("cupy-cuda13x", "cupy-cuda12x", "cupy-cuda11x", "cupy"))
+STATUS_PAGE = os.path.join("book", "status.md")
+
+# Installed in the notebook's kernel (as an IPython startup file) before its first cell runs: it writes the
+# kernel's Python and library versions to a file, then installs an audit hook that appends to a log every
+# file under the repository that is opened for reading. Imports open a module's .py (or its cached .pyc,
+# mapped back to the .py); CuPy's sources and benchmark JSON are opened as files. The versions are read
+# before the hook is installed, from the distributions' metadata (no library is imported).
 _RECORDER = """
 import os, sys
+def _flashref_record_versions(path, names):
+    import json, platform
+    from importlib import metadata
+    found = {"python": platform.python_version()}
+    for name in names:
+        for dist in ([name] if isinstance(name, str) else name):
+            try:
+                found[dist.split("-")[0]] = metadata.version(dist)
+                break
+            except metadata.PackageNotFoundError:
+                pass
+    with open(path, "w") as f:
+        json.dump(found, f)
+_flashref_record_versions(os.environ["FLASHREF_VERSIONS_FILE"], _FLASHREF_VERSIONED)
+del _flashref_record_versions, _FLASHREF_VERSIONED
 def _flashref_record_inputs(root, log):
     seen = set()
     def hook(event, args):
@@ -97,15 +125,16 @@ def colab_setup_source(url: str, branch: str) -> str:
     )
 
 
-def _recording_environment(tmp: str) -> str:
-    """An IPython profile folder whose startup file installs the input recorder; returns the log's path."""
+def _recording_environment(tmp: str) -> tuple:
+    """An IPython profile folder whose startup file runs the recorder; returns the paths of the inputs' log
+    and of the versions file it writes."""
     startup = os.path.join(tmp, "profile_default", "startup")
     os.makedirs(startup)
     with open(os.path.join(startup, "00_flashref_inputs.py"), "w") as f:
-        f.write(_RECORDER)
+        f.write(f"_FLASHREF_VERSIONED = {VERSIONED!r}\n" + _RECORDER)
     log = os.path.join(tmp, "inputs.log")
     open(log, "w").close()
-    return log
+    return log, os.path.join(tmp, "versions.json")
 
 
 def execute(path: str, timeout: int) -> str:
@@ -116,10 +145,12 @@ def execute(path: str, timeout: int) -> str:
 
     nb = nbformat.read(path, as_version=4)
     with tempfile.TemporaryDirectory() as tmp:
-        log = _recording_environment(tmp)
-        env = {"IPYTHONDIR": tmp, "FLASHREF_ROOT": ROOT, "FLASHREF_INPUTS_LOG": log}
+        log, versions_file = _recording_environment(tmp)
+        env = {"IPYTHONDIR": tmp, "FLASHREF_ROOT": ROOT, "FLASHREF_INPUTS_LOG": log,
+               "FLASHREF_VERSIONS_FILE": versions_file}
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)  # the kernel inherits this process's environment
+        start = time.time()
         try:
             device = _run(nb, path, timeout, device_name())
         finally:
@@ -128,12 +159,17 @@ def execute(path: str, timeout: int) -> str:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
+        seconds = round(time.time() - start)
         with open(log) as f:
             inputs = input_hashes(line.strip() for line in f if line.strip())
+        with open(versions_file) as f:
+            versions = json.load(f)
     if "flashref" in _code(nb) and not any(rel.startswith("flashref" + os.sep) for rel in inputs):
         raise RuntimeError(f"{path} imports flashref, but its kernel read no file of {ROOT}/flashref: it "
                            f"imported an installed copy; set PYTHONPATH={ROOT} (or pip install -e .)")
-    nb.metadata["flashref"] = {"device": device, "code_sha256": code_sha256(nb), "inputs": inputs}
+    nb.metadata["flashref"] = {"device": device, "code_sha256": code_sha256(nb), "inputs": inputs,
+                               "versions": versions, "seconds": seconds,
+                               "executed": time.strftime("%Y-%m-%d", time.gmtime())}
     nbformat.write(nb, path)
     return device
 
@@ -161,16 +197,91 @@ def _run(nb, path: str, timeout: int, device: str) -> str:
     return device
 
 
+def _data_source(path: str) -> str:
+    """What a benchmark data file was measured on: its GPU, or the CPU, or the compiler that produced it."""
+    with open(path) as f:
+        data = json.load(f)
+    if data.get("device"):
+        return data["device"]
+    if data.get("machine"):
+        return f"{data['machine'].get('cpu_cores', '?')}-core CPU"
+    if data.get("nvcc"):
+        return f"nvcc {data['nvcc']} (compiled only)"
+    return "not recorded"
+
+
+def _data_cell(inputs, root: str) -> str:
+    """The benchmark files a notebook read, grouped by what they were measured on."""
+    by_source = {}
+    for rel in inputs:
+        if rel.startswith("book/data/") and rel.endswith(".json"):
+            name = os.path.splitext(os.path.basename(rel))[0]
+            by_source.setdefault(_data_source(os.path.join(root, rel)), []).append(f"`{name}`")
+    return "; ".join(f"{source}: {', '.join(names)}" for source, names in sorted(by_source.items())) or "none"
+
+
+def _status_row(path: str, root: str) -> str:
+    import nbformat
+
+    nb = nbformat.read(path, as_version=4)
+    stamp = nb.metadata.get("flashref", {})
+    versions = stamp.get("versions", {})
+    name = os.path.splitext(os.path.basename(path))[0]
+    gpu_cells = sum("gpu" in c.metadata.get("tags", []) for c in nb.cells)
+    cells = [f"{{doc}}`../notebooks/{name}`", stamp.get("device", "not stamped"), stamp.get("executed", "?"),
+             f"{stamp['seconds']} s" if "seconds" in stamp else "?",
+             *(versions.get(lib, "–") for lib in ("python", "torch", "triton", "numpy", "cupy")),
+             str(gpu_cells), _data_cell(stamp.get("inputs", {}), root)]
+    return "| " + " | ".join(cells) + " |"
+
+
+def status_page(notebooks, root: str = ROOT) -> str:
+    """The book's status page (``book/status.md``): one row per notebook, read from its stamp: where, when and
+    with which versions its committed outputs were produced, how many of its cells need a GPU, and which
+    benchmark files it shows, with the device each was measured on (a chapter executed on one GPU may show
+    a benchmark measured on another)."""
+    rows = [_status_row(path, root) for path in sorted(notebooks)]
+    return "\n".join([
+        "# How the notebooks were run",
+        "",
+        "Every output in this book, numbers and plots, comes from one execution of its notebook by",
+        "`python -m flashref.run_notebooks`, which stamps the notebook with the device, the date, the time the",
+        "run took, the versions of Python and the libraries in the notebook's kernel, and the sha256 of every",
+        "file of the repository the kernel read (the `flashref` modules, the CUDA sources, the benchmark data).",
+        "This table is written from those stamps by the same script. The tests check that it matches them, and",
+        "that no code cell and no file a notebook read has changed since its run: every row below is the",
+        "current code's output. A GPU chapter was executed on a GPU; its cells tagged `gpu` are skipped, visibly,",
+        "where there is none. The benchmark files a chapter shows carry their own device and versions, and",
+        "were measured in their own runs (`python -m flashref.bench`, the README's GPU notes).",
+        "",
+        "| Chapter | Executed on | Date (UTC) | Run time | Python | torch | Triton | NumPy | CuPy "
+        "| GPU cells | Benchmark data shown, measured on |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+    ])
+
+
+def write_status_page(notebooks, root: str = ROOT) -> str:
+    """Write :func:`status_page` to ``book/status.md`` under ``root``; return its path."""
+    path = os.path.join(root, STATUS_PAGE)
+    with open(path, "w") as f:
+        f.write(status_page(notebooks, root))
+    return path
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("notebooks", nargs="*", help="notebooks to run (default: notebooks/*.ipynb)")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds a cell may run")
+    parser.add_argument("--status", action="store_true", help=f"execute nothing; write {STATUS_PAGE} again")
     args = parser.parse_args(argv)
-    paths = args.notebooks or sorted(glob.glob("notebooks/*.ipynb"))
+    paths = [] if args.status else args.notebooks or sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
     for path in paths:
         start = time.time()
         device = execute(path, args.timeout)
         print(f"{path}: executed on {device} in {time.time() - start:.0f} s", flush=True)
+    print(f"wrote {write_status_page(glob.glob(os.path.join(ROOT, 'notebooks', '*.ipynb')))}")
     return 0
 
 

@@ -12,7 +12,8 @@ import shutil
 import nbformat
 import pytest
 
-from flashref.run_notebooks import _code, code_sha256, colab_setup_source, execute, stale_inputs
+from flashref.run_notebooks import (STATUS_PAGE, _code, code_sha256, colab_setup_source, execute, stale_inputs,
+                                    status_page)
 from flashref.publish import configured
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -83,6 +84,26 @@ def test_outputs_are_stamped_from_current_code(path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
+def test_stamp_says_with_which_versions_when_and_how_long(path):
+    stamp = _load(path).metadata.get("flashref", {})
+    missing = {"versions", "seconds", "executed"} - set(stamp)
+    assert not missing, f"the stamp lacks {sorted(missing)}; {_rerun_advice(path, _load(path))}"
+    assert {"python", "numpy"} <= set(stamp["versions"]), stamp["versions"]
+    if _uses_gpu(_load(path)):
+        assert {"torch", "triton"} <= set(stamp["versions"]), stamp["versions"]
+
+
+def test_status_page_is_written_from_the_stamps():
+    """book/status.md is what run_notebooks writes from the committed notebooks' stamps, and the book lists it."""
+    with open(os.path.join(ROOT, STATUS_PAGE)) as f:
+        committed = f.read()
+    assert committed == status_page(NOTEBOOKS, ROOT), "write it again: python -m flashref.run_notebooks --status"
+    for path in NOTEBOOKS:
+        assert f"{{doc}}`../notebooks/{os.path.splitext(os.path.basename(path))[0]}`" in committed
+    assert "file: book/status" in open(os.path.join(ROOT, "_toc.yml")).read()
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
 def test_outputs_are_stamped_from_current_package_code(path):
     """The stamp records every file of the repository the notebook's kernel read (flashref modules, .cu
     sources, benchmark data) with its sha256: an edit to any of them makes the outputs stale."""
@@ -137,3 +158,13 @@ def test_execute_records_what_the_kernel_read(tmp_path):
     assert "book/data/numpy_bench.json" in stamp["inputs"]
     assert not any("outside" in rel or "written" in rel or rel.endswith(".pyc") for rel in stamp["inputs"])
     assert stamp["code_sha256"] == code_sha256(nb)
+    # the kernel's own versions (this test's kernel runs this Python), the run's length and date
+    import platform
+    from importlib import metadata
+
+    assert stamp["versions"]["python"] == platform.python_version()
+    assert stamp["versions"]["numpy"] == metadata.version("numpy")
+    assert stamp["versions"]["torch"] == metadata.version("torch")
+    assert isinstance(stamp["seconds"], int) and 0 <= stamp["seconds"] < 120
+    assert re.fullmatch(r"20\d\d-\d\d-\d\d", stamp["executed"])
+    assert not any(rel.startswith("flashref.egg-info") for rel in stamp["inputs"]), "metadata reads are not inputs"
