@@ -202,7 +202,7 @@ def _data_source(path: str) -> str:
     with open(path) as f:
         data = json.load(f)
     if data.get("device"):
-        return data["device"]
+        return f"{data['gpus']} x {data['device']}" if data.get("gpus", 1) > 1 else data["device"]
     if data.get("machine"):
         return f"{data['machine'].get('cpu_cores', '?')}-core CPU"
     if data.get("nvcc"):

@@ -103,6 +103,30 @@ def test_status_page_is_written_from_the_stamps():
     assert "file: book/status" in open(os.path.join(ROOT, "_toc.yml")).read()
 
 
+def test_status_page_says_where_each_benchmark_file_was_measured(tmp_path):
+    """A row of the status page: the stamp's facts, the `gpu` cells counted, and the data files grouped by what
+    they were measured on (a ring run on two GPUs says so; a CPU run and a compile-only file name theirs)."""
+    import json
+
+    data = tmp_path / "book" / "data"
+    data.mkdir(parents=True)
+    files = {"ring": {"device": "GPU A", "gpus": 2}, "one": {"device": "GPU A"}, "two": {"device": "GPU B"},
+             "cpu": {"machine": {"cpu_cores": 2}}, "nvcc": {"nvcc": "13.0"}, "bare": {"results": []}}
+    for name, content in files.items():
+        (data / f"{name}.json").write_text(json.dumps(content))
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# T"), nbformat.v4.new_code_cell("x = 1", metadata={"tags": ["gpu"]})]
+    nb.metadata["flashref"] = {"device": "GPU B", "code_sha256": code_sha256(nb), "seconds": 7,
+                               "executed": "2026-01-02", "versions": {"python": "3.12.0", "torch": "2.11.0"},
+                               "inputs": {f"book/data/{name}.json": "0" for name in files} | {"flashref/x.py": "0"}}
+    path = tmp_path / "07_probe.ipynb"
+    nbformat.write(nb, path)
+    row = status_page([str(path)], str(tmp_path)).splitlines()[-1]
+    assert row == ("| {doc}`../notebooks/07_probe` | GPU B | 2026-01-02 | 7 s | 3.12.0 | 2.11.0 | – | – | – "
+                   "| 1 | 2 x GPU A: `ring`; 2-core CPU: `cpu`; GPU A: `one`; GPU B: `two`; not recorded: `bare`; "
+                   "nvcc 13.0 (compiled only): `nvcc` |")
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
 def test_outputs_are_stamped_from_current_package_code(path):
     """The stamp records every file of the repository the notebook's kernel read (flashref modules, .cu
