@@ -255,7 +255,7 @@ def status_page(notebooks, root: str = ROOT) -> str:
         "were measured in their own runs (`python -m flashref.bench`, the README's GPU notes).",
         "",
         "| Chapter | Executed on | Date (UTC) | Run time | Python | torch | Triton | NumPy | CuPy "
-        "| GPU cells | Benchmark data shown, measured on |",
+        "| Cells only a GPU runs | Benchmark data shown, measured on |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,
         "",
