@@ -80,7 +80,8 @@ def visited_tiles(N_q: int, N_k: int, block_q: int, block_k: int, causal: bool =
 
 
 def tile_sram_bytes(block_q: int, block_k: int, d: int, itemsize: int = 2, acc_itemsize: int = 4) -> dict:
-    """Bytes of fast memory one forward tile step needs, part by part (notebook 03, "SRAM per tile").
+    """Bytes of fast memory one forward tile step needs, part by part (notebook 03, "How much fast memory a tile
+    needs").
 
     The input tiles Q_i (block_q x d), K_j and V_j (block_k x d) in the input precision (``itemsize``
     bytes, 2 for fp16), and in the accumulation precision (``acc_itemsize``, 4 for fp32): the score

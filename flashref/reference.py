@@ -1,6 +1,6 @@
 """Standard attention in NumPy, forward and backward: the ground truth every other part is checked against.
 
-Taught in notebook ``01_standard_attention`` ("Standard attention" and "Where S and P live").
+Taught in notebook ``01_standard_attention`` ("Q, K, V, S, P, O" and "Where S and P live").
 
 This is the *slow-memory* algorithm on purpose: it materializes the two ``N_q x N_k`` matrices
 
@@ -159,7 +159,8 @@ def softmax_rows(s: np.ndarray):
     """Row-wise softmax of S, stable: subtract each row's max before ``exp`` so nothing overflows.
 
     Returns ``(P, lse)`` with ``lse = m + log(l)``, ``m`` the row max and ``l = sum(exp(S - m))``. A row
-    whose every entry is masked (-inf; only a block mask can do that) has P = 0 and lse = -inf, never NaN.
+    whose every entry is masked (-inf: a block mask, a window, or a bottom-right causal mask with N_q > N_k can
+    do that) has P = 0 and lse = -inf, never NaN.
     """
     m = np.max(s, axis=-1, keepdims=True)
     empty = np.isneginf(m)

@@ -97,6 +97,7 @@ def test_measured_io_checkers_accept_right_answers_and_explain_wrong_ones():
     assert "units" in repr(ex.check_roofline_time(lambda f, b, p, w: max(f * p, b * w)))
     assert "raised" in repr(ex.check_roofline_time(lambda f, b, p, w: 1 / 0))
     assert not ex.check_roofline_time(None) and not ex.check_roofline_time(3)
+    assert "Not answered yet" in repr(ex.check_roofline_time(lambda f, b, p, w: None))
 
 
 def _attention(q, k, v, causal):

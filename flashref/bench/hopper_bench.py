@@ -46,7 +46,8 @@ STEPS = [
 FP8 = dict(warp_specialize=True, block_n=128, pingpong=True, overlap=False)
 #: FP8's switches that its calls take (the rest are fixed by the FP8 kernel: warp-specialized, without overlap).
 FP8_LAUNCH = {key: FP8[key] for key in ("stages", "pingpong") if key in FP8}
-#: The steps measured at d = 256 (the 128 x 128 tiles of the first three do not fit its shared memory).
+#: The steps measured at d = 256: steps 2 and 3 keep three stages of 128 x 128 K and V tiles, which do not fit its
+#: shared memory (448 KB); step 1, one stage (192 KB), would fit but is not measured there.
 STEPS_D256 = STEPS[3:]
 GRID = [(d, N, causal) for d in (64, 128) for N in (4096, 16384) for causal in (False, True)]
 
@@ -312,12 +313,12 @@ def step_table(results) -> str:
     """TFLOP/s, one line per implementation or step (the peers, the Gluon kernel's :data:`STEPS`, FP8), one column
     per point (d, N, causal); "-" where a step was not run (the 128 x 128 steps at d = 256)."""
     points = _points(results)
-    head = f"{'':52s}" + "".join(f"{f'd{d} {N // 1024}K' + (' c' if c else ''):>11s}" for d, N, c in points)
+    head = f"{'':64s}" + "".join(f"{f'd{d} {N // 1024}K' + (' c' if c else ''):>11s}" for d, N, c in points)
     lines = [head]
 
     def line(label, impl, step=None):
         cells = [(_get(results, impl, p, step) or {}).get("tflops") for p in points]
-        lines.append(f"{label[:52]:52s}" + "".join(f"{c:11.0f}" if c else f"{'-':>11s}" for c in cells))
+        lines.append(f"{label[:64]:64s}" + "".join(f"{c:11.0f}" if c else f"{'-':>11s}" for c in cells))
 
     for impl, label in PEERS:
         line(label, impl)

@@ -32,8 +32,8 @@ forward or forward + backward, with its time and peak memory. FLOPs are counted 
 :func:`flashref.bench.results.pair_flops`); for the padded varlen peers, on the real documents' pairs, so the
 padding's wasted work shows as a lower rate. Flex builds its BlockMask once, outside the timing, as its users
 do; so do the SDPA masks. Results go to ``book/data/mods_bench.json`` with the device, library versions and
-command (:func:`load_results` reads them back); ``--parts`` runs some of them (window, softcap, alibi,
-varlen), ``--n`` some lengths, and ``--append`` adds them to the file's rows in place of those it measures
+command (:func:`load_results` reads them back); ``--parts`` runs some of them (window, window-kernels,
+softcap, alibi, varlen), ``--n`` some lengths, and ``--append`` adds them to the file's rows in place of those it measures
 again (one run split over several calls of the same machine). The whole run is sized to take under 6 minutes
 on an H100, most of it compiling Flex and autotuning the kernels.
 """

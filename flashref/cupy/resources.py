@@ -1,6 +1,6 @@
 """Registers and shared memory of each kernel variant, from ptxas' report (``nvcc --resource-usage``).
 
-Taught in notebook ``06_cupy_kernel`` ("What a block costs"). :func:`resource_table` compiles every
+Taught in notebook ``06_cupy_kernel`` ("How much shared memory a tile takes"). :func:`resource_table` compiles every
 variant the package launches for sm_75 (T4), sm_80 (A100) and sm_90 (H100) and parses the report;
 tests/test_cupy_compile.py fails on register spills or on shared memory a T4 block cannot have, and
 checks that book/data/cupy_resources.json (the table the notebook shows) is what the sources give.

@@ -32,8 +32,8 @@ Two more things decoding needs, both in the same kernel:
 
 Tiles: under Triton's CPU interpreter fixed small tiles (16 keys a tile, at most 32 packed rows). On a GPU
 fixed configurations, not autotuned (:func:`gpu_config`): decoding reads K and V once, so what matters is
-keeping enough loads in flight (64 keys of d = 128 a tile, 3 pipeline stages from sm_80 on) while two
-programs still fit an SM, and the tiles must fit the GPU's shared memory, which :func:`compile_kernels`
+keeping enough loads in flight (on an H100 or H200 128 keys of d = 128 a tile, 3 pipeline stages; notebook 13
+says why 128 rather than 64), and the tiles must fit the GPU's shared memory, which :func:`compile_kernels`
 checks for a T4, an A100 and an H100 on a CPU machine (``tests/test_triton_decode.py``).
 """
 
@@ -508,7 +508,7 @@ def _merge_meta(d, block_d, num_splits, pdl=False):
 #: The second launch stays: a split kernel whose last program of each group merged the group's partials itself
 #: (counted in by an acquire-release atomic; one launch; commit 64722dc, removed since) was never faster on an
 #: H200 (``book/data/decode_merge_bench.json``, 32 query heads on 8 K/V heads, d = 128): one token at B = 1 took
-#: 19.1 us against 16.8 at 4K keys and 35.5 against 34.0 at 16K, within 1% from B = 4 or 64K keys on. One program
+#: 19.1 us against 16.8 at 4K keys and 35.5 against 34.0 at 16K, within 2% from B = 4 or 64K keys on. One program
 #: merging its group row after row costs more than a launch that PDL already overlaps with the split kernel's end.
 PDL = {"on": True}
 #: Whether this Triton has the griddepcontrol builtins (``tl.extra.cuda.gdc_wait``; Triton 3.3 and newer).

@@ -895,7 +895,8 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_em
 
     FP8: Q, K and V^T are e4m3 with scales QS (one per 64 query rows of a head), KS (one per key tile) and VS
     (one per head). The scores of tile t are scaled by QS * KS[t] with the softmax scale; P goes to e4m3
-    times 2^8, so probabilities down to 2^-17 stay in its normal range, and O = acc * VS / l."""
+    times 2^8, so probabilities down to 2^-14 stay in its normal range (down to 2^-17 in its subnormals), and
+    O = acc * VS / l."""
     ROWS: gl.constexpr = BLOCK_M // 2
     INSTR_K: gl.constexpr = 32 if FP8 else 16  # a wgmma reduces 32 bytes a step
     P_SHIFT: gl.constexpr = 8.0 if FP8 else 0.0
@@ -1034,8 +1035,9 @@ def default_config(head_dim: int, warp_specialize: bool | None = None) -> dict:
     measured 0.84-1.13x of that in fp16 across two runs, no steadier than the runs' spread, so it is off (FP8,
     where it measured 0.98-1.10x, gaining at N = 16K, keeps it on). At d = 256 each consumer overlaps its
     softmax with its P V product (``overlap``): the benchmark's step 7 over step 5 (fp16, B 8, H 8, N 4K) is
-    1.07x without the causal mask and 1.05x with it (1.05-1.07x and 1.02-1.04x in two earlier runs); at d = 128
-    0.99-1.01x (0.97-1.04x before), no steady gain, so it is off there. ``warp_specialize`` picks the best tile
+    1.09x without the causal mask and 1.04x with it in the committed run (0.97-1.07x in the four runs before); at
+    d <= 128 0.94-1.01x but for one point (1.09x at d = 128, 4K, causal; 0.97x the run before), no steady gain,
+    so it is off there. ``warp_specialize`` picks the best tile
     of either kind."""
     if warp_specialize is None:
         warp_specialize = head_dim > 64
