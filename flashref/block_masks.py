@@ -32,7 +32,23 @@ def n_blocks(N: int, block_size: int) -> int:
     return -(-_positive("N", N) // check_block_size(block_size))
 
 
+def _device(device):
+    """``device`` checked: None (the CPU), or a device of this machine, named in the error when it is not."""
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device must be a torch.device or a device string such as 'cuda' or 'cpu', got "
+                         f"{type(device).__name__}: {device!r}") from None
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device must be a device of this machine, got {str(dev)!r}: torch sees "
+                         f"{torch.cuda.device_count()} CUDA device(s)")
+    return dev
+
+
 def _grid(n_q_blocks, n_k_blocks, device):
+    device = _device(device)
     n_q = _positive("n_q_blocks", n_q_blocks)
     n_k = n_q if n_k_blocks is None else _positive("n_k_blocks", n_k_blocks)
     i = torch.arange(n_q, device=device)[:, None]
@@ -63,6 +79,7 @@ def bigbird(n_blocks: int, window: int = 3, n_global: int = 1, n_random: int = 2
     they see every block and every block sees them), and ``n_random`` random key blocks a row drawn from a
     seeded CPU generator, so a seed gives the same mask on every device."""
     n = _positive("n_blocks", n_blocks)
+    device = _device(device)
     window, n_global, n_random = _positive("window", window), _count("n_global", n_global), _count("n_random", n_random)
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}: {seed!r}")
@@ -85,6 +102,8 @@ def density(block_mask: torch.Tensor) -> float:
         raise TypeError(f"block_mask must be a boolean array or tensor, got {type(block_mask).__name__}"
                         + (f" of dtype {block_mask.dtype}" if hasattr(block_mask, "dtype") else ""))
     check_dense("block_mask", block_mask)
+    if (block_mask.numel() if hasattr(block_mask, "numel") else block_mask.size) == 0:
+        raise ValueError(f"block_mask is empty (shape {tuple(block_mask.shape)}): it has no density")
     return float(torch.as_tensor(block_mask).float().mean())
 
 

@@ -96,7 +96,12 @@ def exp_shift(x, m):
 
 def init(shape=(), d: int | None = None, dtype=np.float64) -> SoftmaxState:
     """The empty state: ``m = -inf``, ``l = 0`` (and ``o = 0`` of width ``d`` when ``d`` is given)."""
-    shape = tuple(shape)
+    dims = tuple(shape) if isinstance(shape, (tuple, list)) else None
+    if dims is None or any(isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0 for n in dims):
+        raise TypeError(f"shape must be a tuple of non-negative ints, got {type(shape).__name__}: {shape!r}")
+    shape = tuple(int(n) for n in dims)
+    if not np.issubdtype(np.dtype(dtype), np.floating):
+        raise TypeError(f"dtype must be a floating-point dtype (m starts at -inf), got {np.dtype(dtype)}")
     if d is not None:
         d = validation.check_positive_int("d", d)
     m = np.full(shape, -np.inf, dtype=dtype)
@@ -161,7 +166,7 @@ def merge(a: SoftmaxState, b: SoftmaxState) -> SoftmaxState:
     return SoftmaxState(m, l, a.o * wa[..., None] + b.o * wb[..., None])
 
 
-def merge_outputs(o_a, lse_a, o_b, lse_b, *, inplace=False):
+def merge_outputs(o_a, lse_a, o_b, lse_b, *, inplace=False, check_finite=True):
     """Merge two finished partial attentions over disjoint key sets, each given as its normalized output
     ``o`` (shape ``(..., d)``) and its log-sum-exp ``lse`` (shape ``(...)``): the same merge as
     :func:`merge`, in the form kernels return. With ``lse = logaddexp(lse_a, lse_b)``,
@@ -174,7 +179,9 @@ def merge_outputs(o_a, lse_a, o_b, lse_b, *, inplace=False):
     Works on NumPy arrays and on torch tensors alike (no copy to the host): the merge that tiles, GPUs of a
     ring (:mod:`flashref.ring_attention`) and key splits in decoding share. ``inplace=True`` writes the result
     into ``o_a`` and ``lse_a`` (which may be views) and returns them: no temporary as large as o, which matters
-    when o is a GPU's whole shard of a long sequence."""
+    when o is a GPU's whole shard of a long sequence. ``check_finite`` (on by default) refuses NaN or inf in
+    o and NaN or +inf in lse, naming the argument; ring attention, which merges its own kernels' outputs, turns
+    it off (on a GPU the check reads the inputs once and synchronizes)."""
     if type(o_a) is not type(o_b) or type(lse_a) is not type(lse_b) or type(o_a) is not type(lse_a):
         raise TypeError("merge_outputs needs o_a, lse_a, o_b and lse_b of one array type (all NumPy or all "
                         f"torch), got {type(o_a).__name__}, {type(lse_a).__name__}, {type(o_b).__name__}, "
@@ -182,6 +189,13 @@ def merge_outputs(o_a, lse_a, o_b, lse_b, *, inplace=False):
     for name, x in (("o_a", o_a), ("lse_a", lse_a), ("o_b", o_b), ("lse_b", lse_b)):
         if not (isinstance(x, np.ndarray) or type(x).__module__.startswith("torch") and hasattr(x, "shape")):
             raise TypeError(f"{name} must be a NumPy array or a torch.Tensor, got {type(x).__name__}")
+        floating = np.issubdtype(x.dtype, np.floating) if isinstance(x, np.ndarray) else x.dtype.is_floating_point
+        if not floating:
+            raise TypeError(f"{name} must have a floating-point dtype, got {x.dtype}")
+    validation.check_bool("inplace", inplace)
+    if validation.check_bool("check_finite", check_finite):
+        validation.check_finite({"o_a": o_a, "o_b": o_b})
+        validation.check_finite({"lse_a": lse_a, "lse_b": lse_b}, allow_neg_inf=True)
     if tuple(lse_a.shape) != tuple(lse_b.shape) or tuple(o_a.shape) != tuple(o_b.shape) \
             or tuple(o_a.shape[:-1]) != tuple(lse_a.shape):
         raise ValueError(f"merge_outputs needs o of shape lse.shape + (d,) on both sides, got o_a "
@@ -296,7 +310,8 @@ def attention_by_key_blocks(q, k, v, block_k: int = 64, causal=False, sm_scale=N
     ``(o, lse)`` like ``flashref.reference.attention(..., return_lse=True)``.
 
     Only an ``N_q x block_k`` slice of the scores exists at a time (all queries at once: the tiling of
-    the queries as well comes in notebook ``03_tiled_forward``). Same conventions as the reference.
+    the queries as well comes in notebook ``03_tiled_forward``). Same conventions as the reference, but q, k and
+    v share their heads (no grouped-query attention here).
     """
     from flashref import reference  # the scores and the mask are the reference's own
 

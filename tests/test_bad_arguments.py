@@ -498,7 +498,9 @@ def test_kv_cache_append_bad_tensors():
                                               "max_len, d) = (2, 2, 8, 16)), got q.shape (1, 4, 1, 16)"),
     (lambda: _t(1, 4, 4, 16), {}, ValueError, "q must have the cache's batch size B = 2"),  # before the lengths
     (lambda: _t(2, 4, 1, 16).cpu().numpy(), {}, TypeError, "q must be a torch.Tensor, got ndarray"),
-    (lambda: _t(2, 4, 1, 16, dtype=torch.float16), {}, TypeError, "must have q's dtype torch.float16"),
+    (lambda: _t(2, 4, 1, 16, dtype=torch.float16), {}, TypeError,
+     "q must have the cache's dtype torch.float32, got torch.float16"),
+    (lambda: _t(2, 4, 1, 16).to("meta"), {}, ValueError, "q must be on the cache's device"),
     (lambda: _t(4, 1, 16), {}, ValueError, "q must have shape (B, H, N_q, d), got 3-d"),
     (lambda: _t(2, 4, 4, 16), {}, ValueError, "row 0 of the cache holds 3 tokens, fewer than the 4 queries (causal)"),
     (lambda: _t(2, 4, 1, 16), dict(causal=1), TypeError, "causal must be a bool"),

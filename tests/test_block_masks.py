@@ -64,3 +64,19 @@ def test_visible_pairs_matches_the_element_mask(N_q, N_k, bs, causal):
 def test_visible_pairs_shape_check():
     with pytest.raises(ValueError, match="block_mask must have shape"):
         bmk.visible_pairs(bmk.causal_blocks(3, 4), 70, 95, 32)
+
+
+@pytest.mark.parametrize("make", [lambda d: bmk.causal_blocks(4, device=d), lambda d: bmk.sliding_window(4, device=d),
+                                  lambda d: bmk.bigbird(4, device=d)], ids=["causal", "window", "bigbird"])
+def test_a_device_this_machine_lacks_is_named(make):
+    assert make("cpu").device.type == "cpu" and make(None).device.type == "cpu"
+    with pytest.raises(ValueError, match="device must be a torch.device or a device string"):
+        make("gpu")
+    with pytest.raises(ValueError, match="device must be a device of this machine"):
+        make(f"cuda:{torch.cuda.device_count()}")
+
+
+def test_density_of_an_empty_mask_is_an_error():
+    assert bmk.density(torch.ones(1, 1, 2, 2, dtype=torch.bool)) == 1.0
+    with pytest.raises(ValueError, match="block_mask is empty"):
+        bmk.density(torch.ones(0, dtype=torch.bool))

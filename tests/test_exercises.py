@@ -407,3 +407,30 @@ def test_the_reduce_exercise_uses_the_fused_kernels_tiles():
     d = ex.FUSED_DQ["d"]
     assert d in hopper_backward_fused.HEAD_DIMS
     assert hopper_backward_fused.default_config(d)["block_n"] == ex.FUSED_DQ["keys_per_program"]
+
+
+def test_checkers_answer_what_a_reader_may_return_without_raising():
+    """Answers that once escaped a checker as an exception: the reader's own error, a torch tensor where
+    NumPy was expected, a list where a word was, strings where arrays were, a bf16 or sparse mask."""
+    import torch
+
+    from flashref import reference
+    from flashref.exercises import backward, beyond, cupy_kernels, model, score_mods, sparsity
+
+    cases = [
+        (score_mods.check_cu_seqlens, lambda lengths: 1 / 0, "raised ZeroDivisionError"),
+        (score_mods.check_cu_seqlens, lambda lengths: [0, [1, 2]], "not a 1-D array of integers"),
+        (score_mods.check_cu_seqlens, lambda lengths: torch.zeros(3, requires_grad=True), "dtype float32"),
+        (cupy_kernels.check_causal_tile_rule, lambda *a: ["skip"], 'one of "skip", "mask" or "full"'),
+        (beyond.check_merge_splits, lambda o, lse: ("o", "lse"), "arrays of numbers"),
+        (sparsity.check_sink_window_mask, lambda n, w: torch.ones(1, 1, n, n, dtype=torch.bfloat16), "bfloat16"),
+        (model.check_window_mask, lambda N, w: torch.ones(N, N, dtype=torch.bool).to_sparse(), "dense bool"),
+        (model.check_window_mask, lambda N, w: torch.ones(N, N, dtype=torch.bool, device="meta"), "dense bool"),
+        (backward.check_delta, [[1.0, 2.0], [3.0]], "array of numbers"),
+    ]
+    for check, answer, words in cases:
+        verdict = check(answer)
+        assert isinstance(verdict, Verdict) and not verdict and words in repr(verdict), repr(verdict)
+    q, k, v, do = backward.delta_problem()
+    delta = np.sum(do * reference.attention(q, k, v, causal=True), axis=-1)
+    assert backward.check_delta(torch.tensor(delta))  # the right answer, as a torch tensor

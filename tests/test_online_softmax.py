@@ -263,3 +263,32 @@ def test_merge_outputs_in_place_writes_the_same_merge_into_o_a(lib):
     np.testing.assert_array_equal(np.asarray(big_lse[:, 1:4]), want_lse)
     assert np.asarray(got_o).shape == want_o.shape and np.isfinite(np.asarray(big_o)).all()
     assert (np.asarray(big_o[:, 0]) == 0).all() and (np.asarray(big_o[:, 4:]) == 0).all()  # only the view written
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_merge_outputs_refuses_integers_nan_and_a_non_bool_inplace(lib):
+    import torch
+
+    arr = (lambda x: np.asarray(x)) if lib == "numpy" else (lambda x: torch.as_tensor(np.asarray(x)))
+    o, lse = arr(np.ones((2, 3))), arr(np.zeros(2))
+    with pytest.raises(TypeError, match="o_a must have a floating-point dtype"):
+        osm.merge_outputs(arr(np.ones((2, 3), int)), lse, o, lse)  # 0.5 weights would truncate to 0
+    with pytest.raises(TypeError, match="lse_b must have a floating-point dtype"):
+        osm.merge_outputs(o, lse, o, arr(np.zeros(2, int)), inplace=True)
+    with pytest.raises(ValueError, match=r"lse_a must be finite or -inf \(a masked score\), got \+inf"):
+        osm.merge_outputs(o, arr([0.0, np.inf]), o, lse)
+    with pytest.raises(ValueError, match="o_b must be finite"):
+        osm.merge_outputs(o, lse, arr([[0.0, np.nan, 0.0], [0.0, 0.0, 0.0]]), lse)
+    with pytest.raises(TypeError, match="inplace must be a bool"):
+        osm.merge_outputs(o, lse, o, lse, inplace="no")
+    merged, _ = osm.merge_outputs(o, arr([0.0, -np.inf]), o, arr([0.0, -np.inf]))  # -inf: a part that saw no key
+    np.testing.assert_array_equal(np.asarray(merged), [[1.0] * 3, [0.0] * 3])
+    bad_o = arr([[0.0, np.nan, 0.0], [0.0, 0.0, 0.0]])  # check_finite=False trusts the caller (ring attention)
+    assert np.isnan(np.asarray(osm.merge_outputs(bad_o, lse, o, lse, check_finite=False)[0])).any()
+
+
+@pytest.mark.parametrize("shape, dtype", [(5, np.float64), ("ab", np.float64), ((2, -1), np.float64),
+                                          ((2.0,), np.float64), ((2,), np.int64)])
+def test_init_names_a_bad_shape_or_dtype(shape, dtype):
+    with pytest.raises(TypeError, match="shape must be a tuple" if dtype is np.float64 else "dtype must be"):
+        osm.init(shape, dtype=dtype)

@@ -53,10 +53,16 @@ def check_delta(answer, seed: int = 5) -> Verdict:
     q, k, v, do = delta_problem(seed)
     o = reference.attention(q, k, v, causal=True)
     expected = np.sum(do * o, axis=-1)
-    if answer is not None and np.shape(answer) == (6, 9):
+    if hasattr(answer, "detach"):  # a torch tensor: read it as NumPy
+        answer = answer.detach().cpu().numpy()
+    try:
+        shape = np.shape(answer)
+    except Exception:  # noqa: BLE001 (a ragged list, or something that is no array)
+        return wrong("D must be an array of numbers, one per query row (shape (6,)).")
+    if answer is not None and shape == (6, 9):
         return wrong("D has one number per query row (shape (6,)), not one per score.")
     low = getattr(answer, "dtype", None)
-    if low is not None and np.dtype(low) in (np.float32, np.float16) and np.shape(answer) == expected.shape \
+    if low is not None and np.dtype(low) in (np.float32, np.float16) and shape == expected.shape \
             and np.allclose(np.asarray(answer, np.float64), expected, rtol=10 * np.finfo(low).eps, atol=0):
         return wrong(f"right to {np.dtype(low).name} precision, but the problem is in float64: compute in "
                      "float64 (do not cast q, k, v or dO down) and the answer will match to the last digits.")

@@ -65,7 +65,11 @@ def check_merge_splits(fn) -> Verdict:
             return Verdict(False, UNWRITTEN)
         if not isinstance(got, tuple) or len(got) != 2:
             return wrong("return a pair (o, lse).")
-        o, lse = (np.asarray(x, dtype=np.float64) for x in got)
+        try:
+            o, lse = (np.asarray(x.detach().cpu().numpy() if hasattr(x, "detach") else x, dtype=np.float64)
+                      for x in got)
+        except Exception as exc:  # noqa: BLE001 (what came back is not two arrays of numbers)
+            return wrong(f"o and lse must be arrays of numbers ({type(exc).__name__}: {exc}).")
         want_o, want_lse = reference.attention(q, k, v, return_lse=True)
         case = f"{len(bounds) - 1} slices of {N_k} keys{' (one empty)' if len(set(bounds)) < len(bounds) else ''}"
         if o.shape != want_o.shape or lse.shape != want_lse.shape:

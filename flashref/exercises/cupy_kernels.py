@@ -98,7 +98,7 @@ def check_causal_tile_rule(fn) -> Verdict:
                     return wrong(f"for i0 = {i0}, j0 = {j0} your function raised {type(exc).__name__}: {exc}")
                 if got is None:
                     return Verdict(False, UNWRITTEN)
-                if got not in counts:
+                if not isinstance(got, str) or got not in counts:
                     return wrong(f'return one of "skip", "mask" or "full", got {got!r}.')
                 want = causal_tile_rule(i0, j0, bm, bn, N_k)
                 if got != want:

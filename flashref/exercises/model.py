@@ -59,13 +59,14 @@ def window_mask(N: int, window: int) -> np.ndarray:
 
 
 def _as_bool(mask):
-    if hasattr(mask, "detach"):
-        mask = mask.detach().cpu().numpy()
-    if not isinstance(mask, np.ndarray):
+    if not (hasattr(mask, "detach") or isinstance(mask, np.ndarray)):
         return None, f"your function should return a bool tensor or NumPy array, got {type(mask).__name__}."
-    if mask.dtype != bool:
+    if "bool" not in str(mask.dtype):
         return None, f"the mask has dtype {mask.dtype}; return bool (True = the key is visible): a comparison gives it."
-    return mask, None
+    try:
+        return np.asarray(mask.detach().cpu().numpy() if hasattr(mask, "detach") else mask, dtype=bool), None
+    except Exception as exc:  # noqa: BLE001 (a sparse or meta tensor: no values to read)
+        return None, f"the mask's values cannot be read ({type(exc).__name__}: {exc}); return a dense bool tensor."
 
 
 def check_window_mask(fn) -> Verdict:

@@ -37,10 +37,17 @@ def check_cu_seqlens(fn) -> Verdict:
     if not callable(fn):
         return wrong(f"pass your function itself, not {type(fn).__name__}.")
     for lengths in CU_CASES:
-        got = fn(list(lengths))
+        try:
+            got = fn(list(lengths))
+        except Exception as exc:  # noqa: BLE001 (the reader's code: say what it raised)
+            return wrong(f"for lengths {list(lengths)} your function raised {type(exc).__name__}: {exc}")
         if got is None:
             return Verdict(False, UNWRITTEN)
-        arr = np.asarray(got.cpu() if hasattr(got, "cpu") else got)
+        try:
+            arr = np.asarray(got.detach().cpu().numpy() if hasattr(got, "detach") else got)
+        except Exception as exc:  # noqa: BLE001 (what came back is not an array of numbers)
+            return wrong(f"for lengths {list(lengths)} your function returned {type(got).__name__}, which is not a "
+                         f"1-D array of integers ({type(exc).__name__}: {exc}).")
         want = np.concatenate([[0], np.cumsum(lengths)])
         if arr.dtype.kind not in "iu":
             return wrong(f"for lengths {lengths} the offsets have dtype {arr.dtype}: they index rows, so they must "

@@ -48,17 +48,17 @@ def sink_window(n_blocks: int, window: int) -> np.ndarray:
 
 def _as_bool_array(mask):
     """(array, None) or (None, what is wrong): torch tensors and NumPy arrays, bool only."""
-    if hasattr(mask, "detach"):  # torch: the kernels take a bool tensor
-        dtype = str(mask.dtype)
-        mask = mask.detach().cpu().numpy()
-    elif isinstance(mask, np.ndarray):
+    if hasattr(mask, "detach") or isinstance(mask, np.ndarray):  # torch: the kernels take a bool tensor
         dtype = str(mask.dtype)
     else:
         return None, (f"your function should return a bool tensor (or NumPy array), got {type(mask).__name__}.")
     if "bool" not in dtype:
         return None, (f"the mask has dtype {dtype}; the kernels take dtype bool (True = the block is visible). "
                       "A comparison gives bool; so does .bool() on a tensor of 0 and 1.")
-    return np.asarray(mask, dtype=bool), None
+    try:
+        return np.asarray(mask.detach().cpu().numpy() if hasattr(mask, "detach") else mask, dtype=bool), None
+    except Exception as exc:  # noqa: BLE001 (a sparse or meta tensor: no values to read)
+        return None, f"the mask's values cannot be read ({type(exc).__name__}: {exc}); return a dense bool tensor."
 
 
 def _blocks(cells) -> str:

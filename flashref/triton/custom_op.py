@@ -22,7 +22,9 @@ from flashref.triton import ops
 @torch.library.custom_op("flashref::attention_forward", mutates_args=())
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                       sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(o, lse)`` of :func:`flashref.triton.flash_attention_forward` (inputs not checked for NaN); on the Gluon
+    """``(o, lse)`` of :func:`flashref.triton.flash_attention_forward`, its inputs unchecked: :func:`attention`
+    checks them (shapes, dtypes, devices, ``sm_scale``) before it calls this op, which a compiled graph then runs
+    with no host work beyond the launch; called directly, the op trusts its caller. On the Gluon
     path q, k, v in a model's (B, N, H, d) layout are read in place and o comes in it (:func:`flashref.triton.ops.
     compiled_layout`)."""
     return ops.custom_forward(q, k, v, causal, sm_scale)
@@ -47,7 +49,8 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
                        do: torch.Tensor, causal: bool, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor,
                                                                                 torch.Tensor]:
     """``(dq, dk, dv)`` of :func:`flashref.triton.flash_attention_backward` (deterministic; dO read in place, and the
-    gradients written, in q, k, v's layout where the forward read them in place)."""
+    gradients written, in q, k, v's layout where the forward read them in place). Unchecked, as the forward op:
+    autograd calls it with the tensors the checked forward saved."""
     return ops.custom_backward(q, k, v, o, lse, do, causal, sm_scale)
 
 

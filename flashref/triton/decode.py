@@ -831,6 +831,10 @@ class KVCache:
             if q.shape[1] % H_kv:
                 raise ValueError(f"q must have a number of heads H that the cache's H_kv = {H_kv} divides "
                                  f"(grouped-query attention) {cache}, got q.shape {tuple(q.shape)}")
+            if q.dtype != self.k_cache.dtype:
+                raise TypeError(f"q must have the cache's dtype {self.k_cache.dtype}, got {q.dtype}")
+            if q.device != self.k_cache.device:
+                raise ValueError(f"q must be on the cache's device {self.k_cache.device}, got {q.device}")
         lowest = q.shape[2] if causal and isinstance(q, torch.Tensor) and q.ndim == 4 else 1
         for b, L in enumerate(self.lengths):
             if L < lowest:
