@@ -1,7 +1,7 @@
 """The host's time a call, with and without step plans: where the Python that launches a step, not the GPU,
 sets its time.
 
-    python -m flashref.bench host [--append]     # an H100: about a minute
+    python -m flashref.bench host [--append]     # an H100: about half a minute
 
 A block-sparse forward + backward at 4K tokens takes well under a millisecond on an H100's SMs, and at first
 the host took longer than that to launch it: the checks, the dispatch, TMA descriptors, five launches through
