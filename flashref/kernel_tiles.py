@@ -15,7 +15,8 @@ def keys_visited(start_m: int, block_m: int, N_k: int, causal: bool) -> int:
 def tile_counts(N_q: int, N_k: int, block_m: int, block_n: int, causal: bool) -> dict:
     """How many K/V tiles the forward kernel's programs visit, in plain Python, mirroring the kernel's
     two phases: ``{"full": unmasked tiles, "masked": tiles with a mask, "skipped": tiles never loaded,
-    "programs": number of programs per (batch, head)}``. Notebook ``07_triton_forward``, "Causal tiles"."""
+    "programs": number of programs per (batch, head)}``. Notebook ``07_triton_forward``, "Causal attention:
+    skip whole tiles, mask only the diagonal"."""
     if block_m % block_n:
         raise ValueError(f"block_m must be a multiple of block_n, got {block_m} and {block_n}")
     programs = -(-N_q // block_m)

@@ -441,6 +441,8 @@ def flash_attention_varlen_backward(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlen
     check_numpy("lse", lse)
     if lse.shape != (q.shape[1], q.shape[0]):
         raise ValueError(f"lse must have shape (H, total_q) = {(q.shape[1], q.shape[0])}, got {lse.shape}")
+    check_finite({"o": o, "do": do})  # the packed arrays: indices as the caller gave them
+    check_finite({"lse": lse}, allow_neg_inf=True)
     dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
     for b, (rows, cols) in enumerate(docs):
         grads = flash_attention_backward(

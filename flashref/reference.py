@@ -295,6 +295,7 @@ def attention_varlen_backward(q, k, v, do, cu_seqlens_q, cu_seqlens_k, max_seqle
     docs = varlen.documents(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     validation.check_numpy("do", do)
     validation.check_same_shape("do", do, "q", q)
+    validation.check_finite({"do": do})  # the packed array: indices as the caller gave them
     dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
     for b, (rows, cols) in enumerate(docs):
         grads = attention_backward(varlen.unpack(q, rows), varlen.unpack(k, cols), varlen.unpack(v, cols),

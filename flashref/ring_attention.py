@@ -190,6 +190,11 @@ def block_visibility(rank: int, source: int, n_local: int, causal: bool):
     from ``source < rank`` all queries see the block's first chunk; from ``source > rank`` the second chunk
     of queries sees the whole block. Each case is c x 2c (query, key) pairs, or the 2c x 2c triangle.
     Notebook ``13_beyond_one_gpu_and_decoding``."""
+    for name, value in (("rank", rank), ("source", source)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            raise ValueError(f"{name} must be a non-negative int (a rank of the ring), got {value!r}")
+    n_local = validation.check_positive_int("n_local", n_local)
+    validation.check_causal(causal)
     everything = slice(0, n_local)
     if not causal:
         return everything, everything, False
@@ -395,6 +400,9 @@ def head_groups(k) -> int:
     dividing H_kv, whose share of this rank's K shard is at most :data:`HEAD_GROUP_BYTES` (H_kv when even
     one head is larger). Attention is independent per head, so the groups give the same result; what changes
     is that only one group's blocks travel and wait at a time. Every rank has the same shapes, so the same G."""
+    validation.check_tensor("k", k)
+    if k.ndim != 4:
+        raise ValueError(f"k must have shape (B, H_kv, N_local, d), got {k.ndim}-d")
     H_kv = k.shape[1]
     per_head = k[:, :1].numel() * k.element_size()
     return next((g for g in range(1, H_kv + 1) if H_kv % g == 0 and per_head * H_kv // g <= HEAD_GROUP_BYTES), H_kv)
@@ -620,6 +628,8 @@ def ring_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, gr
             raise TypeError(f"lse must be a floating tensor (the forward's float64 lse), got dtype {lse.dtype}")
         validation.check_same_shape("o", o, "q", q)
         validation.check_same_shape("do", do, "q", q)
+        if o.dtype != q.dtype or do.dtype != q.dtype:  # as flash_attention_backward: no silent cast
+            raise TypeError(f"o and do must have the dtype of q ({q.dtype}), got {o.dtype} and {do.dtype}")
         if tuple(lse.shape) != tuple(q.shape[:3]):
             raise ValueError(f"lse must have shape (B, H, N_local) = {tuple(q.shape[:3])}, got {tuple(lse.shape)}")
         if check_finite:

@@ -36,8 +36,14 @@ def _describe_dtype(x) -> str:
 def check_bool(name: str, value) -> bool:
     """A flag such as ``causal`` must be a plain bool (a tensor or a string here is almost always a mistake)."""
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}: {value!r}")
+        raise TypeError(f"{name} must be a bool, got {_type_name(value)}: {value!r}")
     return value
+
+
+def _type_name(value) -> str:
+    """The type's name, qualified where it is not a builtin (``numpy.bool``, not ``bool``, for np.True_)."""
+    kind = type(value)
+    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
 
 
 def check_causal(causal) -> bool:
@@ -72,6 +78,13 @@ def split_causal(causal: bool, causal_align: str, N_q: int, N_k: int) -> tuple[b
     return causal, None
 
 
+#: The largest sm_scale, softcap or ALiBi slope taken: the kernels compute in float32 and multiply each by
+#: log2(e) (exp2 is their exponential), so a larger one would be inf there and its output NaN.
+MAX_SCALE = float(np.finfo(np.float32).max) / math.log2(math.e)
+#: The smallest softcap > 0 taken: the kernels divide scores by it (1/softcap), which must stay finite in float32.
+MIN_SOFTCAP = float(np.finfo(np.float32).tiny)
+
+
 def check_sm_scale(sm_scale, head_dim: int) -> float:
     """Return the softmax scale: ``1/sqrt(d)`` when ``sm_scale`` is None, else a finite real number > 0
     (0 would make every row uniform and a negative scale would turn the softmax into a softmin: both are
@@ -80,9 +93,15 @@ def check_sm_scale(sm_scale, head_dim: int) -> float:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
         raise TypeError(f"sm_scale must be a real number or None, got {type(sm_scale).__name__}: {sm_scale!r}")
-    sm_scale = float(sm_scale)
+    try:
+        sm_scale = float(sm_scale)
+    except OverflowError:  # an int beyond any float
+        raise ValueError(f"sm_scale must be a finite number > 0 (or None for 1/sqrt(d)), got {sm_scale}") from None
     if not math.isfinite(sm_scale) or sm_scale <= 0:
         raise ValueError(f"sm_scale must be a finite number > 0 (or None for 1/sqrt(d)), got {sm_scale}")
+    if sm_scale > MAX_SCALE:
+        raise ValueError(f"sm_scale must be at most {MAX_SCALE:.4g} (times log2(e) it must stay finite in float32, "
+                         f"the kernels' arithmetic), got {sm_scale}")
     return sm_scale
 
 
@@ -104,6 +123,8 @@ def check_numpy(name: str, x, *, array_like: bool = False):
                         f"(or use flashref.cupy for CuPy arrays)")
     if not isinstance(x, np.ndarray) and not array_like:
         raise TypeError(f"{name} must be a NumPy array, got {type(x).__name__}")
+    if isinstance(x, np.ndarray) and type(x) is not np.ndarray:  # np.matrix, masked arrays: other arithmetic
+        raise TypeError(f"{name} must be a plain NumPy array, got {_type_name(x)}: pass np.asarray({name})")
     return x
 
 
@@ -272,7 +293,10 @@ def check_dropout_p(dropout_p) -> float:
     """``dropout_p`` must be a real number in [0, 1): the probability that an entry of P is dropped."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"dropout_p must be a real number in [0, 1), got {type(dropout_p).__name__}: {dropout_p!r}")
-    p = float(dropout_p)
+    try:
+        p = float(dropout_p)
+    except OverflowError:  # an int beyond any float
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}") from None
     if not (0.0 <= p < 1.0):
         raise ValueError(f"dropout_p must be in [0, 1), got {p}")
     return p
@@ -333,9 +357,15 @@ def check_softcap(softcap) -> float:
     """``softcap`` c: scores become ``c * tanh(s / c)``; 0 turns it off. A finite real number >= 0."""
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"softcap must be a real number >= 0 (0: off), got {type(softcap).__name__}: {softcap!r}")
-    c = float(softcap)
+    try:
+        c = float(softcap)
+    except OverflowError:  # an int beyond any float
+        raise ValueError(f"softcap must be finite and >= 0 (0: off), got {softcap}") from None
     if not math.isfinite(c) or c < 0:
         raise ValueError(f"softcap must be finite and >= 0 (0: off), got {c}")
+    if c != 0 and not MIN_SOFTCAP <= c <= MAX_SCALE:
+        raise ValueError(f"softcap must be 0 (off) or between {MIN_SOFTCAP:.4g} and {MAX_SCALE:.4g} (the kernels "
+                         f"compute s / softcap and softcap * log2(e) in float32), got {c}")
     return c
 
 
@@ -361,6 +391,9 @@ def check_alibi_slopes(alibi_slopes, lead: tuple):
             raise ValueError(f"alibi_slopes must be one number (shape () or (1,)) for 2-D inputs, got shape {slopes.shape}")
         shaped = slopes.reshape(1, 1)
     check_finite({"alibi_slopes": shaped})
+    if np.abs(shaped).max() > MAX_SCALE:
+        raise ValueError(f"alibi_slopes must lie within +-{MAX_SCALE:.4g} (times log2(e) each must stay finite in "
+                         f"float32, the kernels' arithmetic), got {np.abs(shaped).max():.4g}")
     return shaped
 
 

@@ -15,14 +15,30 @@ import numpy as np
 from flashref import validation
 
 
+def check_packed_shapes(q, k, v):
+    """Check the shapes of a packed batch as the caller gave it (NumPy arrays or torch tensors): ``q`` of
+    ``(total_q, H, d)``, ``k`` and ``v`` of ``(total_k, H_kv, d)``, ``H % H_kv == 0``. Checked before any
+    document is cut out, so that a message shows the caller's shapes, not a document's slice of them."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 3:
+            raise ValueError(f"{name} must have shape (total, heads, d) for a packed batch, got {x.ndim}-d shape "
+                             f"{tuple(x.shape)}")
+    validation.check_same_shape("v", v, "k", k)
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(f"k must have the head dimension of q (d = {q.shape[2]}), got k.shape {tuple(k.shape)}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"k and v must have a number of heads H_kv that divides q's H = {q.shape[1]} (grouped-query "
+                         f"attention), got H_kv = {k.shape[1]}: shapes {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+
+
 def documents(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None):
     """Check a packed batch (NumPy ``q`` of shape ``(total_q, H, d)``, ``k`` and ``v`` of ``(total_k, H_kv, d)``);
     return each document's ``((q_start, q_stop), (k_start, k_stop))``."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         validation.check_numpy(name, x)
-        if x.ndim != 3:
-            raise ValueError(f"{name} must have shape (total, heads, d) for a packed batch, got {x.ndim}-d shape {x.shape}")
-    validation.check_same_shape("v", v, "k", k)
+    check_packed_shapes(q, k, v)
+    validation.check_finite({"q": q, "k": k, "v": v})
     cu_q = validation.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
     cu_k = validation.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
     if len(cu_q) != len(cu_k):

@@ -434,3 +434,19 @@ def test_checkers_answer_what_a_reader_may_return_without_raising():
     q, k, v, do = backward.delta_problem()
     delta = np.sum(do * reference.attention(q, k, v, causal=True), axis=-1)
     assert backward.check_delta(torch.tensor(delta))  # the right answer, as a torch tensor
+
+
+@pytest.mark.parametrize("name,check", CHECKERS, ids=[n for n, _ in CHECKERS])
+def test_an_integer_beyond_any_float_is_a_wrong_answer(name, check):
+    for answer in (10**400, (10**400, 1), (float("inf"), 1)):
+        verdict = check(answer)
+        assert isinstance(verdict, Verdict) and not verdict, (answer, verdict)
+
+
+def test_quantize_checker_answers_a_scale_that_is_no_tensor():
+    import torch
+
+    from flashref.exercises import hopper
+
+    verdict = hopper.check_quantize_blocks(lambda x, rows: (x.to(torch.float8_e4m3fn), None))
+    assert not verdict and "scale should be a float32 tensor" in repr(verdict), repr(verdict)

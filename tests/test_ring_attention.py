@@ -613,3 +613,20 @@ def test_the_backward_in_pieces_gives_the_same_gradients(monkeypatch, world_size
             torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3, msg=name)
         else:
             assert torch.equal(a, b), name
+
+
+def test_the_layout_helpers_and_the_backward_name_bad_arguments():
+    from flashref import ring_attention as ra
+
+    for kwargs, exc, words in ((dict(rank=-1), ValueError, "rank must be a non-negative int"),
+                               (dict(source=0.5), ValueError, "source must be a non-negative int"),
+                               (dict(n_local=0), ValueError, "n_local must be a positive integer"),
+                               (dict(n_local=4.0), TypeError, "n_local must be a positive integer"),
+                               (dict(causal=1), TypeError, "causal must be a bool")):
+        args = dict(rank=0, source=1, n_local=4, causal=True) | kwargs
+        with pytest.raises(exc, match=words):
+            ra.block_visibility(**args)
+    with pytest.raises(TypeError, match="k must be a torch.Tensor, got ndarray"):
+        ra.head_groups(np.zeros((1, 2, 4, 8)))
+    with pytest.raises(ValueError, match="k must have shape"):
+        ra.head_groups(torch.zeros(2, 4, 8))

@@ -215,3 +215,19 @@ def test_bad_modification_arguments_name_themselves(kwargs, exc, words):
         ref.attention(q, k, v, **kwargs)
     with pytest.raises(exc, match=re.escape(words)):
         numpy_flash.flash_attention_forward(q, k, v, **kwargs)
+
+
+def test_varlen_messages_show_the_packed_arrays_as_given():
+    """A NaN is named at its index in the caller's packed array, a head dimension against the caller's k."""
+    from flashref import numpy_flash, reference
+
+    rng = np.random.default_rng(0)
+    q, k = rng.standard_normal((9, 2, 4)), rng.standard_normal((11, 2, 4))
+    q[5, 1, 2] = np.nan
+    for fn in (reference.attention_varlen, numpy_flash.flash_attention_varlen_forward):
+        with pytest.raises(ValueError, match=r"q must be finite \(no NaN or inf\), got NaN at index \(5, 1, 2\)"):
+            fn(q, k, k, [0, 4, 9], [0, 5, 11])
+        with pytest.raises(ValueError, match=r"k must have the head dimension of q \(d = 3\), got k.shape \(11, 2,"):
+            fn(q[..., :3] * 0, k, k, [0, 4, 9], [0, 5, 11])
+        with pytest.raises(ValueError, match="H_kv that divides q's H = 3"):
+            fn(np.zeros((9, 3, 4)), k, k, [0, 4, 9], [0, 5, 11])

@@ -285,6 +285,12 @@ def test_bad_modifications_name_the_argument():
         flash_attention(q, k, v, alibi_slopes=torch.ones(4, dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError, match="alibi_slopes must be finite"):
         flash_attention(q, k, v, alibi_slopes=torch.tensor([1.0, float("nan"), 1.0, 1.0], device=DEVICE))
+    # finite, but inf in the kernels' float32 once multiplied by log2(e) (or, for softcap, divided into)
+    with pytest.raises(ValueError, match="alibi_slopes must lie within"):
+        flash_attention(q, k, v, alibi_slopes=torch.tensor([3e38, 1.0, 1.0, 1.0], device=DEVICE))
+    for softcap in (3e38, 1e-45):
+        with pytest.raises(ValueError, match="softcap must be 0 \\(off\\) or between"):
+            flash_attention(q, k, v, softcap=softcap)
 
 
 def test_bad_packed_batches_name_the_argument():
@@ -304,5 +310,12 @@ def test_bad_packed_batches_name_the_argument():
         flash_attention_varlen(q, k, v, torch.tensor([0, 3, 9], dtype=torch.int32, device=DEVICE), cu_k, 6, 5)
     with pytest.raises(ValueError, match=r"alibi_slopes must have shape \(H,\) = \(2,\) or \(number of documents"):
         flash_attention_varlen(q, k, v, cu_q, cu_k, 5, 5, alibi_slopes=torch.ones(3, 2, device=DEVICE))
+    # shapes and NaN indices as the caller packed them, not the kernels' (1, H, total, d) views
+    with pytest.raises(ValueError, match=r"k must have the head dimension of q \(d = 16\), got k.shape \(8, 2, 8\)"):
+        flash_attention_varlen(q, k[..., :8], v[..., :8], cu_q, cu_k, 5, 5)
+    bad = q.clone()
+    bad[6, 1, 3] = float("nan")
+    with pytest.raises(ValueError, match=r"q must be finite .*index \(6, 1, 3\)"):
+        flash_attention_varlen(bad, k, v, cu_q, cu_k, 5, 5)
     with pytest.raises(ValueError, match="cu_seqlens_k must be on q's device"):
         flash_attention_varlen(q, k, v, cu_q, torch.zeros(3, dtype=torch.int32, device="meta"), 5, 5)

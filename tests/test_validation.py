@@ -69,6 +69,7 @@ BAD_OPTIONS = [
     ("sm_scale -inf", dict(sm_scale=-np.inf), ValueError, "sm_scale must be a finite number"),
     ("sm_scale zero", dict(sm_scale=0.0), ValueError, "sm_scale must be a finite number > 0"),
     ("sm_scale negative", dict(sm_scale=-0.5), ValueError, "sm_scale must be a finite number > 0"),
+    ("sm_scale beyond float32", dict(sm_scale=3e38), ValueError, "sm_scale must be at most"),
     ("sm_scale str", dict(sm_scale="0.5"), TypeError, "sm_scale must be a real number"),
     ("sm_scale bool", dict(sm_scale=True), TypeError, "sm_scale must be a real number"),
     ("sm_scale complex", dict(sm_scale=1j), TypeError, "sm_scale must be a real number"),
@@ -217,3 +218,39 @@ def test_check_numpy_array_like():
     torch = pytest.importorskip("torch")
     with pytest.raises(TypeError, match=r"scores must be a NumPy array, got a torch.Tensor"):
         check_numpy("scores", torch.ones(2), array_like=True)
+
+
+@pytest.mark.filterwarnings("ignore:the matrix subclass:PendingDeprecationWarning")  # np.asmatrix, on purpose
+def test_what_the_audit_found_is_named():
+    """A NumPy bool names its type (not "got bool"), NumPy subclasses with other arithmetic are refused, and an
+    integer beyond any float is a ValueError naming the argument, not an OverflowError."""
+    from flashref import numpy_flash, reference
+
+    q = np.random.default_rng(0).standard_normal((5, 4))
+    with pytest.raises(TypeError, match=r"causal must be a bool, got numpy\.bool: np\.True_"):
+        reference.attention(q, q, q, causal=np.True_)
+    for sub in (np.asmatrix(q), np.ma.masked_array(q, mask=q > 1)):
+        for fn in (reference.attention, numpy_flash.flash_attention_forward):
+            with pytest.raises(TypeError, match="q must be a plain NumPy array, got numpy"):
+                fn(sub, q, q)
+    for kwargs, name in ((dict(sm_scale=10**400), "sm_scale"), (dict(softcap=10**400), "softcap"),
+                         (dict(dropout_p=10**400, dropout_mask=np.ones((5, 5), bool)), "dropout_p")):
+        with pytest.raises(ValueError, match=name):
+            reference.attention(q, q, q, **kwargs)
+
+
+def test_parameters_the_kernels_cannot_hold_in_float32():
+    """A softcap, sm_scale or ALiBi slope that is finite in float64 but inf in the kernels' float32 arithmetic
+    (times log2(e), or 1/softcap) is refused naming the argument, not turned into NaN output."""
+    from flashref import reference, validation
+
+    q = np.random.default_rng(0).standard_normal((1, 2, 5, 4))
+    for kwargs, name in ((dict(softcap=3e38), "softcap"), (dict(softcap=1e-45), "softcap"),
+                         (dict(alibi_slopes=np.array([3e38, 1.0])), "alibi_slopes"),
+                         (dict(sm_scale=validation.MAX_SCALE * 1.01), "sm_scale")):
+        with pytest.raises(ValueError, match=name):
+            reference.attention(q, q, q, **kwargs)
+    # the bounds themselves are taken
+    assert np.isfinite(np.float32(validation.MAX_SCALE) * np.float32(np.log2(np.e)))
+    assert np.isfinite(np.float32(1.0) / np.float32(validation.MIN_SOFTCAP))
+    assert np.isfinite(reference.attention(q, q, q, softcap=validation.MIN_SOFTCAP)).all()

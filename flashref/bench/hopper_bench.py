@@ -1,6 +1,6 @@
 """FlashAttention-3's ideas on Hopper, one switch at a time, beside PyTorch's attention in the same run.
 
-    python -m flashref.bench hopper            # the grid below, about 4 minutes on an H100
+    python -m flashref.bench hopper            # the grid below, several minutes on an H100 (--parts runs some)
 
 Forward only, fp16, B x N = 65536 tokens and H x d = 2048 (d = 64 and 128; N = 4K and 16K; causal and not),
 plus the issue's d = 256 case (B 8, H 8, N 4096). For each point: SDPA's flash (FlashAttention-2) and cuDNN

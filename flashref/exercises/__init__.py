@@ -68,8 +68,14 @@ def as_number(x):
     """``float(x)``, or None when the answer is not a number (checkers then say so instead of raising)."""
     try:
         return float(x)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an int beyond any float, 10**400
         return None
+
+
+def host_array(x):
+    """A reader's answer as a NumPy array of its own dtype: a torch tensor is detached and copied to the host
+    (a sparse or meta tensor raises, as anything that is no array may: checkers catch it and say so)."""
+    return np.asarray(x.detach().cpu().numpy() if hasattr(x, "detach") else x)
 
 
 def read_number(answer, what: str) -> tuple[float | None, Verdict | None]:
@@ -108,7 +114,7 @@ def check_array(answer, expected, *, what: str, rtol: float = 1e-6, atol: float 
         return Verdict(False, NOT_ANSWERED)
     try:
         answer = np.asarray(answer, dtype=np.float64)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return wrong(f"{what} should be an array of numbers, got {type(answer).__name__}: {answer!r}.")
     expected = np.asarray(expected, dtype=np.float64)
     if answer.shape != expected.shape:

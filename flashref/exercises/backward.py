@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from flashref import reference
-from flashref.exercises import NOT_ANSWERED, UNWRITTEN, Verdict, as_number, check_array, check_number, right, wrong
+from flashref.exercises import (NOT_ANSWERED, UNWRITTEN, Verdict, as_number, check_array, check_number, host_array,
+                                right, wrong)
 
 
 #: Exercise "stored P": batch 4, 16 heads, N = 4096, P in fp16.
@@ -53,9 +54,9 @@ def check_delta(answer, seed: int = 5) -> Verdict:
     q, k, v, do = delta_problem(seed)
     o = reference.attention(q, k, v, causal=True)
     expected = np.sum(do * o, axis=-1)
-    if hasattr(answer, "detach"):  # a torch tensor: read it as NumPy
-        answer = answer.detach().cpu().numpy()
     try:
+        if answer is not None:
+            answer = host_array(answer)
         shape = np.shape(answer)
     except Exception:  # noqa: BLE001 (a ragged list, or something that is no array)
         return wrong("D must be an array of numbers, one per query row (shape (6,)).")

@@ -16,6 +16,7 @@ import numpy as np
 from flashref import reference
 from flashref.bench.decode_bench import bytes_moved  # the benchmark's count: one home for it
 from flashref.exercises import NOT_ANSWERED, UNWRITTEN, Verdict, check_number, read_number, right, wrong
+from flashref.tolerance import to_numpy
 
 #: Exercise "merge": (N_q, N_k, d, slice boundaries of the keys, score scale) of the cases checked; an empty
 #: slice (two equal boundaries) holds no key: O = 0 and lse = -inf, as flash-decoding stores it.
@@ -66,8 +67,7 @@ def check_merge_splits(fn) -> Verdict:
         if not isinstance(got, tuple) or len(got) != 2:
             return wrong("return a pair (o, lse).")
         try:
-            o, lse = (np.asarray(x.detach().cpu().numpy() if hasattr(x, "detach") else x, dtype=np.float64)
-                      for x in got)
+            o, lse = (to_numpy(x) for x in got)
         except Exception as exc:  # noqa: BLE001 (what came back is not two arrays of numbers)
             return wrong(f"o and lse must be arrays of numbers ({type(exc).__name__}: {exc}).")
         want_o, want_lse = reference.attention(q, k, v, return_lse=True)

@@ -76,7 +76,11 @@ def check_quantize_blocks(fn) -> Verdict:
         case = f"N = {N}, {rows} rows a scale ({what})"
         if not isinstance(x8, torch.Tensor) or x8.dtype != torch.float8_e4m3fn:
             return wrong(f"x8 should be a torch.float8_e4m3fn tensor, got {getattr(x8, 'dtype', type(x8).__name__)}.")
-        scale = torch.as_tensor(scale, dtype=torch.float32)
+        try:
+            scale = torch.as_tensor(scale, dtype=torch.float32)
+        except Exception as exc:  # noqa: BLE001 (what came back is not a tensor of numbers)
+            return wrong(f"scale should be a float32 tensor of shape {tuple(want_scale.shape)}, got "
+                         f"{type(scale).__name__} ({type(exc).__name__}: {exc}).")
         if x8.shape != x.shape or scale.shape != want_scale.shape:
             return wrong(f"for {case}: x8 should have shape {tuple(x.shape)} and scale {tuple(want_scale.shape)}, "
                          f"got {tuple(x8.shape)} and {tuple(scale.shape)}. A short last block has a scale too.")

@@ -24,7 +24,7 @@ def _as_int_pair(answer):
     try:
         first, second = answer
         pair = (int(first), int(second))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return None
     return pair if pair == (first, second) else None
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashref.exercises import NOT_ANSWERED, UNWRITTEN, Verdict, read_number, right, wrong
+from flashref.exercises import NOT_ANSWERED, UNWRITTEN, Verdict, host_array, read_number, right, wrong
 
 
 #: Exercise "end to end": rounded from the committed run at N = 4096 (book/data/model_bench.json): the plain
@@ -64,7 +64,7 @@ def _as_bool(mask):
     if "bool" not in str(mask.dtype):
         return None, f"the mask has dtype {mask.dtype}; return bool (True = the key is visible): a comparison gives it."
     try:
-        return np.asarray(mask.detach().cpu().numpy() if hasattr(mask, "detach") else mask, dtype=bool), None
+        return host_array(mask).astype(bool, copy=False), None
     except Exception as exc:  # noqa: BLE001 (a sparse or meta tensor: no values to read)
         return None, f"the mask's values cannot be read ({type(exc).__name__}: {exc}); return a dense bool tensor."
 

@@ -30,7 +30,7 @@ def check_merged_state(answer) -> Verdict:
         return Verdict(False, NOT_ANSWERED)
     try:
         m, l = (float(x) for x in answer)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return wrong(f"give a pair (m, l) of two numbers, got {answer!r}.")
     merged = osm.merge(osm.SoftmaxState(np.float64(STATE_A[0]), np.float64(STATE_A[1])),
                        osm.SoftmaxState(np.float64(STATE_B[0]), np.float64(STATE_B[1])))
@@ -82,7 +82,7 @@ def check_online_logsumexp(fn) -> Verdict:
 def _close(x, y) -> bool:
     try:
         return math.isclose(float(x), y, rel_tol=1e-6)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return False
 
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashref.exercises import NOT_ANSWERED, UNWRITTEN, Verdict, read_number, right, triton_kernel_unready, wrong
+from flashref.exercises import (NOT_ANSWERED, UNWRITTEN, Verdict, host_array, read_number, right,
+                                triton_kernel_unready, wrong)
 
 #: Exercise "offsets": the length lists the reader's function is checked on.
 CU_CASES = [[3, 5, 2], [1], [7, 1, 1, 12], [4096, 17, 255, 1000]]
@@ -44,7 +45,7 @@ def check_cu_seqlens(fn) -> Verdict:
         if got is None:
             return Verdict(False, UNWRITTEN)
         try:
-            arr = np.asarray(got.detach().cpu().numpy() if hasattr(got, "detach") else got)
+            arr = host_array(got)
         except Exception as exc:  # noqa: BLE001 (what came back is not an array of numbers)
             return wrong(f"for lengths {list(lengths)} your function returned {type(got).__name__}, which is not a "
                          f"1-D array of integers ({type(exc).__name__}: {exc}).")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashref.exercises import NOT_ANSWERED, UNWRITTEN, Verdict, read_number, right, wrong
+from flashref.exercises import NOT_ANSWERED, UNWRITTEN, Verdict, host_array, read_number, right, wrong
 
 
 #: Exercise "sink window": (n_blocks, window) cases the reader's function is checked on.
@@ -56,7 +56,7 @@ def _as_bool_array(mask):
         return None, (f"the mask has dtype {dtype}; the kernels take dtype bool (True = the block is visible). "
                       "A comparison gives bool; so does .bool() on a tensor of 0 and 1.")
     try:
-        return np.asarray(mask.detach().cpu().numpy() if hasattr(mask, "detach") else mask, dtype=bool), None
+        return host_array(mask).astype(bool, copy=False), None
     except Exception as exc:  # noqa: BLE001 (a sparse or meta tensor: no values to read)
         return None, f"the mask's values cannot be read ({type(exc).__name__}: {exc}); return a dense bool tensor."
 

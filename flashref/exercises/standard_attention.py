@@ -26,7 +26,7 @@ def _unit_hint(answer, expected: int) -> str:
     """A hint for answers given in KiB/MiB/GiB, or for S and P counted together."""
     try:
         value = float(answer)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return ""
     for unit, size in (("KiB", 1024), ("MiB", MiB), ("GiB", GiB)):
         if value * size == expected:
@@ -71,7 +71,7 @@ def check_config_bytes(answer) -> Verdict:
 def _is_number(x) -> bool:
     try:
         float(x)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return False
     return True
 

@@ -1011,8 +1011,11 @@ def hopper_ws_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, M2, L2, QS, KS, VS, N_q
 def supported(q, k, v) -> str | None:
     """None when :func:`hopper_forward` can take these (already checked) q, k, v, else the reason it cannot:
     the teaching kernel takes them instead."""
-    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
+    if not q.is_cuda:
         return f"needs an sm_90 (Hopper) GPU, got device {q.device}"
+    major, minor = torch.cuda.get_device_capability(q.device)
+    if major != 9:  # (a T4 is sm_75, an A100 sm_80, a Blackwell sm_100: none has wgmma)
+        return f"needs an sm_90 (Hopper) GPU, got {torch.cuda.get_device_name(q.device)} (sm_{major}{minor})"
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"needs float16 or bfloat16 q, k, v, got {q.dtype}"
     if k.shape[1] != q.shape[1]:

@@ -17,6 +17,7 @@ import triton
 from triton.runtime.errors import OutOfResources
 
 from flashref import validation
+from flashref.varlen import check_packed_shapes
 from flashref.triton import configs, relaunch
 from flashref.triton.backward import flash_bwd_dkdv_kernel, flash_bwd_dq_kernel, flash_bwd_preprocess_kernel
 from flashref.triton.forward import (DOT_FP64, DOT_IEEE, DOT_NATIVE, LOG2E, drop_threshold, dropout_mask_kernel,
@@ -188,8 +189,12 @@ class Features:
                                  f"got {tuple(alibi_slopes.shape)}")
             if alibi_slopes.device != q.device:
                 raise ValueError(f"alibi_slopes must be on q's device ({q.device}), got {alibi_slopes.device}")
-            if check_finite:
+            if check_finite:  # (both read the slopes: a copy to the host)
                 validation.check_finite({"alibi_slopes": alibi_slopes})
+                largest = float(alibi_slopes.detach().abs().max())
+                if largest > validation.MAX_SCALE:
+                    raise ValueError(f"alibi_slopes must lie within +-{validation.MAX_SCALE:.4g} (times log2(e) "
+                                     f"each must stay finite in float32), got {largest:.4g}")
             slopes2 = (alibi_slopes.detach().float() * LOG2E).reshape(-1, H)
             self.slopes2 = slopes2.expand(self.batch, H) if alibi_slopes.ndim == 1 else slopes2
 
@@ -1304,10 +1309,7 @@ def _packed_views(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.ndim != 3:
-            raise ValueError(f"{name} must have shape (total, heads, d) for a packed batch, got {x.ndim}-d shape "
-                             f"{tuple(x.shape)}")
-    validation.check_same_shape("v", v, "k", k)
+    check_packed_shapes(q, k, v)
     cus = []
     for name, cu, x in (("cu_seqlens_q", cu_seqlens_q, q), ("cu_seqlens_k", cu_seqlens_k, k)):
         if not isinstance(cu, torch.Tensor) or cu.dtype not in (torch.int32, torch.int64) or cu.ndim != 1:
@@ -1335,12 +1337,15 @@ class FlashAttentionVarlenFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, sm_scale=None,
                 deterministic=True, check_finite=True, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
-        (q4, k4, v4), varlen = _packed_views(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        validation.check_bool("check_finite", check_finite)
+        (q4, k4, v4), packed = _packed_views(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                              check_finite)
-        _, scale = _check(q4, k4, v4, causal, sm_scale, check_finite)
+        _, scale = _check(q4, k4, v4, causal, sm_scale, False)
+        if check_finite:  # on the packed tensors: an index in the caller's (total, H, d), not the kernels' view
+            validation.check_finite({"q": q, "k": k, "v": v})
         validation.check_bool("deterministic", deterministic)
         feat = Features(q4, k4, causal=causal, scale=scale, window_size=window_size, softcap=softcap,
-                        alibi_slopes=alibi_slopes, varlen=varlen, check_finite=check_finite)
+                        alibi_slopes=alibi_slopes, varlen=packed, check_finite=check_finite)
         o4, lse, (m2, l2) = _forward(q4, k4, v4, scale, feat)
         ctx.save_for_backward(q, k, v, o4, m2, l2)
         ctx.sm_scale, ctx.deterministic, ctx.check_finite = scale, deterministic, check_finite
