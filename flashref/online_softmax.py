@@ -52,8 +52,7 @@ def _as_scores(x, name: str = "scores", allow_empty: bool = False) -> np.ndarray
     """Scores as a float array (a NumPy array, or Python numbers and lists); integers are promoted to
     float64. NaN and +inf are refused (``-inf`` is the mask), as is an empty row (validation's rule),
     except where an empty block means "nothing to add" (``allow_empty``)."""
-    validation.check_numpy(name, x, array_like=True)
-    x = np.asarray(x)
+    x = _as_array(name, x)
     if x.dtype.kind in "iu":
         x = x.astype(np.float64)
     if x.dtype.kind != "f":
@@ -64,6 +63,16 @@ def _as_scores(x, name: str = "scores", allow_empty: bool = False) -> np.ndarray
         raise ValueError(f"{name} must hold at least one score in every row, got shape {x.shape}")
     validation.check_finite({name: x}, allow_neg_inf=True)
     return x
+
+
+def _as_array(name: str, x) -> np.ndarray:
+    """A NumPy array, or Python numbers and lists made into one; ragged lists are named as the argument."""
+    validation.check_numpy(name, x, array_like=True)
+    try:
+        return np.asarray(x)
+    except ValueError as exc:  # NumPy's "setting an array element with a sequence": rows of different lengths
+        raise ValueError(f"{name} must be a rectangular array (every row as long), got {type(x).__name__} "
+                         f"that NumPy cannot make one of: {exc}") from None
 
 
 def _check_state(name: str, state) -> "SoftmaxState":
@@ -133,8 +142,9 @@ def update(state: SoftmaxState, scores_block, v_block=None) -> SoftmaxState:
         return SoftmaxState(m_new, l_new)
     if v_block is None:
         raise ValueError("the state carries o, so update needs v_block (the value rows of the block)")
-    validation.check_numpy("v_block", v_block, array_like=True)
-    v_block = np.asarray(v_block)
+    v_block = _as_array("v_block", v_block)
+    if v_block.dtype.kind not in "fiu":  # complex values would make o complex; strings cannot be summed
+        raise TypeError(f"v_block must be real numbers, got dtype {v_block.dtype}")
     b, d = x.shape[-1], state.o.shape[-1]
     lead = rows[:-1]  # P's rows form a matrix with the last axis of the state's rows
     if v_block.ndim < 2 or v_block.shape[-2:] != (b, d) or not validation.broadcasts_to(v_block.shape[:-2], lead):

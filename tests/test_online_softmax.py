@@ -185,10 +185,18 @@ def test_float32_stays_float32():
     (np.array([1 + 1j]), TypeError, "real"),
     (np.array(["a"]), TypeError, "real"),
     (np.float64(1.0), ValueError, "scalar"),
+    ([[1.0, 2.0], [3.0]], ValueError, "x must be a rectangular array"),
 ])
 def test_bad_scores(bad, exc, match):
     with pytest.raises(exc, match=match):
         osm.softmax(bad)
+
+
+def test_ragged_value_rows_are_named():
+    with pytest.raises(ValueError, match="v_block must be a rectangular array"):
+        osm.update(osm.init((1,), d=2), [[1.0, 2.0]], [[1.0, 2.0], [3.0]])
+    with pytest.raises(TypeError, match="v_block must be real numbers, got dtype complex128"):
+        osm.update(osm.init((1,), d=2), [[1.0, 2.0]], np.ones((2, 2), complex))
 
 
 @pytest.mark.parametrize("block,exc", [(0, ValueError), (-1, ValueError), (2.0, TypeError), (True, TypeError)])
