@@ -22,7 +22,7 @@ import numpy as np
 
 from flashref import varlen
 from flashref.score_mods import ScoreMods
-from flashref.validation import (check_attention_inputs, check_block_mask, check_broadcasts_to, check_causal,
+from flashref.validation import (check_attention_inputs, check_block_mask, check_causal, check_dropout_mask,
                                  check_dropout_p, check_finite, check_numpy, check_positive_int, check_same_shape,
                                  check_sm_scale, split_causal)
 
@@ -119,15 +119,10 @@ class _Extras:
             check_numpy("block_mask", block_mask)
             self.blocks = check_block_mask(block_mask, q.shape[:-2], N_q, N_k, block_size)
         self.p = check_dropout_p(dropout_p)
-        self.keep = None
-        if dropout_mask is not None:
-            check_numpy("dropout_mask", dropout_mask)
-            if self.p == 0.0 or dropout_mask.dtype != np.bool_:
-                raise ValueError("dropout_mask must be a boolean keep-mask given with the dropout_p it was drawn with")
-            check_broadcasts_to("dropout_mask", dropout_mask, (*q.shape[:-2], N_q, N_k))
-            self.keep = np.broadcast_to(dropout_mask, (*q.shape[:-2], N_q, N_k))
-        elif self.p > 0.0:
-            raise ValueError(f"dropout_p = {self.p} needs the dropout_mask it was drawn with (NumPy draws none)")
+        shape = (*q.shape[:-2], N_q, N_k)
+        self.keep = check_dropout_mask(dropout_mask, self.p, shape, "NumPy draws none")
+        if self.keep is not None:
+            self.keep = np.broadcast_to(self.keep, shape)
 
     def grouped(self, x, is_q: bool):
         """Grouped-query attention without copying K and V: q as (B, H_kv, G, N, d) and K, V as

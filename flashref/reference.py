@@ -68,18 +68,7 @@ def _masks(q, k, causal, dropout_mask, dropout_p, block_mask, block_size, mods=N
         element = expand_block_mask(blocks, block_size, N_q, N_k)
         visible = element if visible is None else (visible & element)
     p = validation.check_dropout_p(dropout_p)
-    keep = None
-    if dropout_mask is not None:
-        if p == 0.0:
-            raise ValueError("dropout_mask was given with dropout_p = 0.0: pass the p the mask was drawn with")
-        validation.check_numpy("dropout_mask", dropout_mask)
-        if dropout_mask.dtype != np.bool_:
-            raise TypeError(f"dropout_mask must be a boolean keep-mask (True = kept), got dtype {dropout_mask.dtype}")
-        validation.check_broadcasts_to("dropout_mask", dropout_mask, (*lead, N_q, N_k))
-        keep = dropout_mask
-    elif p > 0.0:
-        raise ValueError(f"dropout_p = {p} needs the dropout_mask it was drawn with: the reference is "
-                         "deterministic (flashref.triton.dropout_mask gives the kernels' mask for a seed)")
+    keep = validation.check_dropout_mask(dropout_mask, p, (*lead, N_q, N_k), "the reference is deterministic")
     return visible, keep, 1.0 / (1.0 - p)
 
 

@@ -191,7 +191,9 @@ def block_visibility(rank: int, source: int, n_local: int, causal: bool):
     of queries sees the whole block. Each case is c x 2c (query, key) pairs, or the 2c x 2c triangle.
     Notebook ``13_beyond_one_gpu_and_decoding``."""
     for name, value in (("rank", rank), ("source", source)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an int (a rank of the ring), got {type(value).__name__}: {value!r}")
+        if value < 0:
             raise ValueError(f"{name} must be a non-negative int (a rank of the ring), got {value!r}")
     n_local = validation.check_positive_int("n_local", n_local)
     validation.check_causal(causal)

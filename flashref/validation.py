@@ -85,6 +85,14 @@ MAX_SCALE = float(np.finfo(np.float32).max) / math.log2(math.e)
 MIN_SOFTCAP = float(np.finfo(np.float32).tiny)
 
 
+def check_float32_scale(name: str, largest: float) -> None:
+    """A multiplier of the scores (``sm_scale``, an ALiBi slope; ``largest`` is its greatest magnitude) must stay
+    finite in the kernels' float32 once multiplied by log2(e): :data:`MAX_SCALE`."""
+    if largest > MAX_SCALE:
+        raise ValueError(f"{name} must lie within +-{MAX_SCALE:.4g} (times log2(e) it must stay finite in float32, "
+                         f"the kernels' arithmetic), got {largest:.4g}")
+
+
 def check_sm_scale(sm_scale, head_dim: int) -> float:
     """Return the softmax scale: ``1/sqrt(d)`` when ``sm_scale`` is None, else a finite real number > 0
     (0 would make every row uniform and a negative scale would turn the softmax into a softmin: both are
@@ -99,9 +107,7 @@ def check_sm_scale(sm_scale, head_dim: int) -> float:
         raise ValueError(f"sm_scale must be a finite number > 0 (or None for 1/sqrt(d)), got {sm_scale}") from None
     if not math.isfinite(sm_scale) or sm_scale <= 0:
         raise ValueError(f"sm_scale must be a finite number > 0 (or None for 1/sqrt(d)), got {sm_scale}")
-    if sm_scale > MAX_SCALE:
-        raise ValueError(f"sm_scale must be at most {MAX_SCALE:.4g} (times log2(e) it must stay finite in float32, "
-                         f"the kernels' arithmetic), got {sm_scale}")
+    check_float32_scale("sm_scale", sm_scale)
     return sm_scale
 
 
@@ -155,11 +161,15 @@ def check_finite(arrays: dict, *, allow_neg_inf: bool = False) -> None:
 
 
 def _cannot_be_non_finite(x) -> bool:
-    """An empty array, or an integer or boolean torch tensor (whose infinity norm torch refuses to take)."""
+    """An empty array, an integer or boolean torch tensor (whose infinity norm torch refuses to take), or a
+    NumPy or CuPy array of neither floats nor complex numbers (strings have no isfinite): the dtype is the
+    caller's to check, with a message naming it."""
     if math.prod(getattr(x, "shape", (1,))) == 0:
         return True
     dtype = getattr(x, "dtype", None)
-    return _framework(x) == "torch" and not (dtype.is_floating_point or dtype.is_complex)
+    if _framework(x) == "torch":
+        return not (dtype.is_floating_point or dtype.is_complex)
+    return getattr(dtype, "kind", "f") not in "fc"
 
 
 def _ok(xp, x, allow_neg_inf):
@@ -188,6 +198,9 @@ def check_dense(name: str, x) -> None:
     layout = getattr(x, "layout", None)
     if layout is not None and _framework(x) == "torch" and str(layout) != "torch.strided":
         raise TypeError(f"{name} must be a dense (strided) tensor, got layout {layout}")
+    if getattr(x, "is_nested", False):  # (a nested tensor's layout reads strided too)
+        raise TypeError(f"{name} must be a dense tensor, got a nested tensor: for sequences of different lengths, "
+                        f"pack them end to end (flash_attention_varlen)")
 
 
 def check_tensor(name: str, x, device=None, *, like: str = "q") -> None:
@@ -216,14 +229,15 @@ def check_attention_inputs(q, k, v, *, allowed_ndims=(2, 4), allowed_dtypes=None
     for name, x in arrays.items():
         if numpy:
             check_numpy(name, x)
+        check_dense(name, x)  # first: a nested tensor's .shape raises
         if not (hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "ndim")):
             raise TypeError(f"{name} must be an array or tensor, got {type(x).__name__}")
-        check_dense(name, x)
         if x.ndim not in allowed_ndims:
             shapes = " or ".join("(B, H, N, d)" if n == 4 else "(N, d)" if n == 2 else f"{n}-d" for n in allowed_ndims)
             raise ValueError(f"{name} must have shape {shapes}, got {x.ndim}-d shape {tuple(x.shape)}")
     if not (q.ndim == k.ndim == v.ndim):
-        raise ValueError(f"q, k and v must have the same rank, got shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(f"q, k and v must have the same rank, got shapes {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
     if gqa and q.ndim == 4 and tuple(k.shape[:2]) == tuple(v.shape[:2]) and k.shape[0] == q.shape[0] \
             and k.shape[1] != q.shape[1]:
         H, H_kv = int(q.shape[1]), int(k.shape[1])
@@ -243,7 +257,8 @@ def check_attention_inputs(q, k, v, *, allowed_ndims=(2, 4), allowed_dtypes=None
         raise ValueError(f"v must have the head dimension of q (d = {d}), got v.shape {tuple(v.shape)}")
     for name, n in (("q", N_q), ("k", N_k)):
         if n < 1:
-            raise ValueError(f"{name} is an empty sequence (N = 0, shape {tuple(arrays[name].shape)}); attention needs N >= 1")
+            raise ValueError(f"{name} is an empty sequence (N = 0, shape {tuple(arrays[name].shape)}); attention "
+                             f"needs N >= 1")
     if d < 1:
         raise ValueError(f"head dimension d must be at least 1, got q.shape {tuple(q.shape)}")
     for name, x in arrays.items():
@@ -300,6 +315,24 @@ def check_dropout_p(dropout_p) -> float:
     if not (0.0 <= p < 1.0):
         raise ValueError(f"dropout_p must be in [0, 1), got {p}")
     return p
+
+
+def check_dropout_mask(dropout_mask, p: float, shape: tuple, who: str):
+    """The NumPy implementations' dropout: a boolean keep-mask (True = kept) broadcastable to ``shape``, given
+    with the ``p`` (already checked) it was drawn with, or None with p = 0. ``who`` says why a p > 0 needs a
+    mask. Returns the mask, or None."""
+    if dropout_mask is None:
+        if p > 0.0:
+            raise ValueError(f"dropout_p = {p} needs the dropout_mask it was drawn with: {who} "
+                             "(flashref.triton.dropout_mask gives the kernels' mask for a seed)")
+        return None
+    if p == 0.0:
+        raise ValueError("dropout_mask was given with dropout_p = 0.0: pass the p the mask was drawn with")
+    check_numpy("dropout_mask", dropout_mask)
+    if dropout_mask.dtype != np.bool_:
+        raise TypeError(f"dropout_mask must be a boolean keep-mask (True = kept), got dtype {dropout_mask.dtype}")
+    check_broadcasts_to("dropout_mask", dropout_mask, shape)
+    return dropout_mask
 
 
 def check_positive_int(name: str, value) -> int:
@@ -391,9 +424,7 @@ def check_alibi_slopes(alibi_slopes, lead: tuple):
             raise ValueError(f"alibi_slopes must be one number (shape () or (1,)) for 2-D inputs, got shape {slopes.shape}")
         shaped = slopes.reshape(1, 1)
     check_finite({"alibi_slopes": shaped})
-    if np.abs(shaped).max() > MAX_SCALE:
-        raise ValueError(f"alibi_slopes must lie within +-{MAX_SCALE:.4g} (times log2(e) each must stay finite in "
-                         f"float32, the kernels' arithmetic), got {np.abs(shaped).max():.4g}")
+    check_float32_scale("alibi_slopes", float(np.abs(shaped).max()))
     return shaped
 
 

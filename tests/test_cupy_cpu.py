@@ -44,6 +44,7 @@ def test_launch_without_cupy_raises_runtime_error(no_cupy, kernel, dtype):
     ({}, _arrays((1, 1, 4, 16), (1, 1, 5, 8)), ValueError, "head dimension"),
     ({}, _arrays((1, 1, 0, 16), (1, 1, 5, 16)), ValueError, "empty sequence"),
     ({"kernel": "naive"}, _arrays(), ValueError, "kernel must be one of 'tiled', 'wmma', 'mma', got 'naive'"),
+    ({"kernel": np.array(["tiled", "mma"])}, _arrays(), ValueError, "kernel must be one of 'tiled', 'wmma', 'mma'"),
     ({"causal": 1}, _arrays(), TypeError, "causal must be a bool"),
     ({"sm_scale": float("nan")}, _arrays(), ValueError, "sm_scale must be a finite number"),
     ({"return_lse": "yes"}, _arrays(), TypeError, "return_lse must be a bool"),

@@ -619,7 +619,7 @@ def test_the_layout_helpers_and_the_backward_name_bad_arguments():
     from flashref import ring_attention as ra
 
     for kwargs, exc, words in ((dict(rank=-1), ValueError, "rank must be a non-negative int"),
-                               (dict(source=0.5), ValueError, "source must be a non-negative int"),
+                               (dict(source=0.5), TypeError, "source must be an int .*got float"),
                                (dict(n_local=0), ValueError, "n_local must be a positive integer"),
                                (dict(n_local=4.0), TypeError, "n_local must be a positive integer"),
                                (dict(causal=1), TypeError, "causal must be a bool")):

@@ -231,3 +231,5 @@ def test_varlen_messages_show_the_packed_arrays_as_given():
             fn(q[..., :3] * 0, k, k, [0, 4, 9], [0, 5, 11])
         with pytest.raises(ValueError, match="H_kv that divides q's H = 3"):
             fn(np.zeros((9, 3, 4)), k, k, [0, 4, 9], [0, 5, 11])
+        with pytest.raises(TypeError, match="dtype"):  # strings have no NaN to look for: their dtype is named
+            fn(np.full((9, 2, 4), "a"), k, k, [0, 4, 9], [0, 5, 11])

@@ -242,6 +242,9 @@ def test_rejects_sparse_tensors():
     q, k, v = _ok()
     with pytest.raises(TypeError, match="k must be a dense \\(strided\\) tensor, got layout torch.sparse_coo"):
         flash_attention(q, k.to_sparse(), v)
+    nested = torch.nested.nested_tensor([q[0, 0], q[0, 0, :3]])  # two sequences of different lengths
+    with pytest.raises(TypeError, match="q must be a dense tensor, got a nested tensor"):
+        flash_attention(nested, k, v)
 
 
 def test_rejects_wrong_device():

@@ -22,7 +22,7 @@ import os
 
 from flashref import validation
 from flashref.cupy.config import (DTYPES, ENTRY_POINTS, KERNELS, MAX_HEAD_DIM, PADS_TO_8, KernelConfig,
-                                  kernel_config, source)
+                                  check_kernel, kernel_config, source)
 
 __all__ = ["flash_attention_forward", "KERNELS", "require_cupy", "compiled_kernel"]
 
@@ -84,8 +84,7 @@ def compiled_kernel(config: KernelConfig):
 
 
 def _check(q, k, v, causal, sm_scale, kernel, return_lse, check_finite):
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
+    check_kernel(kernel)
     _, _, d = validation.check_attention_inputs(q, k, v, allowed_ndims=(4,), allowed_dtypes=DTYPES[kernel],
                                                 max_head_dim=MAX_HEAD_DIM, finite=False)
     validation.check_causal(causal)

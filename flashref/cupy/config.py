@@ -31,6 +31,13 @@ COMPILE_ARCHS = (75, 80, 90)
 _C_TYPES = {"float32": "float", "float16": "__half"}
 
 
+def check_kernel(kernel) -> str:
+    """``kernel`` names one of :data:`KERNELS` (a ValueError naming the argument otherwise, whatever its type)."""
+    if not isinstance(kernel, str) or kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
+    return kernel
+
+
 def padded_head_dim(d: int) -> int:
     """The compile-time head dimension: ``d`` rounded up to a multiple of 16 (extra columns are zeros)."""
     return 16 * math.ceil(d / 16)

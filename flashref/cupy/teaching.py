@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-from flashref.cupy.config import KERNELS, SOURCES, source
+from flashref.cupy.config import SOURCES, check_kernel, source
 
 __all__ = ["excerpt", "excerpt_names", "show_cuda", "listing", "bank_conflict_ways"]
 
@@ -24,17 +24,12 @@ _CLOSE = re.compile(r"^\s*//\s*\[/excerpt:\s*([A-Za-z0-9_-]+)\s*\]\s*$")
 _ANY_MARKER = re.compile(r"^\s*//\s*\[/?excerpt\b")
 
 
-def _check_kernel(kernel: str) -> None:
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
-
-
 def excerpt_spans(kernel: str) -> dict[str, tuple[int, int]]:
     """name -> (line of the opening marker, line of the closing marker), 0-based, for ``kernel``'s source.
 
     Raises ``ValueError`` when a marker is malformed, a name is opened twice, a closing marker has no
     opening one, or an opened excerpt is never closed."""
-    _check_kernel(kernel)
+    check_kernel(kernel)
     where = f"flashref/cuda/{SOURCES[kernel]}"
     spans: dict[str, tuple[int, int]] = {}
     open_at: dict[str, int] = {}
@@ -79,7 +74,7 @@ def excerpt(kernel: str, name: str) -> str:
 
 def listing(kernel: str) -> str:
     """The whole source of ``kernel`` without the excerpt markers."""
-    _check_kernel(kernel)
+    check_kernel(kernel)
     return "\n".join(line for line in source(kernel).rstrip().splitlines() if not _ANY_MARKER.match(line))
 
 

@@ -78,6 +78,20 @@ def host_array(x):
     return np.asarray(x.detach().cpu().numpy() if hasattr(x, "detach") else x)
 
 
+def bool_mask(mask, meaning: str):
+    """``(array, None)`` or ``(None, what is wrong)`` for a mask a reader's function returned: a torch tensor or
+    NumPy array of dtype bool, as a NumPy bool array on the host. ``meaning`` says what True means."""
+    if not (hasattr(mask, "detach") or isinstance(mask, np.ndarray)):
+        return None, f"your function should return a bool tensor (or NumPy array), got {type(mask).__name__}."
+    if "bool" not in str(mask.dtype):
+        return None, (f"the mask has dtype {mask.dtype}; return dtype bool (True = {meaning}). A comparison gives "
+                      "bool; so does .bool() on a tensor of 0 and 1.")
+    try:
+        return host_array(mask).astype(bool, copy=False), None
+    except Exception as exc:  # noqa: BLE001 (a sparse or meta tensor: no values to read)
+        return None, f"the mask's values cannot be read ({type(exc).__name__}: {exc}); return a dense bool tensor."
+
+
 def read_number(answer, what: str) -> tuple[float | None, Verdict | None]:
     """``(value, None)`` for a numeric answer, or ``(None, verdict)`` with the verdict a checker returns
     instead: not answered yet (None), or not a number (``what`` names the number asked for). Every checker

@@ -112,5 +112,5 @@ def check_dq_reduce_ratio(answer) -> Verdict:
                         explain="Every row of dQ is added to N_k / 128 times in fp32: 2 N_k / 128 times its own "
                                 "bytes, growing with the sequence. The L2 cache does the additions beside the tensor "
                                 "cores, and on the H100 they measured 4-8% of the time of a variant of the fused "
-                                "kernel (flashref.triton.hopper_backward_fused's docstring), less than the two products the dQ kernel "
-                                "recomputes.")
+                                "kernel (flashref.triton.hopper_backward_fused's docstring), less than the two "
+                                "products the dQ kernel recomputes.")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashref.exercises import NOT_ANSWERED, UNWRITTEN, Verdict, host_array, read_number, right, wrong
+from flashref.exercises import NOT_ANSWERED, UNWRITTEN, Verdict, bool_mask, read_number, right, wrong
 
 
 #: Exercise "end to end": rounded from the committed run at N = 4096 (book/data/model_bench.json): the plain
@@ -58,17 +58,6 @@ def window_mask(N: int, window: int) -> np.ndarray:
     return (j <= i) & (j > i - window)
 
 
-def _as_bool(mask):
-    if not (hasattr(mask, "detach") or isinstance(mask, np.ndarray)):
-        return None, f"your function should return a bool tensor or NumPy array, got {type(mask).__name__}."
-    if "bool" not in str(mask.dtype):
-        return None, f"the mask has dtype {mask.dtype}; return bool (True = the key is visible): a comparison gives it."
-    try:
-        return host_array(mask).astype(bool, copy=False), None
-    except Exception as exc:  # noqa: BLE001 (a sparse or meta tensor: no values to read)
-        return None, f"the mask's values cannot be read ({type(exc).__name__}: {exc}); return a dense bool tensor."
-
-
 def check_window_mask(fn) -> Verdict:
     """``fn(N, window)`` must return the (N, N) bool mask in which query i sees keys i - window < j <= i."""
     if fn is None:
@@ -83,7 +72,7 @@ def check_window_mask(fn) -> Verdict:
             return wrong(f"for {case} your function raised {type(exc).__name__}: {exc}")
         if got is None:
             return Verdict(False, UNWRITTEN)
-        got, problem = _as_bool(got)
+        got, problem = bool_mask(got, "the key is visible")
         if problem:
             return wrong(problem)
         if got.shape != (N, N):

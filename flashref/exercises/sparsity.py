@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashref.exercises import NOT_ANSWERED, UNWRITTEN, Verdict, host_array, read_number, right, wrong
+from flashref.exercises import NOT_ANSWERED, UNWRITTEN, Verdict, bool_mask, read_number, right, wrong
 
 
 #: Exercise "sink window": (n_blocks, window) cases the reader's function is checked on.
@@ -46,21 +46,6 @@ def sink_window(n_blocks: int, window: int) -> np.ndarray:
     return mask[None, None]
 
 
-def _as_bool_array(mask):
-    """(array, None) or (None, what is wrong): torch tensors and NumPy arrays, bool only."""
-    if hasattr(mask, "detach") or isinstance(mask, np.ndarray):  # torch: the kernels take a bool tensor
-        dtype = str(mask.dtype)
-    else:
-        return None, (f"your function should return a bool tensor (or NumPy array), got {type(mask).__name__}.")
-    if "bool" not in dtype:
-        return None, (f"the mask has dtype {dtype}; the kernels take dtype bool (True = the block is visible). "
-                      "A comparison gives bool; so does .bool() on a tensor of 0 and 1.")
-    try:
-        return host_array(mask).astype(bool, copy=False), None
-    except Exception as exc:  # noqa: BLE001 (a sparse or meta tensor: no values to read)
-        return None, f"the mask's values cannot be read ({type(exc).__name__}: {exc}); return a dense bool tensor."
-
-
 def _blocks(cells) -> str:
     shown = ", ".join(f"({i}, {j})" for i, j in cells[:6])
     return shown + (f" and {len(cells) - 6} more" if len(cells) > 6 else "")
@@ -81,7 +66,7 @@ def check_sink_window_mask(fn) -> Verdict:
             return wrong(f"on {case} your function raised {type(exc).__name__}: {exc}")
         if got is None:
             return Verdict(False, UNWRITTEN)
-        got, problem = _as_bool_array(got)
+        got, problem = bool_mask(got, "the block is visible")
         if problem:
             return wrong(problem)
         want = sink_window(n, w)

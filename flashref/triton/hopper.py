@@ -44,8 +44,9 @@ mask (``launch_forward(lists=)``: each program walks its query block's list of v
 No other feature (GQA, softcap, ALiBi: those stay on the teaching kernel). Outputs match
 :func:`flashref.triton.flash_attention_forward`: O, the natural-log lse, and the backward's (m2, l2).
 It needs an sm_90 GPU; :func:`supported` says whether a call qualifies. :func:`flashref.triton.flash_attention`
-runs it (``kernel="auto"``, the default, or ``"hopper"``) for the calls it supports, with its contiguous inputs. Taught in notebook ``14_flashattention3_on_hopper``; ``python -m flashref.bench
-hopper`` and ``compile_check hopper`` hold its measurements.
+runs it (``kernel="auto"``, the default, or ``"hopper"``) for the calls it supports, with its contiguous inputs.
+Taught in notebook ``14_flashattention3_on_hopper``; ``python -m flashref.bench hopper`` and ``compile_check hopper``
+hold its measurements.
 """
 
 from __future__ import annotations
@@ -349,8 +350,9 @@ def keep_mask(seed: int, B: int, H: int, N_q: int, N_k: int, drop_below: int, bl
 # flashref.triton.ops.visible_block_lists gives, for each block of rows of the mask, [count, j_1 < ... < j_count,
 # padding]: the forward and the dQ kernel read the list of their query block (the key blocks it sees), the dK/dV
 # kernels the list of their key block in the transposed mask (the query blocks that see it). A block holds
-# BLOCK_SIZE / TILE of the streamed tiles, so step n of a loop takes listed tile t = t_lo + n; [t_lo, t_hi) are the listed tiles inside the
-# range that causality or a window leaves (as :func:`flashref.triton.forward._listed_tiles_before` counts them).
+# BLOCK_SIZE / TILE of the streamed tiles, so step n of a loop takes listed tile t = t_lo + n; [t_lo, t_hi) are the
+# listed tiles inside the range that causality or a window leaves (as
+# :func:`flashref.triton.forward._listed_tiles_before` counts them).
 
 @gluon.jit
 def _listed_tiles_before(row, limit, BLOCK_SIZE: gl.constexpr, TILE: gl.constexpr, WARPS: gl.constexpr):

@@ -492,8 +492,8 @@ def hopper_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, DQ, M2, L2, Delta, N_q
                          DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr, LISTED: gl.constexpr,
                          BLOCK_SIZE: gl.constexpr, num_warps: gl.constexpr, TOKEN_MAJOR: gl.constexpr = False):
     """Program (pid_m, bh) writes dQ of queries [pid_m * BLOCK_M, +BLOCK_M) of head bh (dQ contiguous; with
-    TOKEN_MAJOR Q, K, V and dO are read in the layout of :func:`flashref.triton.hopper.head_origin`): Q_i and dO_i resident, K_j
-    and V_j streamed through the ring, in the forward's orientation (queries are the rows):
+    TOKEN_MAJOR Q, K, V and dO are read in the layout of :func:`flashref.triton.hopper.head_origin`): Q_i and dO_i
+    resident, K_j and V_j streamed through the ring, in the forward's orientation (queries are the rows):
 
         S = Q_i K_j^T,  P = exp2(S * scale * log2 e - m2 - l2),  dP = dO_i V_j^T,  dS = P * (dP - D),  dQ_i += dS K_j
 

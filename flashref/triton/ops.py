@@ -74,8 +74,8 @@ _CHECKED_MAX = 64
 def _check_key(q, k, v, causal, sm_scale, check_finite):
     """What :func:`_check`'s rules read of a call, or None when it is not made of torch tensors (the full checks then
     say what is wrong). ``type(...)`` beside each scalar: ``causal=1`` must not pass as ``True`` did."""
-    if not (type(q) is type(k) is type(v) is torch.Tensor):
-        return None
+    if not (type(q) is type(k) is type(v) is torch.Tensor) or q.is_nested or k.is_nested or v.is_nested:
+        return None  # (a nested tensor has no .shape to read)
     return (*((x.shape, x.dtype, x.device, x.layout) for x in (q, k, v)), type(causal), causal, type(sm_scale),
             sm_scale, type(check_finite), check_finite)
 
@@ -191,10 +191,7 @@ class Features:
                 raise ValueError(f"alibi_slopes must be on q's device ({q.device}), got {alibi_slopes.device}")
             if check_finite:  # (both read the slopes: a copy to the host)
                 validation.check_finite({"alibi_slopes": alibi_slopes})
-                largest = float(alibi_slopes.detach().abs().max())
-                if largest > validation.MAX_SCALE:
-                    raise ValueError(f"alibi_slopes must lie within +-{validation.MAX_SCALE:.4g} (times log2(e) "
-                                     f"each must stay finite in float32), got {largest:.4g}")
+                validation.check_float32_scale("alibi_slopes", float(alibi_slopes.detach().abs().max()))
             slopes2 = (alibi_slopes.detach().float() * LOG2E).reshape(-1, H)
             self.slopes2 = slopes2.expand(self.batch, H) if alibi_slopes.ndim == 1 else slopes2
 
