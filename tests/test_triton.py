@@ -9,6 +9,7 @@ precision (factor 2 forward, 3 for gradients).
 from __future__ import annotations
 
 import functools
+import warnings
 
 import numpy as np
 import pytest
@@ -242,9 +243,14 @@ def test_rejects_sparse_tensors():
     q, k, v = _ok()
     with pytest.raises(TypeError, match="k must be a dense \\(strided\\) tensor, got layout torch.sparse_coo"):
         flash_attention(q, k.to_sparse(), v)
-    nested = torch.nested.nested_tensor([q[0, 0], q[0, 0, :3]])  # two sequences of different lengths
+    rows = [q[0, 0], q[0, 0, :3]]  # two sequences of different lengths
+    with warnings.catch_warnings():  # torch calls its strided nested layout a prototype; it is what a reader may have
+        warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors is in prototype stage")
+        nested = torch.nested.nested_tensor(rows)
     with pytest.raises(TypeError, match="q must be a dense tensor, got a nested tensor"):
         flash_attention(nested, k, v)
+    with pytest.raises(TypeError, match="q must be a dense \\(strided\\) tensor, got layout torch.jagged"):
+        flash_attention(torch.nested.nested_tensor(rows, layout=torch.jagged), k, v)
 
 
 def test_rejects_wrong_device():
