@@ -13,7 +13,7 @@ import math
 import numpy as np
 
 from flashref import online_softmax as osm
-from flashref.exercises import NOT_ANSWERED, UNWRITTEN, Verdict, check_number, right, wrong
+from flashref.exercises import NOT_ANSWERED, UNWRITTEN, Verdict, as_number, check_number, right, wrong
 
 
 #: The two partial states of the merge exercise, as (m, l).
@@ -80,10 +80,8 @@ def check_online_logsumexp(fn) -> Verdict:
 
 
 def _close(x, y) -> bool:
-    try:
-        return math.isclose(float(x), y, rel_tol=1e-6)
-    except (TypeError, ValueError, OverflowError):
-        return False
+    value = as_number(x)
+    return value is not None and math.isclose(value, y, rel_tol=1e-6)
 
 
 def check_merge_function(fn) -> Verdict:

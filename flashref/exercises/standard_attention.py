@@ -24,9 +24,8 @@ BATCH, HEADS, N_CONFIG, DTYPE_CONFIG = 8, 16, 4096, "float16"
 
 def _unit_hint(answer, expected: int) -> str:
     """A hint for answers given in KiB/MiB/GiB, or for S and P counted together."""
-    try:
-        value = float(answer)
-    except (TypeError, ValueError, OverflowError):
+    value = as_number(answer)
+    if value is None:
         return ""
     for unit, size in (("KiB", 1024), ("MiB", MiB), ("GiB", GiB)):
         if value * size == expected:
@@ -69,11 +68,7 @@ def check_config_bytes(answer) -> Verdict:
 
 
 def _is_number(x) -> bool:
-    try:
-        float(x)
-    except (TypeError, ValueError, OverflowError):
-        return False
-    return True
+    return as_number(x) is not None
 
 
 def _attention_cases():
