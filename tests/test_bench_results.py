@@ -16,7 +16,7 @@ from flashref.bench import results
 
 BENCHES = {"gpu_bench": "gpu_bench.json", "hbm_bench": "hbm_bench.json", "features_bench": "features_bench.json",
            "hopper_bench": "hopper_bench.json",
-           "model_bench": "model_bench.json"}
+           "model_bench": "model_bench.json", "flush_bench": "flush_bench.json"}
 
 
 @pytest.mark.parametrize("module, name", sorted(BENCHES.items()))

@@ -1,5 +1,5 @@
 """Command line: ``python -m flashref.bench {numpy,gpu,hbm,features,mods,model,cupy,ring,decode,hopper,
-hopper-profile,clocks,sparse-tiles,host,step-profile} --help``."""
+hopper-profile,clocks,sparse-tiles,host,step-profile,flush} --help``."""
 
 import sys
 
@@ -13,7 +13,7 @@ def main(argv=None) -> int:
               "hopper": "flashref.bench.hopper_bench", "hopper-profile": "flashref.bench.hopper_profile",
               "clocks": "flashref.bench.clocks_bench",
               "sparse-tiles": "flashref.bench.sparse_tiles_bench", "host": "flashref.bench.host_bench",
-              "step-profile": "flashref.bench.step_profile"}
+              "step-profile": "flashref.bench.step_profile", "flush": "flashref.bench.flush_bench"}
     if not argv or argv[0] not in suites:
         print(f"usage: python -m flashref.bench {{{','.join(suites)}}} [options]", file=sys.stderr)
         return 2

@@ -67,27 +67,46 @@ def _time(fn, needs_grad, tensors):
     return ms, int(peak)
 
 
-def graph_time_us(fn, replays: int = 20) -> float | None:
+#: The L2 flushes :func:`graph_time_us` can run before a call: do_bench's (zeroing: dirty lines), or a read.
+FLUSHES = ("zero", "read")
+
+
+def graph_time_us(fn, replays: int = 20, flush: str = "zero") -> float | None:
     """Microseconds of GPU time one call takes with the host taken out: the call captured in a CUDA graph behind
-    a memset that empties the L2 cache (as ``do_bench`` does before each call), replayed, minus a graph of the
-    memset alone (medians of ``replays``). ``ms`` is what a loop of calls gets, host included where the host is
-    slower than the GPU; this is what the kernels take, the figure to compare kernels by where one call is short
-    (and what a loop captured in a CUDA graph, a decoding loop say, would see). None when the call cannot be
-    captured."""
+    a flush of the L2 cache, replayed, minus a graph of the flush alone (medians of ``replays``). ``ms`` is what a
+    loop of calls gets, host included where the host is slower than the GPU; this is what the kernels take, the
+    figure to compare kernels by where one call is short (and what a loop captured in a CUDA graph, a decoding
+    loop say, would see). None when the call cannot be captured.
+
+    ``flush="zero"`` empties the L2 as ``do_bench`` does before each call, by zeroing a 256 MiB buffer: the L2 is
+    left full of dirty lines, which the call's own reads must write back to HBM as they evict them (a few
+    microseconds on an H200, counted in the call's time). ``"read"`` sums the same buffer instead: the L2 is left
+    full of clean lines, dropped for free (:mod:`flashref.bench.flush_bench` measures the difference)."""
     import torch
 
-    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")  # do_bench's L2 flush buffer, 256 MiB
+    if flush not in FLUSHES:
+        raise ValueError(f"flush must be one of {FLUSHES}, got {flush!r}")
+    buffer = torch.zeros(256 * 2**20, dtype=torch.int8, device="cuda")  # do_bench's L2 flush buffer, 256 MiB
+    words, total = buffer.view(torch.float32), torch.empty((), device="cuda")
+
+    def empty_l2():
+        if flush == "zero":
+            buffer.zero_()
+        else:
+            torch.sum(words, dim=0, out=total)
+
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     try:
         with torch.cuda.stream(side):  # warm-up on a side stream, as torch's capture recipe asks
+            empty_l2()
             fn()
         torch.cuda.current_stream().wait_stream(side)
         graphs = {"flush": torch.cuda.CUDAGraph(), "both": torch.cuda.CUDAGraph()}
         with torch.cuda.graph(graphs["flush"]):
-            flush.zero_()
+            empty_l2()
         with torch.cuda.graph(graphs["both"]):
-            flush.zero_()
+            empty_l2()
             fn()
     except RuntimeError:  # a backend that cannot be captured
         torch.cuda.synchronize()
@@ -106,7 +125,7 @@ def graph_time_us(fn, replays: int = 20) -> float | None:
         return statistics.median(times)
 
     gpu_us = (replay_ms(graphs["both"]) - replay_ms(graphs["flush"])) * 1e3
-    del graphs, flush
+    del graphs, buffer
     return gpu_us
 
 

@@ -209,7 +209,8 @@ def memory_table(rows, mode="fwd+bwd", impls=("flashref-triton", "sdpa-flash", "
         cells = []
         for i in impls:
             r = get.get((i, d, c, n), {})
-            cells.append(f"{r['peak_bytes'] / 2**30:14.2f}" if r.get("status") == "ok" else f"{r.get('status', '-')[:14]:>14s}")
+            ok = r.get("status") == "ok"
+            cells.append(f"{r['peak_bytes'] / 2**30:14.2f}" if ok else f"{r.get('status', '-')[:14]:>14s}")
         lines.append(f"{mode:8s} {d:4d} {str(c):>6s} {n:6d} " + " ".join(cells))
     return "\n".join(lines)
 

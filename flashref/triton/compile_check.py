@@ -198,8 +198,8 @@ def table(gpus=("T4", "A100", "H100"), head_dims=(64, 128), dtype="float16", ker
                                           t4=gpu == "T4", capability=spec["capability"])
                 for cfg in kept:
                     compiled = compile_config(kernel, cfg, spec["capability"], d, dtype)
-                    rows.append((gpu, kernel, d, cfg, configs.shared_bytes_estimate(kernel, cfg, block_d, 2, spec["capability"]),
-                                 compiled.metadata.shared, spec["shared_bytes"]))
+                    estimate = configs.shared_bytes_estimate(kernel, cfg, block_d, 2, spec["capability"])
+                    rows.append((gpu, kernel, d, cfg, estimate, compiled.metadata.shared, spec["shared_bytes"]))
     return rows
 
 

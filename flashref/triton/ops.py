@@ -1310,8 +1310,10 @@ def _packed_views(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     cus = []
     for name, cu, x in (("cu_seqlens_q", cu_seqlens_q, q), ("cu_seqlens_k", cu_seqlens_k, k)):
         if not isinstance(cu, torch.Tensor) or cu.dtype not in (torch.int32, torch.int64) or cu.ndim != 1:
-            raise TypeError(f"{name} must be a 1-D torch.Tensor of int32 (or int64), got "
-                            f"{type(cu).__name__}{'' if not isinstance(cu, torch.Tensor) else f' {cu.dtype} of shape {tuple(cu.shape)}'}")
+            got = type(cu).__name__
+            if isinstance(cu, torch.Tensor):
+                got += f" {cu.dtype} of shape {tuple(cu.shape)}"
+            raise TypeError(f"{name} must be a 1-D torch.Tensor of int32 (or int64), got {got}")
         if cu.device != q.device:
             raise ValueError(f"{name} must be on q's device ({q.device}), got {cu.device}")
         cus.append(cu.to(torch.int32).contiguous())
