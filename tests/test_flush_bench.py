@@ -60,20 +60,28 @@ def test_a_point_one_implementation_missed_shows_a_dash():
     assert line.split()[3:6] == ["13.0", "12.0", "1.0"] and line.split()[6:] == ["-", "-", "-"]
 
 
-NCU_LOG = """==PROF== Connected to process 1
-"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
-"0","1","python3","h","{marker}","1","7","(1, 1, 1)","(1, 1, 1)","0","9.0","s","dram__bytes_read.sum","byte","0"
-"1","1","python3","h","flash_decode_split_kernel","1","7","(128, 1, 1)","(16, 8, 1)","0","9.0","s","dram__bytes_read.sum","byte","67,163,392"
-"1","1","python3","h","flash_decode_split_kernel","1","7","(128, 1, 1)","(16, 8, 1)","0","9.0","s","dram__bytes_write.sum","byte","20,503,808"
-"1","1","python3","h","flash_decode_split_kernel","1","7","(128, 1, 1)","(16, 8, 1)","0","9.0","s","gpu__time_duration.sum","ns","28,608"
-"2","1","python3","h","flash_decode_merge_kernel","1","7","(128, 1, 1)","(32, 1, 1)","0","9.0","s","dram__bytes_read.sum","byte","8,960"
-"2","1","python3","h","flash_decode_merge_kernel","1","7","(128, 1, 1)","(32, 1, 1)","0","9.0","s","dram__bytes_write.sum","byte","47,872"
-"2","1","python3","h","flash_decode_merge_kernel","1","7","(128, 1, 1)","(32, 1, 1)","0","9.0","s","gpu__time_duration.sum","ns","4,288"
-"3","1","python3","h","{marker}","1","7","(1, 1, 1)","(1, 1, 1)","0","9.0","s","dram__bytes_read.sum","byte","0"
-"4","1","python3","h","flash_decode_split_kernel","1","7","(128, 1, 1)","(16, 8, 1)","0","9.0","s","dram__bytes_read.sum","byte","67,162,880"
-"4","1","python3","h","flash_decode_split_kernel","1","7","(128, 1, 1)","(16, 8, 1)","0","9.0","s","dram__bytes_write.sum","byte","23,296"
-"4","1","python3","h","flash_decode_split_kernel","1","7","(128, 1, 1)","(16, 8, 1)","0","9.0","s","gpu__time_duration.sum","ns","23,104"
-""".replace("{marker}", MARKER)
+HEADER = ["ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Context", "Stream", "Block Size",
+          "Grid Size", "Device", "CC", "Section Name", "Metric Name", "Metric Unit", "Metric Value"]
+SPLIT, MERGE = "flash_decode_split_kernel", "flash_decode_merge_kernel"
+#: (ID, kernel, metric, value) as ncu logged them after a zeroing flush (case 0) and a reading one (case 1): the
+#: H200's run, the reading case's merge left out
+LOGGED = [(0, MARKER, "dram__bytes_read.sum", "0"),
+          (1, SPLIT, "dram__bytes_read.sum", "67,163,392"), (1, SPLIT, "dram__bytes_write.sum", "20,503,808"),
+          (1, SPLIT, "gpu__time_duration.sum", "28,608"),
+          (2, MERGE, "dram__bytes_read.sum", "8,960"), (2, MERGE, "dram__bytes_write.sum", "47,872"),
+          (2, MERGE, "gpu__time_duration.sum", "4,288"),
+          (3, MARKER, "dram__bytes_read.sum", "0"),
+          (4, SPLIT, "dram__bytes_read.sum", "67,162,880"), (4, SPLIT, "dram__bytes_write.sum", "23,296"),
+          (4, SPLIT, "gpu__time_duration.sum", "23,104")]
+
+
+def _csv(fields):
+    return ",".join(f'"{x}"' for x in fields)
+
+
+NCU_LOG = "\n".join(["==PROF== Connected to process 1", _csv(HEADER)] + [
+    _csv([i, 1, "python3", "h", name, 1, 7, "(128, 1, 1)", "(16, 8, 1)", 0, "9.0", "s", metric,
+          "ns" if metric.startswith("gpu__") else "byte", value]) for i, name, metric, value in LOGGED])
 
 
 def test_ncus_log_becomes_one_row_a_case_with_its_kernels_summed():
