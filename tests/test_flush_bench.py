@@ -104,10 +104,12 @@ def test_no_counts_no_writes_table():
 
 
 def test_a_flush_not_known_is_refused_by_name():
-    from flashref.bench.features_bench import graph_time_us
+    from flashref.bench.features_bench import graph_time_us, l2_flush
 
     with pytest.raises(ValueError, match="flush must be one of"):
         graph_time_us(lambda: None, flush="clean")
+    with pytest.raises(ValueError, match="flush must be one of"):
+        l2_flush("clean")
 
 
 def test_without_a_gpu_the_suite_says_what_it_needs(monkeypatch, capsys, tmp_path):

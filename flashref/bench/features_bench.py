@@ -71,6 +71,21 @@ def _time(fn, needs_grad, tensors):
 FLUSHES = ("zero", "read")
 
 
+def l2_flush(kind: str = "zero"):
+    """A function that empties the L2 cache ``kind``'s way (one of :data:`FLUSHES`) through a 256 MiB buffer of
+    its own, do_bench's size: ``"zero"`` zeroes it, as ``do_bench`` does (the L2 is left full of dirty lines),
+    ``"read"`` sums it (clean lines, which a later call drops for free)."""
+    import torch
+
+    if kind not in FLUSHES:
+        raise ValueError(f"flush must be one of {FLUSHES}, got {kind!r}")
+    buffer = torch.zeros(256 * 2**20, dtype=torch.int8, device="cuda")
+    if kind == "zero":
+        return buffer.zero_
+    words, total = buffer.view(torch.float32), torch.empty((), device="cuda")
+    return lambda: torch.sum(words, dim=0, out=total)
+
+
 def graph_time_us(fn, replays: int = 20, flush: str = "zero") -> float | None:
     """Microseconds of GPU time one call takes with the host taken out: the call captured in a CUDA graph behind
     a flush of the L2 cache, replayed, minus a graph of the flush alone (medians of ``replays``). ``ms`` is what a
@@ -84,17 +99,7 @@ def graph_time_us(fn, replays: int = 20, flush: str = "zero") -> float | None:
     full of clean lines, dropped for free (:mod:`flashref.bench.flush_bench` measures the difference)."""
     import torch
 
-    if flush not in FLUSHES:
-        raise ValueError(f"flush must be one of {FLUSHES}, got {flush!r}")
-    buffer = torch.zeros(256 * 2**20, dtype=torch.int8, device="cuda")  # do_bench's L2 flush buffer, 256 MiB
-    words, total = buffer.view(torch.float32), torch.empty((), device="cuda")
-
-    def empty_l2():
-        if flush == "zero":
-            buffer.zero_()
-        else:
-            torch.sum(words, dim=0, out=total)
-
+    empty_l2 = l2_flush(flush)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     try:
@@ -125,7 +130,7 @@ def graph_time_us(fn, replays: int = 20, flush: str = "zero") -> float | None:
         return statistics.median(times)
 
     gpu_us = (replay_ms(graphs["both"]) - replay_ms(graphs["flush"])) * 1e3
-    del graphs, buffer
+    del graphs, empty_l2
     return gpu_us
 
 

@@ -35,7 +35,7 @@ import sys
 import tempfile
 
 from flashref.bench import results
-from flashref.bench.features_bench import FLUSHES  # the flushes graph_time_us can run
+from flashref.bench.features_bench import FLUSHES, l2_flush  # the flushes graph_time_us can run, and how
 
 DEFAULT_OUT = "book/data/flush_bench.json"
 H, H_KV, D, N_Q = 32, 8, 128, 1
@@ -206,15 +206,12 @@ def _child(cases_file: str) -> int:
 
     with open(cases_file) as f:
         cases = json.load(f)
-    buffer = torch.zeros(256 * 2**20, dtype=torch.int8, device="cuda")
-    words, total = buffer.view(torch.float32), torch.empty((), device="cuda")
+    flushes = {kind: l2_flush(kind) for kind in FLUSHES}
     mark = case_marker()
     for i, case in enumerate(cases):
         q, k, v = _inputs(case["B"], case["N_k"])
         flash_decode(q, k, v, check_finite=False)  # compiled before the profiled range
-        buffer.zero_()
-        if case["flush"] == "read":
-            torch.sum(words, dim=0, out=total)
+        flushes[case["flush"]]()
         torch.cuda.synchronize()
         torch.cuda.profiler.start()
         mark(i)

@@ -243,7 +243,10 @@ def flash_decode_merge_kernel(O_PART, LSE_PART, O, LSE,
 # and B 4 16K, B 1 64K on 32, put (128, 4, 3) at 0.948-1.002x cuDNN's speed (cuDNN's kernel time over
 # flashref's; geometric mean 0.987) against 0.950-0.999x (0.967) for (64, 4, 3); it holds one program an SM
 # (136 KB of shared memory with 16 query rows, 208 KB with 64: compile_kernels' figures for sm_90; an A100's
-# 164 KB takes the first too).
+# 164 KB takes the first too). Checked again where one split holds the keys (H200, B 16 with 4K, 16K and 64K keys,
+# medians of five do_bench windows; stop 83): (128, 4, 3) was the fastest of nine configs, 0.98-1.00x cuDNN, with
+# (128, 4, 2) 0.84-0.90x, (128, 4, 4) and (128, 8, 3) within 1.5% behind, 2, 3 or 4 splits 0.89-0.99x; cuDNN's
+# kernel there has the same grid (128 programs of 4 warps, tiles of 16 x 128 x 128, ncu).
 GPU_CONFIGS = {
     "large": {64: [(128, 4, 3), (64, 4, 3), (64, 4, 2), (32, 4, 1)],
               128: [(128, 4, 3), (64, 4, 3), (64, 4, 2), (32, 4, 2), (16, 4, 1)],
@@ -510,6 +513,10 @@ def _merge_meta(d, block_d, num_splits, pdl=False):
 #: H200 (``book/data/decode_merge_bench.json``, 32 query heads on 8 K/V heads, d = 128): one token at B = 1 took
 #: 19.1 us against 16.8 at 4K keys and 35.5 against 34.0 at 16K, within 2% from B = 4 or 64K keys on. One program
 #: merging its group row after row costs more than a launch that PDL already overlaps with the split kernel's end.
+#: PDL itself, measured with the one-warp merge (H200, same shapes, medians of five; stop 83): on against off, B 1
+#: with 4K keys 16.4 against 18.3 us by do_bench (12.9 against 14.2 us of kernel time after a reading flush), 16K
+#: 32.3 against 33.9, 64K 78.9 against 80.7; B 4 with 4K 31.2 against 33.0, 16K 77.8 against 79.7: on was the
+#: faster at all six points, by do_bench and by kernel time.
 PDL = {"on": True}
 #: Whether this Triton has the griddepcontrol builtins (``tl.extra.cuda.gdc_wait``; Triton 3.3 and newer).
 HAS_PDL = hasattr(tl.extra.cuda, "gdc_wait") and hasattr(tl.extra.cuda, "gdc_launch_dependents")
