@@ -910,7 +910,7 @@ def compile_kernels(capability: int, head_dim: int = 128, dtype: str = "float16"
          dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])),
         ("merge", flash_decode_merge_kernel, ["*fp32", "*fp32", ptr, "*fp32"] + ["i32"] * 16, merge_strides,
          dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=MERGE_SPLITS, PDL=capability >= 90 and HAS_PDL),
-         dict(num_warps=4 if block_d >= 128 else 2, launch_pdl=capability >= 90 and HAS_PDL)),
+         dict(num_warps=MERGE_WARPS, launch_pdl=capability >= 90 and HAS_PDL)),
     ):
         runtime = [n for n in fn.arg_names if n not in constexprs]
         if len(runtime) != len(types):
