@@ -518,7 +518,7 @@ def one(job):
     spec = configs.GPUS[gpu]
     ks = decode.compile_kernels(spec["capability"], d, dtype, causal=causal, group=group, n_q=n_q)
     return [gpu, d, dtype, causal, group * n_q, ks["split"].metadata.shared, ks["merge"].metadata.shared,
-            spec["shared_bytes"]]
+            spec["shared_bytes"], ks["merge"].metadata.num_warps]
 
 # Llama-style GQA (4 query heads a K/V head) with 16 queries, bottom-right causal: the largest Q tile (64
 # rows); and fp32 (input_precision="ieee") decoding of one query on an H100.
@@ -531,7 +531,8 @@ with ProcessPoolExecutor(2) as pool:
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_both_kernels_compile_for_every_gpu_and_fit():
     """triton.compile for sm_75, sm_80 and sm_90 in a child process with the interpreter off (kernels defined
-    under it cannot be compiled); the split kernel's shared memory fits each GPU's per-block limit."""
+    under it cannot be compiled); the split kernel's shared memory fits each GPU's per-block limit, and the merge
+    is compiled with the warps it is launched with."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["FLASHREF_TRITON_COMPILE_ONLY"] = "1"
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
@@ -540,9 +541,9 @@ def test_both_kernels_compile_for_every_gpu_and_fit():
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
     assert {r[0] for r in rows} == {"T4", "A100", "H100"} and len(rows) == 4
-    for gpu, d, dtype, causal, rows_, split_shared, merge_shared, limit in rows:
+    for gpu, d, dtype, causal, rows_, split_shared, merge_shared, limit, merge_warps in rows:
         assert 0 < split_shared <= limit, (gpu, d, dtype, causal, rows_, split_shared, limit)
-        assert merge_shared <= limit
+        assert merge_shared <= limit and merge_warps == decode.MERGE_WARPS
 
 
 def test_the_package_loads_decoding_on_first_use():
