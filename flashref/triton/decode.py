@@ -73,8 +73,9 @@ MERGE_SPLITS = 16  # splits merged per step of the merge kernel's loop
 # 4K keys: 11.2 against 12.1 us; CUDA-graph replay after a reading flush), B 16 with 4K keys 64.4 against 65.1 us,
 # within 1% either way from 64K keys on. But Triton 3.6's launcher turns each host descriptor into a tensor map in
 # Python at every launch: 9-22 us more host time a call at eleven of twelve points (B 1 with 4K keys: 54 against
-# 38 us), so do_bench, which a short call's host time sets, measured 34.4 against 15.9 us there. Worth trying
-# again with a launcher that reuses a cache's tensor map from step to step.
+# 38 us), so do_bench, which a short call's host time sets, measured 34.4 against 15.9 us there. Reusing each
+# cache's tensor map from call to call (the launcher's make_tensordesc_arg memoized) did not remove that cost: 70
+# against 73 us of host time, 53.5 against 53.1 us by do_bench.
 @triton.jit
 def _decode_tile(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, start_n, L, last,
                  qk_scale, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
