@@ -95,8 +95,8 @@ def graph_time_us(fn, replays: int = 20, flush: str = "zero") -> float | None:
 
     ``flush="zero"`` empties the L2 as ``do_bench`` does before each call, by zeroing a 256 MiB buffer: the L2 is
     left full of dirty lines, which the call's own reads must write back to HBM as they evict them (a few
-    microseconds on an H200, counted in the call's time). ``"read"`` sums the same buffer instead: the L2 is left
-    full of clean lines, dropped for free (:mod:`flashref.bench.flush_bench` measures the difference)."""
+    microseconds on an H200, counted in the call's time). ``"read"`` sums a buffer of the same size instead: the L2 is
+    left full of clean lines, dropped for free (:mod:`flashref.bench.flush_bench` measures the difference)."""
     import torch
 
     empty_l2 = l2_flush(flush)

@@ -136,26 +136,18 @@ def load_results(path: str | None = None) -> dict:
 # ---- on the GPU ---------------------------------------------------------------------------------------------
 
 def _inputs(B: int, N_k: int):
-    import torch
+    """The decoding benchmark's inputs at this point (same generator, seed and order of draws)."""
+    from flashref.bench.decode_bench import _inputs
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(B, H, N_Q, D, device="cuda", dtype=torch.float16, generator=g)
-    k, v = (torch.randn(B, H_KV, N_k, D, device="cuda", dtype=torch.float16, generator=g) for _ in range(2))
-    return q, k, v
+    return _inputs(B, H, H_KV, N_Q, N_k, D)
 
 
-def _calls(q, k, v) -> dict:
-    """``{impl: (context factory, call)}``: flash-decoding on the dense cache, and SDPA pinned to cuDNN."""
-    import contextlib
+def _calls(N_k: int, impls=IMPLS) -> dict:
+    """``{impl: fn(q, k, v)}`` from the decoding benchmark: flash-decoding on the dense cache, SDPA pinned to
+    cuDNN (its ``fn.backend()`` the context to call it in)."""
+    from flashref.bench.decode_bench import implementations
 
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from flashref.triton.decode import flash_decode
-
-    return {"flashref-decode": (contextlib.nullcontext, lambda: flash_decode(q, k, v, check_finite=False)),
-            "sdpa-cudnn": (lambda: sdpa_kernel(SDPBackend.CUDNN_ATTENTION),
-                           lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))}
+    return implementations(N_Q, N_k, False, None, impls=list(impls))
 
 
 def times(points=POINTS, impls=IMPLS, rounds: int = ROUNDS):
@@ -163,23 +155,23 @@ def times(points=POINTS, impls=IMPLS, rounds: int = ROUNDS):
     as ``us_rounds``), the rounds taken in turn over the implementations and flushes."""
     import torch
 
-    from flashref.bench.decode_bench import _status, bytes_moved
+    from flashref.bench.decode_bench import _backend, _status, bytes_moved
     from flashref.bench.features_bench import graph_time_us
 
     for B, N_k in points:
         fields = dict(case="time", B=B, H=H, H_kv=H_KV, N_q=N_Q, N_k=N_k, d=D,
                       bytes=bytes_moved(B, H, H_KV, N_Q, N_k, D))
         q, k, v = _inputs(B, N_k)
-        calls = {impl: call for impl, call in _calls(q, k, v).items() if impl in impls}
+        calls = _calls(N_k, impls)
         got, status = {}, {}
         for rnd in range(rounds):
-            for impl, (context, call) in calls.items():
+            for impl, fn in calls.items():
                 for flush in FLUSHES:
                     if impl in status:
                         continue
                     try:
-                        with torch.no_grad(), context():
-                            us = graph_time_us(call, REPLAYS, flush=flush)
+                        with torch.no_grad(), _backend(fn):
+                            us = graph_time_us(lambda: fn(q, k, v), REPLAYS, flush=flush)
                     except Exception as exc:  # noqa: BLE001 (a backend that refuses is recorded)
                         status[impl] = _status(exc)
                         continue
@@ -202,7 +194,6 @@ def _child(cases_file: str) -> int:
     import torch
 
     from flashref.bench.hbm_bench import case_marker
-    from flashref.triton.decode import flash_decode
 
     with open(cases_file) as f:
         cases = json.load(f)
@@ -210,12 +201,13 @@ def _child(cases_file: str) -> int:
     mark = case_marker()
     for i, case in enumerate(cases):
         q, k, v = _inputs(case["B"], case["N_k"])
-        flash_decode(q, k, v, check_finite=False)  # compiled before the profiled range
+        decode = _calls(case["N_k"], ["flashref-decode"])["flashref-decode"]
+        decode(q, k, v)  # compiled before the profiled range
         flushes[case["flush"]]()
         torch.cuda.synchronize()
         torch.cuda.profiler.start()
         mark(i)
-        flash_decode(q, k, v, check_finite=False)
+        decode(q, k, v)
         torch.cuda.synchronize()
         torch.cuda.profiler.stop()
     return 0
