@@ -182,7 +182,7 @@ def test_windows_are_taken_in_turn():
 
 def test_a_pinned_backend_can_be_entered_for_every_window():
     """Each timing window enters the SDPA backend's context anew: one ``sdpa_kernel`` context can be entered only
-    once, so ``fn.backend`` makes a fresh one each time (the GPU run of stop 65 found every later window of the
+    once, so ``fn.backend`` makes a fresh one each time (a GPU run once found every later window of the
     pinned backends lost to a spent context)."""
     torch = pytest.importorskip("torch")
     fns = decode_bench.implementations(1, 64, False, None, ["sdpa-math", "flashref-decode"])

@@ -336,7 +336,7 @@ def measure_point(H_kv: int, N_q: int, N_k: int, B: int, impls=IMPLS, heads: int
     in turn after every implementation has run once (``ms_rounds``: all of them). Every implementation gets the same
     dense cache of N_k keys: flash_decode without ``cache_seqlens``, as SDPA gets it (a KV cache with lengths per
     row, :class:`flashref.triton.decode.KVCache`'s call, reads each length first: 0.5-0.9 us more at B 16 with 4K
-    keys and at B 1, stop 64's A/B on the H100)."""
+    keys and at B 1, an A/B on the H100)."""
     import statistics
 
     import torch

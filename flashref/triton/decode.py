@@ -67,7 +67,7 @@ MERGE_SPLITS = 16  # splits merged per step of the merge kernel's loop
 # Kernel 1: one slice of the keys, all the queries of one GQA group
 # --------------------------------------------------------------------------------------------------
 
-# K and V come in through pointers, not the tensor-memory accelerator. Tried on an H200 (stop 83; fp16, 32 query
+# K and V come in through pointers, not the tensor-memory accelerator. Tried on an H200 (fp16, 32 query
 # heads on 8 K/V heads, d = 128, one query): whole tiles loaded by TMA from host tensor descriptors of contiguous
 # caches, the masked last tile by pointers, took from 1.3% more kernel time (B 4 with 4K keys) to 7% less (B 1 with
 # 4K keys: 11.2 against 12.1 us; CUDA-graph replay after a reading flush), B 16 with 4K keys 64.4 against 65.1 us,
@@ -253,9 +253,12 @@ def flash_decode_merge_kernel(O_PART, LSE_PART, O, LSE,
 # flashref's; geometric mean 0.987) against 0.950-0.999x (0.967) for (64, 4, 3); it holds one program an SM
 # (136 KB of shared memory with 16 query rows, 208 KB with 64: compile_kernels' figures for sm_90; an A100's
 # 164 KB takes the first too). Checked again where one split holds the keys (H200, B 16 with 4K, 16K and 64K keys,
-# medians of five do_bench windows; stop 83): (128, 4, 3) was the fastest of nine configs, 0.98-1.00x cuDNN, with
+# medians of five do_bench windows): (128, 4, 3) was the fastest of nine configs, 0.98-1.00x cuDNN, with
 # (128, 4, 2) 0.84-0.90x, (128, 4, 4) and (128, 8, 3) within 1.5% behind, 2, 3 or 4 splits 0.89-0.99x; cuDNN's
-# kernel there has the same grid (128 programs of 4 warps, tiles of 16 x 128 x 128, ncu).
+# kernel there has the same grid (128 programs of 4 warps, tiles of 16 x 128 x 128, ncu). Kernel against kernel
+# under ncu with the clocks left free (1.73-1.81 GHz) and a reading flush before each call (medians of six), B 16
+# with 1K / 2K / 4K / 8K / 16K keys: 21.5 / 36.0 / 65.8 / 125.0 / 243.1 us against cuDNN's 20.7 / 35.8 / 65.3 /
+# 126.4 / 242.1, within 1 us either way, though cuDNN's kernel executes 11-31% more instructions.
 GPU_CONFIGS = {
     "large": {64: [(128, 4, 3), (64, 4, 3), (64, 4, 2), (32, 4, 1)],
               128: [(128, 4, 3), (64, 4, 3), (64, 4, 2), (32, 4, 2), (16, 4, 1)],
@@ -522,7 +525,7 @@ def _merge_meta(d, block_d, num_splits, pdl=False):
 #: H200 (``book/data/decode_merge_bench.json``, 32 query heads on 8 K/V heads, d = 128): one token at B = 1 took
 #: 19.1 us against 16.8 at 4K keys and 35.5 against 34.0 at 16K, within 2% from B = 4 or 64K keys on. One program
 #: merging its group row after row costs more than a launch that PDL already overlaps with the split kernel's end.
-#: PDL itself, measured with the one-warp merge (H200, same shapes, medians of five; stop 83): on against off, B 1
+#: PDL itself, measured with the one-warp merge (H200, same shapes, medians of five): on against off, B 1
 #: with 4K keys 16.4 against 18.3 us by do_bench (12.9 against 14.2 us of kernel time after a reading flush), 16K
 #: 32.3 against 33.9, 64K 78.9 against 80.7; B 4 with 4K 31.2 against 33.0, 16K 77.8 against 79.7: on was the
 #: faster at all six points, by do_bench and by kernel time.
@@ -546,8 +549,8 @@ def _split_forward(q, k_cache, v_cache, seqlens, causal, scale, plan, compiled=N
 
 #: Warps of a merge program. One: a program's slices (up to 16) and d columns fit one warp's registers, and its sums
 #: over the slices then stay in each thread, with no trip through shared memory. The whole call's kernel time from
-#: CUDA-graph replay after a reading flush (H200, fp16, 32 query heads on 8 K/V heads, one query, medians of five;
-#: stop 82), one / two / four warps, and cuDNN: d = 128, B 1 with 16K keys 23.0 / 23.5 / 24.6 us (23.9); B 4 with
+#: CUDA-graph replay after a reading flush (H200, fp16, 32 query heads on 8 K/V heads, one query, medians of
+#: five), one / two / four warps, and cuDNN: d = 128, B 1 with 16K keys 23.0 / 23.5 / 24.6 us (23.9); B 4 with
 #: 4K 22.1 / 23.5 / 24.1 (23.2); at B 1 with 4K, 64K and 128K keys and B 4 with 16K and 64K one warp was the fastest
 #: or tied, 0.3-1.9 us faster than four. d = 64 (two warps before) and 256 (four), B 1 with 16K keys and B 4 with 4K:
 #: one warp 0.5-0.9 us faster than before.
