@@ -528,7 +528,11 @@ def _merge_meta(d, block_d, num_splits, pdl=False):
 #: PDL itself, measured with the one-warp merge (H200, same shapes, medians of five): on against off, B 1
 #: with 4K keys 16.4 against 18.3 us by do_bench (12.9 against 14.2 us of kernel time after a reading flush), 16K
 #: 32.3 against 33.9, 64K 78.9 against 80.7; B 4 with 4K 31.2 against 33.0, 16K 77.8 against 79.7: on was the
-#: faster at all six points, by do_bench and by kernel time.
+#: faster at all six points, by do_bench and by kernel time. The split kernel itself is launched plainly: as a
+#: programmatic dependent of the kernel before it, waiting (``gdc_wait``) before its first read, it was no faster (H200,
+#: medians of five, do_bench / graph replay after a reading flush, against a plain launch in the same run): B 16 with
+#: 4K keys 76.4 / 63.4 us against 75.9 / 64.0, 16K 249.9 / 236.4 against 249.4 / 237.0, 64K 935.9 / 925.5 against
+#: 935.6 / 923.9; at B 1 with 4K to 64K keys and B 4 with 4K and 16K, within 0.6 us either way.
 PDL = {"on": True}
 #: Whether this Triton has the griddepcontrol builtins (``tl.extra.cuda.gdc_wait``; Triton 3.3 and newer).
 HAS_PDL = hasattr(tl.extra.cuda, "gdc_wait") and hasattr(tl.extra.cuda, "gdc_launch_dependents")
