@@ -13,7 +13,7 @@ import triton.language as tl
 from flashref.exercises import score_mods as ex
 from flashref.window_tiles import tile_ranges, window_tile_kinds
 from flashref.triton.forward import _tile_ranges
-from tests._triton_helpers import DEVICE
+from tests._triton_helpers import DEVICE, INTERPRETER_LANES
 
 
 def test_cu_seqlens_checker():
@@ -67,6 +67,7 @@ def _softcap_identity(s, c):
     return s
 
 
+@INTERPRETER_LANES  # a function that overflows, on purpose
 def test_softcap_checker_runs_the_function_in_a_kernel():
     assert ex.check_softcap_function(_softcap_right)
     assert "overflows" in repr(ex.check_softcap_function(_softcap_overflows))
