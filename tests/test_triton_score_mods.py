@@ -13,7 +13,8 @@ import torch
 from flashref import reference
 from flashref.tolerance import assert_within_tolerance
 from flashref.triton import dropout_mask, flash_attention, flash_attention_forward, flash_attention_varlen
-from tests._triton_helpers import DEVICE, INTERPRETER_LANES, no_autotune  # noqa: F401  (an autouse fixture: applies here)
+from tests._triton_helpers import DEVICE, INTERPRETER_LANES
+from tests._triton_helpers import no_autotune  # noqa: F401  (an autouse fixture: applies here)
 from tests._triton_helpers import feature_inputs as _inputs
 from tests._triton_helpers import np64 as _np64
 from tests._triton_helpers import plain_with_features
