@@ -107,6 +107,60 @@ def test_visible_block_lists():
             assert lists[b, 2, i, 1:1 + len(want)].tolist() == want, "visible blocks first, in increasing order"
 
 
+def test_coarse_block_mask_is_visible_where_any_block_under_it_is():
+    from flashref.triton.ops import coarse_block_mask
+
+    gen = torch.Generator().manual_seed(3)
+    for block_size, size, n_i, n_j in [(8, 32, 9, 13), (12, 32, 7, 11), (40, 32, 3, 5), (64, 128, 5, 3)]:
+        mask = torch.rand(2, 1, n_i, n_j, generator=gen) < 0.3
+        coarse = coarse_block_mask(mask.expand(2, 3, n_i, n_j), block_size, size)
+        assert coarse.dtype == torch.int8 and coarse.stride(1) == 0, "int8, no copy along broadcast H"
+        rows = mask.repeat_interleave(block_size, 2).repeat_interleave(block_size, 3)  # element by element
+        rows = torch.nn.functional.pad(rows, (0, -(-rows.shape[3] // size) * size - rows.shape[3],
+                                              0, -(-rows.shape[2] // size) * size - rows.shape[2]))
+        want = rows.unflatten(3, (-1, size)).unflatten(2, (-1, size)).any(5).any(3)
+        assert torch.equal(coarse[:, 0].bool(), want[:, 0]), (block_size, size)
+
+
+def test_the_lists_granule_holds_every_tile_whole():
+    from flashref.triton import configs
+
+    for interpreted in (False, True):
+        g = configs.list_granule(interpreted)
+        tiles = configs.INTERPRETER.values() if interpreted else [
+            c for table in configs.KERNELS.values() for pool in table.values() for c in pool]
+        assert all(g % c.block_m == 0 and g % c.block_n == 0 for c in tiles)
+        assert configs.list_size(4 * g, interpreted) == 4 * g, "a multiple of the granule: the mask's own blocks"
+        assert configs.list_size(g // 2, interpreted) == g and configs.list_size(g + 8, interpreted) == g
+    assert configs.list_granule() == 128, "ops.flash_attention's docstring names 128 x 128"
+
+
+# Keys 32..63, one block of the interpreter's coarse lists (32), hidden from every query and filled with NaN: a
+# tile that loaded them would turn O and the gradients NaN (P = 0 times NaN), so finite results show the tiles of
+# hidden coarse blocks are skipped even where the mask's blocks (8, 12, 48) do not hold the 32 x 16 tiles whole.
+@pytest.mark.parametrize("block_size", [8, 12, 48])
+@pytest.mark.parametrize("causal", [False, True])
+def test_hidden_tiles_are_never_loaded_whatever_the_block_size(block_size, causal):
+    N_q, N_k = 70, 100
+    q, k, v, do = _inputs(1, 2, 2, N_q, N_k, 16, torch.float32, 7)
+    blocks = torch.rand(1, 1, -(-N_q // block_size), -(-N_k // block_size), generator=torch.Generator().manual_seed(2))
+    blocks = blocks < 0.7
+    j = torch.arange(blocks.shape[3])
+    blocks[..., (j * block_size < 64) & ((j + 1) * block_size > 32)] = False
+    kn, vn = k.clone(), v.clone()
+    kn[:, :, 32:64] = float("nan")
+    vn[:, :, 32:64] = float("nan")
+    kw = dict(causal=causal, block_mask=blocks.to(DEVICE), block_size=block_size, check_finite=False)
+    o, lse = flash_attention_forward(q, kn, vn, **kw)
+    want, want_lse = flash_attention_forward(q, k, v, **kw)
+    assert torch.equal(o, want) and torch.equal(lse, want_lse)
+    grads = flash_attention_backward(q, kn, vn, o, lse, do, **kw)
+    assert all(torch.isfinite(g).all() for g in grads)
+    assert torch.all(grads[1][:, :, 32:64] == 0) and torch.all(grads[2][:, :, 32:64] == 0)
+    for got, ref in zip(grads, flash_attention_backward(q, k, v, want, want_lse, do, **kw)):
+        assert torch.equal(got, ref)
+
+
 def test_rows_that_see_no_key_are_zero_with_zero_gradients():
     blocks = torch.ones(1, 1, 3, 3, dtype=torch.bool)
     blocks[..., 1, :] = False  # queries 32..63 see nothing
@@ -366,8 +420,8 @@ def test_autotuner_consulted_once_per_key_then_its_choice_launched_directly(monk
     monkeypatch.setattr(ops, "_CHOSEN", {})
     monkeypatch.setenv("FLASHREF_TRITON_AUTOTUNE", "1")
     q = torch.zeros(1, 2, 1000, 16, dtype=torch.float16)
-    meta = dict(TUNE_N=1024, HEAD_DIM=16, CAUSAL=True, HAS_BM=False, BLOCK_SIZE=1, DROPOUT=False, WINDOW=False,
-                SOFTCAP=False, ALIBI=False, VARLEN=False)
+    meta = dict(TUNE_N=1024, HEAD_DIM=16, CAUSAL=True, HAS_BM=False, BLOCK_SIZE=1, LIST_SIZE=1, DROPOUT=False,
+                WINDOW=False, SOFTCAP=False, ALIBI=False, VARLEN=False)
     for _ in range(3):
         ops._launch(Kernel(), "forward", 1000, 2, q, q, **meta)
     assert calls == [("tuner", (16, 2)), ("kernel", (16, 2), 64, 32, 4, 2), ("kernel", (16, 2), 64, 32, 4, 2)]

@@ -26,8 +26,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashref.triton.forward import (_block_elements, _block_visible, _document, _dot, _in_window, _keep, _keep_t,
-                                     _listed_start, _listed_tiles_before, _load_rows, _modified, _tile_ranges)
+from flashref.triton.forward import (_block_elements, _document, _dot, _in_window, _keep, _keep_t,
+                                     _listed_start, _listed_tiles_before, _load_rows, _modified, _tile_ranges,
+                                     _tile_visible)
 
 
 @triton.jit
@@ -150,15 +151,15 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT: tl.constexpr,
                 HAS_BM: tl.constexpr, BM_TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, DROPOUT: tl.constexpr,
-                LISTED: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-                D_SPLIT: tl.constexpr):
+                LISTED: tl.constexpr, LIST_SIZE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+                ALIBI: tl.constexpr, D_SPLIT: tl.constexpr):
     """Add the query tiles with first row in [lo, hi) to this K/V tile's dK and dV; when LISTED only the
     visible ones, read from this key block's list of visible query blocks (``list_row``), or the plain loop
-    when all of them are visible (as _fwd_tiles). Otherwise a tile the block mask hides is skipped
-    (BM_TILE)."""
+    when all of them are visible (as _fwd_tiles). Otherwise a tile the block mask hides is skipped."""
+    EXACT: tl.constexpr = BM_TILE and LIST_SIZE == BLOCK_SIZE  # as in forward._fwd_tiles
     if LISTED:
-        it_lo = _listed_tiles_before(list_row, lo, BLOCK_SIZE, BLOCK_M)
-        it_hi = _listed_tiles_before(list_row, hi, BLOCK_SIZE, BLOCK_M)
+        it_lo = _listed_tiles_before(list_row, lo, LIST_SIZE, BLOCK_M)
+        it_hi = _listed_tiles_before(list_row, hi, LIST_SIZE, BLOCK_M)
         if (it_hi - it_lo) * BLOCK_M == hi - lo:
             for start_m in range(lo, hi, BLOCK_M):
                 dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base, stride_qm,
@@ -166,26 +167,26 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_
                                     N_k, sm_scale, qk_scale, offs_n, offs_d, offs_e, bm_base, stride_bmi, stride_bmj,
                                     seed, bh, drop_below, keep_scale, win_left, win_right, cap_in, cap_out, slope2,
                                     HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                                    MASKED=MASKED, CAUSAL=CAUSAL, ATOMIC_DQ=ATOMIC_DQ, DOT=DOT, HAS_BM=False,
-                                    BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, WINDOW=WINDOW,
+                                    MASKED=MASKED, CAUSAL=CAUSAL, ATOMIC_DQ=ATOMIC_DQ, DOT=DOT, HAS_BM=not EXACT,
+                                    BM_TILE=EXACT, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, WINDOW=WINDOW,
                                     SOFTCAP=SOFTCAP, ALIBI=ALIBI, D_SPLIT=D_SPLIT)
         else:
             for it in range(it_lo, it_hi):
-                start_m = _listed_start(list_row, it, BLOCK_SIZE, BLOCK_M)
+                start_m = _listed_start(list_row, it, LIST_SIZE, BLOCK_M)
                 dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base, stride_qm,
                                     stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd, start_m, start_n, N_q,
                                     N_k, sm_scale, qk_scale, offs_n, offs_d, offs_e, bm_base, stride_bmi, stride_bmj,
                                     seed, bh, drop_below, keep_scale, win_left, win_right, cap_in, cap_out, slope2,
                                     HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                                     MASKED=MASKED, CAUSAL=CAUSAL, ATOMIC_DQ=ATOMIC_DQ, DOT=DOT, HAS_BM=HAS_BM,
-                                    BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, WINDOW=WINDOW,
+                                    BM_TILE=EXACT, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, WINDOW=WINDOW,
                                     SOFTCAP=SOFTCAP, ALIBI=ALIBI, D_SPLIT=D_SPLIT)
     else:
         for start_m in range(lo, hi, BLOCK_M):
             visible = True
             if HAS_BM:
-                if BM_TILE:
-                    visible = _block_visible(bm_base, stride_bmi, stride_bmj, start_m, start_n, BLOCK_SIZE)
+                visible = _tile_visible(bm_base, stride_bmi, stride_bmj, start_m, start_n, N_q, N_k, BLOCK_SIZE,
+                                        BLOCK_M, BLOCK_N, BM_TILE)
             if visible:
                 dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base, stride_qm,
                                     stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd, start_m, start_n, N_q,
@@ -215,7 +216,8 @@ def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, M2, L2, Delta, BM, LISTS,
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           CAUSAL: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT: tl.constexpr,
-                          HAS_BM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DROPOUT: tl.constexpr,
+                          HAS_BM: tl.constexpr, BLOCK_SIZE: tl.constexpr, LIST_SIZE: tl.constexpr,
+                          DROPOUT: tl.constexpr,
                           WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, VARLEN: tl.constexpr,
                           ONE_HEAD: tl.constexpr, D_SPLIT: tl.constexpr):
     """Program (pid_n, pid_bhk) writes dK and dV of keys pid_n*BLOCK_N : +BLOCK_N of K/V head hk. Needs
@@ -260,7 +262,7 @@ def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, M2, L2, Delta, BM, LISTS,
     b64 = b.to(tl.int64)
     hk64 = hk.to(tl.int64)
     BM_TILE: tl.constexpr = (BLOCK_SIZE % BLOCK_M == 0) and (BLOCK_SIZE % BLOCK_N == 0)
-    LISTED: tl.constexpr = HAS_BM and BM_TILE
+    LISTED: tl.constexpr = HAS_BM and (LIST_SIZE % BLOCK_M == 0) and (LIST_SIZE % BLOCK_N == 0)
     kv_mask = (offs_n[:, None] < N_k) & (offs_e[None, :] < HEAD_DIM)
     k_base = K + b64 * stride_kb + hk64 * stride_kh
     v_base = V + b64 * stride_vb + hk64 * stride_vh
@@ -298,7 +300,7 @@ def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, M2, L2, Delta, BM, LISTS,
         l2_base = L2 + row0
         delta_base = Delta + row0
         bm_base = BM + b64 * stride_bmb + h64 * stride_bmh
-        list_row = LISTS + b64 * stride_lb + h64 * stride_lh + (start_n // BLOCK_SIZE) * stride_li
+        list_row = LISTS + b64 * stride_lb + h64 * stride_lh + (start_n // LIST_SIZE) * stride_li
         slope2 = 0.0
         if ALIBI:
             slope2 = tl.load(ALIBI_SLOPES + doc * stride_ab + h * stride_ah)
@@ -311,23 +313,23 @@ def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, M2, L2, Delta, BM, LISTS,
                                  cap_out, slope2, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M,
                                  BLOCK_N=BLOCK_N, MASKED=True, CAUSAL=CAUSAL, ATOMIC_DQ=ATOMIC_DQ, DOT=DOT,
                                  HAS_BM=HAS_BM, BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, LISTED=False,
-                                 WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI, D_SPLIT=D_SPLIT)
+                                 LIST_SIZE=LIST_SIZE, WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI, D_SPLIT=D_SPLIT)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base, stride_qm,
                              stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd, start_n, full_lo, full_hi,
                              N_q, N_k, sm_scale, qk_scale, offs_n, offs_d, offs_e, bm_base, stride_bmi, stride_bmj,
                              list_row, seed, bh, drop_below, keep_scale, win_left, win_right, cap_in, cap_out, slope2,
                              HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, MASKED=False,
                              CAUSAL=CAUSAL, ATOMIC_DQ=ATOMIC_DQ, DOT=DOT, HAS_BM=HAS_BM, BM_TILE=BM_TILE,
-                             BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, LISTED=LISTED, WINDOW=WINDOW, SOFTCAP=SOFTCAP,
-                             ALIBI=ALIBI, D_SPLIT=D_SPLIT)
+                             BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, LISTED=LISTED, LIST_SIZE=LIST_SIZE,
+                             WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI, D_SPLIT=D_SPLIT)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base, stride_qm,
                              stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd, start_n, full_hi, hi, N_q,
                              N_k, sm_scale, qk_scale, offs_n, offs_d, offs_e, bm_base, stride_bmi, stride_bmj,
                              list_row, seed, bh, drop_below, keep_scale, win_left, win_right, cap_in, cap_out, slope2,
                              HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, MASKED=True,
                              CAUSAL=CAUSAL, ATOMIC_DQ=ATOMIC_DQ, DOT=DOT, HAS_BM=HAS_BM, BM_TILE=BM_TILE,
-                             BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, LISTED=False, WINDOW=WINDOW, SOFTCAP=SOFTCAP,
-                             ALIBI=ALIBI, D_SPLIT=D_SPLIT)
+                             BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, LISTED=False, LIST_SIZE=LIST_SIZE, WINDOW=WINDOW,
+                             SOFTCAP=SOFTCAP, ALIBI=ALIBI, D_SPLIT=D_SPLIT)
 
     dk = dk * sm_scale
     if DROPOUT:
@@ -390,36 +392,38 @@ def _dq_tiles(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, st
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr,
               HAS_BM: tl.constexpr, BM_TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, DROPOUT: tl.constexpr,
-              LISTED: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+              LISTED: tl.constexpr, LIST_SIZE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+              ALIBI: tl.constexpr):
     """Add the K/V tiles with first key in [lo, hi) to this Q tile's dQ; when LISTED only the visible ones,
     from this query block's list of visible key blocks, or the plain loop when all are visible (as the
     forward's _fwd_tiles)."""
+    EXACT: tl.constexpr = BM_TILE and LIST_SIZE == BLOCK_SIZE  # as in forward._fwd_tiles
     if LISTED:
-        it_lo = _listed_tiles_before(list_row, lo, BLOCK_SIZE, BLOCK_N)
-        it_hi = _listed_tiles_before(list_row, hi, BLOCK_SIZE, BLOCK_N)
+        it_lo = _listed_tiles_before(list_row, lo, LIST_SIZE, BLOCK_N)
+        it_hi = _listed_tiles_before(list_row, hi, LIST_SIZE, BLOCK_N)
         if (it_hi - it_lo) * BLOCK_N == hi - lo:
             for start_n in range(lo, hi, BLOCK_N):
                 dq = _dq_tile(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                               start_m, start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj,
                               seed, bh, drop_below, keep_scale, win_left, win_right, cap_in, cap_out, slope2,
                               HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, MASKED=MASKED, CAUSAL=CAUSAL,
-                              DOT=DOT, HAS_BM=False, BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT,
+                              DOT=DOT, HAS_BM=not EXACT, BM_TILE=EXACT, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT,
                               WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
         else:
             for it in range(it_lo, it_hi):
-                start_n = _listed_start(list_row, it, BLOCK_SIZE, BLOCK_N)
+                start_n = _listed_start(list_row, it, LIST_SIZE, BLOCK_N)
                 dq = _dq_tile(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                               start_m, start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj,
                               seed, bh, drop_below, keep_scale, win_left, win_right, cap_in, cap_out, slope2,
                               HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, MASKED=MASKED, CAUSAL=CAUSAL,
-                              DOT=DOT, HAS_BM=HAS_BM, BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT,
+                              DOT=DOT, HAS_BM=HAS_BM, BM_TILE=EXACT, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT,
                               WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
     else:
         for start_n in range(lo, hi, BLOCK_N):
             visible = True
             if HAS_BM:
-                if BM_TILE:
-                    visible = _block_visible(bm_base, stride_bmi, stride_bmj, start_m, start_n, BLOCK_SIZE)
+                visible = _tile_visible(bm_base, stride_bmi, stride_bmj, start_m, start_n, N_q, N_k, BLOCK_SIZE,
+                                        offs_m.shape[0], BLOCK_N, BM_TILE)
             if visible:
                 dq = _dq_tile(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                               start_m, start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj,
@@ -444,7 +448,8 @@ def flash_bwd_dq_kernel(Q, K, V, DO, DQ, M2, L2, Delta, BM, LISTS,
                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         CAUSAL: tl.constexpr, DOT: tl.constexpr,
-                        HAS_BM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DROPOUT: tl.constexpr,
+                        HAS_BM: tl.constexpr, BLOCK_SIZE: tl.constexpr, LIST_SIZE: tl.constexpr,
+                        DROPOUT: tl.constexpr,
                         WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, VARLEN: tl.constexpr):
     """Program (pid_m, pid_bh) writes dQ of queries pid_m*BLOCK_M : +BLOCK_M. Needs BLOCK_M % BLOCK_N == 0.
     LISTS as the forward kernel's (visible key blocks per query block); the score modifications and VARLEN
@@ -470,8 +475,8 @@ def flash_bwd_dq_kernel(Q, K, V, DO, DQ, M2, L2, Delta, BM, LISTS,
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     BM_TILE: tl.constexpr = (BLOCK_SIZE % BLOCK_M == 0) and (BLOCK_SIZE % BLOCK_N == 0)
-    LISTED: tl.constexpr = HAS_BM and BM_TILE
-    list_row = LISTS + b64 * stride_lb + h64 * stride_lh + (start_m // BLOCK_SIZE) * stride_li
+    LISTED: tl.constexpr = HAS_BM and (LIST_SIZE % BLOCK_M == 0) and (LIST_SIZE % BLOCK_N == 0)
+    list_row = LISTS + b64 * stride_lb + h64 * stride_lh + (start_m // LIST_SIZE) * stride_li
     q_mask = (offs_m[:, None] < N_q) & (offs_d[None, :] < HEAD_DIM)
     q_base = Q + b64 * stride_qb + h64 * stride_qh
     do_base = DO + b64 * stride_dob + h64 * stride_doh
@@ -502,19 +507,19 @@ def flash_bwd_dq_kernel(Q, K, V, DO, DQ, M2, L2, Delta, BM, LISTS,
                        pid_bh, drop_below, keep_scale, win_left, win_right, cap_in, cap_out, slope2,
                        HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, MASKED=True, CAUSAL=CAUSAL, DOT=DOT,
                        HAS_BM=HAS_BM, BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, LISTED=False,
-                       WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
+                       LIST_SIZE=LIST_SIZE, WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
     dq = _dq_tiles(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, start_m,
                    full_lo, full_hi, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj, list_row,
                    seed, pid_bh, drop_below, keep_scale, win_left, win_right, cap_in, cap_out, slope2,
                    HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, MASKED=False, CAUSAL=CAUSAL, DOT=DOT,
                    HAS_BM=HAS_BM, BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, LISTED=LISTED,
-                   WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
+                   LIST_SIZE=LIST_SIZE, WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
     dq = _dq_tiles(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, start_m,
                    full_hi, hi, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj, list_row, seed,
                    pid_bh, drop_below, keep_scale, win_left, win_right, cap_in, cap_out, slope2,
                    HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, MASKED=True, CAUSAL=CAUSAL, DOT=DOT,
                    HAS_BM=HAS_BM, BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, LISTED=False,
-                   WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
+                   LIST_SIZE=LIST_SIZE, WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
     dq = dq * sm_scale
     tl.store(dq_base + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty),
              mask=q_mask)

@@ -92,7 +92,8 @@ def compile_config(kernel: str, cfg: configs.TileConfig, capability: int, head_d
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
                   "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "CAUSAL": causal,
                   "DOT": (DOT_IEEE if dtype == "float32" else DOT_NATIVE).value, "HAS_BM": block_size is not None,
-                  "BLOCK_SIZE": block_size or 1, "DROPOUT": dropout, "WINDOW": window, "SOFTCAP": softcap,
+                  "BLOCK_SIZE": block_size or 1, "LIST_SIZE": configs.list_size(block_size) if block_size else 1,
+                  "DROPOUT": dropout, "WINDOW": window, "SOFTCAP": softcap,
                   "ALIBI": alibi, "VARLEN": varlen}
     if kernel == "dkdv":
         constexprs["ATOMIC_DQ"] = False  # the default, deterministic path

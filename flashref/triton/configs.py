@@ -73,6 +73,23 @@ KERNELS = {"forward": FORWARD, "dkdv": BACKWARD_DKDV, "dq": BACKWARD_DQ}
 INTERPRETER = {"forward": TileConfig(32, 16, 4, 1), "dkdv": TileConfig(16, 32, 4, 1), "dq": TileConfig(32, 16, 4, 1)}
 
 
+def list_granule(interpreted: bool = False) -> int:
+    """The side of the coarse blocks whose visible-block lists the kernels walk when a block mask's own blocks do
+    not hold their tiles whole (``flashref.triton.ops.coarse_block_mask``): the longest tile side of any config
+    they may launch (under the interpreter, of its fixed configs), so every tile lies inside one coarse block."""
+    cfgs = INTERPRETER.values() if interpreted else [c for table in KERNELS.values() for pool in table.values()
+                                                     for c in pool]
+    return max(max(c.block_m, c.block_n) for c in cfgs)
+
+
+def list_size(block_size: int, interpreted: bool = False) -> int:
+    """The side of the blocks whose visible-block lists the kernels walk for a block mask of ``block_size``: its
+    own blocks when they hold every tile whole (``block_size`` a multiple of :func:`list_granule`), else the
+    granule's coarser blocks, so the tiles of hidden blocks are skipped whatever the block size."""
+    granule = list_granule(interpreted)
+    return block_size if block_size % granule == 0 else granule
+
+
 def autotune_enabled() -> bool:
     """False when ``FLASHREF_TRITON_AUTOTUNE=0``: launch the first config that fits instead of timing them
     all (the GPU tests use it to keep compile time short; a separate test runs every config)."""

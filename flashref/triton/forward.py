@@ -252,6 +252,20 @@ def _block_elements(bm_base, stride_bmi, stride_bmj, offs_m, offs_n, N_q, N_k, B
 
 
 @triton.jit
+def _tile_visible(bm_base, stride_bmi, stride_bmj, start_m, start_n, N_q, N_k, BLOCK_SIZE: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BM_TILE: tl.constexpr):
+    """Whether the block mask shows any entry of the tile at (start_m, start_n): one load when the tile lies
+    inside one mask block (BM_TILE), else the tile's entries, so a tile of hidden blocks is skipped in either
+    mode."""
+    if BM_TILE:
+        return _block_visible(bm_base, stride_bmi, stride_bmj, start_m, start_n, BLOCK_SIZE)
+    else:
+        entries = _block_elements(bm_base, stride_bmi, stride_bmj, start_m + tl.arange(0, BLOCK_M),
+                                  start_n + tl.arange(0, BLOCK_N), N_q, N_k, BLOCK_SIZE)
+        return tl.max(entries.to(tl.int32)) != 0
+
+
+@triton.jit
 def _listed_tiles_before(row, limit, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr):
     """How many tiles of a visible-block list lie before ``limit`` (a multiple of TILE). ``row`` points at
     one list: its count, then the visible block indices in increasing order, each block TILE-tiled, so the
@@ -357,40 +371,47 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr,
                HAS_BM: tl.constexpr, BM_TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, DROPOUT: tl.constexpr,
-               LISTED: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+               LISTED: tl.constexpr, LIST_SIZE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+               ALIBI: tl.constexpr):
     """Fold the K/V tiles with first key in [lo, hi) into (acc, l_i, m_i). When LISTED, only the visible
     ones, read from this query block's list of visible key blocks (``list_row``), so the loop meets no
     hidden tile and its loads stay pipelined; when every tile of [lo, hi) is visible, the plain loop (no
-    list, no check). Otherwise a tile whose mask block is False is skipped (BM_TILE) and the block mask is
-    applied element by element (not BM_TILE)."""
+    list, no check). Otherwise a tile the block mask hides is skipped, and the mask is applied element by
+    element where a tile spans several of its blocks (not BM_TILE).
+
+    The lists are of blocks of LIST_SIZE rows and keys. EXACT: those are the mask's own blocks, each holding
+    whole tiles, so a listed tile is all visible. Otherwise they are coarser blocks, listed where any mask
+    block they overlap is visible (a block_size that does not hold the tiles whole, ops.coarse_block_mask),
+    and a listed tile takes the mask element by element."""
+    EXACT: tl.constexpr = BM_TILE and LIST_SIZE == BLOCK_SIZE
     if LISTED:
-        it_lo = _listed_tiles_before(list_row, lo, BLOCK_SIZE, BLOCK_N)
-        it_hi = _listed_tiles_before(list_row, hi, BLOCK_SIZE, BLOCK_N)
+        it_lo = _listed_tiles_before(list_row, lo, LIST_SIZE, BLOCK_N)
+        it_hi = _listed_tiles_before(list_row, hi, LIST_SIZE, BLOCK_N)
         if (it_hi - it_lo) * BLOCK_N == hi - lo:
             for start_n in range(lo, hi, BLOCK_N):
                 acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn,
                                           stride_vd, start_m, start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base,
                                           stride_bmi, stride_bmj, seed, bh, drop_below, win_left, win_right, cap_in,
                                           cap_out, slope2, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
-                                          MASKED=MASKED, CAUSAL=CAUSAL, DOT=DOT, HAS_BM=False, BM_TILE=BM_TILE,
+                                          MASKED=MASKED, CAUSAL=CAUSAL, DOT=DOT, HAS_BM=not EXACT, BM_TILE=EXACT,
                                           BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, WINDOW=WINDOW, SOFTCAP=SOFTCAP,
                                           ALIBI=ALIBI)
         else:
             for it in range(it_lo, it_hi):
-                start_n = _listed_start(list_row, it, BLOCK_SIZE, BLOCK_N)
+                start_n = _listed_start(list_row, it, LIST_SIZE, BLOCK_N)
                 acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn,
                                           stride_vd, start_m, start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base,
                                           stride_bmi, stride_bmj, seed, bh, drop_below, win_left, win_right, cap_in,
                                           cap_out, slope2, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
-                                          MASKED=MASKED, CAUSAL=CAUSAL, DOT=DOT, HAS_BM=HAS_BM, BM_TILE=BM_TILE,
+                                          MASKED=MASKED, CAUSAL=CAUSAL, DOT=DOT, HAS_BM=HAS_BM, BM_TILE=EXACT,
                                           BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, WINDOW=WINDOW, SOFTCAP=SOFTCAP,
                                           ALIBI=ALIBI)
     else:
         for start_n in range(lo, hi, BLOCK_N):
             visible = True
             if HAS_BM:
-                if BM_TILE:
-                    visible = _block_visible(bm_base, stride_bmi, stride_bmj, start_m, start_n, BLOCK_SIZE)
+                visible = _tile_visible(bm_base, stride_bmi, stride_bmj, start_m, start_n, N_q, N_k, BLOCK_SIZE,
+                                        offs_m.shape[0], BLOCK_N, BM_TILE)
             if visible:
                 acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn,
                                           stride_vd, start_m, start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base,
@@ -422,7 +443,7 @@ def flash_fwd_kernel(Q, K, V, O, LSE, M2, L2, BM, LISTS,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      CAUSAL: tl.constexpr, DOT: tl.constexpr,
-                     HAS_BM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DROPOUT: tl.constexpr,
+                     HAS_BM: tl.constexpr, BLOCK_SIZE: tl.constexpr, LIST_SIZE: tl.constexpr, DROPOUT: tl.constexpr,
                      WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, VARLEN: tl.constexpr):
     """Program (pid_m, pid_bh) writes O[b, h, pid_m*BLOCK_M : +BLOCK_M, :], its lse (natural log), and the
     base-2 row max M2 and log2 of the row sum L2 that the backward pass uses.
@@ -431,8 +452,9 @@ def flash_fwd_kernel(Q, K, V, O, LSE, M2, L2, BM, LISTS,
     (causal) and only the tiles on the diagonal need a mask. Query head h reads K/V head h // GROUP
     (grouped-query attention; GROUP = 1 is plain multi-head attention). BM is the block mask (int8,
     strides 0 along broadcast dims), read only when HAS_BM; LISTS holds, per query block of the mask, the
-    count and the increasing indices of its visible key blocks, so the full tiles are walked from the list
-    (tile mode: BLOCK_SIZE a multiple of both tile sides). With DROPOUT, P is dropped with probability
+    count and the increasing indices of its visible key blocks (blocks of LIST_SIZE: the mask's own when
+    BLOCK_SIZE is a multiple of both tile sides, tile mode; else coarser ones, see _fwd_tiles), so the full
+    tiles are walked from the list. With DROPOUT, P is dropped with probability
     drop_below / 2**16 from the Philox stream of ``seed``. A row that sees no key stores O = 0, lse = -inf, and
     M2 = 0, L2 = +inf, which make the backward's recomputed P exactly 0.
 
@@ -472,8 +494,8 @@ def flash_fwd_kernel(Q, K, V, O, LSE, M2, L2, BM, LISTS,
         v_base += k_start.to(tl.int64) * stride_vn
     bm_base = BM + b.to(tl.int64) * stride_bmb + h.to(tl.int64) * stride_bmh
     BM_TILE: tl.constexpr = (BLOCK_SIZE % BLOCK_M == 0) and (BLOCK_SIZE % BLOCK_N == 0)
-    LISTED: tl.constexpr = HAS_BM and BM_TILE
-    list_row = LISTS + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + (start_m // BLOCK_SIZE) * stride_li
+    LISTED: tl.constexpr = HAS_BM and (LIST_SIZE % BLOCK_M == 0) and (LIST_SIZE % BLOCK_N == 0)
+    list_row = LISTS + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + (start_m // LIST_SIZE) * stride_li
 
     q = _load_rows(q_base, offs_m, offs_d, stride_qm, stride_qd, N_q, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, MASKED=True)
 
@@ -492,19 +514,20 @@ def flash_fwd_kernel(Q, K, V, O, LSE, M2, L2, BM, LISTS,
                                    stride_bmj, list_row, seed, pid_bh, drop_below, win_left, win_right, cap_in, cap_out,
                                    slope2, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, MASKED=True,
                                    CAUSAL=CAUSAL, DOT=DOT, HAS_BM=HAS_BM, BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE,
-                                   DROPOUT=DROPOUT, LISTED=False, WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
+                                   DROPOUT=DROPOUT, LISTED=False, LIST_SIZE=LIST_SIZE, WINDOW=WINDOW, SOFTCAP=SOFTCAP,
+                                   ALIBI=ALIBI)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, start_m,
                                full_lo, full_hi, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj,
                                list_row, seed, pid_bh, drop_below, win_left, win_right, cap_in, cap_out, slope2,
                                HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, MASKED=False, CAUSAL=CAUSAL,
                                DOT=DOT, HAS_BM=HAS_BM, BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT,
-                               LISTED=LISTED, WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
+                               LISTED=LISTED, LIST_SIZE=LIST_SIZE, WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, start_m,
                                full_hi, hi, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj,
                                list_row, seed, pid_bh, drop_below, win_left, win_right, cap_in, cap_out, slope2,
                                HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, MASKED=True, CAUSAL=CAUSAL,
                                DOT=DOT, HAS_BM=HAS_BM, BM_TILE=BM_TILE, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT,
-                               LISTED=False, WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
+                               LISTED=False, LIST_SIZE=LIST_SIZE, WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
 
     # Without a block mask or a window every row sees key 0 (top-left causal), so l_i > 0 for real rows;
     # padded rows are never stored. With one, a row may see nothing: l_i = 0, m_i = -inf.

@@ -47,7 +47,8 @@ def _bucket(n: int) -> int:
 
 
 # The launch arguments that select a compiled kernel (or say how long its loops are): autotuning keys on them.
-_KEY_META = ("TUNE_N", "HEAD_DIM", "CAUSAL", "HAS_BM", "BLOCK_SIZE", "DROPOUT", "WINDOW", "SOFTCAP", "ALIBI", "VARLEN")
+_KEY_META = ("TUNE_N", "HEAD_DIM", "CAUSAL", "HAS_BM", "BLOCK_SIZE", "LIST_SIZE", "DROPOUT", "WINDOW", "SOFTCAP",
+             "ALIBI", "VARLEN")
 
 
 def _autotuned(kernel, name: str):
@@ -136,6 +137,10 @@ class Features:
         self.dropout_p = validation.check_dropout_p(dropout_p)
         self.seed = _call_seed(seed, self.dropout_p)
         self.block_size = validation.check_block_size(block_size)
+        if self.block_size >= 2**31:  # the kernels take it as a 32-bit constant
+            raise ValueError(f"block_size must be below 2**31 for the Triton kernels, got {self.block_size} (any size "
+                             f"of at least max(N_q, N_k) gives the same one-block mask)")
+        self.list_size = configs.list_size(self.block_size, INTERPRETED)  # the blocks of the kernels' lists
         B, H, N_q, _ = q.shape
         N_k = k.shape[2]
         self.device = q.device
@@ -197,20 +202,25 @@ class Features:
 
     @property
     def meta(self) -> dict:
-        return dict(HAS_BM=self.block_mask is not None, BLOCK_SIZE=self.block_size if self.block_mask is not None else 1,
+        masked = self.block_mask is not None
+        return dict(HAS_BM=masked, BLOCK_SIZE=self.block_size if masked else 1,
+                    LIST_SIZE=self.list_size if masked else 1,
                     DROPOUT=self.dropout_p > 0.0, WINDOW=self.window, SOFTCAP=self.softcap,
                     ALIBI=self.slopes2 is not None, VARLEN=self.varlen is not None)
 
-    def args(self, q, transposed=False):
+    def args(self, q, transposed=False, list_size=None):
         """(BM, LISTS, 4 + 3 strides) for the kernels; one-element stand-ins when there is no mask. LISTS are
-        the visible-block lists of each query block (of each key block when ``transposed``, for dK/dV)."""
+        the visible-block lists of each query block (of each key block when ``transposed``, for dK/dV), of
+        blocks of ``list_size`` rows and keys (default ``self.list_size``; the Gluon kernels take the mask's
+        own, ``block_size``)."""
         if self.block_mask is None:
             bm, lists = _stand_ins(q.device)[:2]
         else:
             bm = self.block_mask
-            if transposed not in self._lists:  # kept by autograd for the backward
-                self._lists[transposed] = _lists_of(self._given_mask, bm, transposed)
-            lists = self._lists[transposed]
+            key = (transposed, list_size or self.list_size)
+            if key not in self._lists:  # kept by autograd for the backward
+                self._lists[key] = _lists_of(self._given_mask, bm, transposed, self.block_size, key[1])
+            lists = self._lists[key]
         return bm, lists, (*bm.stride(), *lists.stride()[:3])
 
     def scalars(self) -> dict:
@@ -306,11 +316,34 @@ def visible_block_lists(block_mask: torch.Tensor) -> torch.Tensor:
 _LISTS_KEPT: dict = {}
 
 
-def _lists_of(given, bm, transposed: bool) -> torch.Tensor:
+def coarse_block_mask(block_mask: torch.Tensor, block_size: int, size: int) -> torch.Tensor:
+    """The block mask ``(B, H, n_i, n_j)`` of blocks of ``block_size`` (int8 or bool, stride 0 along broadcast
+    dims) seen in blocks of ``size``: int8 ``(B, H, ceil(n_i block_size / size), ceil(n_j block_size / size))``,
+    1 where any block of ``block_mask`` that the coarse block overlaps is visible. Its lists are what the
+    kernels walk when ``block_size`` does not hold their tiles whole: a coarse block holds them, so the tiles
+    of hidden coarse blocks are never loaded, and a listed tile still takes the mask element by element."""
+    B, H, n_i, n_j = block_mask.shape
+    own = block_mask[:1 if block_mask.stride(0) == 0 else B, :1 if block_mask.stride(1) == 0 else H]
+
+    def overlaps(n: int) -> torch.Tensor:  # (coarse blocks, blocks): 1 where their rows intersect
+        c = torch.arange(_cdiv(n * block_size, size), device=own.device)[:, None]
+        i = torch.arange(n, device=own.device)[None, :]
+        return ((i * block_size < (c + 1) * size) & ((i + 1) * block_size > c * size)).float()
+
+    counts = overlaps(n_i) @ (own != 0).float() @ overlaps(n_j).T  # visible blocks under each coarse block
+    coarse = (counts > 0).to(torch.int8)
+    return coarse.expand(B, H, *coarse.shape[2:])
+
+
+def _lists_of(given, bm, transposed: bool, block_size: int, list_size: int) -> torch.Tensor:
     """visible_block_lists of ``bm`` (the int8 expansion of the caller's bool mask ``given``, transposed for
-    the dK/dV kernel), reused while ``given`` is unchanged and the expansion the same (:func:`_kept_for`)."""
-    return _kept_for(_LISTS_KEPT, given, (transposed, tuple(bm.shape), tuple(bm.stride())),
-                     lambda: visible_block_lists(bm.transpose(-1, -2) if transposed else bm))
+    the dK/dV kernel) in blocks of ``list_size`` (:func:`coarse_block_mask` when not ``block_size``), reused
+    while ``given`` is unchanged and the expansion the same (:func:`_kept_for`)."""
+    def make():
+        blocks = bm if list_size == block_size else coarse_block_mask(bm, block_size, list_size)
+        return visible_block_lists(blocks.transpose(-1, -2) if transposed else blocks)
+
+    return _kept_for(_LISTS_KEPT, given, (transposed, list_size, tuple(bm.shape), tuple(bm.stride())), make)
 
 
 def check_device(device) -> torch.device:
@@ -653,7 +686,8 @@ def _hopper_forward(q, k, scale: float, feat: Features, token: bool = False):
     hopper = _gluon_module("hopper")
     if feat.block_mask is not None:  # the loop that walks the lists of visible blocks, as the teaching kernel's
         cfg = hopper.block_mask_config(q.shape[3], feat.block_size)
-        return hopper.ForwardLaunch(q, k, feat.causal, scale, cfg, lists=(feat.args(q)[1], feat.block_size),
+        lists = feat.args(q, list_size=feat.block_size)[1]
+        return hopper.ForwardLaunch(q, k, feat.causal, scale, cfg, lists=(lists, feat.block_size),
                                     token=token)
     dropout = feat.dropout_p > 0.0
     cfg = hopper.dropout_config(q.shape[3]) if dropout else hopper.default_config(q.shape[3])
@@ -876,8 +910,8 @@ def _hopper_backward(q, k, scale: float, feat: Features, want_dq: bool = True, w
                 dropout=feat.dropout_p > 0.0, token=token)
     lists_dq = lists_dkdv = None
     if feat.block_mask is not None:  # the visible-block lists of query blocks, and of key blocks (transposed)
-        lists_dq = (feat.args(q)[1], feat.block_size)
-        lists_dkdv = (feat.args(q, transposed=True)[1], feat.block_size)
+        lists_dq = (feat.args(q, list_size=feat.block_size)[1], feat.block_size)
+        lists_dkdv = (feat.args(q, transposed=True, list_size=feat.block_size)[1], feat.block_size)
     dq = backward.DqLaunch(q, k, feat.causal, scale, **mods, lists=lists_dq) if want_dq else None
     dkdv = backward.DkdvLaunch(q, k, feat.causal, scale, **mods, lists=lists_dkdv) if want_dkdv else None
     return dq, dkdv
@@ -945,11 +979,14 @@ _FEATURES_DOC = """
       ``seed=None`` draws one from torch's generator. :func:`dropout_mask` returns the mask a seed gives.
     - ``block_mask``: a bool tensor ``(B or 1, H or 1, ceil(N_q / block_size), ceil(N_k / block_size))``;
       block (i, j) False means the queries of block i never see the keys of block j. Combines with
-      ``causal``. When ``block_size`` is a multiple of both sides of a kernel tile (128 is, for every
-      config), the kernels walk lists of the visible blocks, built from the mask by one small kernel on the
-      first call with that mask tensor (kept while it lives and is not changed in place, so pass the same
-      tensor at every step), and a hidden tile is never loaded; otherwise the mask is applied element by
-      element. A query row that sees no key gets ``o = 0`` and ``lse = -inf``, and zero gradients: never NaN.
+      ``causal``. The kernels walk lists of the visible blocks, built from the mask by one small kernel on
+      the first call with that mask tensor (kept while it lives and is not changed in place, so pass the same
+      tensor at every step), and a hidden tile is never loaded. When ``block_size`` is a multiple of every
+      kernel tile's sides (128 is, for every config), the lists are of the mask's own blocks and a listed tile
+      is wholly visible. Otherwise they are of 128 x 128 blocks (:func:`coarse_block_mask`; 32 in the
+      interpreter), listed where any mask block inside is visible, and a listed tile takes the mask element
+      by element: only tiles whose whole 128 x 128 block is hidden are skipped. A query row that sees no key
+      gets ``o = 0`` and ``lse = -inf``, and zero gradients: never NaN.
 
     Score and mask modifications, FlashAttention's keywords (:mod:`flashref.score_mods` has the rule, and
     :mod:`flashref.reference` the float64 oracle); each composes with all of the above:
@@ -1038,8 +1075,10 @@ flash_attention_backward.__doc__ += _FEATURES_DOC
 class FlashAttentionFunction(torch.autograd.Function):
     """``O = dropout(softmax(sm_scale Q K^T)) V`` whose backward recomputes P from Q, K and the saved row
     statistics (the max m and the sum l of each row: lse = m + log l) and replays the dropout mask from
-    its seed: O(N) extra memory. ``FlashAttentionFunction.apply(q, k, v, causal, sm_scale, ...)`` takes the
-    arguments of :func:`flash_attention` in its order (defaults included) and checks them the same way."""
+    its seed: O(N) extra memory. ``FlashAttentionFunction.apply`` takes positions only (autograd's rule), in the
+    order of :meth:`forward`: ``q, k, v, causal, sm_scale, deterministic`` as :func:`flash_attention`, then
+    ``check_finite``, then its other keyword-only arguments from ``dropout_p`` to ``kernel``; defaults and checks
+    are :func:`flash_attention`'s."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal=False, sm_scale=None, deterministic=True, check_finite=True, dropout_p=0.0,
