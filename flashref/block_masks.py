@@ -12,13 +12,7 @@ import numbers
 
 import torch
 
-from flashref.validation import check_block_mask, check_block_size, check_bool, check_dense
-
-
-def _positive(name: str, n) -> int:
-    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
-        raise ValueError(f"{name} must be a positive int, got {n!r}")
-    return int(n)
+from flashref.validation import check_block_mask, check_block_size, check_bool, check_dense, check_positive_int
 
 
 def _count(name: str, n) -> int:
@@ -29,7 +23,7 @@ def _count(name: str, n) -> int:
 
 def n_blocks(N: int, block_size: int) -> int:
     """ceil(N / block_size): the blocks a side of N tokens."""
-    return -(-_positive("N", N) // check_block_size(block_size))
+    return -(-check_positive_int("N", N) // check_block_size(block_size))
 
 
 def _device(device):
@@ -49,8 +43,8 @@ def _device(device):
 
 def _grid(n_q_blocks, n_k_blocks, device):
     device = _device(device)
-    n_q = _positive("n_q_blocks", n_q_blocks)
-    n_k = n_q if n_k_blocks is None else _positive("n_k_blocks", n_k_blocks)
+    n_q = check_positive_int("n_q_blocks", n_q_blocks)
+    n_k = n_q if n_k_blocks is None else check_positive_int("n_k_blocks", n_k_blocks)
     i = torch.arange(n_q, device=device)[:, None]
     j = torch.arange(n_k, device=device)[None, :]
     return i, j
@@ -66,7 +60,7 @@ def sliding_window(n_q_blocks: int, n_k_blocks: int | None = None, window: int =
                    device=None) -> torch.Tensor:
     """A band of ``window`` blocks: causal, block i sees blocks i - window + 1 .. i; otherwise every block
     j with |i - j| < window (2 window - 1 blocks a row)."""
-    window = _positive("window", window)
+    window = check_positive_int("window", window)
     check_bool("causal", causal)
     i, j = _grid(n_q_blocks, n_k_blocks, device)
     band = (i - j < window) & (j - i < window)
@@ -78,9 +72,9 @@ def bigbird(n_blocks: int, window: int = 3, n_global: int = 1, n_random: int = 2
     """BigBird-like: a symmetric window (|i - j| < window), ``n_global`` global blocks (the first ones:
     they see every block and every block sees them), and ``n_random`` random key blocks a row drawn from a
     seeded CPU generator, so a seed gives the same mask on every device."""
-    n = _positive("n_blocks", n_blocks)
+    n = check_positive_int("n_blocks", n_blocks)
     device = _device(device)
-    window, n_global, n_random = _positive("window", window), _count("n_global", n_global), _count("n_random", n_random)
+    window, n_global, n_random = check_positive_int("window", window), _count("n_global", n_global), _count("n_random", n_random)
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}: {seed!r}")
     if not -2**63 <= seed < 2**64:
@@ -111,7 +105,7 @@ def visible_pairs(block_mask: torch.Tensor, N_q: int, N_k: int, block_size: int,
     """The exact number of (query, key) pairs a block mask leaves visible, per leading (B, H) entry
     (int64, shape ``block_mask.shape[:2]``): ragged last blocks clipped at N_q and N_k, and with ``causal``
     only key <= query (top-left). Benchmark FLOPs are counted on these pairs (4 d per pair forward)."""
-    N_q, N_k, bs = _positive("N_q", N_q), _positive("N_k", N_k), check_block_size(block_size)
+    N_q, N_k, bs = check_positive_int("N_q", N_q), check_positive_int("N_k", N_k), check_block_size(block_size)
     check_bool("causal", causal)
     check_dense("block_mask", block_mask)
     bm = torch.as_tensor(block_mask)

@@ -81,14 +81,6 @@ def _check_state(name: str, state) -> "SoftmaxState":
     return state
 
 
-def _check_block_size(block_size) -> int:
-    if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral):
-        raise TypeError(f"block_size must be an int, got {type(block_size).__name__}: {block_size!r}")
-    if block_size < 1:
-        raise ValueError(f"block_size must be at least 1, got {block_size}")
-    return int(block_size)
-
-
 # --------------------------------------------------------------------------------------------------
 # The recurrence
 # --------------------------------------------------------------------------------------------------
@@ -272,7 +264,7 @@ def scan(x, block_size: int = 1) -> SoftmaxState:
     """Run the recurrence over the last axis of ``x`` in blocks of ``block_size``; return the final state
     (one pass over the data)."""
     x = _as_scores(x, "x")
-    block_size = _check_block_size(block_size)
+    block_size = validation.check_block_size(block_size)
     state = init(x.shape[:-1], dtype=x.dtype)
     for start in range(0, x.shape[-1], block_size):
         state = update(state, x[..., start:start + block_size])
@@ -300,7 +292,7 @@ def running_trace(x, block_size: int = 1):
     scores seen after block ``t`` and ``m[t]``, ``l[t]`` (shape ``(n_blocks, ...)``) the running max and
     sum then."""
     x = _as_scores(x, "x")
-    block_size = _check_block_size(block_size)
+    block_size = validation.check_block_size(block_size)
     state = init(x.shape[:-1], dtype=x.dtype)
     ends, ms, ls = [], [], []
     for start in range(0, x.shape[-1], block_size):
@@ -329,7 +321,7 @@ def attention_by_key_blocks(q, k, v, block_k: int = 64, causal=False, sm_scale=N
                                       numpy=True)
     validation.check_causal(causal)
     scale = validation.check_sm_scale(sm_scale, q.shape[-1])
-    block_k = _check_block_size(block_k)
+    block_k = validation.check_block_size(block_k)
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     N_q, N_k = q.shape[-2], k.shape[-2]
     mask = reference.causal_mask(N_q, N_k) if causal else None

@@ -86,6 +86,7 @@ FEATURE_CASES = [
     (dict(block_mask=[[True]], block_size=64), TypeError, "block_mask must be a torch.Tensor"),
     (dict(block_mask=("bool", (1, 1, 3, 3)), block_size=-16), ValueError, "block_size must be a positive integer, got -16"),
     (dict(block_mask=("bool", (1, 1, 40, 40)), block_size=True), TypeError, "block_size must be a positive integer, got bool"),
+    (dict(block_mask=("bool", (1, 1, 1, 1)), block_size=2**31), ValueError, "block_size must be below 2**31 for the Triton"),
     (dict(block_mask=("bool", (1, 1, 3, 3)), block_size=16.0), TypeError, "block_size must be a positive integer, got float"),
     (dict(block_size=0), ValueError, "block_size must be a positive integer"),  # checked even without a mask
     # windows
@@ -171,7 +172,7 @@ def test_triton_window_may_be_a_list_or_numpy_ints(window):
 
 
 def test_triton_block_size_need_not_divide_a_tile_and_the_mask_may_be_strided():
-    """A block size that is no multiple of the kernel's tiles (the mask is applied element by element) and a
+    """A block size that is no multiple of the kernel's tiles (coarse lists, the mask applied element by element) and a
     non-contiguous mask give the float64 reference's answer."""
     q, k, v = _qkv(B=1, N_q=40, N_k=33)
     n64 = lambda x: x.detach().cpu().double().numpy()  # noqa: E731
@@ -877,9 +878,9 @@ def test_online_softmax_states_take_broadcast_values_and_numpy_widths():
 
 @pytest.mark.parametrize("fn", [osm.running_trace, osm.scan, osm.logsumexp], ids=lambda f: f.__name__)
 def test_online_softmax_bad_blocks_and_scores(fn):
-    with pytest.raises(ValueError, match="block_size must be at least 1, got 0"):
+    with pytest.raises(ValueError, match="block_size must be a positive integer, got 0"):
         fn(np.ones(4), 0)
-    with pytest.raises(TypeError, match="block_size must be an int, got float"):
+    with pytest.raises(TypeError, match="block_size must be a positive integer, got float"):
         fn(np.ones(4), 2.0)
     with pytest.raises(ValueError, match=re.escape("x must be finite or -inf (a masked score), got NaN at index (0,)")):
         fn(np.array([np.nan]))
@@ -891,7 +892,7 @@ def test_attention_by_key_blocks_bad_arguments():
     q = np.zeros((3, 2))
     with pytest.raises(TypeError, match="causal must be a bool"):
         osm.attention_by_key_blocks(q, q, q, causal=1)
-    with pytest.raises(TypeError, match="block_size must be an int, got bool"):
+    with pytest.raises(TypeError, match="block_size must be a positive integer, got bool"):
         osm.attention_by_key_blocks(q, q, q, block_k=True)
     with pytest.raises(ValueError, match="share their batch and head dimensions"):  # no grouped heads here
         osm.attention_by_key_blocks(np.zeros((1, 4, 3, 2)), np.zeros((1, 2, 3, 2)), np.zeros((1, 2, 3, 2)))
@@ -993,25 +994,25 @@ def test_simulate_ring_more_ranks_than_the_sequence_divides():
 # ------------------------------------------------------------------ block masks
 
 @pytest.mark.parametrize("call, exc, words", [
-    (lambda: bmk.n_blocks(0, 16), ValueError, "N must be a positive int, got 0"),
-    (lambda: bmk.n_blocks(10.0, 16), (ValueError, TypeError), "N must be a positive int, got 10.0"),
+    (lambda: bmk.n_blocks(0, 16), ValueError, "N must be a positive integer, got 0"),
+    (lambda: bmk.n_blocks(10.0, 16), (ValueError, TypeError), "N must be a positive integer, got float: 10.0"),
     (lambda: bmk.n_blocks(10, True), TypeError, "block_size must be a positive integer, got bool"),
     (lambda: bmk.n_blocks(10, -1), ValueError, "block_size must be a positive integer, got -1"),
-    (lambda: bmk.causal_blocks(0), ValueError, "n_q_blocks must be a positive int, got 0"),
-    (lambda: bmk.causal_blocks("3"), (ValueError, TypeError), "n_q_blocks must be a positive int, got '3'"),
-    (lambda: bmk.causal_blocks(3, 0), ValueError, "n_k_blocks must be a positive int, got 0"),
-    (lambda: bmk.sliding_window(4, window=True), (ValueError, TypeError), "window must be a positive int, got True"),
-    (lambda: bmk.sliding_window(4, window=2.0), (ValueError, TypeError), "window must be a positive int, got 2.0"),
+    (lambda: bmk.causal_blocks(0), ValueError, "n_q_blocks must be a positive integer, got 0"),
+    (lambda: bmk.causal_blocks("3"), (ValueError, TypeError), "n_q_blocks must be a positive integer, got str: '3'"),
+    (lambda: bmk.causal_blocks(3, 0), ValueError, "n_k_blocks must be a positive integer, got 0"),
+    (lambda: bmk.sliding_window(4, window=True), (ValueError, TypeError), "window must be a positive integer, got bool: True"),
+    (lambda: bmk.sliding_window(4, window=2.0), (ValueError, TypeError), "window must be a positive integer, got float: 2.0"),
     (lambda: bmk.sliding_window(4, 0), ValueError, "n_k_blocks must be a positive int"),
     (lambda: bmk.bigbird(0), ValueError, "n_blocks must be a positive int"),
-    (lambda: bmk.bigbird(4, window=0), ValueError, "window must be a positive int, got 0"),
+    (lambda: bmk.bigbird(4, window=0), ValueError, "window must be a positive integer, got 0"),
     (lambda: bmk.bigbird(4, n_global=-1), ValueError, "n_global must be a non-negative int"),
     (lambda: bmk.visible_pairs(bmk.causal_blocks(3)[0, 0], 40, 40, 16), ValueError, "got (3, 3)"),
     (lambda: bmk.visible_pairs(torch.ones(1, 3, 3, dtype=torch.bool), 40, 40, 16), ValueError, "got (1, 3, 3)"),
     (lambda: bmk.visible_pairs(torch.ones(1, 1, 1, 3, 3, dtype=torch.bool), 40, 40, 16), ValueError, "got (1, 1, 1, 3, 3)"),
     (lambda: bmk.visible_pairs(torch.ones(1, 1, 3, 3, dtype=torch.int64), 40, 40, 16), TypeError,
      "block_mask must be boolean"),
-    (lambda: bmk.visible_pairs(bmk.causal_blocks(3), 0, 40, 16), ValueError, "N_q must be a positive int, got 0"),
+    (lambda: bmk.visible_pairs(bmk.causal_blocks(3), 0, 40, 16), ValueError, "N_q must be a positive integer, got 0"),
     (lambda: bmk.visible_pairs(bmk.causal_blocks(3), 40, 40, 0), ValueError, "block_size must be a positive integer"),
 ])
 def test_block_mask_helpers_bad_arguments(call, exc, words):
