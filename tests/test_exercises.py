@@ -8,6 +8,7 @@ import math
 import inspect
 import os
 import pkgutil
+import pathlib
 import subprocess
 import sys
 
@@ -69,6 +70,14 @@ def test_checkers_need_neither_torch_nor_triton():
         "print('ok')\n"))
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+def test_every_exercise_module_imports_without_torch_or_triton():
+    """A checker that needs torch imports it when called; the module itself loads on a NumPy-only machine."""
+    names = sorted(p.stem for p in (pathlib.Path(ROOT) / "flashref" / "exercises").glob("*.py") if p.stem != "__init__")
+    result = _run_without(("torch", "triton"), "".join(f"import flashref.exercises.{n}\n" for n in names) + "print('ok')")
+    assert result.returncode == 0, result.stderr
+    assert len(names) >= 15 and result.stdout.strip() == "ok"
 
 
 def test_measured_io_checkers_accept_right_answers_and_explain_wrong_ones():

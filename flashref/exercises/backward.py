@@ -94,11 +94,21 @@ def check_recompute_flops(answer) -> Verdict:
 def tile_problem(seed: int = 8):
     """One tile of a backward pass: ``(q_i, k_j, v_j, do_i, lse_i, delta_i, scale)`` in float64 for 6 query
     rows and 5 keys of a 6 x 9 problem (lse_i and delta_i are the whole rows', from the forward)."""
+    return _tile_problem(seed, 6, 9, 4, 2, 7, 0.5)
+
+
+def _tile_problem(seed: int, n_q: int, n_k: int, d: int, lo: int, hi: int, scale: float):
+    """Keys lo:hi of an n_q x n_k problem with head dim d, as :func:`tile_problem` gives them."""
     rng = np.random.default_rng(seed)
-    q, k, v, do = rng.standard_normal((6, 4)), rng.standard_normal((9, 4)), rng.standard_normal((9, 4)), \
-        rng.standard_normal((6, 4))
-    o, lse = reference.attention(q, k, v, return_lse=True)
-    return q, k[2:7], v[2:7], do, lse, np.sum(do * o, axis=-1), 0.5
+    q, k, v, do = (rng.standard_normal((n, d)) for n in (n_q, n_k, n_k, n_q))
+    o, lse = reference.attention(q, k, v, return_lse=True, sm_scale=scale)
+    return q, k[lo:hi], v[lo:hi], do, lse, np.sum(do * o, axis=-1), scale
+
+
+# The tiles the checker tries: tile_problem's, a single query row, and an uneven tile with a scale of 1/sqrt(d).
+_TILE_CASES = {"the 6 x 5 tile of tile_problem()": (8, 6, 9, 4, 2, 7, 0.5),
+               "one query row against 3 keys": (3, 1, 8, 5, 5, 8, 5 ** -0.5),
+               "a 7 x 2 tile, head dim 3": (4, 7, 6, 3, 0, 2, 3 ** -0.5)}
 
 
 def _tile_grads(q, k, v, do, lse, delta, scale, use_delta=True, scaled=True):
@@ -117,27 +127,36 @@ def check_tile_backward(fn) -> Verdict:
         return Verdict(False, NOT_ANSWERED)
     if not callable(fn):
         return wrong(f"pass your function itself (tile_backward), not {type(fn).__name__}.")
-    args = tile_problem()
-    try:
-        result = fn(*(a.copy() if hasattr(a, "copy") else a for a in args))
-        if result is None:
-            return Verdict(False, UNWRITTEN)
-        got = [np.asarray(x, dtype=np.float64) for x in result]
-    except Exception as exc:  # noqa: BLE001
-        return wrong(f"your function raised {type(exc).__name__}: {exc}")
+    for name, case in _TILE_CASES.items():
+        args = _tile_problem(*case)
+        try:
+            result = fn(*(a.copy() if hasattr(a, "copy") else a for a in args))
+            if result is None:
+                return Verdict(False, UNWRITTEN)
+            got = [np.asarray(x, dtype=np.float64) for x in result]
+        except Exception as exc:  # noqa: BLE001
+            return wrong(f"on {name}: your function raised {type(exc).__name__}: {exc}")
+        problem = _tile_mistake(got, args)
+        if problem:
+            return wrong(f"on {name}: {problem}")
+    return right("That is one tile of FlashAttention's backward: P from the saved lse, dS = P * (dP - D).")
+
+
+def _tile_mistake(got, args) -> str:
+    """What is wrong with one tile's (dq_i, dk_j, dv_j), or "" when nothing is."""
     want = _tile_grads(*args)
     if len(got) != 3 or any(g.shape != w.shape for g, w in zip(got, want)):
-        return wrong("return three arrays (dq_i, dk_j, dv_j) shaped like q_i, k_j and v_j.")
+        return "return three arrays (dq_i, dk_j, dv_j) shaped like q_i, k_j and v_j."
     close = [np.allclose(g, w, rtol=1e-9, atol=1e-12) for g, w in zip(got, want)]
     if all(close):
-        return right("That is one tile of FlashAttention's backward: P from the saved lse, dS = P * (dP - D).")
+        return ""
     if not close[2]:
-        return wrong("dV is off: P = exp(scale Q K^T - lse) (the forward's lse of each row, not the tile's own "
-                     "softmax), and dV_j = P^T dO_i.")
+        return ("dV is off: P = exp(scale Q K^T - lse) (the forward's lse of each row, not the tile's own "
+                "softmax), and dV_j = P^T dO_i.")
     no_delta = _tile_grads(*args, use_delta=False)
     if all(np.allclose(g, w, rtol=1e-9, atol=1e-12) for g, w in zip(got[:2], no_delta[:2])):
-        return wrong("dQ and dK miss D: the softmax's Jacobian gives dS = P * (dP - D), with D = rowsum(dO * O).")
+        return "dQ and dK miss D: the softmax's Jacobian gives dS = P * (dP - D), with D = rowsum(dO * O)."
     unscaled = _tile_grads(*args, scaled=False)
     if all(np.allclose(g, w, rtol=1e-9, atol=1e-12) for g, w in zip(got[:2], unscaled[:2])):
-        return wrong("dQ and dK miss the scale: S = scale Q K^T, so dQ = scale dS K and dK = scale dS^T Q.")
-    return wrong(f"dQ or dK differ from the expected by up to {max(np.max(np.abs(g - w)) for g, w in zip(got, want)):.3g}.")
+        return "dQ and dK miss the scale: S = scale Q K^T, so dQ = scale dS K and dK = scale dS^T Q."
+    return f"dQ or dK differ from the expected by up to {max(np.max(np.abs(g - w)) for g, w in zip(got, want)):.3g}."

@@ -12,9 +12,6 @@ the tiles of :mod:`flashref.triton.hopper_backward_fused`.
 
 from __future__ import annotations
 
-import torch
-
-from flashref import fp8
 from flashref.exercises import NOT_ANSWERED, UNWRITTEN, Verdict, check_number, right, wrong
 from flashref.hopper_timeline import tile_seconds
 
@@ -44,6 +41,8 @@ def check_exp_ratio(answer) -> Verdict:
 
 
 def _case(B, H, N, d, rows, what, seed):
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(B, H, N, d, generator=g)
     if what == "an outlier":
@@ -61,6 +60,10 @@ def check_quantize_blocks(fn) -> Verdict:
         return Verdict(False, NOT_ANSWERED)
     if not callable(fn):
         return wrong(f"pass your function itself, not {type(fn).__name__}.")
+    import torch  # here, not at the top: the other two checkers are arithmetic and need no torch
+
+    from flashref import fp8
+
     for seed, (B, H, N, d, rows, what) in enumerate(QUANTIZE_CASES):
         x = _case(B, H, N, d, rows, what, seed)
         try:

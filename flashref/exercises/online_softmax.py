@@ -75,8 +75,22 @@ def check_online_logsumexp(fn) -> Verdict:
             return wrong(f"on the case {name}: your function returned {got}. Subtract the running max before "
                          "exp, and treat exp(-inf - (-inf)) as 0.")
         if not math.isclose(got, expected, rel_tol=1e-9, abs_tol=1e-9):
-            return wrong(f"on the case {name}: your function returned {got:.6g}, expected {expected:.6g}.")
+            hint = ""
+            if math.isclose(got, _logsumexp_without_rescale(x, block), rel_tol=1e-9, abs_tol=1e-9):
+                hint = (" That is the recurrence without the rescale: when the running max grows from m_old to "
+                        "m_new, multiply the running sum by exp(m_old - m_new) before adding the new block.")
+            return wrong(f"on the case {name}: your function returned {got:.6g}, expected {expected:.6g}.{hint}")
     return right("Your recurrence matches the one-shot log-sum-exp on every case.")
+
+
+def _logsumexp_without_rescale(x, block: int) -> float:
+    """The blockwise log-sum-exp with the classic mistake: the running sum is never rescaled when the max grows."""
+    m, l = -math.inf, 0.0
+    for start in range(0, len(x), block):
+        m = max(m, float(np.max(x[start:start + block])))
+        if m > -math.inf:
+            l += float(np.sum(np.exp(x[start:start + block] - m)))
+    return m + math.log(l) if l > 0 else -math.inf
 
 
 def _close(x, y) -> bool:

@@ -111,6 +111,10 @@ def check_tiled_forward(fn) -> Verdict:
                 return wrong(f"on the case {name}: right with one block of keys, wrong with several: when the "
                              "running max grows, multiply the running sum l and the accumulator by "
                              "exp(m_old - m_new) before adding the new block.")
+            d = q.shape[-1]
+            for scale, what in ((1.0, "not scaled"), (1.0 / d, "scaled by 1/d")):
+                if np.allclose(got, reference.attention(q, k, v, sm_scale=scale), rtol=1e-9, atol=1e-12):
+                    return wrong(f"on the case {name}: the scores are {what}. S = Q K^T / sqrt(d).")
             return wrong(f"on the case {name}: the output differs from the reference by up to "
                          f"{np.max(np.abs(got - want)):.3g}. Divide the accumulator by l once, at the end.")
         if q.shape[0] * k.shape[0] >= 512 * 512 and peak >= q.shape[0] * k.shape[0] * 8 // 2:
