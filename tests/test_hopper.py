@@ -263,6 +263,16 @@ def test_refuses_what_it_cannot_run_naming_why():
                                      window=True)
     with pytest.raises(ValueError, match="window_size"):
         hopper.hopper_forward(q, k, v, window_size=(-2, 0))
+    x = hopper.quantize_fp8(q, k, v, block_n=128)  # (the quantization runs anywhere)
+    with pytest.raises(TypeError, match="x must be the Fp8Inputs that quantize_fp8 returns, got tuple"):
+        hopper.fp8_attention(tuple(x))
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        hopper.fp8_attention(x, "yes")
+    with pytest.raises(ValueError, match="sm_scale"):
+        hopper.fp8_attention(x, sm_scale=-1.0)
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        with pytest.raises(ValueError, match="fp8_attention needs its inputs on an sm_90"):
+            hopper.fp8_attention(x)
 
 
 # --- on an H100 ---------------------------------------------------------------------------------------------

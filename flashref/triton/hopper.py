@@ -1335,9 +1335,16 @@ def fp8_attention(x: Fp8Inputs, causal=False, sm_scale=None, *, out_dtype=torch.
                   pingpong=True):
     """``(o, lse)`` from quantized inputs: the warp-specialized kernel with e4m3 products (P in e4m3 too) and
     fp32 softmax. ``sm_scale`` defaults to 1/sqrt(d)."""
+    from flashref import validation
+
+    if not isinstance(x, Fp8Inputs):
+        raise TypeError(f"x must be the Fp8Inputs that quantize_fp8 returns, got {type(x).__name__}")
+    validation.check_bool("causal", causal)
     B, H, N_q, d = x.q.shape
     N_k = x.k.shape[2]
-    scale = d ** -0.5 if sm_scale is None else float(sm_scale)
+    scale = validation.check_sm_scale(sm_scale, d)
+    if not x.q.is_cuda or torch.cuda.get_device_capability(x.q.device)[0] != 9:
+        raise ValueError(f"fp8_attention needs its inputs on an sm_90 (Hopper) GPU, got device {x.q.device}")
     cfg = config(d, warp_specialize=True, block_n=x.block_n, stages=stages, pingpong=pingpong, overlap=False)
     if cfg["block_m"] != 2 * FP8_Q_ROWS:
         raise ValueError(f"fp8_attention's Q scales cover {FP8_Q_ROWS} rows, one consumer's: block_m must be "
