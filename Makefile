@@ -4,7 +4,7 @@
 #               kernel in the Triton interpreter, nvcc, nbval, book build) under the OpenBLAS kernels CI machines
 #               pick, and the NumPy arithmetic under the older ones (tests/openblas_cores.py says which)
 # make test-once runs the tests once, with the OpenBLAS kernels this CPU picks (quicker, for development).
-# TORCH_INDEX=https://download.pytorch.org/whl/cpu installs the CPU-only torch (about 200 MB, not 2.3 GB).
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu installs the CPU-only torch (a .venv of about 2 GB, not 5 GB).
 PYTHON      ?= python3
 TORCH_INDEX ?=
 VENV        := .venv

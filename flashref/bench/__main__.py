@@ -10,7 +10,7 @@ SUITES = {
             "the CuPy and Triton kernels beside every SDPA backend and plain PyTorch (nb 06-09)"),
     "numpy": ("flashref.bench.numpy_bench", "tiled NumPy against naive NumPy on the CPU: time and peak memory (nb 03)"),
     "cupy": ("flashref.bench.cupy_bench", "the CuPy CUDA C kernels beside SDPA's flash backend (nb 06)"),
-    "hbm": ("flashref.bench.hbm_bench", "HBM bytes counted by Nsight Compute for every implementation (nb 09)"),
+    "hbm": ("flashref.bench.hbm_bench", "HBM bytes counted by Nsight Compute, kernel by kernel (nb 09)"),
     "features": ("flashref.bench.features_bench", "GQA, fused dropout and block-sparse against PyTorch's (nb 10)"),
     "mods": ("flashref.bench.mods_bench", "window, softcap, ALiBi and packed batches against PyTorch's (nb 12)"),
     "model": ("flashref.bench.model_bench", "the GPT of flashref.model trained with each attention (nb 11, 13)"),
