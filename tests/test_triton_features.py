@@ -135,28 +135,32 @@ def test_the_lists_granule_holds_every_tile_whole():
     assert configs.list_granule() == 128, "ops.flash_attention's docstring names 128 x 128"
 
 
-# Keys 32..63, one block of the interpreter's coarse lists (32), hidden from every query and filled with NaN: a
-# tile that loaded them would turn O and the gradients NaN (P = 0 times NaN), so finite results show the tiles of
-# hidden coarse blocks are skipped even where the mask's blocks (8, 12, 48) do not hold the 32 x 16 tiles whole.
+# Keys g..2g - 1, one block of the kernels' coarse lists (g = 32 in the interpreter, 128 on a GPU), hidden from
+# every query and filled with NaN: a tile that loaded them would turn O and the gradients NaN (P = 0 times NaN), so
+# finite results show the tiles of hidden coarse blocks are skipped even where the mask's blocks (8, 12, 48) do not
+# hold the tiles whole.
 @pytest.mark.parametrize("block_size", [8, 12, 48])
 @pytest.mark.parametrize("causal", [False, True])
 def test_hidden_tiles_are_never_loaded_whatever_the_block_size(block_size, causal):
-    N_q, N_k = 70, 100
+    from flashref.triton import configs, ops
+
+    g = configs.list_granule(ops.INTERPRETED)
+    N_q, N_k = 2 * g + 6, 3 * g + 4
     q, k, v, do = _inputs(1, 2, 2, N_q, N_k, 16, torch.float32, 7)
     blocks = torch.rand(1, 1, -(-N_q // block_size), -(-N_k // block_size), generator=torch.Generator().manual_seed(2))
     blocks = blocks < 0.7
     j = torch.arange(blocks.shape[3])
-    blocks[..., (j * block_size < 64) & ((j + 1) * block_size > 32)] = False
+    blocks[..., (j * block_size < 2 * g) & ((j + 1) * block_size > g)] = False
     kn, vn = k.clone(), v.clone()
-    kn[:, :, 32:64] = float("nan")
-    vn[:, :, 32:64] = float("nan")
+    kn[:, :, g:2 * g] = float("nan")
+    vn[:, :, g:2 * g] = float("nan")
     kw = dict(causal=causal, block_mask=blocks.to(DEVICE), block_size=block_size, check_finite=False)
     o, lse = flash_attention_forward(q, kn, vn, **kw)
     want, want_lse = flash_attention_forward(q, k, v, **kw)
     assert torch.equal(o, want) and torch.equal(lse, want_lse)
     grads = flash_attention_backward(q, kn, vn, o, lse, do, **kw)
     assert all(torch.isfinite(g).all() for g in grads)
-    assert torch.all(grads[1][:, :, 32:64] == 0) and torch.all(grads[2][:, :, 32:64] == 0)
+    assert torch.all(grads[1][:, :, g:2 * g] == 0) and torch.all(grads[2][:, :, g:2 * g] == 0)
     for got, ref in zip(grads, flash_attention_backward(q, k, v, want, want_lse, do, **kw)):
         assert torch.equal(got, ref)
 
