@@ -187,7 +187,7 @@ def test_bad_byte_count_arguments(kwargs, exc, words):
 
 def test_bad_block_k_of_key_block_attention():
     q, k, v = arrays()
-    with pytest.raises(ValueError, match="block_size must be at least 1"):
+    with pytest.raises(ValueError, match="block_size must be a positive integer, got 0"):
         online_softmax.attention_by_key_blocks(q, k, v, 0)
 
 
