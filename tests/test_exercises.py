@@ -197,11 +197,15 @@ def _quantize_blocks(x, rows, zero_guard=True, one_scale=False, short_block=True
         (lambda m_a, l_a, m_b, l_b: (min(m_a, m_b), l_a), "the merged max is the larger")]),
     ("tiling.check_tiled_forward", _tiled, [
         (lambda q, k, v, bq, bk: _tiled(q, k, v, bq, bk, rescale=False), "exp(m_old - m_new)"),
-        (lambda q, k, v, bq, bk: __import__("flashref").reference.attention(q, k, v), "N x N scores")]),
+        (lambda q, k, v, bq, bk: __import__("flashref").reference.attention(q, k, v), "N x N scores"),
+        (lambda q, k, v, bq, bk: _tiled(q * np.sqrt(q.shape[-1]), k, v, bq, bk), "the scores are not scaled"),
+        (lambda q, k, v, bq, bk: _tiled(q / np.sqrt(q.shape[-1]), k, v, bq, bk), "the scores are scaled by 1/d")]),
     ("backward.check_tile_backward", _tile_backward, [
         (lambda *a: _tile_backward(*a, with_delta=False), "miss D"),
         (lambda *a: _tile_backward(*a, scaled=False), "miss the scale"),
-        (lambda *a: (lambda dq, dk, dv: (dq, dk, 2 * dv))(*_tile_backward(*a)), "dV is off")]),
+        (lambda *a: (lambda dq, dk, dv: (dq, dk, 2 * dv))(*_tile_backward(*a)), "dV is off"),
+        # right on the notebook's tile (scale 0.5), wrong on the checker's others: the case is named
+        (lambda *a: _tile_backward(*a[:6], 0.5), "on one query row against 3 keys: dV is off")]),
     ("sparsity.check_sink_window_mask", _sink_window, [
         (lambda n, w: _sink_window(n, w, sink=False), "the sink, is missing"),
         (lambda n, w: _sink_window(n, w, extra=1), f"sees {ex_sink_w + 1} blocks of the window instead of {ex_sink_w}"),
@@ -249,6 +253,16 @@ def test_misleading_hints_are_fixed():
     assert backward.check_delta(delta)
     message = repr(online_softmax.check_online_logsumexp(lambda x, b: float("nan")))
     assert message.startswith("Not quite: on the case small scores: your function returned nan")
+
+    def without_rescale(x, block):  # the running max moves on, the running sum is never rescaled
+        m, l = -math.inf, 0.0
+        for start in range(0, len(x), block):
+            m = max(m, float(np.max(x[start:start + block])))
+            if m > -math.inf:
+                l += float(np.sum(np.exp(x[start:start + block] - m)))
+        return m + math.log(l)
+
+    assert "multiply the running sum by exp(m_old - m_new)" in repr(online_softmax.check_online_logsumexp(without_rescale))
 
 
 def test_tiled_accesses_function_checker():
