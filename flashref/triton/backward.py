@@ -160,14 +160,17 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_
     if LISTED:
         it_lo = _listed_tiles_before(list_row, lo, LIST_SIZE, BLOCK_M)
         it_hi = _listed_tiles_before(list_row, hi, LIST_SIZE, BLOCK_M)
-        if (it_hi - it_lo) * BLOCK_M == hi - lo:
+        every = False  # every tile of [lo, hi) listed, exact lists only: as in forward._fwd_tiles
+        if EXACT:
+            every = (it_hi - it_lo) * BLOCK_M == hi - lo
+        if every:
             for start_m in range(lo, hi, BLOCK_M):
                 dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base, stride_qm,
                                     stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd, start_m, start_n, N_q,
                                     N_k, sm_scale, qk_scale, offs_n, offs_d, offs_e, bm_base, stride_bmi, stride_bmj,
                                     seed, bh, drop_below, keep_scale, win_left, win_right, cap_in, cap_out, slope2,
                                     HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                                    MASKED=MASKED, CAUSAL=CAUSAL, ATOMIC_DQ=ATOMIC_DQ, DOT=DOT, HAS_BM=not EXACT,
+                                    MASKED=MASKED, CAUSAL=CAUSAL, ATOMIC_DQ=ATOMIC_DQ, DOT=DOT, HAS_BM=False,
                                     BM_TILE=EXACT, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, WINDOW=WINDOW,
                                     SOFTCAP=SOFTCAP, ALIBI=ALIBI, D_SPLIT=D_SPLIT)
         else:
@@ -227,9 +230,9 @@ def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, M2, L2, Delta, BM, LISTS,
     programs share one K/V tile, each taking GROUP / SPLIT of the group's heads and writing its partial sums
     (fp32) to head hk * SPLIT + split of DK and DV, which the caller adds up: more programs than K/V tiles
     to keep the GPU busy. With ATOMIC_DQ it also adds into DQ (fp32, zeroed by the caller); otherwise DQ is
-    not touched. LISTS: per key block of the mask, the count and increasing indices of the query blocks
-    that see it (the forward's lists, transposed). The score modifications and VARLEN as in the forward
-    kernel; key j is seen by queries ``j - win_right <= i <= j + win_left``, and only those query tiles are
+    not touched. LISTS: per key block (of LIST_SIZE, as in the forward kernel), the count and increasing
+    indices of the query blocks that see it (the forward's lists, transposed). The score modifications and
+    VARLEN as in the forward kernel; key j is seen by queries ``j - win_right <= i <= j + win_left``, and only those query tiles are
     visited. ONE_HEAD: GROUP == SPLIT (each program has one query head).
 
     D_SPLIT: programs pid_n * D_SPLIT + c share a K/V tile, program c keeping columns c * BLOCK_D / D_SPLIT :
@@ -401,13 +404,16 @@ def _dq_tiles(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, st
     if LISTED:
         it_lo = _listed_tiles_before(list_row, lo, LIST_SIZE, BLOCK_N)
         it_hi = _listed_tiles_before(list_row, hi, LIST_SIZE, BLOCK_N)
-        if (it_hi - it_lo) * BLOCK_N == hi - lo:
+        every = False  # every tile of [lo, hi) listed, exact lists only: as in forward._fwd_tiles
+        if EXACT:
+            every = (it_hi - it_lo) * BLOCK_N == hi - lo
+        if every:
             for start_n in range(lo, hi, BLOCK_N):
                 dq = _dq_tile(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                               start_m, start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base, stride_bmi, stride_bmj,
                               seed, bh, drop_below, keep_scale, win_left, win_right, cap_in, cap_out, slope2,
                               HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, MASKED=MASKED, CAUSAL=CAUSAL,
-                              DOT=DOT, HAS_BM=not EXACT, BM_TILE=EXACT, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT,
+                              DOT=DOT, HAS_BM=False, BM_TILE=EXACT, BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT,
                               WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
         else:
             for it in range(it_lo, it_hi):

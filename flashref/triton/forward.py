@@ -390,8 +390,8 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
                ALIBI: tl.constexpr):
     """Fold the K/V tiles with first key in [lo, hi) into (acc, l_i, m_i). When LISTED, only the visible
     ones, read from this query block's list of visible key blocks (``list_row``), so the loop meets no
-    hidden tile and its loads stay pipelined; when every tile of [lo, hi) is visible, the plain loop (no
-    list, no check). Otherwise a tile the block mask hides is skipped, and the mask is applied element by
+    hidden tile and its loads stay pipelined; when the lists are exact and every tile of [lo, hi) is
+    listed, the plain loop (no list, no check). Otherwise a tile the block mask hides is skipped, and the mask is applied element by
     element where a tile spans several of its blocks (not BM_TILE).
 
     The lists are of blocks of LIST_SIZE rows and keys. EXACT: those are the mask's own blocks, each holding
@@ -402,13 +402,19 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
     if LISTED:
         it_lo = _listed_tiles_before(list_row, lo, LIST_SIZE, BLOCK_N)
         it_hi = _listed_tiles_before(list_row, hi, LIST_SIZE, BLOCK_N)
-        if (it_hi - it_lo) * BLOCK_N == hi - lo:
+        # Every tile of [lo, hi) listed: the plain loop, no list reads. Only for exact lists: coarse lists
+        # take the listed loop alone, so the kernel holds one pipelined loop (and one set of K/V buffers in
+        # shared memory) for them, not two.
+        every = False
+        if EXACT:
+            every = (it_hi - it_lo) * BLOCK_N == hi - lo
+        if every:
             for start_n in range(lo, hi, BLOCK_N):
                 acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn,
                                           stride_vd, start_m, start_n, N_q, N_k, qk_scale, offs_m, offs_d, bm_base,
                                           stride_bmi, stride_bmj, seed, bh, drop_below, win_left, win_right, cap_in,
                                           cap_out, slope2, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
-                                          MASKED=MASKED, CAUSAL=CAUSAL, DOT=DOT, HAS_BM=not EXACT, BM_TILE=EXACT,
+                                          MASKED=MASKED, CAUSAL=CAUSAL, DOT=DOT, HAS_BM=False, BM_TILE=EXACT,
                                           BLOCK_SIZE=BLOCK_SIZE, DROPOUT=DROPOUT, WINDOW=WINDOW, SOFTCAP=SOFTCAP,
                                           ALIBI=ALIBI)
         else:

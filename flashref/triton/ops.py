@@ -296,13 +296,20 @@ def _stand_ins(device):
     return _STAND_INS[device]
 
 
+def _stored_part(block_mask: torch.Tensor) -> torch.Tensor:
+    """The part of a ``(B, H, n_i, n_j)`` block mask that memory holds: one batch (head) where that dim is
+    broadcast (stride 0), so work on it is done once, not B (H) times."""
+    B, H = block_mask.shape[:2]
+    return block_mask[:1 if block_mask.stride(0) == 0 else B, :1 if block_mask.stride(1) == 0 else H]
+
+
 def visible_block_lists(block_mask: torch.Tensor) -> torch.Tensor:
     """For each row i of a block mask ``(B, H, n_i, n_j)`` (int8 or bool, broadcast dims may have stride
     0): ``[count, j_1 < j_2 < ... < j_count, padding]``, int32 ``(B, H, n_i, n_j + 1)``, with stride 0
     kept along broadcast dims. The kernels walk these lists, so their loops meet only visible tiles
     (the same idea as FlexAttention's kv_num_blocks and kv_indices). One small kernel launch."""
     B, H, n_i, n_j = block_mask.shape
-    own = block_mask[:1 if block_mask.stride(0) == 0 else B, :1 if block_mask.stride(1) == 0 else H]
+    own = _stored_part(block_mask)
     if own.dtype == torch.bool:
         own = own.view(torch.int8)
     lists = torch.zeros((*own.shape[:3], n_j + 1), dtype=torch.int32, device=own.device)
@@ -323,7 +330,7 @@ def coarse_block_mask(block_mask: torch.Tensor, block_size: int, size: int) -> t
     kernels walk when ``block_size`` does not hold their tiles whole: a coarse block holds them, so the tiles
     of hidden coarse blocks are never loaded, and a listed tile still takes the mask element by element."""
     B, H, n_i, n_j = block_mask.shape
-    own = block_mask[:1 if block_mask.stride(0) == 0 else B, :1 if block_mask.stride(1) == 0 else H]
+    own = _stored_part(block_mask)
 
     def overlaps(n: int) -> torch.Tensor:  # (coarse blocks, blocks): 1 where their rows intersect
         c = torch.arange(_cdiv(n * block_size, size), device=own.device)[:, None]
@@ -985,7 +992,8 @@ _FEATURES_DOC = """
       kernel tile's sides (128 is, for every config), the lists are of the mask's own blocks and a listed tile
       is wholly visible. Otherwise they are of 128 x 128 blocks (:func:`coarse_block_mask`; 32 in the
       interpreter), listed where any mask block inside is visible, and a listed tile takes the mask element
-      by element: only tiles whose whole 128 x 128 block is hidden are skipped. A query row that sees no key
+      by element: the tiles of a hidden 128 x 128 block are never loaded. Where every tile is checked anyway
+      (the causal diagonal, a window's edges, the last partial tile), no hidden tile is loaded. A query row that sees no key
       gets ``o = 0`` and ``lse = -inf``, and zero gradients: never NaN.
 
     Score and mask modifications, FlashAttention's keywords (:mod:`flashref.score_mods` has the rule, and
