@@ -77,8 +77,10 @@ def check_ratio(answer) -> Verdict:
     return check_number(answer, ratio, what="standard / tiled", rel=1e-2,
                         hint=f"divide the exact counts; the rough estimate M / 3d^2 = {rough:.2f} only says "
                              "where to look.",
-                        explain=f"{standard:,} / {tiled:,} = {ratio:.2f}: close to M / 3d^2 = {rough:.2f}, "
-                                "lower because T_c = ceil(N / B_c) rounds up.")
+                        explain=f"{standard:,} / {tiled:,} = {ratio:.2f}: close to M / 3d^2 = {rough:.2f}, which "
+                                "keeps only the 4N^2 of S and P and the 12 N^2 d^2 / M of the passes. The exact tiled "
+                                "count also reads K and V, initializes O, l, m, moves rows of 2d + 2 and d + 2 "
+                                "numbers, and rounds T_c = ceil(N / B_c) up.")
 
 
 #: (N, d, M) cases a reader's closed form is checked on: the exercise's, uneven N, a small SRAM, an A100's (192 KB in fp16).
