@@ -242,3 +242,31 @@ def test_block_masks_of_any_block_size_need_the_shared_memory_of_exact_lists():
     for kernel in ("forward", "dkdv", "dq"):
         # the coarse kernel keeps a few bytes more for its mask bits' reductions, no more K/V buffers
         assert shared[(kernel, 128)] <= shared[(kernel, 64)] <= shared[(kernel, 128)] + 1024, (kernel, shared)
+
+
+TURING = r"""
+import json
+from flashref.triton import configs, compile_check
+
+cfg = configs.FORWARD["t4"][0]
+rows = {}
+for capability in (75, 80):
+    ptx = compile_check.compile_config("forward", cfg, capability, 64, "float16").asm["ptx"]
+    rows[capability] = [ptx.count("mma.sync"), ptx.count("fma.rn.f32")]
+print(json.dumps(rows))
+"""
+
+
+def test_below_sm80_triton_compiles_tl_dot_to_fma_not_tensor_cores():
+    """Notebook 07's warning: Triton 3.3 and newer lower ``tl.dot`` to fused multiply-adds below compute
+    capability 8.0 (triton-lang/triton pull request 5066). The fp16 forward in the T4's first config, compiled
+    for sm_75, holds no ``mma.sync`` and thousands of fp32 FMAs; compiled for sm_80, its products are
+    ``mma.sync``."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["FLASHREF_TRITON_COMPILE_ONLY"] = "1"
+    proc = subprocess.run([sys.executable, "-c", TURING], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    (mma75, fma75), (mma80, fma80) = rows["75"], rows["80"]
+    assert mma75 == 0 and fma75 > 1000, rows
+    assert mma80 > 0 and fma80 < fma75 // 10, rows
