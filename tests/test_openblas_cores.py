@@ -54,6 +54,26 @@ def test_a_failure_under_any_family_fails_the_run(monkeypatch, capsys):
     assert openblas_cores.main([]) == 0
 
 
+def test_where_no_ci_family_can_run_the_whole_suite_runs_under_the_cpus_own_kernels(monkeypatch, capsys):
+    """A CPU without AVX2 (or probes that all crash) runs no CI family: the whole suite then runs once without
+    OPENBLAS_CORETYPE, and its verdict is the run's, so nothing passes having run only the NumPy subset."""
+    monkeypatch.setattr(openblas_cores, "runnable", lambda core: {"Sandybridge": "Sandybridge",
+                                                                  "Prescott": "Katmai"}.get(core))
+    ran = []
+
+    def run(core, kernels, scope, args):
+        ran.append((core, scope))
+        return "the whole suite FAILED (pytest exit code 1)" if core is None else "passed"
+
+    monkeypatch.setattr(openblas_cores, "run", run)
+    assert openblas_cores.main([]) == 1
+    assert ran == [("Sandybridge", "numpy"), ("Prescott", "numpy"), (None, "suite")]
+    assert openblas_cores.OWN in capsys.readouterr().out
+    monkeypatch.setattr(openblas_cores, "runnable", lambda core: None)
+    ran.clear()
+    assert openblas_cores.main([]) == 1 and ran == [(None, "suite")]
+
+
 @pytest.mark.parametrize("path", openblas_cores.NUMPY_TESTS)
 def test_the_numpy_arithmetic_files_exist(path):
     """A renamed file would make the old families' run fail with 'file not found': named here first."""
