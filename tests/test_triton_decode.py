@@ -89,7 +89,8 @@ def _check(B, H, H_kv, N_q, N_max, d, dtype, causal, num_splits=None, seqlens=No
 
 # N_q in {1, 3, 16}, caches of 1, 37 and 200 keys (16-key tiles under the interpreter: none a multiple),
 # lengths varying per batch row, causal or not, each with every GQA group size (H = 4, H_kv = 4, 2, 1); the
-# splits, head dim and dtype cycle, so every value meets the others somewhere.
+# splits, head dim and dtype cycle, so every value of any parameter meets every value of any other (the splits
+# shift by one every three cases, or they would stay locked to H_kv).
 CASES = []
 for N_q in (1, 3, 16):
     for N_max in (1, 37, 200):
@@ -98,7 +99,7 @@ for N_q in (1, 3, 16):
                 continue
             for H_kv in (4, 2, 1):
                 n = len(CASES)
-                CASES.append((N_q, N_max, causal, H_kv, (1, 3, None)[n % 3], (16, 40)[(n // 3) % 2],
+                CASES.append((N_q, N_max, causal, H_kv, (1, 3, None)[(n + n // 3) % 3], (16, 40)[(n // 3) % 2],
                               (torch.float32, torch.float16)[(n // 2) % 2]))
 
 
