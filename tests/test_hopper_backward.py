@@ -66,10 +66,19 @@ for part, d, causal, mods in [*itertools.product(("dkdv", "dq"), hb.HEAD_DIMS, (
 """
 
 
-#: Register spills allowed (bytes a thread): none, but where a measured-faster kernel spills (see the test).
+def _triton_before(major: int, minor: int) -> bool:
+    """Whether the installed Triton is older than major.minor (read from its metadata, without importing it)."""
+    from importlib.metadata import version
+
+    return tuple(int(x) for x in version("triton").split(".")[:2]) < (major, minor)
+
+
+#: Register spills allowed (bytes a thread): none, but where a measured-faster kernel spills (see the test). The
+#: d = 64 dK/dV kernel with dropout compiles without spills from Triton 3.7 (CI's); the bound stays for 3.6.
 SPILL_BOUND = {("dkdv", "128", "1", "none"): 128, ("dkdv", "128", "1", "token"): 128,
                ("dkdv", "128", "1", "window+alibi"): 128,
-               ("dkdv", "64", "0", "dropout"): 128, ("dkdv", "64", "0", "window+alibi"): 16,
+               ("dkdv", "64", "0", "dropout"): 128 if _triton_before(3, 7) else 0,
+               ("dkdv", "64", "0", "window+alibi"): 16,
                ("dkdv", "128", "1", "block"): 128, ("dkdv", "128", "1", "dropout"): 128}
 
 
