@@ -284,9 +284,10 @@ def test_generation_with_a_kv_cache_samples_the_same_text():
     gpt = tiny("flashref").eval()
     prompt = torch.tensor([[5, 17, 40], [1, 2, 3]], device=DEVICE)
     outs = [gpt.generate(prompt, 12, generator=torch.Generator().manual_seed(7), kv_cache=c) for c in (False, True)]
-    assert outs[0].shape == (2, 15)
-    if DEVICE == "cpu":
-        assert torch.equal(outs[0], outs[1])
+    assert outs[0].shape == outs[1].shape == (2, 15)
+    if DEVICE != "cpu":  # said, not passed silently: the cached logits are compared on the GPU by the test above
+        pytest.skip("bf16 autocast on a GPU: the two paths round differently, so a draw near a boundary may differ")
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_kv_cache_generation_refuses_what_it_cannot_do():
