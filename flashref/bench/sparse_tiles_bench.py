@@ -8,8 +8,8 @@ For d = 64, 128 and 256, 16K tokens (B 1 x N 16K and B 4 x N 4K, 16 heads, fp16)
 (a causal sliding window of 8 blocks, BigBird-like, causal, all-True), each candidate tile (block_m x block_n,
 warps, stages; "ws": warp-specialized, "pp": with ping-pong) is timed twice: by ``do_bench`` (``ms``, the host
 included where it is slower than the GPU) and kernel-only from CUDA-graph replay (``graph_ms``,
-:func:`flashref.bench.features_bench.graph_time_us`). At d = 64 the shipped tile runs with and without its register
-cap (``capped``). The teaching forward on the same mask (``kernel="triton"``) and, for the all-True and causal
+:func:`flashref.bench.features_bench.graph_time_us`). Each tile that the register cap applies to (at d = 64 the
+one-warpgroup tiles that fit four programs an SM, the shipped one among them) runs with and without it (``capped``). The teaching forward on the same mask (``kernel="triton"``) and, for the all-True and causal
 masks, the dense forward without a mask are the references. Results go to ``book/data/sparse_tiles_bench.json``
 (:func:`load_results`); :func:`table` prints them.
 """
@@ -113,7 +113,7 @@ def cases(head_dims=(64, 128, 256)):
 
 def table(rows, field: str = "graph_ms") -> str:
     """A line a (d, shape, mask): the teaching forward's time (``field``), then each Gluon tile's as the teaching
-    time over its own (above 1: the tile is faster), "*" on the shipped tile, "(no cap)" the shipped tile run
+    time over its own (above 1: the tile is faster), "*" on the shipped tile, "(no cap)" a tile run
     without its register cap; the dense kernel's time where measured."""
     groups: dict = {}
     for r in rows:
