@@ -9,8 +9,9 @@ For d = 64, 128 and 256, 16K tokens (B 1 x N 16K and B 4 x N 4K, 16 heads, fp16)
 warps, stages; "ws": warp-specialized, "pp": with ping-pong) is timed twice: by ``do_bench`` (``ms``, the host
 included where it is slower than the GPU) and kernel-only from CUDA-graph replay (``graph_ms``,
 :func:`flashref.bench.features_bench.graph_time_us`). Each tile that the register cap applies to (at d = 64 the
-one-warpgroup tiles that fit four programs an SM, the shipped one among them) runs with and without it (``capped``). The teaching forward on the same mask (``kernel="triton"``) and, for the all-True and causal
-masks, the dense forward without a mask are the references. Results go to ``book/data/sparse_tiles_bench.json``
+one-warpgroup tiles that fit four programs an SM, the shipped one among them) runs with and without it
+(``capped``). The teaching forward on the same mask (``kernel="triton"``) and, for the all-True and causal masks,
+the dense forward without a mask are the references. Results go to ``book/data/sparse_tiles_bench.json``
 (:func:`load_results`); :func:`table` prints them.
 """
 
