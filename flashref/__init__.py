@@ -12,12 +12,15 @@ Modules, one idea each (import the one you need; the GPU ones import torch, trit
 - ``flashref.tile_plots``     pictures of the tile grid: which tiles a pass visits, in which order
 - ``flashref.block_masks``    block masks for block-sparse attention: sliding window, BigBird, causal
 - ``flashref.score_mods``     score and mask modifications: a token window, tanh soft-capping, ALiBi
+- ``flashref.window_tiles``   which tiles a token window lets the kernels skip, in plain Python
 - ``flashref.varlen``         packed batches of documents of different lengths (``cu_seqlens``)
 - ``flashref.cupy``           CUDA C kernels launched with CuPy
 - ``flashref.triton``         Triton forward and backward as a ``torch.autograd.Function`` (and a custom op)
 - ``flashref.torch_attention`` attention in plain PyTorch: the baseline, SDPA, a sliding window, Performer
 - ``flashref.model``          a small GPT trained on tiny Shakespeare with any of those attentions
 - ``flashref.ring_attention`` exact attention over a sequence sharded across GPUs (a ring over torch.distributed)
+- ``flashref.fp8``            FP8 (e4m3) inputs with per-block scales and incoherent processing, as FlashAttention-3
+- ``flashref.hopper_timeline`` a schedule model of one H100 SM's units, one picture per idea of FlashAttention-3
 - ``flashref.bench``          the benchmark harness (``python -m flashref.bench``)
 - ``flashref.exercises``      checkers for the notebooks' exercises
 - ``flashref.tolerance``      the one low-precision tolerance rule every test and notebook uses

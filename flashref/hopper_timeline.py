@@ -125,8 +125,9 @@ def overlapped(n_tiles=4, t=None, stages=3, as_compiled=False):
 
 
 def two_programs(n_tiles=4, t=None, stages=2):
-    """Two programs of half the tile on one SM, each in line as :func:`serial`; nothing coordinates them: the
-    warp schedulers give a unit to whichever is ready."""
+    """Two programs on one SM, each in line as :func:`serial` with tile times ``t`` (pass the half tile's,
+    ``tile_seconds(64, 128, 128)``: the default is the whole tile's); nothing coordinates them: the warp
+    schedulers give a unit to whichever is ready."""
     streams = {}
     for p in ("A ", "B "):  # each program's tile: half the rows
         streams.update(serial(n_tiles, t, stages, prefix=p))

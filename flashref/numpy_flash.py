@@ -267,7 +267,7 @@ def _forward_fa2(q, k, v, causal, scale, q_tiles, k_tiles, trace, ex, observe=No
                 break  # every later key block is further right of the diagonal
             visible = ex.visible(q_range, k_range)
             if visible is False:
-                continue  # the block mask hides this tile from every (batch, head): never loaded
+                continue  # the block mask or the window hides this tile from every (batch, head): never loaded
             if trace is not None:
                 trace.append((i, j))
             s = _scores(q_tile, k[..., k_range[0]:k_range[1], :], scale, q_range, k_range, causal, visible, ex)
@@ -282,7 +282,7 @@ def _forward_fa2(q, k, v, causal, scale, q_tiles, k_tiles, trace, ex, observe=No
             m = m_new
             if observe is not None:
                 _observed(observe, i, j, m, l, acc / np.where(l > 0, l, 1)[..., None])
-        seen = l > 0  # False only for a row the block mask hides from every key
+        seen = l > 0  # False only for a row the block mask or the window hides from every key
         o[..., q_range[0]:q_range[1], :] = acc / np.where(seen, l, 1)[..., None]
         with np.errstate(divide="ignore"):
             lse[..., q_range[0]:q_range[1]] = np.where(seen, m + np.log(np.where(seen, l, 1)), -np.inf)
@@ -471,4 +471,4 @@ def _check_backward_arrays(q, o, lse, do):
             extra = " or float32" if len(allowed) > 1 else ""
             raise TypeError(f"{name} must have the dtype of q ({q.dtype}){extra}, got {x.dtype}")
     check_finite({"o": o, "do": do})
-    check_finite({"lse": lse}, allow_neg_inf=True)  # -inf: a row the block mask hides from every key
+    check_finite({"lse": lse}, allow_neg_inf=True)  # -inf: a row the block mask or the window hides from every key

@@ -321,7 +321,7 @@ def attention_by_key_blocks(q, k, v, block_k: int = 64, causal=False, sm_scale=N
                                       numpy=True)
     validation.check_causal(causal)
     scale = validation.check_sm_scale(sm_scale, q.shape[-1])
-    block_k = validation.check_block_size(block_k)
+    block_k = validation.check_positive_int("block_k", block_k)
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     N_q, N_k = q.shape[-2], k.shape[-2]
     mask = reference.causal_mask(N_q, N_k) if causal else None

@@ -99,7 +99,7 @@ def _sum_groups(dx, H_kv):
 def _check_do(do, q):
     """``do`` (the gradient of the loss with respect to O) must look like O: q's shape and dtype."""
     validation.check_numpy("do", do)
-    validation.check_same_shape("do", do, "o", q)
+    validation.check_same_shape("do", do, "q", q)
     if do.dtype != q.dtype:
         raise TypeError(f"do must have the dtype of q, k and v ({q.dtype}), got {do.dtype}")
     validation.check_finite({"do": do})

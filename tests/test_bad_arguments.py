@@ -898,7 +898,7 @@ def test_attention_by_key_blocks_bad_arguments():
     q = np.zeros((3, 2))
     with pytest.raises(TypeError, match="causal must be a bool"):
         osm.attention_by_key_blocks(q, q, q, causal=1)
-    with pytest.raises(TypeError, match="block_size must be a positive integer, got bool"):
+    with pytest.raises(TypeError, match="block_k must be a positive integer, got bool"):
         osm.attention_by_key_blocks(q, q, q, block_k=True)
     with pytest.raises(ValueError, match="share their batch and head dimensions"):  # no grouped heads here
         osm.attention_by_key_blocks(np.zeros((1, 4, 3, 2)), np.zeros((1, 2, 3, 2)), np.zeros((1, 2, 3, 2)))

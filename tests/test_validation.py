@@ -188,7 +188,7 @@ def test_bad_byte_count_arguments(kwargs, exc, words):
 
 def test_bad_block_k_of_key_block_attention():
     q, k, v = arrays()
-    with pytest.raises(ValueError, match="block_size must be a positive integer, got 0"):
+    with pytest.raises(ValueError, match="block_k must be a positive integer, got 0"):
         online_softmax.attention_by_key_blocks(q, k, v, 0)
 
 

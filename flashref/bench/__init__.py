@@ -1,6 +1,6 @@
 """Benchmarks, run as ``python -m flashref.bench <suite>``; never part of the timed unit tests.
 
-Suites:
+The main suites (``python -m flashref.bench --help`` lists all sixteen, each with its notebook):
 - ``numpy``  tiled NumPy forward against naive NumPy attention: time and peak memory over N (CPU)
 - ``gpu``    the GPU kernels against PyTorch's attention backends, in one run (CUDA)
 - ``hbm``    HBM and L2 bytes of every kernel, counted by Nsight Compute, and the block-size sweep (CUDA, ncu)

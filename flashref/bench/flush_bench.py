@@ -39,7 +39,7 @@ from flashref.bench.features_bench import FLUSHES, l2_flush  # the flushes graph
 
 DEFAULT_OUT = "book/data/flush_bench.json"
 H, H_KV, D, N_Q = 32, 8, 128, 1
-#: (B, N_k): cache sizes from 17 MB to 4.3 GB, three of them 268 MB in different shapes.
+#: (B, N_k): cache sizes from 17 MB to 4.3 GB; two of them 268 MB and two 67 MB, in different shapes.
 POINTS = [(1, 4096), (1, 16384), (1, 65536), (1, 131072), (4, 4096), (4, 65536), (16, 4096), (16, 65536)]
 #: The points whose HBM traffic ncu counts.
 COUNTED = [(1, 16384), (1, 65536)]

@@ -2,7 +2,7 @@
 
     python -m flashref.bench gpu                  # the whole grid of the book (an H100: a few minutes)
     python -m flashref.bench gpu --quick          # a small subset
-    python -m flashref.bench gpu --memory-target  # forward+backward at B=1, H=16, N=131072, d=64
+    python -m flashref.bench gpu --memory-target  # the grid, then forward+backward at B=1, H=16, N=131072, d=64
     python -m flashref.bench gpu --plot book/data/gpu_bench.json   # redraw the figure from a saved run
 
 Implementations: ``flashref-triton`` (flashref.triton), ``sdpa-flash``, ``sdpa-cudnn``, ``sdpa-efficient``,

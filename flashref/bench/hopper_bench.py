@@ -100,7 +100,7 @@ def cases(grid=GRID, d256=True):
                    "switches": hopper.config(d, **step[1]) if step else None,
                    "B": B, "H": H, "N": N, "d": d, "causal": causal, "ms": ms, "tflops": work / (ms * 1e-3) / 1e12,
                    "peak_extra_bytes": peak}
-        del q, k, v, x
+        del q, k, v
         torch.cuda.empty_cache()
 
 

@@ -23,9 +23,10 @@ Parts (each a list of rows in ``book/data/model_bench.json``, saved with the dev
   approximations' relative error against exact attention on the same random inputs.
 
 - ``generate``: the ``flashref`` model (256 characters) trained briefly (600 steps), then made to write: a
-  sample with the KV cache, and tokens/s at B = 1, 16 and 64 sequences of a 8-character prompt plus 248
-  new characters, regenerating the whole context each step (``kv_cache=False``) against keeping its keys
-  and values (``kv_cache=True``, flash-decoding), with the share of draws on which the two agree
+  sample with the KV cache, and tokens/s at B = 1, 16 and 64 sequences of a 10-character prompt plus 246
+  new characters (the model's context of 256), regenerating the whole context each step (``kv_cache=False``)
+  against keeping its keys and values (``kv_cache=True``, flash-decoding), with the share of draws on which the
+  two agree
   (notebook ``13_beyond_one_gpu_and_decoding``).
 
 Notebook ``11_attention_in_a_model`` draws its plots from the file.

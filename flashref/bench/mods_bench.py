@@ -524,7 +524,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default="book/data/mods_bench.json")
     p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
     p.add_argument("--n", nargs="+", type=int, default=None, metavar="N",
-                   help="only these sequence lengths of the window, softcap and alibi parts (4096 8192 16384)")
+                   help="only these sequence lengths of the window, window-kernels, softcap and alibi parts "
+                        "(4096 8192 16384)")
     p.add_argument("--append", action="store_true",
                    help="add to the rows already in --out (a run split over several calls; same GPU and versions), "
                         "replacing those of the parts and lengths measured again")

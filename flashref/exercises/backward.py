@@ -91,10 +91,14 @@ def check_recompute_flops(answer) -> Verdict:
 
 
 
+#: tile_problem's tile: (n_q, n_k, d, lo, hi, scale), keys 2:7 of a 6 x 9 problem with head dim 4.
+_TILE = (6, 9, 4, 2, 7, 0.5)
+
+
 def tile_problem(seed: int = 8):
     """One tile of a backward pass: ``(q_i, k_j, v_j, do_i, lse_i, delta_i, scale)`` in float64 for 6 query
     rows and 5 keys of a 6 x 9 problem (lse_i and delta_i are the whole rows', from the forward)."""
-    return _tile_problem(seed, 6, 9, 4, 2, 7, 0.5)
+    return _tile_problem(seed, *_TILE)
 
 
 def _tile_problem(seed: int, n_q: int, n_k: int, d: int, lo: int, hi: int, scale: float):
@@ -106,7 +110,7 @@ def _tile_problem(seed: int, n_q: int, n_k: int, d: int, lo: int, hi: int, scale
 
 
 # The tiles the checker tries: tile_problem's, a single query row, and an uneven tile with a scale of 1/sqrt(d).
-_TILE_CASES = {"the 6 x 5 tile of tile_problem()": (8, 6, 9, 4, 2, 7, 0.5),
+_TILE_CASES = {"the 6 x 5 tile of tile_problem()": (8, *_TILE),
                "one query row against 3 keys": (3, 1, 8, 5, 5, 8, 5 ** -0.5),
                "a 7 x 2 tile, head dim 3": (4, 7, 6, 3, 0, 2, 3 ** -0.5)}
 

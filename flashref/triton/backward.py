@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from flashref.triton.forward import (_block_elements, _document, _dot, _in_window, _keep, _keep_t,
-                                     _listed_start, _listed_tiles_before, _load_rows, _modified, _tile_ranges,
+                                     _listed_range, _listed_start, _load_rows, _modified, _tile_ranges,
                                      _tile_visible)
 
 
@@ -158,11 +158,7 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_
     when all of them are visible (as _fwd_tiles). Otherwise a tile the block mask hides is skipped."""
     EXACT: tl.constexpr = BM_TILE and LIST_SIZE == BLOCK_SIZE  # as in forward._fwd_tiles
     if LISTED:
-        it_lo = _listed_tiles_before(list_row, lo, LIST_SIZE, BLOCK_M)
-        it_hi = _listed_tiles_before(list_row, hi, LIST_SIZE, BLOCK_M)
-        every = False  # every tile of [lo, hi) listed, exact lists only: as in forward._fwd_tiles
-        if EXACT:
-            every = (it_hi - it_lo) * BLOCK_M == hi - lo
+        it_lo, it_hi, every = _listed_range(list_row, lo, hi, LIST_SIZE, BLOCK_M, EXACT)
         if every:
             for start_m in range(lo, hi, BLOCK_M):
                 dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, dq_base, m2_base, l2_base, delta_base, stride_qm,
@@ -232,8 +228,8 @@ def flash_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, M2, L2, Delta, BM, LISTS,
     to keep the GPU busy. With ATOMIC_DQ it also adds into DQ (fp32, zeroed by the caller); otherwise DQ is
     not touched. LISTS: per key block (of LIST_SIZE, as in the forward kernel), the count and increasing
     indices of the query blocks that see it (the forward's lists, transposed). The score modifications and
-    VARLEN as in the forward kernel; key j is seen by queries ``j - win_right <= i <= j + win_left``, and only those query tiles are
-    visited. ONE_HEAD: GROUP == SPLIT (each program has one query head).
+    VARLEN as in the forward kernel; key j is seen by queries ``j - win_right <= i <= j + win_left``, and
+    only those query tiles are visited. ONE_HEAD: GROUP == SPLIT (each program has one query head).
 
     D_SPLIT: programs pid_n * D_SPLIT + c share a K/V tile, program c keeping columns c * BLOCK_D / D_SPLIT :
     +BLOCK_D / D_SPLIT of dK and dV. Each recomputes the tile's S and dP (more arithmetic), and in return its
@@ -402,11 +398,7 @@ def _dq_tiles(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, st
     forward's _fwd_tiles)."""
     EXACT: tl.constexpr = BM_TILE and LIST_SIZE == BLOCK_SIZE  # as in forward._fwd_tiles
     if LISTED:
-        it_lo = _listed_tiles_before(list_row, lo, LIST_SIZE, BLOCK_N)
-        it_hi = _listed_tiles_before(list_row, hi, LIST_SIZE, BLOCK_N)
-        every = False  # every tile of [lo, hi) listed, exact lists only: as in forward._fwd_tiles
-        if EXACT:
-            every = (it_hi - it_lo) * BLOCK_N == hi - lo
+        it_lo, it_hi, every = _listed_range(list_row, lo, hi, LIST_SIZE, BLOCK_N, EXACT)
         if every:
             for start_n in range(lo, hi, BLOCK_N):
                 dq = _dq_tile(dq, q, do, m2, l2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,

@@ -1,7 +1,7 @@
 """Compile the kernels for a GPU we do not have, and read the shared memory each config needs.
 
     FLASHREF_TRITON_COMPILE_ONLY=1 python -m flashref.triton.compile_check      # prints a table
-    FLASHREF_TRITON_COMPILE_ONLY=1 python -m flashref.triton.compile_check shared|wgmma   # one report
+    FLASHREF_TRITON_COMPILE_ONLY=1 python -m flashref.triton.compile_check shared|wgmma|hopper|overlap  # one
     print(report_in_child("wgmma"))                                              # the same, from a notebook
 
 Triton compiles for any target on a CPU machine: ``triton.compile(ASTSource(fn, signature, constexprs),

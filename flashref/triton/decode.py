@@ -341,7 +341,7 @@ def decode_plan(q, k_cache, num_splits=None) -> dict:
 
     ``num_splits=None`` chooses by :func:`split_count` from the GPU's SM count, one split program an SM, each
     split walking at least :data:`MIN_SPLIT_TILES` key tiles of the longest cache (a split of the shortest rows
-    may still be empty: it stores lse = -inf and costs one early exit). Under the interpreter: ``min(4, key
+    may still be empty: it visits no key tile and stores lse = -inf). Under the interpreter: ``min(4, key
     tiles)``, enough to exercise the merge."""
     B, H, N_q, d = q.shape
     H_kv, N_max = k_cache.shape[1], k_cache.shape[2]

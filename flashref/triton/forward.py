@@ -146,7 +146,7 @@ TANH_LIBDEVICE = tl.constexpr(os.environ.get("TRITON_INTERPRET", "") != "1")
 def _tanh(x):
     """tanh in fp32: libdevice's on a GPU (within 2 ulp). The CPU interpreter cannot call libdevice, so there
     it is built from exp2: ``(1 - t) / (1 + t)`` with ``t = exp(-2|x|)``, and for |x| < 1/4, where 1 - t
-    would cancel, the odd Taylor series to x^11 (its next term is below 1e-10 relative)."""
+    would cancel, the odd Taylor series to x^11 (its next term is below 3e-10 relative)."""
     if TANH_LIBDEVICE:
         return libdevice.tanh(x)
     else:
@@ -296,6 +296,20 @@ def _listed_tiles_before(row, limit, BLOCK_SIZE: tl.constexpr, TILE: tl.constexp
 
 
 @triton.jit
+def _listed_range(list_row, lo, hi, LIST_SIZE: tl.constexpr, TILE: tl.constexpr, EXACT: tl.constexpr):
+    """(it_lo, it_hi, every): the tiles of a visible-block list in [lo, hi) (see _listed_tiles_before), and
+    whether every tile of [lo, hi) is listed, so the plain loop can take them (no list reads). Only for exact
+    lists: with coarse ones ``every`` stays the constant False, and the caller compiles its listed loop alone
+    (one pipelined loop, one set of K/V buffers in shared memory, not two)."""
+    it_lo = _listed_tiles_before(list_row, lo, LIST_SIZE, TILE)
+    it_hi = _listed_tiles_before(list_row, hi, LIST_SIZE, TILE)
+    every = False
+    if EXACT:
+        every = (it_hi - it_lo) * TILE == hi - lo
+    return it_lo, it_hi, every
+
+
+@triton.jit
 def visible_lists_kernel(BM, LISTS, stride_bmb, stride_bmh, stride_bmi, stride_bmj, stride_lb, stride_lh, stride_li,
                          H, n_j, CHUNK: tl.constexpr):
     """LISTS[b, h, i] = [count, the j with BM[b, h, i, j] != 0 in increasing order]: one program per row i
@@ -331,7 +345,8 @@ def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn,
     """Fold the K/V tile at ``start_n`` into (acc, l_i, m_i) of the query block at ``start_m``. A MASKED
     tile checks key bounds and, when CAUSAL or WINDOW, which keys each row sees; the others are full tiles
     that every query row of the block may see. With a block mask applied element by element (HAS_BM, not
-    BM_TILE), or in a masked tile of a window, rows may have seen no key yet, so the max is kept finite.
+    BM_TILE), or in a masked tile of a window, rows may have seen no key yet: where the max is still -inf the
+    exponents are taken against 0 (the max itself stays -inf).
     SOFTCAP / ALIBI modify the scores (_modified) before any mask: a masked score is -inf whatever the cap
     would make of it."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -391,8 +406,8 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
     """Fold the K/V tiles with first key in [lo, hi) into (acc, l_i, m_i). When LISTED, only the visible
     ones, read from this query block's list of visible key blocks (``list_row``), so the loop meets no
     hidden tile and its loads stay pipelined; when the lists are exact and every tile of [lo, hi) is
-    listed, the plain loop (no list, no check). Otherwise a tile the block mask hides is skipped, and the mask is applied element by
-    element where a tile spans several of its blocks (not BM_TILE).
+    listed, the plain loop (no list, no check). Otherwise a tile the block mask hides is skipped, and the
+    mask is applied element by element where a tile spans several of its blocks (not BM_TILE).
 
     The lists are of blocks of LIST_SIZE rows and keys. EXACT: those are the mask's own blocks, each holding
     whole tiles, so a listed tile is all visible. Otherwise they are coarser blocks, listed where any mask
@@ -400,14 +415,7 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
     and a listed tile takes the mask element by element."""
     EXACT: tl.constexpr = BM_TILE and LIST_SIZE == BLOCK_SIZE
     if LISTED:
-        it_lo = _listed_tiles_before(list_row, lo, LIST_SIZE, BLOCK_N)
-        it_hi = _listed_tiles_before(list_row, hi, LIST_SIZE, BLOCK_N)
-        # Every tile of [lo, hi) listed: the plain loop, no list reads. Only for exact lists: coarse lists
-        # take the listed loop alone, so the kernel holds one pipelined loop (and one set of K/V buffers in
-        # shared memory) for them, not two.
-        every = False
-        if EXACT:
-            every = (it_hi - it_lo) * BLOCK_N == hi - lo
+        it_lo, it_hi, every = _listed_range(list_row, lo, hi, LIST_SIZE, BLOCK_N, EXACT)
         if every:
             for start_n in range(lo, hi, BLOCK_N):
                 acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn,
@@ -474,7 +482,8 @@ def flash_fwd_kernel(Q, K, V, O, LSE, M2, L2, BM, LISTS,
     (grouped-query attention; GROUP = 1 is plain multi-head attention). BM is the block mask (int8,
     strides 0 along broadcast dims), read only when HAS_BM; LISTS holds, per query block of the mask, the
     count and the increasing indices of its visible key blocks (blocks of LIST_SIZE: the mask's own when
-    BLOCK_SIZE is a multiple of both tile sides, tile mode; else coarser ones, see _fwd_tiles), so the full
+    BLOCK_SIZE is a multiple of every config's tile sides, configs.list_granule; else coarser ones, see
+    _fwd_tiles), so the full
     tiles are walked from the list. With DROPOUT, P is dropped with probability
     drop_below / 2**16 from the Philox stream of ``seed``. A row that sees no key stores O = 0, lse = -inf, and
     M2 = 0, L2 = +inf, which make the backward's recomputed P exactly 0.

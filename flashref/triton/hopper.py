@@ -40,11 +40,13 @@ a window (``window_size``, which also carries a bottom-right causal mask): each 
 some row of it sees, and masks only the tiles on a window's edges; or dropout (``launch_forward(dropout=)``, the
 teaching kernel's Philox mask bit for bit, drawn in the accumulator's own registers: :func:`_keep`); or a block
 mask (``launch_forward(lists=)``: each program walks its query block's list of visible key blocks, on
-:func:`block_mask_config`'s tile, warp-specialized at d = 128 and 256, where the producer warp reads the list).
+:func:`block_mask_config`'s tile, warp-specialized at d = 128 and 256 for blocks of 128 or a multiple, where
+the producer warp reads the list).
 No other feature (GQA, softcap, ALiBi: those stay on the teaching kernel). Outputs match
 :func:`flashref.triton.flash_attention_forward`: O, the natural-log lse, and the backward's (m2, l2).
 It needs an sm_90 GPU; :func:`supported` says whether a call qualifies. :func:`flashref.triton.flash_attention`
-runs it (``kernel="auto"``, the default, or ``"hopper"``) for the calls it supports, with its contiguous inputs.
+runs it (``kernel="auto"``, the default, or ``"hopper"``) for the calls it supports: inputs in a model's
+(B, N, H, d) layout read in place, other strided ones copied to contiguous ones first.
 Taught in notebook ``14_flashattention3_on_hopper``; ``python -m flashref.bench hopper`` and ``compile_check hopper``
 hold its measurements.
 """
@@ -1321,7 +1323,8 @@ def _quantize_v(v: torch.Tensor):
 def quantize_fp8(q, k, v, *, block_n: int = 128, incoherent: bool = False, seed: int = 0) -> Fp8Inputs:
     """Q, K, V (B, H, N, d) to :class:`Fp8Inputs`, per-block scaled; with ``incoherent``, Q and K are first
     multiplied by the same :func:`random_rotation`, which leaves Q K^T as it was. On a GPU one fused kernel a
-    tensor (read once, written once in 8 bits); elsewhere torch operations with the same result."""
+    tensor (read twice, for each block's scale and then its values; written once in 8 bits); elsewhere torch
+    operations with the same result."""
     if incoherent:
         M = random_rotation(q.shape[-1], seed, q.device)
         q, k = q.float() @ M, k.float() @ M

@@ -16,13 +16,14 @@ dQ: a program owns ``BLOCK_M`` queries, Q_i and dO_i resident, and walks the key
 tile: S, dP, then dQ_i += dS K_j). Both use the forward's row statistics (m2, l2) and D = rowsum(dO * O) from the
 teaching preprocess kernel (the dK/dV kernels get each query tile's lse2 = m2 + l2 and D by TMA, in the ring slot
 of its Q_i and dO_i); neither adds anything atomically, so the gradients are bitwise reproducible. fp16 and
-bf16, head dims 64 and 128, top-left causal or not, a window, ALiBi, and dropout (the forward's mask, drawn again
-in each kernel's accumulator registers: transposed in dK/dV, :func:`flashref.triton.hopper._keep_t`); no other
-feature. At head dim 256 (causal or not, nothing else) dK/dV come from
-:mod:`flashref.triton.hopper_backward_wide`, whose two warpgroups split the head dim, and dQ from the kernel here.
-:func:`hopper_backward` runs both; it is what :func:`flashref.triton.flash_attention`'s backward runs on an H100
-(notebook ``14_flashattention3_on_hopper``). With ``deterministic=False`` it runs
-:mod:`flashref.triton.hopper_backward_fused` instead where that applies: one kernel, dQ added by TMA reduces.
+bf16, head dims 64 and 128, top-left causal or not, a window, ALiBi, dropout (the forward's mask, drawn again
+in each kernel's accumulator registers: transposed in dK/dV, :func:`flashref.triton.hopper._keep_t`), and a block
+mask whose blocks hold their tiles (``lists=``, the teaching kernels' lists of visible blocks); no other
+feature. At head dim 256 (causal or not, nothing else) dK/dV come from :mod:`flashref.triton.hopper_backward_wide`,
+whose two warpgroups split the head dim, and dQ from the kernel here. :func:`hopper_backward` runs both; it is
+what :func:`flashref.triton.flash_attention`'s backward runs on a Hopper GPU (notebook
+``14_flashattention3_on_hopper``). With ``deterministic=False`` it runs :mod:`flashref.triton.hopper_backward_fused`
+instead where that applies: one kernel, dQ added by TMA reduces.
 """
 
 from __future__ import annotations

@@ -610,7 +610,8 @@ def _backward_kernel(q, k, v, feat: Features, kernel: str, deterministic: bool) 
     one-kernel Gluon backward (``"hopper-fused"``, :mod:`flashref.triton.hopper_backward_fused`: dQ added by TMA
     reduces, measured 1.04-1.25x the two kernels' speed on an H100) at d = 64 and 128 with top-left causal masking
     or none (and dropout, its mask drawn after the first two products at d = 128: notebook
-    ``10_dropout_masks_sparsity`` measures it), and the teaching kernel's atomic dQ for the rest at d <= 128; at
+    ``10_dropout_masks_sparsity`` measures it), and the teaching kernel's atomic dQ for the rest at d <= 128
+    without dropout (dropout that the one-kernel backward refuses, with ALiBi, runs the deterministic pair); at
     d = 256 the deterministic Gluon pair, which is faster there (H100, B 8, H 8, N 4K, fp16, fwd+bwd: 10.3 ms
     against the atomic dQ's 18.4; deterministic=False permits run-to-run variation, it does not ask for it). A
     window takes
@@ -635,7 +636,7 @@ def _choose_backward(q, k, v, feat: Features, deterministic: bool) -> str:
         return "triton"
     if not deterministic and _fused_takes(q, k, v, feat):
         return "hopper-fused"
-    # At d = 256 the Gluon pair beats the teaching atomic dQ, and with dropout at d = 128 too (see above)
+    # At d = 256 the Gluon pair beats the teaching atomic dQ, and with dropout at any d it serves (see above)
     if not deterministic and q.shape[3] != 256 and feat.dropout_p == 0.0:
         return "triton"
     backward = _gluon_module("hopper_backward")
@@ -993,8 +994,8 @@ _FEATURES_DOC = """
       is wholly visible. Otherwise they are of 128 x 128 blocks (:func:`coarse_block_mask`; 32 in the
       interpreter), listed where any mask block inside is visible, and a listed tile takes the mask element
       by element: the tiles of a hidden 128 x 128 block are never loaded. Where every tile is checked anyway
-      (the causal diagonal, a window's edges, the last partial tile), no hidden tile is loaded. A query row that sees no key
-      gets ``o = 0`` and ``lse = -inf``, and zero gradients: never NaN.
+      (the causal diagonal, a window's edges, the last partial tile), no hidden tile is loaded. A query row
+      that sees no key gets ``o = 0`` and ``lse = -inf``, and zero gradients: never NaN.
 
     Score and mask modifications, FlashAttention's keywords (:mod:`flashref.score_mods` has the rule, and
     :mod:`flashref.reference` the float64 oracle); each composes with all of the above:
@@ -1015,8 +1016,8 @@ def flash_attention_forward(q, k, v, causal=False, sm_scale=None, *, dropout_p=0
     """FlashAttention forward without autograd: ``(o, lse)``; ``o`` like ``q`` (contiguous), ``lse`` of shape
     ``(B, H, N_q)`` in fp32 (natural log; -inf for a row that sees no key). fp32 inputs are computed in full
     fp32 (``input_precision="ieee"``: no TF32). Pass ``seed`` with ``dropout_p`` to replay the same mask in
-    :func:`flash_attention_backward`. ``check_finite`` and ``kernel`` as in :func:`flash_attention`. Notebook
-    ``07_triton_forward``."""
+    :func:`flash_attention_backward`. ``causal_align``, ``check_finite`` and ``kernel`` as in
+    :func:`flash_attention`. Notebook ``07_triton_forward``."""
     _, scale = _check(q, k, v, causal, sm_scale, check_finite)
     feat = Features(q, k, dropout_p, seed, block_mask, block_size, causal=causal, scale=scale,
                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, check_finite=check_finite,
@@ -1046,12 +1047,14 @@ def flash_attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, d
                              softcap=0.0, alibi_slopes=None, check_finite=True, causal_align="top_left",
                              kernel="auto"):
     """Gradients ``(dq, dk, dv)`` from the forward's ``o`` and ``lse``, recomputing P tile by tile.
-    ``deterministic=False`` adds dQ atomically and skips the dQ kernel (the last bits vary run to run): on an
-    H100, the one-kernel Gluon backward where it applies (:func:`backward_kernel` says ``"hopper-fused"``), and at
+    ``deterministic=False`` adds dQ atomically and skips the dQ kernel (the last bits vary run to run): on a
+    Hopper GPU, the one-kernel Gluon backward where it applies (:func:`backward_kernel` says ``"hopper-fused"``), and at
     d = 256 the deterministic Gluon pair, faster there. With
     ``dropout_p`` the ``seed`` the forward used is required. ``check_finite`` as in :func:`flash_attention`, for
     ``o``, ``lse`` (which may be -inf) and ``do`` too; ``kernel`` as there, for the backward
-    (:func:`backward_kernel` says which runs). Notebook ``08_triton_backward``."""
+    (:func:`backward_kernel` says which runs). The mask arguments (``causal``, ``causal_align``, ``window_size``,
+    ``block_mask``, ``block_size``) and ``softcap``, ``alibi_slopes``, ``sm_scale`` must be the forward's: P is
+    recomputed with the ones given, and nothing here can tell. Notebook ``08_triton_backward``."""
     _, scale = _check(q, k, v, causal, sm_scale, check_finite)
     validation.check_bool("deterministic", deterministic)
     if validation.check_dropout_p(dropout_p) > 0.0 and seed is None:
@@ -1282,15 +1285,16 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, deterministic=True, *,
     ``14_flashattention3_on_hopper`` (:mod:`flashref.triton.hopper`): an sm_90 GPU, fp16 or bf16, d in 64, 128, 256,
     q, k, v with as many heads (those of a model's (B, N, H, d) layout read in place, o and the gradients then
     returned in that layout, with the two-kernel backward; other strided ones copied to contiguous ones first), none
-    of the features below but a window or (at d = 64 and 128, without a window) dropout; a call it cannot take is a
-    ``ValueError`` saying why.
+    of the features below but a window, (at d = 64 and 128, without a window) dropout, or a block mask whose blocks
+    hold its tiles (the default ``block_size=128`` does); a call it cannot take is a ``ValueError`` saying why.
     ``"auto"`` takes the Hopper forward where it can and the teaching kernel everywhere else (:func:`forward_kernel`
     says which). Both give the same o, lse and row statistics. The backward follows: under ``"auto"`` and
     ``"hopper"`` the Gluon dK/dV and dQ kernels of :mod:`flashref.triton.hopper_backward` run wherever they can (the
     Hopper forward's conditions, dropout's included, d = 64 or 128 with ``deterministic=True``, or 256 with causal
-    masking or none; unlike the forward, they also take ``alibi_slopes``), the teaching backward everywhere else
-    (:func:`backward_kernel` says which; with ``deterministic=False``, the one-kernel Gluon backward where it
-    applies).
+    masking or none; unlike the forward, they also take ``alibi_slopes``, and a block mask under the same
+    condition), the teaching backward everywhere else (:func:`backward_kernel` says which; with
+    ``deterministic=False``, the one-kernel Gluon backward where it applies, and the teaching atomic dQ for the
+    rest at d <= 128 without dropout).
     A training loop calls with the same shapes, strides, dtypes and options at every step: where the Gluon forward
     and two-kernel backward run, the first call of such a signature is checked and dispatched in full and leaves a
     plan (:class:`StepPlan`) that the later ones run, checking only their data (``check_finite``) and the seed.
@@ -1422,8 +1426,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     of another document; within one, everything is :func:`flash_attention`'s: ``causal`` top-left aligned in
     each document, ``window_size``, ``softcap``, and ``alibi_slopes`` of shape ``(H,)`` or ``(documents, H)``.
     ``max_seqlen_q`` / ``max_seqlen_k``: the longest document, which sizes the launch grid (one program per
-    BLOCK_M rows of the longest; programs past a shorter document's end return at once). Returns ``o`` like
-    q (and ``lse`` of shape ``(H, total_q)``, fp32, natural log, when ``return_lse``). ``check_finite``
+    BLOCK_M rows of the longest; programs past a shorter document's end visit no key tile and store nothing).
+    Returns ``o`` like q (and ``lse`` of shape ``(H, total_q)``, fp32, natural log, when ``return_lse``). ``check_finite``
     (default True) also reads ``cu_seqlens`` on the host to check them (every document at least one row, the
     right total, the longest within ``max_seqlen``); False trusts them, as the benchmarks do. Dropout and
     block masks are not taken here. :mod:`flashref.varlen` and :func:`flashref.reference.attention_varlen` hold
