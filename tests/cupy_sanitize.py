@@ -1,4 +1,5 @@
-"""Small launches of both flashref.cupy kernels, for compute-sanitizer (memcheck, racecheck).
+"""Small launches of the three flashref.cupy kernels, for compute-sanitizer (memcheck, racecheck); run by
+tests/test_cupy_gpu.py's sanitizer test on the GPU machine.
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python tests/cupy_sanitize.py
     compute-sanitizer --tool racecheck --error-exitcode 1 python tests/cupy_sanitize.py
@@ -20,7 +21,7 @@ def main() -> int:
     import cupy as cp
     rng = np.random.default_rng(0)
     failures = 0
-    for kernel, dtype in (("tiled", "float32"), ("tiled", "float16"), ("mma", "float16")):
+    for kernel, dtype in (("tiled", "float32"), ("tiled", "float16"), ("wmma", "float16"), ("mma", "float16")):
         for (N_q, N_k, d) in ((1, 1, 64), (70, 130, 64), (129, 65, 128), (33, 47, 24)):
             for causal in (False, True):
                 q, k, v = (rng.standard_normal((1, 2, n, d)).astype(dtype) for n in (N_q, N_k, N_k))

@@ -207,7 +207,8 @@ def test_a_point_times_each_implementation_in_rounds():
     for r in ran:
         assert "rounds_status" not in r, r["rounds_status"]
         assert len(r["ms_rounds"]) == decode_bench.ROUNDS and r["ms"] == statistics.median(r["ms_rounds"])
-        assert r.get("max_abs_diff_vs_decode", 0.0) < 1e-2
+        if r["impl"] != "flashref-decode":  # each peer's output is compared with flash_decode's
+            assert r["max_abs_diff_vs_decode"] < 1e-3, r
 
 
 def test_append_replaces_a_point_measured_again(monkeypatch, tmp_path):
