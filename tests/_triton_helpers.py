@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -108,11 +109,26 @@ def plain_with_features(q, k, v, do, causal, visible=None, keep=None, p=0.0, win
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def compile_in_child(source: str) -> list[list[str]]:
-    """Run ``source`` (a script that compiles kernels for the H100 and prints a line of fields each) in a child
-    Python, since compiling needs Triton's interpreter off; its printed lines, split into fields."""
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    out = subprocess.run([sys.executable, "-c", source], capture_output=True, text=True, env=env, cwd=ROOT,
-                         timeout=600)
+def compile_child(script: str, fp_fusion: bool = False) -> str:
+    """Run ``script`` in a child Python with the kernels defined for compiling, and return what it printed. Kernels
+    defined under Triton's interpreter cannot be compiled, so the child runs with ``TRITON_INTERPRET`` unset and
+    ``FLASHREF_TRITON_COMPILE_ONLY=1`` (see flashref/triton/compile_check.py); ``fp_fusion`` sets
+    ``TRITON_DEFAULT_FP_FUSION=1``, as a GPU run does. A failed child fails the test with the end of its stderr."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(FLASHREF_TRITON_COMPILE_ONLY="1", PYTHONPATH=ROOT)
+    if fp_fusion:
+        env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT,
+                         timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
-    return [line.split() for line in out.stdout.strip().splitlines()]
+    return out.stdout
+
+
+def compiled_json(script: str, fp_fusion: bool = False):
+    """:func:`compile_child` for a script whose last line prints its findings as JSON: those findings."""
+    return json.loads(compile_child(script, fp_fusion).strip().splitlines()[-1])
+
+
+def compile_in_child(script: str) -> list[list[str]]:
+    """:func:`compile_child` for a script that prints a line of fields a kernel: its lines, split into fields."""
+    return [line.split() for line in compile_child(script).strip().splitlines()]

@@ -398,7 +398,7 @@ def test_beyond_numbers():
 
     # K and V of 8 heads x 64K keys x 128 dims in fp16 (and q, o) at 3.35 TB/s: about 80 microseconds
     want = 2 * (2 * 8 * 65536 * 128 + 2 * 32 * 128) / 3.35e12 * 1e6
-    assert ex.check_decode_time(want) and 80 < want < 80.2
+    assert ex.check_decode_time(want)
     assert "once per query head" in repr(ex.check_decode_time(4 * want - 3 * 2 * 2 * 32 * 128 / 3.35e12 * 1e6))
     assert "not both" in repr(ex.check_decode_time(want / 2))
     assert not ex.check_decode_time(2 * want)
@@ -412,7 +412,7 @@ def test_hopper_numbers():
 
     # 128 x 128 exponentials at 3.9e12/s against 4 * 128 * 128 * 64 FLOPs at 1979e12/s: about 1.98
     want = (128 * 128 / 3.9e12) / (4 * 128 * 128 * 64 / 1979e12)
-    assert ex.check_exp_ratio(want) and 1.97 < want < 1.99
+    assert ex.check_exp_ratio(want)
     assert "twice as long" in repr(ex.check_exp_ratio(want))
     assert not ex.check_exp_ratio(want / 2) and not ex.check_exp_ratio(1 / want)  # fp16 rates; upside down
     # 32 programs of 128 keys each add 4096 x 64 fp32 numbers; dQ is 4096 x 64 fp16 numbers: 64x

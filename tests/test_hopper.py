@@ -9,10 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -24,6 +20,7 @@ import torch  # noqa: E402
 import flashref.triton  # noqa: E402, F401  (before triton: the interpreter switch)
 from flashref.tolerance import assert_within_tolerance  # noqa: E402
 from flashref.torch_attention import make_qkv, plain_attention  # noqa: E402
+from tests._triton_helpers import compiled_json  # noqa: E402
 
 H100_SHARED = 227 * 1024  # the per-block limit of an H100
 
@@ -81,11 +78,7 @@ print(json.dumps(rows))
 
 @pytest.fixture(scope="module")
 def compiled():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["FLASHREF_TRITON_COMPILE_ONLY"] = "1"
-    proc = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return compiled_json(COMPILE)
 
 
 def test_compiles_for_the_h100_with_tma_and_wgmma(compiled):

@@ -12,9 +12,7 @@ import flashref.triton  # noqa: F401  (before triton: the interpreter switch)
 from tests._triton_helpers import compile_in_child, make_qkv, plain_forward_backward
 
 _COMPILE = r"""
-import os, re
-os.environ["FLASHREF_TRITON_COMPILE_ONLY"] = "1"
-os.environ.pop("TRITON_INTERPRET", None)
+import re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl

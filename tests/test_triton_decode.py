@@ -9,7 +9,6 @@ H100 on this CPU machine. In Triton's CPU interpreter on CI; compiled on the GPU
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import os
 import subprocess
@@ -24,7 +23,7 @@ from flashref.online_softmax import merge_outputs
 from flashref.tolerance import assert_within_tolerance
 from flashref.triton import decode
 from flashref.triton.decode import KVCache, decode_plan, flash_decode
-from tests._triton_helpers import DEVICE
+from tests._triton_helpers import DEVICE, compiled_json
 from tests._triton_helpers import feature_inputs as _inputs
 from tests._triton_helpers import np64 as _np64
 
@@ -534,13 +533,7 @@ def test_both_kernels_compile_for_every_gpu_and_fit():
     """triton.compile for sm_75, sm_80 and sm_90 in a child process with the interpreter off (kernels defined
     under it cannot be compiled); the split kernel's shared memory fits each GPU's per-block limit, and the merge
     is compiled with the warps it is launched with."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["FLASHREF_TRITON_COMPILE_ONLY"] = "1"
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    proc = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = compiled_json(COMPILE_SCRIPT, fp_fusion=True)
     assert {r[0] for r in rows} == {"T4", "A100", "H100"} and len(rows) == 4
     for gpu, d, dtype, causal, rows_, split_shared, merge_shared, limit, merge_warps in rows:
         assert 0 < split_shared <= limit, (gpu, d, dtype, causal, rows_, split_shared, limit)
