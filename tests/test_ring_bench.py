@@ -4,6 +4,8 @@ ranks (python -m flashref.bench ring --device cpu). The measurements themselves 
 
 from __future__ import annotations
 
+import os
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -144,6 +146,25 @@ def test_the_whole_run_rehearses_on_cpus(tmp_path):
     assert (trace["N"], trace["gpus"], trace["causal"]) == (ring_bench.REHEARSAL["trace_n"], 2, True)
     assert trace["events"] == []  # the interpreter launches no GPU kernels
     assert "2 GPUs ms" in scaling_table(rows)
+
+
+def _report_visible_gpus(out):
+    """A worker for :func:`ring_bench._run`: the CUDA devices its environment lets it see."""
+    out.put(("visible", os.environ.get("CUDA_VISIBLE_DEVICES")))
+    out.put(("done", 0))
+
+
+def test_a_rehearsal_hides_the_gpus_from_its_workers(monkeypatch):
+    """On a machine with GPUs the rehearsal's workers must not see them: flashref.triton would compile its kernels
+    for the GPU and refuse the rehearsal's CPU tensors (seen on an H200 before this). The parent's environment is
+    left as it was, and a measuring run's workers see what the parent sees."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    seen = []
+    assert ring_bench._run([(_report_visible_gpus, ())], seen.append, timeout=120, hide_gpus=True) == []
+    assert seen == [("visible", "")] and os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"
+    seen.clear()
+    assert ring_bench._run([(_report_visible_gpus, ())], seen.append, timeout=120) == []
+    assert seen == [("visible", "0,1")]
 
 
 def test_plan_of_the_command_line():

@@ -729,16 +729,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(targets, on_message, timeout=PHASE_TIMEOUT_S) -> list:
+def _run(targets, on_message, timeout=PHASE_TIMEOUT_S, hide_gpus=False) -> list:
     """Start one spawned process per ``(target, args)``, hand each message to ``on_message`` until every one
-    said done, failed or the time ran out; returns the failures (text, with the workers' tracebacks)."""
+    said done, failed or the time ran out; returns the failures (text, with the workers' tracebacks).
+    ``hide_gpus`` (the rehearsal): the workers see no CUDA device, so that :mod:`flashref.triton` runs its kernels
+    in Triton's interpreter on their CPU tensors even on a machine with GPUs (where it would compile them for the
+    GPU and refuse CPU tensors)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=t, args=(*a, out), daemon=True) for t, a in targets]
-    for p in procs:
-        p.start()
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    try:
+        if hide_gpus:  # a spawned process copies this process's environment when it starts
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        for p in procs:
+            p.start()
+    finally:
+        if hide_gpus:
+            if saved is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = saved
     done, failures = set(), []
     deadline = time.monotonic() + timeout
     try:
@@ -872,10 +885,12 @@ def main(argv=None) -> int:
             print(f"trace    {len(msg[1]['events'])} kernels over {msg[1]['span_us'] / 1e3:.1f} ms, "
                   f"{overlap_fraction(msg[1]):.0%} of NCCL time overlapping compute", flush=True)
 
-    failures = _run([(_one_gpu_worker, (plan,))], on_message)
+    rehearsal = plan.device == "cpu"
+    failures = _run([(_one_gpu_worker, (plan,))], on_message, hide_gpus=rehearsal)
     if not failures and gpus > 1 and state["pinned"] is not None:
         port = _free_port()
-        failures = _run([(_ring_worker, (r, gpus, port, plan, state["pinned"])) for r in range(gpus)], on_message)
+        failures = _run([(_ring_worker, (r, gpus, port, plan, state["pinned"])) for r in range(gpus)], on_message,
+                        hide_gpus=rehearsal)
         row = unanswered_probe_row(state["probing"], state["data"]["results"], failures)
         if row is not None:
             state["add"](row)
