@@ -125,6 +125,9 @@ def test_command_line():
 def test_the_whole_run_rehearses_on_cpus(tmp_path):
     """Every step of the GPU run (the 1-GPU worker, autotuning and pinning, the ring's workers and their gloo
     agreement, the trace, the longest probes, the speedups, the file) on two CPU ranks, tiny shapes."""
+    problem = ring_bench.interpreter_problem()
+    if problem:
+        pytest.skip(problem)
     out = tmp_path / "ring.json"
     assert ring_bench.main(["--device", "cpu", "--out", str(out)]) == 0
     data = ring_bench.load_results(str(out))
@@ -165,6 +168,17 @@ def test_a_rehearsal_hides_the_gpus_from_its_workers(monkeypatch):
     seen.clear()
     assert ring_bench._run([(_report_visible_gpus, ())], seen.append, timeout=120) == []
     assert seen == [("visible", "0,1")]
+
+
+def test_the_interpreter_problem_is_named_for_the_versions_that_have_it():
+    """Triton 3.6's interpreter under NumPy 2.5 (the GPU machine's pair) cannot run the rehearsal, and says why;
+    Triton 3.7, or NumPy before 2.5, can."""
+    problem = ring_bench.interpreter_problem("3.6.0", "2.5.2")
+    assert "Triton 3.6.0" in problem and "NumPy 2.5.2" in problem and "triton>=3.7 or numpy<2.5" in problem
+    for triton_version, numpy_version in [("3.7.1", "2.5.2"), ("3.6.0", "2.4.6"), ("3.8.0+git1a2b", "2.5.0rc1"),
+                                          ("3.7.1", "2.4.6")]:
+        assert ring_bench.interpreter_problem(triton_version, numpy_version) is None, (triton_version, numpy_version)
+    assert ring_bench.interpreter_problem("3.6.0", "2.5.0rc1") is not None
 
 
 def test_plan_of_the_command_line():
