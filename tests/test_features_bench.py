@@ -114,15 +114,16 @@ def test_kept_fraction_counts_the_entries_a_dropout_keeps_whatever_their_scale()
 
 
 def test_flashrefs_kept_fraction_is_its_masks_and_one_minus_p():
-    """Counted through flashref's own dropout (the kernels in Triton's interpreter), the kept fraction is that of
-    ``dropout_mask`` for the same seed, entry count for entry count, and 1 - p within four standard errors over
-    64K entries."""
+    """Counted through flashref's own dropout (the kernels on the GPU where there is one, else in Triton's
+    interpreter), the kept fraction is that of ``dropout_mask`` for the same seed, entry count for entry count, and
+    1 - p within four standard errors over 64K entries."""
     from flashref.bench.features_bench import _seeded, kept_fraction
     from flashref.triton import dropout_mask
+    from tests._triton_helpers import DEVICE
 
-    got = kept_fraction(_seeded("flashref-triton", 0.1), 0.1, N_q=512, H=2, draws=1, device="cpu")
+    got = kept_fraction(_seeded("flashref-triton", 0.1), 0.1, N_q=512, H=2, draws=1, device=DEVICE)
     assert got["entries"] == 2 * 512 * 64
-    assert got["kept"] * got["entries"] == int(dropout_mask(0, 1, 2, 512, 64, 0.1, "cpu").sum())
+    assert got["kept"] * got["entries"] == int(dropout_mask(0, 1, 2, 512, 64, 0.1, DEVICE).sum())
     assert abs(got["kept"] - 0.9) < 4 * got["std_error"], got
     assert got["scale"] == pytest.approx(1, abs=2**-11)  # 1 / (1 - p), as fp16 rounds O
 
