@@ -791,28 +791,43 @@ def _print(r):
 
 
 def _release(version: str) -> tuple:
-    """(major, minor) of a version string such as "3.6.0" or "2.5.0rc1"."""
+    """(major, minor) of a version string such as "3.6.0" or "3.8.0rc1"."""
     major, minor = (version.split(".") + ["0"])[:2]
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
-def interpreter_problem(triton_version: str | None = None, numpy_version: str | None = None) -> str | None:
+def _numpy_refuses_one_element_ints() -> bool:
+    """Whether this NumPy refuses ``int()`` of a one-element 1-D array (deprecated in NumPy 1.25; NumPy 2.4.6 and
+    2.5.2 raise TypeError)."""
+    import numpy as np
+
+    try:
+        int(np.array([0]))
+    except TypeError:
+        return True
+    return False
+
+
+def interpreter_problem(triton_version: str | None = None, numpy_refuses: bool | None = None) -> str | None:
     """Why the rehearsal's workers cannot run the kernels in Triton's interpreter here, or None (the installed
-    versions unless given). Triton before 3.7 reads a loop bound held in a tensor with ``int()`` of a one-element
-    array, which NumPy 2.5 refuses; the teaching forward's loops over listed tiles take their bounds from tensors,
-    so every rehearsal would stop at its first launch (seen with Triton 3.6.0 and NumPy 2.5.2 on the GPU machine,
-    whose Triton compiles kernels and never interprets them otherwise)."""
+    Triton and NumPy unless given). Triton 3.6's interpreter reads a loop bound held in a tensor with ``int()`` of a
+    one-element array, which recent NumPy refuses (Triton 3.7.1 squeezes the array first); the teaching forward's
+    loops over listed tiles take their bounds from tensors, so every rehearsal would stop at its first launch (seen
+    with Triton 3.6.0 and NumPy 2.5.2 on the GPU machine, whose Triton otherwise compiles kernels, never interprets
+    them)."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
         triton_version = triton_version or version("triton")
-        numpy_version = numpy_version or version("numpy")
-    except PackageNotFoundError as missing:
-        return f"{missing.name} is not installed"
-    if _release(triton_version) < (3, 7) and _release(numpy_version) >= (2, 5):
-        return (f"Triton {triton_version}'s interpreter cannot run the kernels under NumPy {numpy_version} "
-                f"(it turns a one-element array into an int, which NumPy 2.5 refuses): the rehearsal needs "
-                f"triton>=3.7 or numpy<2.5")
+    except PackageNotFoundError:
+        return "triton is not installed"
+    if numpy_refuses is None:
+        numpy_refuses = _numpy_refuses_one_element_ints()
+    if _release(triton_version) < (3, 7) and numpy_refuses:
+        import numpy as np
+
+        return (f"Triton {triton_version}'s interpreter cannot run the kernels under NumPy {np.__version__}, which "
+                f"refuses int() of a one-element array: the rehearsal needs triton>=3.7")
     return None
 
 
@@ -881,8 +896,9 @@ def main(argv=None) -> int:
     if plan.device == "cuda" and not torch.cuda.is_available():  # no CUDA context here: the workers own the GPUs
         print("flashref.bench ring needs CUDA devices (--device cpu rehearses the run on CPUs)", file=sys.stderr)
         return 2
-    if plan.device == "cpu" and interpreter_problem():
-        print(f"flashref.bench ring --device cpu: {interpreter_problem()}", file=sys.stderr)
+    problem = interpreter_problem() if plan.device == "cpu" else None
+    if problem:
+        print(f"flashref.bench ring --device cpu: {problem}", file=sys.stderr)
         return 2
     gpus = args.gpus or (torch.cuda.device_count() if plan.device == "cuda" else 2)
     command = results.command("ring", argv)
