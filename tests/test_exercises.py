@@ -60,6 +60,18 @@ def test_flashref_triton_without_its_optional_parts_says_what_to_install(missing
         in result.stderr
 
 
+def test_flashref_triton_names_an_interpreter_that_cannot_run_its_kernels_is_named_for_the_versions_that_have_it():
+    """Triton 3.6's interpreter under a NumPy that refuses int() of a one-element array (the GPU machine's pair)
+    cannot run the kernels, and flashref.triton says why; Triton 3.7, or a NumPy that converts, can."""
+    from flashref.triton import interpreter_problem
+
+    problem = interpreter_problem("3.6.0", numpy_refuses=True)
+    assert "Triton 3.6.0" in problem and "triton>=3.7" in problem
+    for triton_version, refuses in [("3.7.1", True), ("3.6.0", False), ("3.8.0rc1", True), ("3.10.0", True)]:
+        assert interpreter_problem(triton_version, numpy_refuses=refuses) is None, (triton_version, refuses)
+    assert interpreter_problem("2.3.1", numpy_refuses=True) is not None
+
+
 def test_checkers_need_neither_torch_nor_triton():
     result = _run_without(("torch", "triton"), (
         "from flashref.exercises import triton_kernels as ex\n"

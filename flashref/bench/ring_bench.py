@@ -45,6 +45,7 @@ import tempfile
 import time
 import traceback
 from functools import partial
+from unittest import mock
 
 from flashref.bench import results
 from flashref.bench.results import flops
@@ -740,18 +741,10 @@ def _run(targets, on_message, timeout=PHASE_TIMEOUT_S, hide_gpus=False) -> list:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=t, args=(*a, out), daemon=True) for t, a in targets]
-    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-    try:
-        if hide_gpus:  # a spawned process copies this process's environment when it starts
-            os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    # A spawned process copies this process's environment when it starts; the parent's is restored after.
+    with mock.patch.dict(os.environ, {"CUDA_VISIBLE_DEVICES": ""} if hide_gpus else {}):
         for p in procs:
             p.start()
-    finally:
-        if hide_gpus:
-            if saved is None:
-                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-            else:
-                os.environ["CUDA_VISIBLE_DEVICES"] = saved
     done, failures = set(), []
     deadline = time.monotonic() + timeout
     try:
@@ -788,47 +781,6 @@ def _print(r):
               f"{_gib(r['peak_bytes'])} GiB/GPU{extra}", flush=True)
     else:
         print(f"{head} fits, {_gib(r['peak_bytes'])} GiB/GPU", flush=True)
-
-
-def _release(version: str) -> tuple:
-    """(major, minor) of a version string such as "3.6.0" or "3.8.0rc1"."""
-    major, minor = (version.split(".") + ["0"])[:2]
-    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
-
-
-def _numpy_refuses_one_element_ints() -> bool:
-    """Whether this NumPy refuses ``int()`` of a one-element 1-D array (deprecated in NumPy 1.25; NumPy 2.4.6 and
-    2.5.2 raise TypeError)."""
-    import numpy as np
-
-    try:
-        int(np.array([0]))
-    except TypeError:
-        return True
-    return False
-
-
-def interpreter_problem(triton_version: str | None = None, numpy_refuses: bool | None = None) -> str | None:
-    """Why the rehearsal's workers cannot run the kernels in Triton's interpreter here, or None (the installed
-    Triton and NumPy unless given). Triton 3.6's interpreter reads a loop bound held in a tensor with ``int()`` of a
-    one-element array, which recent NumPy refuses (Triton 3.7.1 squeezes the array first); the teaching forward's
-    loops over listed tiles take their bounds from tensors, so every rehearsal would stop at its first launch (seen
-    with Triton 3.6.0 and NumPy 2.5.2 on the GPU machine, whose Triton otherwise compiles kernels, never interprets
-    them)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        triton_version = triton_version or version("triton")
-    except PackageNotFoundError:
-        return "triton is not installed"
-    if numpy_refuses is None:
-        numpy_refuses = _numpy_refuses_one_element_ints()
-    if _release(triton_version) < (3, 7) and numpy_refuses:
-        import numpy as np
-
-        return (f"Triton {triton_version}'s interpreter cannot run the kernels under NumPy {np.__version__}, which "
-                f"refuses int() of a one-element array: the rehearsal needs triton>=3.7")
-    return None
 
 
 def parse_args(argv=None):
@@ -896,10 +848,13 @@ def main(argv=None) -> int:
     if plan.device == "cuda" and not torch.cuda.is_available():  # no CUDA context here: the workers own the GPUs
         print("flashref.bench ring needs CUDA devices (--device cpu rehearses the run on CPUs)", file=sys.stderr)
         return 2
-    problem = interpreter_problem() if plan.device == "cpu" else None
-    if problem:
-        print(f"flashref.bench ring --device cpu: {problem}", file=sys.stderr)
-        return 2
+    if plan.device == "cpu":
+        from flashref.triton import interpreter_problem
+
+        problem = interpreter_problem()
+        if problem:
+            print(f"flashref.bench ring --device cpu: {problem}", file=sys.stderr)
+            return 2
     gpus = args.gpus or (torch.cuda.device_count() if plan.device == "cuda" else 2)
     command = results.command("ring", argv)
     state = {"data": None, "add": None, "pinned": None, "base": {}, "probing": None}

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 import importlib.util
 
@@ -79,6 +80,52 @@ def __getattr__(name):
     raise AttributeError(f"module 'flashref.triton' has no attribute {name!r}")
 
 
+def _release(version: str) -> tuple:
+    """(major, minor) of a version string such as "3.6.0" or "3.8.0rc1"."""
+    major, minor = (version.split(".") + ["0"])[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def _numpy_refuses_one_element_ints() -> bool:
+    """Whether this NumPy refuses ``int()`` of a one-element 1-D array (deprecated in NumPy 1.25; NumPy 2.4.6 and
+    2.5.2 raise TypeError)."""
+    import numpy as np
+
+    try:
+        int(np.array([0]))
+    except TypeError:
+        return True
+    return False
+
+
+def interpreter_problem(triton_version: str | None = None, numpy_refuses: bool | None = None) -> str | None:
+    """Why Triton's CPU interpreter cannot run this package's kernels here, or None (the installed Triton and NumPy
+    unless given). Triton 3.6's interpreter reads a loop bound held in a tensor with ``int()`` of a one-element
+    array, which recent NumPy refuses (Triton 3.7.1, the pinned one, squeezes the array first); the teaching
+    forward's loops over listed tiles take their bounds from tensors, so such a pair fails at the first launch,
+    inside the interpreter (seen with Triton 3.6.0 and NumPy 2.5.2 on the GPU machine, where only a run that hides
+    the GPUs interprets: ``python -m flashref.bench ring --device cpu``). On import without a GPU this module warns
+    with the reason."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        triton_version = triton_version or version("triton")
+    except PackageNotFoundError:
+        return "triton is not installed"
+    if numpy_refuses is None:
+        numpy_refuses = _numpy_refuses_one_element_ints()
+    if _release(triton_version) < (3, 7) and numpy_refuses:
+        import numpy as np
+
+        return (f"Triton {triton_version}'s interpreter cannot run the kernels under NumPy {np.__version__}, which "
+                f"refuses int() of a one-element array: the interpreter needs triton>=3.7")
+    return None
+
+
+_PROBLEM = interpreter_problem() if INTERPRETED else None
+if _PROBLEM:
+    warnings.warn(f"flashref.triton: {_PROBLEM}", RuntimeWarning, stacklevel=2)
+
 __all__ = ["flash_attention", "flash_attention_forward", "flash_attention_backward", "flash_attention_varlen",
            "FlashAttentionFunction", "FlashAttentionVarlenFunction", "dropout_mask", "flash_decode", "KVCache",
-           "forward_kernel", "backward_kernel", "INTERPRETED"]
+           "forward_kernel", "backward_kernel", "INTERPRETED", "interpreter_problem"]
