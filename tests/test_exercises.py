@@ -60,7 +60,7 @@ def test_flashref_triton_without_its_optional_parts_says_what_to_install(missing
         in result.stderr
 
 
-def test_flashref_triton_names_an_interpreter_that_cannot_run_its_kernels_is_named_for_the_versions_that_have_it():
+def test_flashref_triton_says_when_its_interpreter_cannot_run_the_kernels():
     """Triton 3.6's interpreter under a NumPy that refuses int() of a one-element array (the GPU machine's pair)
     cannot run the kernels, and flashref.triton says why; Triton 3.7, or a NumPy that converts, can."""
     from flashref.triton import interpreter_problem
