@@ -172,7 +172,6 @@ def test_a_rehearsal_hides_the_gpus_from_its_workers(monkeypatch):
     assert seen == [("visible", "0,1")]
 
 
-
 def test_plan_of_the_command_line():
     plan = ring_bench.plan_of(ring_bench.parse_args([]))
     assert (plan.device, plan.H, plan.d, plan.lengths) == ("cuda", 16, 128, tuple(ring_bench.LENGTHS))
