@@ -52,8 +52,8 @@ def test_compiles_for_the_h100():
     """At d = 64 and 128, with dropout and without, causal and not: within the H100's 227 KB of shared memory
     (129 KB and 225 KB), one TMA reduce in each consumer's code, wgmma products, and barriers of one warpgroup's
     128 threads (a barrier of the whole block inside a warp-specialized kernel would hang); no register spills at
-    d = 64, few at d = 128 (40-76 bytes a thread with Triton 3.7; with dropout 132-204, the mask drawn late; in a
-    child process: compiling needs the interpreter off)."""
+    d = 64, few at d = 128 (40-76 bytes a thread with Triton 3.7; with dropout 44-88, the mask drawn late, 132-204
+    when a Philox call served eight entries, not sixteen; in a child process: compiling needs the interpreter off)."""
     pytest.importorskip("triton.experimental.gluon")
     lines = compile_in_child(_COMPILE)
     assert [line[:3] for line in lines] == [[d, c, p] for d in ("64", "128") for c in ("False", "True")

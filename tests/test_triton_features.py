@@ -288,19 +288,87 @@ def test_each_kernels_tile_draws_the_same_bits_as_dropout_mask(block_m, block_n,
     assert torch.equal(keep_t.bool().T, want)
 
 
-def test_all_eight_numbers_of_a_philox_call_are_used_with_the_same_odds():
-    """The eight entries that share a call take different 16-bit halves of its four words; a wrong shift or
-    word would show as one of the eight positions kept far from 1 - p (each has 8,192 draws here)."""
+def _philox_numpy(seed, c0, c1, c2, c3, rounds):
+    """Philox-4x32 (Salmon et al., 2011) in NumPy, from its definition: the four words of counter (c0 .. c3),
+    uint32 arrays, under the 64-bit key ``seed``."""
+    c = [np.asarray(x, dtype=np.uint64) for x in (c0, c1, c2, c3)]
+    k0, k1 = np.uint64(seed & 0xFFFFFFFF), np.uint64(seed >> 32)
+    low = np.uint64(0xFFFFFFFF)
+    for _ in range(rounds):
+        p0, p1 = c[2] * np.uint64(0xCD9E8D57), c[0] * np.uint64(0xD2511F53)
+        c = [(p0 >> np.uint64(32)) ^ c[1] ^ k0, p0 & low, (p1 >> np.uint64(32)) ^ c[3] ^ k1, p1 & low]
+        k0, k1 = (k0 + np.uint64(0x9E3779B9)) & low, (k1 + np.uint64(0xBB67AE85)) & low
+    return [x.astype(np.uint32) for x in c]
+
+
+def _mask_numpy(seed, B, H, N_q, N_k, p):
+    """dropout_mask as its docstring defines it, written out in NumPy: entry (i, j) of head bh takes half i % 2 of
+    word 2 (bit3(i) ^ bit3(j)) + j % 2 of the call (j and i without bits 0 and 3, bh, 0), turned by pair_shift
+    when bit 3 of i is set."""
+    from flashref.triton.forward import PHILOX_ROUNDS, pair_shift
+    D = drop_threshold(p)
+    i = np.arange(N_q)[:, None].astype(np.uint32)
+    j = np.arange(N_k)[None, :].astype(np.uint32)
+    bit = lambda x, n: (x >> n) & 1  # noqa: E731
+    drop_bits = lambda x: (x >> 4) * 4 + ((x >> 1) & 3)  # noqa: E731  (x without bits 0 and 3)
+    keep = np.empty((B * H, N_q, N_k), dtype=bool)
+    for bh in range(B * H):
+        words = _philox_numpy(seed, drop_bits(j) + 0 * i, drop_bits(i) + 0 * j, np.full((N_q, N_k), bh),
+                              np.zeros((N_q, N_k)), PHILOX_ROUNDS.value)
+        which = 2 * (bit(i, 3) ^ bit(j, 3)) + bit(j, 0)
+        word = np.choose(which, words)
+        u = (word >> (16 * bit(i, 0))) & 0xFFFF
+        u = np.where(bit(i, 3) == 1, (u + pair_shift(D)) % 2**16, u)
+        keep[bh] = u >= D
+    return keep.reshape(B, H, N_q, N_k)
+
+
+@pytest.mark.parametrize("p", [0.3, 0.1, 3e-6])
+def test_dropout_mask_is_the_documented_function_of_philox(p):
+    """dropout_mask, bit for bit, is Philox-4x32-7 of each entry's counter with the word, half and turn its
+    docstring names (a NumPy Philox from the paper's definition draws it here); p = 3e-6 rounds to a threshold
+    of 0: nothing dropped."""
+    got = dropout_mask(12345678901, 2, 3, 37, 70, p, DEVICE).cpu().numpy()
+    want = _mask_numpy(12345678901, 2, 3, 37, 70, p)
+    assert (got != want).sum() == 0, f"{(got != want).sum()} of {got.size} entries differ"
+    assert want.all() == (p < 2**-17)
+
+
+def test_all_sixteen_entries_of_a_philox_call_are_kept_with_the_same_odds():
+    """The sixteen entries that share a call take different halves and words, the eight with bit 3 of i set
+    turned by pair_shift; a wrong shift, word or turn would show as one of the sixteen positions kept far from
+    1 - p (each has 4,096 draws here)."""
     p = 0.3
     keep = dropout_mask(9, 1, 4, 128, 128, p, DEVICE)[0].float()
     i, j = torch.arange(128, device=DEVICE), torch.arange(128, device=DEVICE)
-    for bit_i in (0, 1):
-        for bit_j in (0, 1):
-            for low_j in (0, 1):
-                rows = (i // 8) % 2 == bit_i
-                cols = ((j // 8) % 2 == bit_j) & (j % 2 == low_j)
-                kept = keep[:, rows][:, :, cols].mean().item()
-                assert abs(kept - (1 - p)) < 0.025, (bit_i, bit_j, low_j, kept)  # 5 standard errors
+    for bits_i in ((0, 0), (0, 1), (1, 0), (1, 1)):
+        for bits_j in ((0, 0), (0, 1), (1, 0), (1, 1)):
+            rows = ((i // 8) % 2 == bits_i[0]) & (i % 2 == bits_i[1])
+            cols = ((j // 8) % 2 == bits_j[0]) & (j % 2 == bits_j[1])
+            kept = keep[:, rows][:, :, cols].mean().item()
+            assert abs(kept - (1 - p)) < 0.035, (bits_i, bits_j, kept)  # 5 standard errors
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_the_two_entries_of_a_number_are_nearly_independent(p):
+    """Each 16-bit number serves (i, j) and (i + 8, j +- 8): the second reads it turned by pair_shift, so that
+    both are kept with odds round(K**2 / 2**16) / 2**16 for K = 2**16 - drop_threshold(p), within 2**-17 of
+    (1 - p)**2. Counted exactly over every number, and seen in a drawn mask: the pairs are kept together as
+    often as independent entries are (within 5 standard errors)."""
+    from flashref.triton.forward import pair_shift
+    D = drop_threshold(p)
+    u = np.arange(2**16)
+    both = np.count_nonzero((u >= D) & ((u + pair_shift(D)) % 2**16 >= D))
+    K = 2**16 - D
+    assert np.count_nonzero((u + pair_shift(D)) % 2**16 >= D) == K
+    assert abs(both / 2**16 - (K / 2**16) ** 2) <= 2**-17
+    keep = dropout_mask(3, 2, 4, 256, 256, p, DEVICE).cpu().numpy()
+    n = np.arange(256)
+    i = n[(n // 8) % 2 == 0]  # rows with bit 3 clear; their partners are i + 8, at keys j ^ 8
+    together = (keep[:, :, i, :] & keep[:, :, i + 8, :][..., n ^ 8]).mean()
+    n = keep[:, :, i, :].size
+    q = 1 - p
+    assert abs(together - q * q) < 5 * np.sqrt(q * q * (1 - q * q) / n), (together, q * q)
 
 
 def test_dropout_seed_none_draws_from_torchs_generator():

@@ -67,7 +67,8 @@ def philox_rounds(environ=os.environ) -> int:
 
 
 # Dropout's random numbers: Philox-4x32 with 7 rounds (as FlashAttention-2 uses; Random123 found 7 rounds
-# already pass BigCrush), and each call's 128 random bits cut into eight 16-bit numbers, one per entry of P.
+# already pass BigCrush), and each call's 128 random bits cut into eight 16-bit numbers, each serving two entries
+# of P (see pair_shift).
 PHILOX_ROUNDS = tl.constexpr(philox_rounds())
 DROP_BITS = 16
 
@@ -79,34 +80,51 @@ def drop_threshold(dropout_p: float) -> int:
     return min(int(round(dropout_p * 2**DROP_BITS)), 2**DROP_BITS - 1)
 
 
+def pair_shift(drop_below: int) -> int:
+    """C, the turn by which the second entry of a pair reads the pair's shared 16-bit number u: it is kept when
+    (u + C) mod 2**16 >= drop_below, the first when u >= drop_below. Each is kept with odds K / 2**16
+    (K = 2**16 - drop_below); both when u lies in [drop_below, 2**16 - C), K - C values. C = drop_below -
+    round(drop_below**2 / 2**16) makes that round(K**2 / 2**16): as near independence (K**2 / 2**32) as 16-bit
+    numbers can be, within 2**-17, which correlates the two by at most 2**-17 / (p (1 - p)) (8.5e-5 at p = 0.1).
+    :func:`_pair_shift` computes it in the kernels."""
+    return drop_below - (drop_below * drop_below + 2**(DROP_BITS - 1) >> DROP_BITS)
+
+
 # Which entries share a Philox call is chosen for the tensor cores' register layout. An accumulator tile of
 # mma / wgmma gives each thread, in every 16 x 16 block, rows r and r + 8 and columns 2c, 2c + 1, 2c + 8 and
-# 2c + 9: so the eight entries (i, j) that differ only in bit 3 of i and bits 0 and 3 of j share one call,
-# and the thread that holds P's entries computes their bits itself. Any other grouping (eight consecutive
-# keys, say) leaves each thread with bits that belong to other threads, and the compiler moves them
-# through shared memory every tile (measured: about as many instructions as Philox itself).
+# 2c + 9, and the thread four lanes over rows r + 1 and r + 9 of the same columns. Those sixteen entries (i, j),
+# differing in bits 0 and 3 of i and of j, share one call: its eight 16-bit numbers, each serving a pair (i, j),
+# (i + 8, j +- 8) (see _keep). So the two threads that hold a block hold its whole call; any other grouping
+# (sixteen consecutive keys, say) leaves each thread with bits that belong to threads elsewhere, and the compiler
+# moves them through shared memory every tile (measured: about as many instructions as Philox itself).
 @triton.jit
 def _keep(seed, bh, start_m, start_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, drop_below):
     """The dropout keep-mask of the (queries start_m : +BLOCK_M) x (keys start_n : +BLOCK_N) tile of head
     ``bh`` (both starts multiples of 16): True where the entry of P is kept, with probability
     1 - drop_below / 2**16.
 
-    Counter-based: Philox maps (seed; j without bits 0 and 3, i without bit 3, head) to four 32-bit words,
-    and entry (i, j) takes 16-bit half ``j % 2`` of word ``2 * bit3(i) + bit3(j)``. So any kernel can
+    Counter-based: Philox maps (seed; j without bits 0 and 3, i without bits 0 and 3, head) to four 32-bit
+    words, eight 16-bit numbers. Entry (i, j) takes half ``i % 2`` of word ``2 * (bit3(i) ^ bit3(j)) + j % 2``:
+    each number serves two entries, one with bit 3 of i clear (kept when the number u >= drop_below) and one
+    with it set (kept when (u + C) mod 2**16 >= drop_below, C = :func:`pair_shift`). So any kernel can
     regenerate exactly the forward's mask for any tile, and nothing of size N^2 is ever stored; the dK/dV
-    kernel, whose tiles hold keys in rows, computes the same function with _keep_t.
-    ``flashref.triton.dropout_mask`` runs this one."""
+    kernel, whose tiles hold keys in rows, computes the same function with _keep_t. This kernel's threads
+    draw a call for each half of it they use (so the two threads that share a call both draw it; the Hopper
+    kernels draw each call once and trade halves). ``flashref.triton.dropout_mask`` runs this one."""
     a = tl.arange(0, BLOCK_M // 16)
     b = tl.arange(0, 8)  # bits 0-2 of i
     c = tl.arange(0, BLOCK_N // 16)
     e = tl.arange(0, 4)  # bits 1-2 of j
-    row = ((start_m // 16 + a)[:, None, None, None] * 8 + b[None, :, None, None]).to(tl.uint32)
+    row = ((start_m // 16 + a)[:, None, None, None] * 4 + (b // 2)[None, :, None, None]).to(tl.uint32)
     col = ((start_n // 16 + c)[None, None, :, None] * 4 + e[None, None, None, :]).to(tl.uint32)
     r0, r1, r2, r3 = _philox(seed, bh, col + row * 0, row + col * 0)
-    w = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # (a, b, c, e, bit3(j), bit3(i))
-    t = drop_below.to(tl.uint32) << 16  # compare each 16-bit half in place: the low one shifted up first
-    keep = tl.join((w << 16) >= t, w >= t)  # (a, b, c, e, bit3(j), bit3(i), bit0(j)): a join's new axis is last
-    keep = tl.permute(keep, (0, 5, 1, 2, 4, 3, 6))  # (a, bit3(i), b, c, bit3(j), e, bit0(j)): i, j in order
+    shift = (16 - 16 * (b & 1)).to(tl.uint32)[None, :, None, None]  # half i % 2, moved to the top
+    u0, u1, u2, u3 = r0 << shift, r1 << shift, r2 << shift, r3 << shift
+    t = drop_below.to(tl.uint32) << 16
+    top = tl.join(tl.join(u0, u1), tl.join(u2, u3)) >= t  # bit3(i) = 0: (a, b, c, e, bit0(j), bit3(j))
+    bottom = tl.join(tl.join(u2, u3), tl.join(u0, u1)) + (_pair_shift(drop_below) << 16) >= t  # bit3(i) = 1
+    keep = tl.join(top, bottom)  # (a, b, c, e, bit0(j), bit3(j), bit3(i)): a join's new axis is last
+    keep = tl.permute(keep, (0, 6, 1, 2, 5, 3, 4))  # (a, bit3(i), b, c, bit3(j), e, bit0(j)): i, j in order
     return tl.reshape(keep, (BLOCK_M, BLOCK_N))
 
 
@@ -114,21 +132,31 @@ def _keep(seed, bh, start_m, start_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constex
 def _keep_t(seed, bh, start_m, start_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, drop_below):
     """_keep's mask, transposed: the (keys start_n : +BLOCK_N) x (queries start_m : +BLOCK_M) tile, as the
     dK/dV kernel holds it. Its threads hold rows (keys) r and r + 8 and, per 16 columns, queries 2c, 2c + 1,
-    2c + 8, 2c + 9: each uses half of every Philox call it makes, so two threads compute the same call (twice
-    the Philox work of _keep, still no trip through shared memory)."""
+    2c + 8, 2c + 9; the word of each entry is picked by bit 0 of its key, the half by bit 0 of its query."""
     a = tl.arange(0, BLOCK_N // 16)
     b = tl.arange(0, 8)  # bits 0-2 of j
     c = tl.arange(0, BLOCK_M // 16)
     e = tl.arange(0, 8)  # bits 0-2 of i
-    key = ((start_n // 16 + a)[:, None, None, None] * 8 + b[None, :, None, None]).to(tl.uint32)  # j without bit 3
-    qry = ((start_m // 16 + c)[None, None, :, None] * 8 + e[None, None, None, :]).to(tl.uint32)  # i without bit 3
-    r0, r1, r2, r3 = _philox(seed, bh, (key >> 1) + qry * 0, qry + key * 0)
-    w = tl.join(tl.join(r0, r2), tl.join(r1, r3))  # (a, b, c, e, bit3(i), bit3(j))
+    key = ((start_n // 16 + a)[:, None, None, None] * 4 + (b // 2)[None, :, None, None]).to(tl.uint32)
+    qry = ((start_m // 16 + c)[None, None, :, None] * 4 + (e // 2)[None, None, None, :]).to(tl.uint32)
+    r0, r1, r2, r3 = _philox(seed, bh, key + qry * 0, qry + key * 0)
+    odd = (b & 1)[None, :, None, None] == 1  # bit 0 of j: words 1 and 3, not 0 and 2
+    shift = (16 - 16 * (e & 1)).to(tl.uint32)[None, None, None, :]  # half i % 2, moved to the top
+    x0 = tl.where(odd, r1, r0) << shift  # bit3(i) ^ bit3(j) = 0
+    x1 = tl.where(odd, r3, r2) << shift
     t = drop_below.to(tl.uint32) << 16
-    shift = (16 - 16 * (b & 1)).to(tl.uint32)[None, :, None, None, None, None]  # half j % 2, moved to the top
-    keep = (w << shift) >= t
-    keep = tl.permute(keep, (0, 5, 1, 2, 4, 3))  # (a, bit3(j), b, c, bit3(i), e): j, i in order
+    top = tl.join(x0, x1) >= t  # bit3(i) = 0: (a, b, c, e, bit3(j))
+    bottom = tl.join(x1, x0) + (_pair_shift(drop_below) << 16) >= t  # bit3(i) = 1
+    keep = tl.join(top, bottom)  # (a, b, c, e, bit3(j), bit3(i))
+    keep = tl.permute(keep, (0, 4, 1, 2, 5, 3))  # (a, bit3(j), b, c, bit3(i), e): j, i in order
     return tl.reshape(keep, (BLOCK_N, BLOCK_M))
+
+
+@triton.jit
+def _pair_shift(drop_below):
+    """:func:`pair_shift` of the runtime threshold, as a uint32 (drop_below < 2**16: its square fits)."""
+    d = drop_below.to(tl.uint32)
+    return d - ((d * d + 32768) >> 16)
 
 
 @triton.jit

@@ -159,30 +159,35 @@ def empty_output(q: torch.Tensor, token: bool) -> torch.Tensor:
 @functools.lru_cache(maxsize=None)  # pure in its integers: built once a tile shape
 def keep_layout(block_m: int, block_n: int, num_warps: int) -> gl.DistributedLinearLayout:
     """Where the dropout counters of a (block_m, block_n) tile of scores live: a layout of the 4-D tensor
-    (i // 16, i % 8, j // 16, (j // 2) % 4) that puts each counter in the thread whose wgmma accumulator holds its
-    eight entries of P (rows i and i + 8, columns j, j + 1, j + 8, j + 9: see ``flashref.triton.forward._keep``).
-    Lanes carry (j // 2) % 4 and i % 8, warps the 16-row blocks, registers the 16-column blocks; joining the four
-    Philox words and the two halves of each back into the tile then gives the accumulator's layout itself, so P
-    is masked without moving a bit between threads."""
-    a_bits, w_bits, c_bits = (int(math.log2(x)) for x in (block_m // 16, num_warps, block_n // 16))
-    warp_bases = [[1 << t, 0, 0, 0] for t in range(min(w_bits, a_bits))] + [[0, 0, 0, 0]] * max(0, w_bits - a_bits)
-    reg_bases = [[0, 0, 1 << t, 0] for t in range(c_bits)] + [[1 << t, 0, 0, 0] for t in range(w_bits, a_bits)]
-    lane_bases = [[0, 0, 0, 1], [0, 0, 0, 2], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]]
-    return gl.DistributedLinearLayout(reg_bases, lane_bases, warp_bases, [], [block_m // 16, 8, block_n // 16, 4])
+    (i // 16, i % 8, j // 32, (j // 2) % 4) that puts each counter in a thread whose wgmma accumulator holds
+    eight of its sixteen entries of P (see ``flashref.triton.forward._keep``): rows i and i + 8 of columns j,
+    j + 1, j + 8, j + 9, where the thread four lanes over holds rows i + 1 and i + 9. A pair of such threads holds
+    the 16-column blocks 2m and 2m + 1 of their rows: each draws the call of one block (:func:`_keep`) and they trade
+    halves. Lanes carry (j // 2) % 4 and i % 8, warps the 16-row blocks, registers the pairs of 16-column blocks;
+    joining the four Philox words and the two halves of each back into the tile then gives the accumulator's
+    layout itself, so P is masked without moving a bit between threads but the trade."""
+    return _counter_layout(block_m, block_n, num_warps)
 
 
 @functools.lru_cache(maxsize=None)
 def keep_t_layout(block_n: int, block_m: int, num_warps: int) -> gl.DistributedLinearLayout:
     """:func:`keep_layout` for the dK/dV kernels' transposed tiles (keys in rows, queries in columns): a layout of the
-    4-D tensor (j // 16, j % 8, i // 16, (i // 2) % 4) that puts each Philox counter in the thread whose accumulator
-    holds rows (keys) j and j + 8 and columns (queries) i, i + 1, i + 8, i + 9. A call is (key pair j // 2, query
-    i), so a thread's eight entries need two calls, one for query i and one for i + 1, and each uses half of every
-    word: :func:`_keep_t` makes each lane draw one of the two and trade halves with its partner."""
-    a_bits, w_bits, c_bits = (int(math.log2(x)) for x in (block_n // 16, num_warps, block_m // 16))
+    4-D tensor (j // 16, j % 8, i // 32, (i // 2) % 4). A thread's accumulator holds rows (keys) j and j + 8 and
+    columns (queries) i, i + 1, i + 8, i + 9; keys j + 1 and j + 9 are four lanes over. The pair draws a call each
+    (query blocks 2m and 2m + 1) and trades the words of each other's keys (:func:`_keep_t`)."""
+    return _counter_layout(block_n, block_m, num_warps)
+
+
+def _counter_layout(rows: int, cols: int, num_warps: int) -> gl.DistributedLinearLayout:
+    """The (rows // 16, 8, cols // 32, 4) counter layout of a (rows, cols) wgmma accumulator tile with
+    ``num_warps`` warps of 16 rows (warps beyond the row blocks hold copies)."""
+    if cols % 32 or rows % 16:
+        raise ValueError(f"the dropout mask is drawn in tiles of 16 rows and 32 columns, got {rows} x {cols}")
+    a_bits, w_bits, c_bits = (int(math.log2(x)) for x in (rows // 16, num_warps, cols // 32))
     warp_bases = [[1 << t, 0, 0, 0] for t in range(min(w_bits, a_bits))] + [[0, 0, 0, 0]] * max(0, w_bits - a_bits)
     reg_bases = [[0, 0, 1 << t, 0] for t in range(c_bits)] + [[1 << t, 0, 0, 0] for t in range(w_bits, a_bits)]
     lane_bases = [[0, 0, 0, 1], [0, 0, 0, 2], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]]
-    return gl.DistributedLinearLayout(reg_bases, lane_bases, warp_bases, [], [block_n // 16, 8, block_m // 16, 4])
+    return gl.DistributedLinearLayout(reg_bases, lane_bases, warp_bases, [], [rows // 16, 8, cols // 32, 4])
 
 
 @gluon.jit
@@ -234,21 +239,53 @@ def _axes4(A: gl.constexpr, B: gl.constexpr, C: gl.constexpr, E: gl.constexpr, L
 
 
 @gluon.jit
+def _pair_shift(drop_below):
+    """``flashref.triton.forward.pair_shift`` of the runtime threshold, as a uint32: the turn by which the second
+    entry of each number's pair reads it."""
+    d = drop_below.to(gl.uint32)
+    return d - ((d * d + 32768) >> 16)
+
+
+@gluon.jit
+def _kept_pairs(w_top, w_bottom, drop_below):
+    """The keep bits of both halves of each word (low half first, on a new last axis) for the rows with bit 3 of
+    the query clear (``w_top``: the number as drawn) and set (``w_bottom``: turned by :func:`_pair_shift`),
+    stacked on a new last axis: the comparisons of ``flashref.triton.forward._keep``."""
+    t = drop_below.to(gl.uint32) << 16  # each 16-bit half compared in place, the low one shifted up first
+    turn = _pair_shift(drop_below)
+    top = gl.join((w_top << 16) >= t, w_top >= t)
+    bottom = gl.join(((w_bottom + turn) << 16) >= t, w_bottom + (turn << 16) >= t)
+    return gl.join(top, bottom)
+
+
+@gluon.jit
 def _keep(seed, bh, start_m, start_n, drop_below, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
           KEEP_LAYOUT: gl.constexpr, s_layout: gl.constexpr):
     """The teaching kernel's dropout keep-mask of the (queries start_m : +BLOCK_M) x (keys start_n : +BLOCK_N)
     tile of head ``bh`` (``flashref.triton.forward._keep``, the same bits), in the accumulator layout ``s_layout``;
-    ``KEEP_LAYOUT`` is :func:`keep_layout`'s for this tile and warp count."""
-    # a: i // 16, b: bits 0-2 of i, c: j // 16, e: bits 1-2 of j
-    a, b, c, e = _axes4(BLOCK_M // 16, 8, BLOCK_N // 16, 4, KEEP_LAYOUT)
-    row = ((start_m // 16 + a) * 8 + b).to(gl.uint32)  # i without bit 3
-    col = ((start_n // 16 + c) * 4 + e).to(gl.uint32)  # j without bits 0 and 3
+    ``KEEP_LAYOUT`` is :func:`keep_layout`'s for this tile and warp count.
+
+    A call's sixteen entries lie in one 16 x 16 block, in two threads four lanes apart (rows i and i + 1), and a
+    word's two halves belong to those two rows. So the thread of even i draws the call of column block 2m and its
+    partner that of block 2m + 1; they swap words (:func:`_swap_with_lane_4_apart`), and one ``prmt`` a word puts
+    this thread's halves side by side, block 2m's low (:func:`_own_halves`): each call is drawn once."""
+    # a: i // 16, b: bits 0-2 of i, m: j // 32, e: bits 1-2 of j
+    a, b, m, e = _axes4(BLOCK_M // 16, 8, BLOCK_N // 32, 4, KEEP_LAYOUT)
+    parity = (b & 1).to(gl.uint32)
+    row = ((start_m // 16 + a) * 4 + (b >> 1)).to(gl.uint32)  # i without bits 0 and 3
+    col = ((start_n // 16 + m * 2) * 4 + e).to(gl.uint32) + parity * 4  # j without them, in block 2m + parity
     zero = row * 0 + col * 0
     r0, r1, r2, r3 = _philox(seed, col + zero, row + zero, zero + bh.to(gl.uint32), zero, PHILOX_ROUNDS)
-    w = gl.join(gl.join(r0, r1), gl.join(r2, r3))  # (a, b, c, e, bit3(j), bit3(i))
-    t = drop_below.to(gl.uint32) << 16  # each 16-bit half compared in place, the low one shifted up first
-    keep = gl.join((w << 16) >= t, w >= t)  # (a, b, c, e, bit3(j), bit3(i), bit0(j))
-    keep = gl.permute(keep, (0, 5, 1, 2, 4, 3, 6))  # (a, bit3(i), b, c, bit3(j), e, bit0(j)): i, j in order
+    # even lane: lo(r) | lo(partner) << 16 (bytes 0 1 4 5); odd lane: hi(partner) | hi(r) << 16 (bytes 6 7 2 3)
+    selector = gl.where(parity == 0, 0x5410, 0x3276).to(gl.uint32) + zero
+    y0 = _own_halves(r0, selector)
+    y1 = _own_halves(r1, selector)
+    y2 = _own_halves(r2, selector)
+    y3 = _own_halves(r3, selector)
+    top = gl.join(gl.join(y0, y1), gl.join(y2, y3))  # (a, b, m, e, bit0(j), bit3(j)) where bit 3 of i is clear
+    bottom = gl.join(gl.join(y2, y3), gl.join(y0, y1))  # the words of j ^ 8: where it is set
+    keep = _kept_pairs(top, bottom, drop_below)  # (a, b, m, e, bit0(j), bit3(j), bit4(j), bit3(i))
+    keep = gl.permute(keep, (0, 7, 1, 2, 6, 5, 3, 4))  # (a, bit3(i), b, m, bit4(j), bit3(j), e, bit0(j)): in order
     return gl.convert_layout(gl.reshape(keep, (BLOCK_M, BLOCK_N)), s_layout)  # the same layout: no data moves
 
 
@@ -265,14 +302,15 @@ def _dropped(P, seed, bh, start_m, start_n, drop_below, DROPOUT: gl.constexpr, B
 @gluon.jit
 def _swap_with_lane_4_apart(x):
     """The 32-bit ``x`` of the lane four apart (lane ^ 4, ``shfl.sync.bfly``): in a wgmma accumulator the lanes
-    that hold keys j and j + 1 of the same rows (queries) are four apart."""
+    that hold rows r and r + 1 of the same columns are four apart."""
     return gl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, 4, 31, 0xffffffff;", "=r,r", [x], dtype=gl.uint32,
                                      is_pure=True, pack=1)
 
 
 @gluon.jit
 def _own_halves(r, selector):
-    """(this lane's key half of query i) | (of query i + 1) << 16, from its word r and the partner's."""
+    """This lane's half of its own word r and of its partner's (lane ^ 4), block 2m's low: ``selector`` 0x5410 on
+    the even lane (the low halves: its own word is block 2m's), 0x3276 on the odd one (the high halves)."""
     p = _swap_with_lane_4_apart(r)
     return gl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [r, p, selector], dtype=gl.uint32,
                                      is_pure=True, pack=1)
@@ -285,30 +323,34 @@ def _keep_t(seed, bh, start_m, start_n, drop_below, BLOCK_M: gl.constexpr, BLOCK
     start_m : +BLOCK_M) tile that the dK/dV kernels hold, in their accumulator layout ``s_layout`` (``KEEP_LAYOUT`` is
     :func:`keep_t_layout`'s), bit for bit the teaching kernel's (``flashref.triton.forward._keep_t``).
 
-    A word of a call holds the 16-bit numbers of two neighbouring keys (j even in its low half, j + 1 in its high
-    half) for one query; the accumulator gives keys j and j + 1 to lanes four apart, and queries i and i + 1 to the
-    same lane. So every Philox call is drawn once: the lane of even j draws query i's call and its partner (the lane
-    four apart) query i + 1's, they swap words (:func:`_swap_with_lane_4_apart`), and one ``prmt`` a word puts this
-    lane's two halves side by side, the half of query i low (selector 0x5410 on the even lane: bytes 0-1 of its
-    own word, then 0-1 of the partner's; 0x3276 on the odd lane: bytes 2-3 of the partner's, then 2-3 of its own).
-    The comparisons are then :func:`_keep`'s: each lane draws one call where it uses half of two."""
-    a, b, c, e = _axes4(BLOCK_N // 16, 8, BLOCK_M // 16, 4, KEEP_LAYOUT)
-    key = ((start_n // 16 + a) * 8 + b).to(gl.uint32)
-    parity = (b & 1).to(gl.uint32)
-    qry = ((start_m // 16 + c) * 8 + e * 2).to(gl.uint32) + parity
+    Here the two threads of a call hold keys j and j + 1 (four lanes apart), and a call's words 0 and 2 belong to
+    the even key, 1 and 3 to the odd one; each thread holds both queries of every word's halves. So the thread of
+    even j draws query block 2m's call and its partner block 2m + 1's, and each sends the two words of the other's
+    key (:func:`_swap_with_lane_4_apart`): two shuffles for two calls, and each call drawn once."""
+    # a: j // 16, b: bits 0-2 of j, m: i // 32, e: bits 1-2 of i
+    a, b, m, e = _axes4(BLOCK_N // 16, 8, BLOCK_M // 32, 4, KEEP_LAYOUT)
+    odd = (b & 1) == 1
+    key = ((start_n // 16 + a) * 4 + (b >> 1)).to(gl.uint32)
+    qry = ((start_m // 16 + m * 2) * 4 + e).to(gl.uint32) + (b & 1).to(gl.uint32) * 4  # query block 2m + (j % 2)
     zero = key * 0 + qry * 0
-    r0, r1, r2, r3 = _philox(seed, (key >> 1) + zero, qry + zero, zero + bh.to(gl.uint32), zero, PHILOX_ROUNDS)
-    # even lane: lo(r) | lo(partner) << 16 (bytes 0 1 4 5); odd lane: hi(partner) | hi(r) << 16 (bytes 6 7 2 3)
-    selector = gl.where(parity == 0, 0x5410, 0x3276).to(gl.uint32) + zero
-    y0 = _own_halves(r0, selector)
-    y1 = _own_halves(r1, selector)
-    y2 = _own_halves(r2, selector)
-    y3 = _own_halves(r3, selector)
-    w = gl.join(gl.join(y0, y2), gl.join(y1, y3))  # (a, b, c, e, bit3(i), bit3(j))
-    t = drop_below.to(gl.uint32) << 16
-    kept = gl.join((w << 16) >= t, w >= t)  # (a, b, c, e, bit3(i), bit3(j), bit0(i))
-    kept = gl.permute(kept, (0, 5, 1, 2, 4, 3, 6))  # (a, bit3(j), b, c, bit3(i), e, bit0(i)): j, i in order
-    return gl.convert_layout(gl.reshape(kept, (BLOCK_N, BLOCK_M)), s_layout)
+    r0, r1, r2, r3 = _philox(seed, key + zero, qry + zero, zero + bh.to(gl.uint32), zero, PHILOX_ROUNDS)
+    x0 = _trade_words(r0, r1, odd)  # word 2 (bit3(i) ^ bit3(j)) + j % 2: (block 2m, block 2m + 1)
+    x1 = _trade_words(r2, r3, odd)
+    top = gl.join(x0, x1)  # (a, b, m, e, bit4(i), bit3(j)) where bit 3 of i is clear
+    bottom = gl.join(x1, x0)  # where it is set
+    keep = _kept_pairs(top, bottom, drop_below)  # (a, b, m, e, bit4(i), bit3(j), bit0(i), bit3(i))
+    keep = gl.permute(keep, (0, 5, 1, 2, 4, 7, 3, 6))  # (a, bit3(j), b, m, bit4(i), bit3(i), e, bit0(i)): in order
+    return gl.convert_layout(gl.reshape(keep, (BLOCK_N, BLOCK_M)), s_layout)
+
+
+@gluon.jit
+def _trade_words(even, odd_word, odd):
+    """Of a call's words for the even key (``even``) and the odd one (``odd_word``), drawn by this thread for its
+    query block (2m for an even key's thread, 2m + 1 for an odd one's): this thread's key's word of block 2m and
+    of block 2m + 1, joined on a new last axis, one of them from the partner four lanes over."""
+    theirs = _swap_with_lane_4_apart(gl.where(odd, even, odd_word))
+    mine = gl.where(odd, odd_word, even)
+    return gl.join(gl.where(odd, theirs, mine), gl.where(odd, mine, theirs))
 
 
 @gluon.jit(do_not_specialize=["seed", "drop_below"])  # 1 and 0 stay runtime values

@@ -58,7 +58,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from flashref.triton import hopper, hopper_backward, relaunch
 from flashref.triton.forward import LOG2E
-from flashref.triton.hopper_backward import (_descriptors, _drop_args, _dropped_dp, _late_mask, _p_operand,
+from flashref.triton.hopper_backward import (_descriptors, _drop_args, _dropped_dp, _p_operand,
                                              _query_tiles, _row_view, _stat_descriptors, _store_dkdv, _wgmma_layout,
                                              _ws_dkdv_producer, _ws_smem)
 
@@ -103,12 +103,15 @@ def _fused_step(n, q_smem, do_smem, k_smem, lse_smem, delta_smem, ds_smem, dq_sm
     """Step n of consumer WG: query tile i_lo + n against its 64 keys, then dQ's share of all 128 keys: half its
     columns (SPLIT_COLS), or all of them on the steps n % 2 == WG. DROPOUT: the forward's mask of these keys and
     queries, drawn once for dV, dK and dQ alike (:func:`flashref.triton.hopper._keep_t`; the caller scales dV by
-    ``keep_scale`` at the end), as :func:`flashref.triton.hopper_backward._dkdv_tile` applies it. At d = 128 it is
-    drawn after both products, and lse2 and D are read after it (``_dkdv_tile``'s ``LATE_MASK``): drawn while the
-    products run, ptxas spilled 512-592 bytes a thread there; drawn late with the statistics read early, 316-320;
-    so, 132-204 (Triton 3.7). On an H200 (B 8, H 16, N 4K, fp16, p = 0.1, the kernel alone, medians of five
-    do_bench rounds) dropout so added 1.06 ms non-causal and 0.80 causal to the kernel's 5.64 and 3.23 ms, where
-    with the statistics read early it added 1.96 and 2.13 (the causal kernel then slower than the two kernels)."""
+    ``keep_scale`` at the end), as :func:`flashref.triton.hopper_backward._dkdv_tile` applies it. It is drawn after
+    both products, and lse2 and D are read after it (``_dkdv_tile``'s ``LATE_MASK``). At d = 128, drawn while the
+    products run, ptxas spilled 512-592 bytes a thread; drawn late with the statistics read early, 316-320; so,
+    132-204 (Triton 3.7, with eight 16-bit numbers a Philox call; 44-88 with sixteen entries a call). On an H200
+    (B 8, H 16, N 4K, fp16, p = 0.1, the kernel alone, medians of five do_bench rounds) dropout so added 1.06 ms
+    non-causal and 0.80 causal to the kernel's 5.64 and 3.23 ms, where with the statistics read early it added 1.96
+    and 2.13 (the causal kernel then slower than the two kernels). At d = 64, drawn early, sixteen entries a call
+    spill 36-52 bytes, and late none; the H200's forward + backward step with p = 0.1 took 5.72 and 3.35 ms early
+    (non-causal, causal), 5.56 and 3.40 late: so late here too."""
     dtype: gl.constexpr = q_smem.dtype
     ROWS: gl.constexpr = 64
     s_layout: gl.constexpr = _wgmma_layout(4, BLOCK_M)
@@ -124,7 +127,7 @@ def _fused_step(n, q_smem, do_smem, k_smem, lse_smem, delta_smem, ds_smem, dq_sm
     s_zero = gl.zeros([ROWS, BLOCK_M], gl.float32, s_layout)
     St = warpgroup_mma(k_t, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     dPt = warpgroup_mma(v_t, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    LATE: gl.constexpr = _late_mask(DROPOUT, HEAD_D)  # (the docstring says why)
+    LATE: gl.constexpr = DROPOUT  # at both head dims (the docstring says why)
     kept = None
     if DROPOUT and not LATE:  # Philox's integer work while both products run
         kept = hopper._keep_t(seed, bh, i * BLOCK_M, first_key, drop_below, BLOCK_M, ROWS, KEEP_LAYOUT, s_layout)

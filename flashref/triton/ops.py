@@ -376,10 +376,14 @@ def dropout_mask(seed, B, H, N_q, N_k, dropout_p, device):
     """The boolean keep-mask ``(B, H, N_q, N_k)`` the kernels draw for ``seed``, bit for bit: True where an
     entry of P is kept (probability ``1 - dropout_p``). It runs the kernels' own random function, so tests
     can compare with the float64 reference exactly. Each entry is kept when its 16-bit random number is at
-    least ``round(dropout_p * 2**16)``: the kept fraction is ``1 - dropout_p`` within 2**-17. A Philox-4x32-7
-    call gives eight such numbers, to the entries (i, j) that differ in bit 3 of the query i and bits 0 and 3
-    of the key j, from ``(seed; j without those bits, i without its bit, b * H + h)``: the entries one thread
-    of a tensor-core tile holds (``flashref.triton.forward._keep``). Notebook ``10_dropout_masks_sparsity``."""
+    least ``D = round(dropout_p * 2**16)``: the kept fraction is ``1 - dropout_p`` within 2**-17. A
+    Philox-4x32-7 call, of ``(seed; j without bits 0 and 3, i without bits 0 and 3, b * H + h)``, gives eight
+    such numbers to the sixteen entries (i, j) that differ in those bits: the entries two threads of a
+    tensor-core tile hold. Entry (i, j) takes half ``i % 2`` of word ``2 (bit3(i) ^ bit3(j)) + j % 2``, so each
+    number serves (i, j) and (i + 8, j ^ 8) for i with bit 3 clear; the second of the two reads it turned,
+    ``(u + C) mod 2**16`` with ``C = flashref.triton.forward.pair_shift(D)``, which keeps both together as often
+    as independent entries are, within 2**-17 (``flashref.triton.forward._keep``). Notebook
+    ``10_dropout_masks_sparsity``."""
     p = validation.check_dropout_p(dropout_p)
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
         raise TypeError(f"seed must be an int in [0, 2**63), got {type(seed).__name__}: {seed!r}")
