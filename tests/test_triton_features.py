@@ -15,7 +15,7 @@ import triton.language as tl
 from flashref import reference
 from flashref.tolerance import assert_within_tolerance
 from flashref.triton import dropout_mask, flash_attention, flash_attention_backward, flash_attention_forward
-from flashref.triton.forward import _keep, _keep_t, drop_threshold
+from flashref.triton.forward import PHILOX_ROUNDS, _keep, _keep_t, drop_threshold, pair_shift
 from tests._triton_helpers import DEVICE, no_autotune  # noqa: F401  (an autouse fixture: applies here)
 from tests._triton_helpers import feature_inputs as _inputs
 from tests._triton_helpers import np64 as _np64
@@ -222,7 +222,7 @@ def test_philox_rounds_change_the_mask_and_every_kernel_draws_the_same_one():
     import subprocess
     import sys
 
-    from flashref.triton.forward import PHILOX_ROUNDS, philox_rounds
+    from flashref.triton.forward import philox_rounds
 
     child = """
 import json
@@ -305,7 +305,6 @@ def _mask_numpy(seed, B, H, N_q, N_k, p):
     """dropout_mask as its docstring defines it, written out in NumPy: entry (i, j) of head bh takes half i % 2 of
     word 2 (bit3(i) ^ bit3(j)) + j % 2 of the call (j and i without bits 0 and 3, bh, 0), turned by pair_shift
     when bit 3 of i is set."""
-    from flashref.triton.forward import PHILOX_ROUNDS, pair_shift
     D = drop_threshold(p)
     i = np.arange(N_q)[:, None].astype(np.uint32)
     j = np.arange(N_k)[None, :].astype(np.uint32)
@@ -351,11 +350,10 @@ def test_all_sixteen_entries_of_a_philox_call_are_kept_with_the_same_odds():
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
 def test_the_two_entries_of_a_number_are_nearly_independent(p):
-    """Each 16-bit number serves (i, j) and (i + 8, j +- 8): the second reads it turned by pair_shift, so that
+    """Each 16-bit number serves (i, j) and (i + 8, j ^ 8), bit 3 of i clear: the second reads it turned by pair_shift, so that
     both are kept with odds round(K**2 / 2**16) / 2**16 for K = 2**16 - drop_threshold(p), within 2**-17 of
     (1 - p)**2. Counted exactly over every number, and seen in a drawn mask: the pairs are kept together as
     often as independent entries are (within 5 standard errors)."""
-    from flashref.triton.forward import pair_shift
     D = drop_threshold(p)
     u = np.arange(2**16)
     both = np.count_nonzero((u >= D) & ((u + pair_shift(D)) % 2**16 >= D))
@@ -363,12 +361,11 @@ def test_the_two_entries_of_a_number_are_nearly_independent(p):
     assert np.count_nonzero((u + pair_shift(D)) % 2**16 >= D) == K
     assert abs(both / 2**16 - (K / 2**16) ** 2) <= 2**-17
     keep = dropout_mask(3, 2, 4, 256, 256, p, DEVICE).cpu().numpy()
-    n = np.arange(256)
-    i = n[(n // 8) % 2 == 0]  # rows with bit 3 clear; their partners are i + 8, at keys j ^ 8
-    together = (keep[:, :, i, :] & keep[:, :, i + 8, :][..., n ^ 8]).mean()
-    n = keep[:, :, i, :].size
+    j = np.arange(256)
+    i = j[(j // 8) % 2 == 0]  # rows with bit 3 clear; their partners are i + 8, at keys j ^ 8
+    pairs = keep[:, :, i, :] & keep[:, :, i + 8, :][..., j ^ 8]
     q = 1 - p
-    assert abs(together - q * q) < 5 * np.sqrt(q * q * (1 - q * q) / n), (together, q * q)
+    assert abs(pairs.mean() - q * q) < 5 * np.sqrt(q * q * (1 - q * q) / pairs.size), (pairs.mean(), q * q)
 
 
 def test_dropout_seed_none_draws_from_torchs_generator():
