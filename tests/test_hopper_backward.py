@@ -4,6 +4,8 @@ shapes, causal and not, fp16 and bf16 (marker ``gpu``)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -318,18 +320,28 @@ def test_the_row_statistics_copied_by_tma_give_the_same_bits(d):
 
 @pytest.mark.parametrize("B,H,N_q,n_pad", [(2, 3, 77, 128), (1, 1, 1, 64), (1, 2, 1500, 1536), (1, 1, 2048, 2048),
                                            (1, 1, 3000, 4096)])
-def test_the_rows_copied_by_tma_hold_lse2_and_d_then_zeros(B, H, N_q, n_pad):
+@pytest.mark.parametrize("p", [0.0, 0.1, 0.37])
+def test_the_rows_copied_by_tma_hold_lse2_and_d_then_zeros(B, H, N_q, n_pad, p):
     """The one launch that lays out the statistics the dK/dV kernels copy by TMA (in the interpreter on a CPU): each
     head's row holds m2 + l2 (then D) for its N_q queries, as torch adds them, and zeros in its padding, past a
-    program's 1024 entries too."""
+    program's 1024 entries too. With dropout keep_scale = 1 / (1 - p) folded in (lse2 - log2(keep_scale), D /
+    keep_scale), bit for bit what ``folded_stats`` gives the kernels that load the rows themselves."""
     from flashref.triton import hopper_backward as hb
 
     g = torch.Generator().manual_seed(N_q)
     m2, l2, delta = (torch.randn(B, H, N_q, generator=g).to(DEVICE) for _ in range(3))
+    keep_scale = 1 / (1 - p)
+    lse2, zeros, d = hb.folded_stats(m2, l2, delta, keep_scale)
+    assert torch.equal(zeros, torch.zeros_like(m2))
+    if p == 0.0:
+        assert torch.equal(lse2, m2 + l2) and torch.equal(d, delta)
+    else:  # the folded rows are the plain ones scaled, to fp32 rounding
+        assert torch.allclose(lse2, m2 + l2 - math.log2(keep_scale), rtol=0, atol=1e-6)
+        assert torch.allclose(d, delta * (1 - p), rtol=1e-6, atol=0)
     want = torch.zeros(2, B * H, n_pad, device=DEVICE)
-    want[0, :, :N_q] = (m2 + l2).reshape(B * H, N_q)
-    want[1, :, :N_q] = delta.reshape(B * H, N_q)
-    got = hb._padded_stats(m2, l2, delta, n_pad)
+    want[0, :, :N_q] = lse2.reshape(B * H, N_q)
+    want[1, :, :N_q] = d.reshape(B * H, N_q)
+    got = hb._padded_stats(m2, l2, delta, n_pad, *hb.fold_constants(keep_scale))
     assert got.shape == want.shape and torch.equal(got, want)
 
 

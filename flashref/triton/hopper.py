@@ -269,6 +269,16 @@ def _keep(seed, bh, start_m, start_n, drop_below, BLOCK_M: gl.constexpr, BLOCK_N
     word's two halves belong to those two rows. So the thread of even i draws the call of column block 2m and its
     partner that of block 2m + 1; they swap words (:func:`_swap_with_lane_4_apart`), and one ``prmt`` a word puts
     this thread's halves side by side, block 2m's low (:func:`_own_halves`): each call is drawn once."""
+    y0, y1, y2, y3 = _keep_words(seed, bh, start_m, start_n, BLOCK_M, BLOCK_N, KEEP_LAYOUT)
+    return _keep_of_words(y0, y1, y2, y3, drop_below, BLOCK_M, BLOCK_N, s_layout)
+
+
+@gluon.jit
+def _keep_words(seed, bh, start_m, start_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                KEEP_LAYOUT: gl.constexpr):
+    """:func:`_keep`'s Philox work: this thread's four words, each its two rows' halves of one number (block 2m's
+    low), in ``KEEP_LAYOUT``. Drawn while products run, they hold the mask in a quarter of the registers its bits
+    would take (:func:`_keep_of_words` compares them later)."""
     # a: i // 16, b: bits 0-2 of i, m: j // 32, e: bits 1-2 of j
     a, b, m, e = _axes4(BLOCK_M // 16, 8, BLOCK_N // 32, 4, KEEP_LAYOUT)
     parity = (b & 1).to(gl.uint32)
@@ -278,10 +288,14 @@ def _keep(seed, bh, start_m, start_n, drop_below, BLOCK_M: gl.constexpr, BLOCK_N
     r0, r1, r2, r3 = _philox(seed, col + zero, row + zero, zero + bh.to(gl.uint32), zero, PHILOX_ROUNDS)
     # even lane: lo(r) | lo(partner) << 16 (bytes 0 1 4 5); odd lane: hi(partner) | hi(r) << 16 (bytes 6 7 2 3)
     selector = gl.where(parity == 0, 0x5410, 0x3276).to(gl.uint32) + zero
-    y0 = _own_halves(r0, selector)
-    y1 = _own_halves(r1, selector)
-    y2 = _own_halves(r2, selector)
-    y3 = _own_halves(r3, selector)
+    return (_own_halves(r0, selector), _own_halves(r1, selector), _own_halves(r2, selector),
+            _own_halves(r3, selector))
+
+
+@gluon.jit
+def _keep_of_words(y0, y1, y2, y3, drop_below, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   s_layout: gl.constexpr):
+    """The keep bits of :func:`_keep_words`'s words, in the accumulator layout ``s_layout``."""
     top = gl.join(gl.join(y0, y1), gl.join(y2, y3))  # (a, b, m, e, bit0(j), bit3(j)) where bit 3 of i is clear
     bottom = gl.join(gl.join(y2, y3), gl.join(y0, y1))  # the words of j ^ 8: where it is set
     keep = _kept_pairs(top, bottom, drop_below)  # (a, b, m, e, bit0(j), bit3(j), bit4(j), bit3(i))
@@ -1115,14 +1129,14 @@ def dropout_config(head_dim: int) -> dict:
     cores: on an H200 (same shapes) 2.65 ms without the causal mask and 1.47 ms with it, against 2.98 and 1.61
     for the overlapped one-warpgroup 64 x 64 tile that ran before (1.09-1.20x the teaching kernel's speed on the
     H100), and 0.76x / 0.76x the speed of the same kernel without dropout. At d = 64 the warp-specialized kernel
-    measured 0.96x (0.72x of its speed without dropout) with the causal mask and 1.04x without it: no steady
-    gain, so the overlapped tile stays."""
+    measured 0.96x (0.72x of its speed without dropout) with the causal mask and 1.04x without it on the H100,
+    with eight entries a Philox call; with sixteen (2026-12-01, H200, same shapes, medians of three interleaved
+    do_bench rounds) 1.03x non-causal (1.68 ms against 1.73) and 1.00x causal (0.950 against 0.951), and
+    another run 1.06x and 1.02x; ping-pong, ``overlap`` and 64-key steps measured 0.75-0.99x of it. So both head
+    dims run the warp-specialized kernel with dropout."""
     if head_dim not in DROPOUT_HEAD_DIMS:
         raise ValueError(f"the Gluon forward runs dropout at head dims {DROPOUT_HEAD_DIMS}, got {head_dim}")
-    if head_dim > 64:
-        return default_config(head_dim, warp_specialize=True)
-    return dict(block_m=64, block_n=128, num_warps=4, stages=3, overlap=True, warp_specialize=False,
-                pingpong=False)
+    return default_config(head_dim, warp_specialize=True)
 
 
 def config(head_dim: int, **switches) -> dict:

@@ -102,8 +102,8 @@ def _fused_step(n, q_smem, do_smem, k_smem, lse_smem, delta_smem, ds_smem, dq_sm
                 KEEP_LAYOUT: gl.constexpr):
     """Step n of consumer WG: query tile i_lo + n against its 64 keys, then dQ's share of all 128 keys: half its
     columns (SPLIT_COLS), or all of them on the steps n % 2 == WG. DROPOUT: the forward's mask of these keys and
-    queries, drawn once for dV, dK and dQ alike (:func:`flashref.triton.hopper._keep_t`; the caller scales dV by
-    ``keep_scale`` at the end), as :func:`flashref.triton.hopper_backward._dkdv_tile` applies it. It is drawn after
+    queries, drawn once for dV, dK and dQ alike (:func:`flashref.triton.hopper._keep_t`; the row statistics carry keep_scale:
+    :func:`flashref.triton.hopper_backward._dropped_dp`), as :func:`flashref.triton.hopper_backward._dkdv_tile` applies it. It is drawn after
     both products, and lse2 and D are read after it (``_dkdv_tile``'s ``LATE_MASK``). At d = 128, drawn while the
     products run, ptxas spilled 512-592 bytes a thread; drawn late with the statistics read early, 316-320; so,
     132-204 (Triton 3.7, with eight 16-bit numbers a Philox call; 44-88 with sixteen entries a call). On an H200
@@ -135,7 +135,7 @@ def _fused_step(n, q_smem, do_smem, k_smem, lse_smem, delta_smem, ds_smem, dq_sm
     if LATE:
         St, dPt = warpgroup_mma_wait(0, deps=[St, dPt])
         kept = hopper._keep_t(seed, bh, i * BLOCK_M, first_key, drop_below, BLOCK_M, ROWS, KEEP_LAYOUT, s_layout)
-        dPt = _dropped_dp(dPt, kept, keep_scale, DROPOUT)
+        dPt = _dropped_dp(dPt, kept, DROPOUT)  # (the statistics carry keep_scale)
         lse2 = _row_view(lse_smem, slot, BLOCK_M, STAGES).load(col_s)
     else:
         lse2 = _row_view(lse_smem, slot, BLOCK_M, STAGES).load(col_s)
@@ -152,7 +152,7 @@ def _fused_step(n, q_smem, do_smem, k_smem, lse_smem, delta_smem, ds_smem, dq_sm
     if LATE:
         D = _row_view(delta_smem, slot, BLOCK_M, STAGES).load(col_s)
     else:
-        dPt = _dropped_dp(warpgroup_mma_wait(1, deps=[dPt]), kept, keep_scale, DROPOUT)
+        dPt = _dropped_dp(warpgroup_mma_wait(1, deps=[dPt]), kept, DROPOUT)
     dSt = Pt * (dPt - gl.expand_dims(D, 0))
     ds_t = ds_smem.index(buf * 2 + WG)
     mbarrier.wait(ds_empty.index(buf), ((n // 2) & 1) ^ 1)  # the dQ product two steps back has read this buffer
@@ -212,8 +212,6 @@ def _fused_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_sm
                              q_base, bh, first_key, N_q, sm_scale, qk_scale, seed, drop_below, keep_scale, WG, HEAD_D,
                              BLOCK_M, STAGES, CAUSAL, SPLIT_COLS, DROPOUT, KEEP_LAYOUT)
     tma.store_wait(0)
-    if DROPOUT:
-        dv = dv * keep_scale
     _store_dkdv(DK, DV, dk, dv, first_key, bh, N_k, sm_scale, ROWS, HEAD_D, a_layout)
 
 
@@ -306,7 +304,7 @@ def hopper_fused_backward(q, k, v, do, m2, l2, delta, causal: bool, scale: float
     halves = dict(cfg, block_n=cfg["block_n"] // 2)  # each TMA copy of K or V is one consumer's rows
     grid = (hopper.host_cdiv(N_k, cfg["block_n"]), B * H)
     relaunch.launch(hopper_fused_bwd_kernel, grid, *_descriptors(q, k, v, do, halves),
-                    *_stat_descriptors(m2, l2, delta, block_m), dq_desc, dk, dv, N_q, N_k, scale, scale * LOG2E,
+                    *_stat_descriptors(m2, l2, delta, block_m, dropout=dropout), dq_desc, dk, dv, N_q, N_k, scale, scale * LOG2E,
                     *_drop_args(dropout), HEAD_D=d, BLOCK_M=block_m, BLOCK_N=cfg["block_n"], STAGES=cfg["stages"],
                     CAUSAL=bool(causal), SPLIT_COLS=bool(cfg["split_cols"]), DROPOUT=dropout is not None,
                     KEEP_LAYOUT=hopper.keep_t_layout(64, block_m, 4) if dropout is not None else None,
