@@ -269,16 +269,6 @@ def _keep(seed, bh, start_m, start_n, drop_below, BLOCK_M: gl.constexpr, BLOCK_N
     word's two halves belong to those two rows. So the thread of even i draws the call of column block 2m and its
     partner that of block 2m + 1; they swap words (:func:`_swap_with_lane_4_apart`), and one ``prmt`` a word puts
     this thread's halves side by side, block 2m's low (:func:`_own_halves`): each call is drawn once."""
-    y0, y1, y2, y3 = _keep_words(seed, bh, start_m, start_n, BLOCK_M, BLOCK_N, KEEP_LAYOUT)
-    return _keep_of_words(y0, y1, y2, y3, drop_below, BLOCK_M, BLOCK_N, s_layout)
-
-
-@gluon.jit
-def _keep_words(seed, bh, start_m, start_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                KEEP_LAYOUT: gl.constexpr):
-    """:func:`_keep`'s Philox work: this thread's four words, each its two rows' halves of one number (block 2m's
-    low), in ``KEEP_LAYOUT``. Drawn while products run, they hold the mask in a quarter of the registers its bits
-    would take (:func:`_keep_of_words` compares them later)."""
     # a: i // 16, b: bits 0-2 of i, m: j // 32, e: bits 1-2 of j
     a, b, m, e = _axes4(BLOCK_M // 16, 8, BLOCK_N // 32, 4, KEEP_LAYOUT)
     parity = (b & 1).to(gl.uint32)
@@ -288,14 +278,10 @@ def _keep_words(seed, bh, start_m, start_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.c
     r0, r1, r2, r3 = _philox(seed, col + zero, row + zero, zero + bh.to(gl.uint32), zero, PHILOX_ROUNDS)
     # even lane: lo(r) | lo(partner) << 16 (bytes 0 1 4 5); odd lane: hi(partner) | hi(r) << 16 (bytes 6 7 2 3)
     selector = gl.where(parity == 0, 0x5410, 0x3276).to(gl.uint32) + zero
-    return (_own_halves(r0, selector), _own_halves(r1, selector), _own_halves(r2, selector),
-            _own_halves(r3, selector))
-
-
-@gluon.jit
-def _keep_of_words(y0, y1, y2, y3, drop_below, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   s_layout: gl.constexpr):
-    """The keep bits of :func:`_keep_words`'s words, in the accumulator layout ``s_layout``."""
+    y0 = _own_halves(r0, selector)
+    y1 = _own_halves(r1, selector)
+    y2 = _own_halves(r2, selector)
+    y3 = _own_halves(r3, selector)
     top = gl.join(gl.join(y0, y1), gl.join(y2, y3))  # (a, b, m, e, bit0(j), bit3(j)) where bit 3 of i is clear
     bottom = gl.join(gl.join(y2, y3), gl.join(y0, y1))  # the words of j ^ 8: where it is set
     keep = _kept_pairs(top, bottom, drop_below)  # (a, b, m, e, bit0(j), bit3(j), bit4(j), bit3(i))
@@ -1119,7 +1105,8 @@ DROPOUT_HEAD_DIMS = (64, 128)
 
 
 def dropout_config(head_dim: int) -> dict:
-    """The switches of the forward with dropout. d = 64: the fastest of ten one-warpgroup and two-warpgroup tiles
+    """The switches of the forward with dropout: the warp-specialized kernel at both head dims (below). d = 64, until
+    2026-12-01: the overlapped 64 x 128 tile, the fastest of ten one-warpgroup and two-warpgroup tiles
     with and without ``overlap`` on an H100 (fp16, B 8, H 16, N 4K, p = 0.1, causal and not). Philox's integer
     work is what dropout adds (44% more SASS instructions in that tile's kernel, 58% before each of Philox's
     multiplies became one instruction, :func:`_mul_wide`; 72% then in the loop without overlap), and only the

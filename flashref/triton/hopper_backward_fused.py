@@ -102,8 +102,9 @@ def _fused_step(n, q_smem, do_smem, k_smem, lse_smem, delta_smem, ds_smem, dq_sm
                 KEEP_LAYOUT: gl.constexpr):
     """Step n of consumer WG: query tile i_lo + n against its 64 keys, then dQ's share of all 128 keys: half its
     columns (SPLIT_COLS), or all of them on the steps n % 2 == WG. DROPOUT: the forward's mask of these keys and
-    queries, drawn once for dV, dK and dQ alike (:func:`flashref.triton.hopper._keep_t`; the row statistics carry keep_scale:
-    :func:`flashref.triton.hopper_backward._dropped_dp`), as :func:`flashref.triton.hopper_backward._dkdv_tile` applies it. It is drawn after
+    queries, drawn once for dV, dK and dQ alike (:func:`flashref.triton.hopper._keep_t`; the row statistics carry
+    keep_scale: :func:`flashref.triton.hopper_backward._dropped_dp`), as
+    :func:`flashref.triton.hopper_backward._dkdv_tile` applies it. It is drawn after
     both products, and lse2 and D are read after it (``_dkdv_tile``'s ``LATE_MASK``). At d = 128, drawn while the
     products run, ptxas spilled 512-592 bytes a thread; drawn late with the statistics read early, 316-320; so,
     132-204 (Triton 3.7, with eight 16-bit numbers a Philox call; 44-88 with sixteen entries a call). On an H200
@@ -304,7 +305,8 @@ def hopper_fused_backward(q, k, v, do, m2, l2, delta, causal: bool, scale: float
     halves = dict(cfg, block_n=cfg["block_n"] // 2)  # each TMA copy of K or V is one consumer's rows
     grid = (hopper.host_cdiv(N_k, cfg["block_n"]), B * H)
     relaunch.launch(hopper_fused_bwd_kernel, grid, *_descriptors(q, k, v, do, halves),
-                    *_stat_descriptors(m2, l2, delta, block_m, dropout=dropout), dq_desc, dk, dv, N_q, N_k, scale, scale * LOG2E,
+                    *_stat_descriptors(m2, l2, delta, block_m, dropout=dropout), dq_desc, dk, dv, N_q, N_k, scale,
+                    scale * LOG2E,
                     *_drop_args(dropout), HEAD_D=d, BLOCK_M=block_m, BLOCK_N=cfg["block_n"], STAGES=cfg["stages"],
                     CAUSAL=bool(causal), SPLIT_COLS=bool(cfg["split_cols"]), DROPOUT=dropout is not None,
                     KEEP_LAYOUT=hopper.keep_t_layout(64, block_m, 4) if dropout is not None else None,
