@@ -350,10 +350,10 @@ def test_all_sixteen_entries_of_a_philox_call_are_kept_with_the_same_odds():
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
 def test_the_two_entries_of_a_number_are_nearly_independent(p):
-    """Each 16-bit number serves (i, j) and (i + 8, j ^ 8), bit 3 of i clear: the second reads it turned by pair_shift, so that
-    both are kept with odds round(K**2 / 2**16) / 2**16 for K = 2**16 - drop_threshold(p), within 2**-17 of
-    (1 - p)**2. Counted exactly over every number, and seen in a drawn mask: the pairs are kept together as
-    often as independent entries are (within 5 standard errors)."""
+    """Each 16-bit number serves (i, j) and (i + 8, j ^ 8), bit 3 of i clear: the second reads it turned by
+    pair_shift, so that both are kept with odds round(K**2 / 2**16) / 2**16 for K = 2**16 - drop_threshold(p),
+    within 2**-17 of (1 - p)**2. Counted exactly over every number, and seen in a drawn mask: the pairs are kept
+    together as often as independent entries are (within 5 standard errors)."""
     D = drop_threshold(p)
     u = np.arange(2**16)
     both = np.count_nonzero((u >= D) & ((u + pair_shift(D)) % 2**16 >= D))
