@@ -17,6 +17,7 @@ def as_if_on_an_h100(monkeypatch):
     monkeypatch.setattr(ops, "_hopper_refusal", lambda q, k, v, feat, backward=False: None)
     monkeypatch.setattr(hopper, "supported", lambda q, k, v: None)
     monkeypatch.setattr(ops, "_DISPATCH", {})  # the dispatch's remembered answers, made here, forgotten after
+    monkeypatch.setattr(ops, "_sm_count", lambda device: 132)
 
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU machine the kernels want CUDA tensors
@@ -30,8 +31,12 @@ def _qkv(d, n=300):
 CASES = [
     (64, {}, "hopper", "hopper-fused"),
     (128, dict(causal=True), "hopper", "hopper-fused"),
-    (64, dict(dropout_p=0.1), "hopper", "hopper-fused"),  # the fused kernel draws the mask at d = 64
-    (128, dict(dropout_p=0.1), "hopper", "hopper-fused"),  # and at d = 128, after S^T and dP^T (_fused_step)
+    # the fused kernel draws the mask at d = 64, and at d = 128 after S^T and dP^T (_fused_step); deterministic,
+    # with its dQ adds in a fixed order
+    (64, dict(dropout_p=0.1), "hopper-ordered", "hopper-fused"),
+    (128, dict(dropout_p=0.1), "hopper-ordered", "hopper-fused"),
+    (64, dict(dropout_p=0.1, causal=True), "hopper-ordered", "hopper-fused"),
+    (64, dict(dropout_p=0.1, alibi_slopes=torch.ones(2)), "hopper", "hopper"),
     (64, dict(window_size=(16, 0)), "hopper", "triton"),
     (128, dict(alibi_slopes=torch.ones(2)), "hopper", "triton"),
     (64, dict(block_mask=torch.ones(1, 2, 3, 3, dtype=torch.bool)), "hopper", "triton"),
@@ -60,3 +65,17 @@ def test_without_the_fused_kernel_deterministic_false_keeps_the_teaching_atomic_
     for d in (64, 128):
         assert backward_kernel(*_qkv(d), deterministic=False) == "triton"
         assert backward_kernel(*_qkv(d)) == "hopper"
+
+
+def test_the_ordered_kernel_takes_what_cannot_deadlock(as_if_on_an_h100):
+    """Deterministic dropout runs the ordered one-kernel backward where
+    :func:`flashref.triton.hopper_backward_fused.ordered_supported` allows: causal at any length; without causal
+    masking while a head's key blocks fit the GPU's multiprocessors (132 here), else the pair. A part of the backward
+    alone (ring attention's) runs the pair's kernel for it."""
+    long = 132 * 128 + 1
+    assert backward_kernel(*_qkv(64, long), dropout_p=0.1) == "hopper"
+    assert backward_kernel(*_qkv(64, long), causal=True, dropout_p=0.1) == "hopper-ordered"
+    assert backward_kernel(*_qkv(64, long - 1), dropout_p=0.1) == "hopper-ordered"
+    q, k, v = _qkv(64, 100)
+    k2 = torch.zeros(1, 2, 300, 64, dtype=torch.float16, device=DEVICE)
+    assert backward_kernel(q, k2, k2, dropout_p=0.1) == "hopper"  # 3 key blocks, 2 query tiles

@@ -32,36 +32,50 @@ for d in hf.HEAD_DIMS:
            "lse_desc": f"tensordesc<fp32[1, {bm}],{sl!r}>", "delta_desc": f"tensordesc<fp32[1, {bm}],{sl!r}>",
            "dq_desc": f"tensordesc<fp32[{bm}, {cols}],{dl!r}>", "DK": "*fp16", "DV": "*fp16", "N_q": "i32",
            "N_k": "i32", "sm_scale": "fp32", "qk_scale": "fp32", "seed": "i64", "drop_below": "i32",
-           "keep_scale": "fp32"}
+           "keep_scale": "fp32", "SEMS": "*i32"}
     for causal in (False, True):
         for dropout in (False, True) if d in hf.DROPOUT_HEAD_DIMS else (False,):
-            cx = dict(HEAD_D=d, BLOCK_M=bm, BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], CAUSAL=causal,
-                      SPLIT_COLS=cfg["split_cols"], DROPOUT=dropout,
-                      KEEP_LAYOUT=hopper.keep_t_layout(rows, bm, 4) if dropout else None, num_warps=4)
-            sig.update({k: "constexpr" for k in cx})
-            k = triton.compile(GluonASTSource(hf.hopper_fused_bwd_kernel, sig, cx, {}),
-                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=hopper.WS_MAXNREG))
-            ptx = k.asm["ptx"]
-            print(d, causal, dropout, k.metadata.shared, ptxas_usage(k)["spill_stores"],
-                  ptx.count("cp.reduce.async.bulk.tensor"), ptx.count("wgmma.mma_async"),
-                  len(re.findall(r"bar\.sync\s+\d+,\s*128;", ptx)))
+            for ordered in (False, True):
+                cx = dict(HEAD_D=d, BLOCK_M=bm, BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], CAUSAL=causal,
+                          SPLIT_COLS=cfg["split_cols"], DROPOUT=dropout,
+                          KEEP_LAYOUT=hopper.keep_t_layout(rows, bm, 4) if dropout else None, ORDERED=ordered,
+                          num_warps=4)
+                sig.update({k: "constexpr" for k in cx})
+                k = triton.compile(GluonASTSource(hf.hopper_fused_bwd_kernel, sig, cx, {}),
+                                   target=GPUTarget("cuda", 90, 32),
+                                   options=dict(num_warps=4, maxnreg=hopper.WS_MAXNREG))
+                ptx = k.asm["ptx"]
+                print(d, causal, dropout, ordered, k.metadata.shared, ptxas_usage(k)["spill_stores"],
+                      ptx.count("cp.reduce.async.bulk.tensor"), ptx.count("wgmma.mma_async"),
+                      len(re.findall(r"bar\.sync\s+\d+,\s*128;", ptx)), ptx.count("ld.acquire.gpu"),
+                      ptx.count("st.release.gpu"), ptx.count("cp.async.bulk.wait_group 1;"),
+                      ptx.count("atom.global.gpu.relaxed.add"))
 """
 
 
 def test_compiles_for_the_h100():
-    """At d = 64 and 128, with dropout and without, causal and not: within the H100's 227 KB of shared memory
-    (129 KB and 225 KB), one TMA reduce in each consumer's code, wgmma products, and barriers of one warpgroup's
-    128 threads (a barrier of the whole block inside a warp-specialized kernel would hang); no register spills at
-    d = 64, few at d = 128 (40-76 bytes a thread with Triton 3.7; with dropout 44-88, the mask drawn late, 132-204
-    when a Philox call served eight entries, not sixteen; in a child process: compiling needs the interpreter off)."""
+    """At d = 64 and 128, with dropout and without, causal and not, ordered and not: within the H100's 227 KB of
+    shared memory (129 KB and 225 KB), wgmma products, and barriers of one warpgroup's 128 threads (a barrier of the
+    whole block inside a warp-specialized kernel would hang); no register spills at d = 64, few at d = 128 (40-76
+    bytes a thread with Triton 3.7; with dropout 44-88, the mask drawn late, 132-204 when a Philox call served eight
+    entries, not sixteen; ordered 56-148). Unordered: one TMA reduce in each consumer's code and no semaphores.
+    Ordered: the reduces in the writer warp, which acquires each tile's semaphore, keeps one reduce in flight while
+    it waits for the one before to land, and releases; and one ticket drawn a program. In a child process:
+    compiling needs the interpreter off."""
     pytest.importorskip("triton.experimental.gluon")
     lines = compile_in_child(_COMPILE)
-    assert [line[:3] for line in lines] == [[d, c, p] for d in ("64", "128") for c in ("False", "True")
-                                            for p in ("False", "True")]
-    for d, causal, dropout, shared, spills, reduces, wgmma, group_bars in lines:
+    assert [line[:4] for line in lines] == [[d, c, p, o] for d in ("64", "128") for c in ("False", "True")
+                                            for p in ("False", "True") for o in ("False", "True")]
+    for d, causal, dropout, ordered, shared, spills, reduces, wgmma, group_bars, *order in lines:
+        acquires, releases, in_flight, tickets = (int(x) for x in order)
         assert int(shared) <= 227 * 1024, (d, causal, shared)
-        assert int(reduces) == 2 and int(wgmma) > 0 and int(group_bars) > 0, (d, causal, reduces, wgmma, group_bars)
-        assert int(spills) <= {"64": 0, "128": 256 if dropout == "True" else 128}[d], (d, causal, dropout, spills)
+        assert int(wgmma) > 0 and int(group_bars) > 0, (d, causal, wgmma, group_bars)
+        if ordered == "True":
+            assert int(reduces) >= 1 and acquires >= 1 and releases >= 1 and in_flight >= 1 and tickets == 1, order
+        else:
+            assert int(reduces) == 2 and acquires == releases == in_flight == tickets == 0, (reduces, order)
+        limit = {"64": 0, "128": 256 if dropout == "True" else 128}[d]
+        assert int(spills) <= limit, (d, causal, dropout, ordered, spills)
 
 
 def test_default_config_and_supported_say_why_not():
@@ -143,3 +157,87 @@ def test_dropout_through_flash_attention_within_the_rule(causal, d):
         for name, x, r, b in zip(("dq", "dk", "dv"), (qq.grad, kk.grad, vv.grad), refs, base):
             assert torch.isfinite(x).all() and not np.isnan(r).any(), name
             assert_within_tolerance(x, r, b, factor=3.0, name=f"{name}, {N_q}x{N_k}, causal={causal}")
+
+
+def test_ordered_supported_says_where_the_order_cannot_deadlock():
+    """Causal, any length (a program waits only for key blocks that drew their tickets before it). Without causal
+    masking the visits wrap around, so a head's key blocks must all be resident (no more than the GPU's
+    multiprocessors) and start on tiles of their own (no more key blocks than 64-row query tiles)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from flashref.triton import hopper_backward_fused as hf
+
+    assert hf.ordered_supported(1, 10**6, True, 132) is None
+    assert hf.ordered_supported(4096, 4096, False, 132) is None
+    assert hf.ordered_supported(132 * 128, 132 * 128, False, 132) is None
+    assert "132 SMs" in hf.ordered_supported(132 * 128 + 1, 132 * 128 + 1, False, 132)
+    assert "no more key blocks than query tiles (3 > 2)" in hf.ordered_supported(100, 300, False, 132)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ordered_is_bitwise_reproducible_and_within_the_rule(causal, d):
+    """ordered=True: dQ, dK and dV the same bits run after run (four runs), within the rule against float32 on
+    uneven shapes (N_q != N_k, one query, one key, 8x logits, several heads of 4K), and with dropout the same
+    gradients as the deterministic pair to fp16 rounding (both take the forward's mask)."""
+    from flashref.tolerance import assert_within_tolerance
+    from flashref.triton import flash_attention_forward, ops
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon backward needs an sm_90 GPU")
+    from flashref.triton import hopper_backward_fused as hf
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = [(2, 3, 113, 203, 1), (2, 3, 239, 1, 1), (2, 3, 1023, 1024, 8), (1, 4, 517, 300, 1),
+              (1, 4, 4096, 4096, 1), (1, 2, 1, 239, 1) if causal else (1, 2, 70, 120, 1)]
+    for B, H, N_q, N_k, scale in shapes:
+        assert hf.ordered_supported(N_q, N_k, causal, sms) is None
+        q, k, v, do = make_qkv(B, H, N_q, N_k, d, torch.float16, "cuda", seed=d + N_q)
+        q = (q.float() * scale).half()
+        o, lse = flash_attention_forward(q, k, v, causal, kernel="triton")
+        m2, l2 = ops._stats_from_lse(lse)
+        delta = ops._delta(o, do)
+        got = hf.hopper_fused_backward(q, k, v, do, m2, l2, delta, causal, d ** -0.5, ordered=True)
+        for _ in range(3):
+            again = hf.hopper_fused_backward(q, k, v, do, m2, l2, delta, causal, d ** -0.5, ordered=True)
+            for name, x, y in zip(("dq", "dk", "dv"), got, again):
+                assert torch.equal(x, y), (name, B, H, N_q, N_k)
+        ref = plain_forward_backward(*(x.float() for x in (q, k, v, do)), causal)[1:]
+        base = plain_forward_backward(q, k, v, do, causal)[1:]
+        for name, x, r, b in zip(("dq", "dk", "dv"), got, ref, base):
+            assert_within_tolerance(x, r, b, factor=3.0, name=f"{name} ({B}, {H}, {N_q}, {N_k}, x{scale})")
+    q, k, v, do = make_qkv(2, 3, 700, 600, d, torch.float16, "cuda", seed=7)
+    feat = ops.Features(q, k, dropout_p=0.1, seed=1234, causal=causal, scale=d ** -0.5, check_finite=False)
+    o, lse = flash_attention_forward(q, k, v, causal, dropout_p=0.1, seed=1234)
+    m2, l2 = ops._stats_from_lse(lse)
+    delta = ops._delta(o, do)
+    pair = ops._backward(q, k, v, o, (m2, l2), do, d ** -0.5, True, feat, "hopper", delta=delta, parts=("dq",))[:1]
+    pair += ops._backward(q, k, v, o, (m2, l2), do, d ** -0.5, True, feat, "hopper", delta=delta,
+                          parts=("dkdv",))[1:]
+    drop = ops._dropout_scalars(feat)
+    got = hf.hopper_fused_backward(q, k, v, do, m2, l2, delta, causal, d ** -0.5, dropout=drop, ordered=True)
+    again = hf.hopper_fused_backward(q, k, v, do, m2, l2, delta, causal, d ** -0.5, dropout=drop, ordered=True)
+    for name, x, y, p in zip(("dq", "dk", "dv"), got, again, pair):
+        assert torch.equal(x, y), name
+        assert (x.float() - p.float()).abs().max() <= 5e-3 * p.float().abs().max(), name
+
+
+@pytest.mark.gpu
+def test_deterministic_dropout_through_flash_attention_runs_the_ordered_kernel_bit_for_bit():
+    """flash_attention with dropout and deterministic=True (the default) at d = 64 and 128 runs the ordered
+    one-kernel backward; two calls with one seed give the same gradients bit for bit."""
+    from flashref.triton import backward_kernel, flash_attention
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon backward needs an sm_90 GPU")
+    for d in (64, 128):
+        for causal in (False, True):
+            q, k, v, do = make_qkv(2, 4, 1000, 900, d, torch.float16, "cuda", seed=d)
+            assert backward_kernel(q, k, v, causal, dropout_p=0.1) == "hopper-ordered"
+            grads = []
+            for _ in range(2):
+                qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+                flash_attention(qq, kk, vv, causal, dropout_p=0.1, seed=5).backward(do)
+                grads.append((qq.grad, kk.grad, vv.grad))
+            for a, b in zip(*grads):
+                assert torch.equal(a, b), (d, causal)

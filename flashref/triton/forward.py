@@ -86,7 +86,7 @@ def pair_shift(drop_below: int) -> int:
     (K = 2**16 - drop_below); both when u lies in [drop_below, 2**16 - C), K - C values. C = drop_below -
     round(drop_below**2 / 2**16) makes that round(K**2 / 2**16): as near independence (K**2 / 2**32) as 16-bit
     numbers can be, within 2**-17, which correlates the two by at most 2**-17 / (p (1 - p)) (8.5e-5 at p = 0.1).
-    :func:`_pair_shift` computes it in the kernels."""
+    (For p within 2**-16 of 1, K = 1 and no number keeps both.) :func:`_pair_shift` computes it in the kernels."""
     return drop_below - (drop_below * drop_below + 2**(DROP_BITS - 1) >> DROP_BITS)
 
 
@@ -94,7 +94,7 @@ def pair_shift(drop_below: int) -> int:
 # mma / wgmma gives each thread, in every 16 x 16 block, rows r and r + 8 and columns 2c, 2c + 1, 2c + 8 and
 # 2c + 9, and the thread four lanes over rows r + 1 and r + 9 of the same columns. Those sixteen entries (i, j),
 # differing in bits 0 and 3 of i and of j, share one call: its eight 16-bit numbers, each serving a pair (i, j),
-# (i + 8, j +- 8) (see _keep). So the two threads that hold a block hold its whole call; any other grouping
+# (i + 8, j ^ 8) (see _keep). So the two threads that hold a block hold its whole call; any other grouping
 # (sixteen consecutive keys, say) leaves each thread with bits that belong to threads elsewhere, and the compiler
 # moves them through shared memory every tile (measured: about as many instructions as Philox itself).
 @triton.jit

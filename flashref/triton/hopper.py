@@ -1119,7 +1119,7 @@ def dropout_config(head_dim: int) -> dict:
     measured 0.96x (0.72x of its speed without dropout) with the causal mask and 1.04x without it on the H100,
     with eight entries a Philox call; with sixteen (2026-12-01, H200, same shapes, medians of three interleaved
     do_bench rounds) 1.03x non-causal (1.68 ms against 1.73) and 1.00x causal (0.950 against 0.951), and
-    another run 1.06x and 1.02x; ping-pong, ``overlap`` and 64-key steps measured 0.75-0.99x of it. So both head
+    another run 1.06x and 1.02x; ping-pong, ``overlap`` and 64-key steps measured 0.69-0.99x of it. So both head
     dims run the warp-specialized kernel with dropout."""
     if head_dim not in DROPOUT_HEAD_DIMS:
         raise ValueError(f"the Gluon forward runs dropout at head dims {DROPOUT_HEAD_DIMS}, got {head_dim}")

@@ -108,8 +108,9 @@ def _stat_rows(M2, Delta, lse_smem, delta_smem, slot, BLOCK_M: gl.constexpr, STA
 
 @gluon.constexpr_function
 def _late_mask(dropout, head_d):
-    """Whether a backward tile draws its dropout mask after both products (:func:`_dkdv_tile`'s ``LATE_MASK``, the
-    one-kernel backward's ``LATE``): with dropout at d = 128, where a consumer's registers run out."""
+    """Whether a backward tile draws its dropout mask after both products (:func:`_dkdv_tile`'s ``LATE_MASK``): with
+    dropout at d = 128, where a consumer's registers run out. (The one-kernel backward draws it late at both head
+    dims: its ``LATE``.)"""
     return bool(dropout) and head_d > 64
 
 
@@ -642,10 +643,10 @@ def _ws_dkdv_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_s
                       delta_smem, kv_bar, ready, empty, bh, start_n, i_lo, n_tiles, t_lo, list_row, N_q, N_k,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, LISTED: gl.constexpr,
                       BLOCK_SIZE: gl.constexpr, STATS: gl.constexpr, H=1, HEAD_D: gl.constexpr = 0,
-                      TOKEN_MAJOR: gl.constexpr = False):
+                      TOKEN_MAJOR: gl.constexpr = False, wrap_at=1, WRAP: gl.constexpr = False):
     """One warp with few registers: the K and V rows of both consumers once, then every Q, dO tile pair (and with
     STATS the tile's lse2 and D) into the ring. A slot is refilled once both consumers have arrived on its empty
-    barrier."""
+    barrier. WRAP: step n takes tile (i_lo + n) mod wrap_at (the ordered one-kernel backward's rotated visits)."""
     ROWS: gl.constexpr = BLOCK_N // 2
     q_base, col = head_origin(bh, H, N_q, HEAD_D, TOKEN_MAJOR)
     kv_base, _ = head_origin(bh, H, N_k, HEAD_D, TOKEN_MAJOR)
@@ -658,6 +659,8 @@ def _ws_dkdv_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_s
         # A fresh mbarrier counts as having completed the phase before its first, so round 0 passes at once.
         mbarrier.wait(empty.index(n % STAGES), ((n // STAGES) & 1) ^ 1)
         tile = _tile_of(n, i_lo, t_lo, t_lo + n_tiles, list_row, LISTED, BLOCK_SIZE, BLOCK_M)
+        if WRAP:
+            tile = tile % wrap_at
         _load_step(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, ready, bh, q_base,
                    tile, n, n_tiles, BLOCK_M, STAGES, STATS, col)
 

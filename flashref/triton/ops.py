@@ -607,8 +607,8 @@ def _forward_kernel(q, k, v, feat: Features, kernel: str) -> str:
 
 
 def _backward_kernel(q, k, v, feat: Features, kernel: str, deterministic: bool) -> str:
-    """``"hopper"``, ``"hopper-fused"`` or ``"triton"``: which backward runs this checked call. ``"triton"`` keeps
-    the teaching kernels; ``"auto"`` and ``"hopper"`` take the Gluon dK/dV and dQ kernels
+    """``"hopper"``, ``"hopper-fused"``, ``"hopper-ordered"`` or ``"triton"``: which backward runs this checked call.
+    ``"triton"`` keeps the teaching kernels; ``"auto"`` and ``"hopper"`` take the Gluon dK/dV and dQ kernels
     (:mod:`flashref.triton.hopper_backward`) wherever the Hopper forward could run, and also with ALiBi, d is 64,
     128 or 256 and the gradients are to be deterministic (theirs are). With ``deterministic=False`` they take the
     one-kernel Gluon backward (``"hopper-fused"``, :mod:`flashref.triton.hopper_backward_fused`: dQ added by TMA
@@ -621,7 +621,9 @@ def _backward_kernel(q, k, v, feat: Features, kernel: str, deterministic: bool) 
     window takes
     them too since they mask only the tiles at its edges (H100, causal window of 1024 keys, N = 8K, fp16: Gluon
     dK/dV 1.23 ms at d = 128 and 1.39 at d = 64 against the teaching kernel's 1.47 and 1.78; dQ 0.79 and 0.86
-    against 0.92 and 0.98). Dropout (without a window) runs both Gluon kernels, with the forward's mask. A block
+    against 0.92 and 0.98). Dropout (without a window) runs both Gluon kernels, with the forward's mask, or with
+    ``deterministic=True`` at d = 64 and 128 (causal or not) the one-kernel backward with its dQ adds in a fixed
+    order (``"hopper-ordered"``, :func:`_ordered_takes`), which draws the mask once, not twice. A block
     mask runs them where its blocks fit their tiles (:func:`_gluon_takes_block_mask`): they walk the visible-block
     lists the teaching kernels walk, as the Gluon forward does. At d = 256 they run with top-left causal masking
     or none (:data:`flashref.triton.hopper_backward.PLAIN_HEAD_DIMS`; dK/dV from the kernel whose warpgroups split
@@ -640,6 +642,8 @@ def _choose_backward(q, k, v, feat: Features, deterministic: bool) -> str:
         return "triton"
     if not deterministic and _fused_takes(q, k, v, feat):
         return "hopper-fused"
+    if deterministic and _ordered_takes(q, k, v, feat):
+        return "hopper-ordered"
     # At d = 256 the Gluon pair beats the teaching atomic dQ, and with dropout at any d it serves (see above)
     if not deterministic and q.shape[3] != 256 and feat.dropout_p == 0.0:
         return "triton"
@@ -669,6 +673,26 @@ def _fused_takes(q, k, v, feat: Features) -> bool:
     if isinstance(fused, ImportError) or fused.supported(q, k, v) is not None:
         return False
     return not _modifications(feat) - ({"dropout"} if q.shape[3] in fused.DROPOUT_HEAD_DIMS else set())
+
+
+def _ordered_takes(q, k, v, feat: Features) -> bool:
+    """Whether ``deterministic=True`` runs the one-kernel Gluon backward with its dQ adds in a fixed order
+    (:func:`flashref.triton.hopper_backward_fused.ordered_supported`): with dropout, where the atomic one would run.
+    There it draws the mask once, where the pair draws it twice. Measured on an H200 (B 8, H 16, N 4K, fp16, p = 0.1,
+    the backward alone, medians of three do_bench windows), the ordered kernel against the pair: d = 64 1.20x,
+    causal 1.10x; d = 128 1.19x and 1.15x. Without dropout it measured 1.02x, causal 0.96x, at d = 64 and 1.06-1.07x
+    at d = 128; those calls keep the pair, which also reads a model's (B, N, H, d) projections in place
+    (:func:`_reads_in_place`) and relaunches from a plan (:class:`StepPlan`). Against the atomic kernel the ordered
+    one runs at 0.91-0.98x: the order costs that much."""
+    if feat.dropout_p == 0.0 or not _fused_takes(q, k, v, feat):
+        return False
+    fused = _gluon_module("hopper_backward_fused")
+    return fused.ordered_supported(q.shape[2], k.shape[2], feat.causal, _sm_count(q.device)) is None
+
+
+def _sm_count(device) -> int:
+    """The multiprocessors of ``device``'s GPU (the ordered backward's residency rule counts them)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _gluon_takes_block_mask(backward, q, feat: Features) -> bool:
@@ -868,10 +892,12 @@ def _backward(q, k, v, o, stats, do, scale: float, deterministic: bool, feat: Fe
         delta = _delta(o, do)
     dq = dk = dv = None
     choice = _backward_kernel(q, k, v, feat, kernel, deterministic)
-    if choice == "hopper-fused":  # (deterministic=False: both parts in one kernel)
+    if choice == "hopper-ordered" and parts != _BOTH:  # one part alone: the pair's kernel of it
+        choice = "hopper"
+    if choice in ("hopper-fused", "hopper-ordered"):  # both parts in one kernel, dQ's adds in a fixed order or not
         fused = _gluon_module("hopper_backward_fused")
         return fused.hopper_fused_backward(q, k, v, do, m2, l2, delta, feat.causal, scale,
-                                           dropout=_dropout_scalars(feat))
+                                           dropout=_dropout_scalars(feat), ordered=choice == "hopper-ordered")
     side = _dq_stream(q.device) if deterministic and parts == _BOTH and _dq_beside(feat, choice) else None
     if side is not None:  # dQ beside dK/dV: see _dq_stream
         here = torch.cuda.current_stream(q.device)
@@ -1339,7 +1365,8 @@ def backward_kernel(q, k, v, causal=False, sm_scale=None, deterministic=True, *,
                     kernel="auto") -> str:
     """Which backward :func:`flash_attention` (and :func:`flash_attention_backward`) would run with these
     arguments: ``"hopper"`` (the Gluon dK/dV and dQ kernels), ``"hopper-fused"`` (the one-kernel Gluon backward,
-    with ``deterministic=False``) or ``"triton"`` (see ``kernel`` there). Checks as they do, without reading the
+    with ``deterministic=False``), ``"hopper-ordered"`` (the same kernel with its dQ adds in a fixed order: with
+    dropout and ``deterministic=True``) or ``"triton"`` (see ``kernel`` there). Checks as they do, without reading the
     data."""
     _, scale = _check(q, k, v, causal, sm_scale, check_finite=False)
     validation.check_bool("deterministic", deterministic)
