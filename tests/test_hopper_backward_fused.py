@@ -48,7 +48,7 @@ for d in hf.HEAD_DIMS:
                 print(d, causal, dropout, ordered, k.metadata.shared, ptxas_usage(k)["spill_stores"],
                       ptx.count("cp.reduce.async.bulk.tensor"), ptx.count("wgmma.mma_async"),
                       len(re.findall(r"bar\.sync\s+\d+,\s*128;", ptx)), ptx.count("ld.acquire.gpu"),
-                      ptx.count("st.release.gpu"), ptx.count("cp.async.bulk.wait_group 1;"),
+                      ptx.count("st.release.gpu"), ptx.count("cp.async.bulk.wait_group 0;"),
                       ptx.count("atom.global.gpu.relaxed.add"))
 """
 
@@ -59,8 +59,8 @@ def test_compiles_for_the_h100():
     whole block inside a warp-specialized kernel would hang); no register spills at d = 64, few at d = 128 (40-76
     bytes a thread with Triton 3.7; with dropout 44-88, the mask drawn late, 132-204 when a Philox call served eight
     entries, not sixteen; ordered 56-148). Unordered: one TMA reduce in each consumer's code and no semaphores.
-    Ordered: the reduces in the writer warp, which acquires each tile's semaphore, keeps one reduce in flight while
-    it waits for the one before to land, and releases; and one ticket drawn a program. In a child process:
+    Ordered: the reduces in the writer warp, which acquires each tile's semaphore, waits for a reduce to land (all of
+    it, not only its reads) and releases; and one ticket drawn a program. In a child process:
     compiling needs the interpreter off."""
     pytest.importorskip("triton.experimental.gluon")
     lines = compile_in_child(_COMPILE)

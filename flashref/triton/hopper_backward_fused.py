@@ -50,8 +50,8 @@ half). A program's adds into tile i wait until its semaphore reads the program's
   first, so no dispatch order can deadlock it. Without causal masking the last block waits for the first, which
   draws last: :func:`ordered_supported` asks that a head's blocks fit on the GPU's multiprocessors together.
 - The consumers hand each dQ share to a writer warp through shared memory and go on; only the writer waits for a
-  turn, issues the TMA reduce, and checks that the reduce before it has landed (``cp.async.bulk.wait_group 1``,
-  one always in flight) before it releases that tile.
+  turn and issues the TMA reduce. It checks that a reduce has landed (``cp.async.bulk.wait_group 0``) and
+  releases that tile when the next share has been handed over, before it waits for that one's turn.
 
 Measured on an H200 (B 8, H 16, N 4K, fp16, the backward alone, medians of three do_bench windows; ms, and the
 ordered kernel's speed against the two kernels and the atomic one):
@@ -150,17 +150,12 @@ def _wait_turn(sem, rank):
 
 
 @gluon.jit
-def _signal_done(sem, value, PENDING: gl.constexpr):
-    """This warp's TMA reduces but the last PENDING (0 or 1) complete (``cp.async.bulk.wait_group``: their writes
-    done, where ``tma.store_wait`` waits only for their reads of shared memory), then the semaphore at ``sem`` set
-    to ``value`` with release semantics: the next adder into that tile may go."""
-    if PENDING == 0:
-        gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; fence.proxy.async.global; mov.b32 $0, $1;", "=r,r",
-                                  [value], dtype=gl.int32, is_pure=False, pack=1)
-    else:
-        gl.static_assert(PENDING == 1)
-        gl.inline_asm_elementwise("cp.async.bulk.wait_group 1; fence.proxy.async.global; mov.b32 $0, $1;", "=r,r",
-                                  [value], dtype=gl.int32, is_pure=False, pack=1)
+def _signal_done(sem, value):
+    """This warp's TMA reduces complete (``cp.async.bulk.wait_group 0``: their writes done, where
+    ``tma.store_wait`` waits only for their reads of shared memory), then the semaphore at ``sem`` set to ``value``
+    with release semantics: the next adder into that tile may go."""
+    gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; fence.proxy.async.global; mov.b32 $0, $1;", "=r,r",
+                              [value], dtype=gl.int32, is_pure=False, pack=1)
     _warpgroup_barrier()  # the one thread that issued them has waited
     gl.inline_asm_elementwise("st.release.gpu.global.b32 [$1], $2; mov.b32 $0, 0;", "=r,l,r", [sem, value],
                               dtype=gl.int32, is_pure=False, pack=1)
@@ -189,11 +184,10 @@ def _hand_dq_share(dq, n, h, dq_smem, dq_full, dq_empty, sm_scale, SPLIT_COLS: g
 
 @gluon.jit
 def _signal_share(n, h, i_lo, sems, nb, m_k, m_q, dq_empty, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr,
-                  SPLIT_COLS: gl.constexpr, PENDING: gl.constexpr):
-    """The share of step n (half h) has landed (all but the last PENDING reduces have): its tile's next adder may
-    go, and its slot is free."""
+                  SPLIT_COLS: gl.constexpr):
+    """The share of step n (half h) has landed: its tile's next adder may go, and its slot is free."""
     i = _tile_at(n, i_lo, m_q, CAUSAL, True)
-    _signal_done(sems + i * 2 + h, _rank(i, nb, m_k, m_q, CAUSAL, 128 // BLOCK_M) + 1, PENDING)
+    _signal_done(sems + i * 2 + h, _rank(i, nb, m_k, m_q, CAUSAL, 128 // BLOCK_M) + 1)
     mbarrier.arrive(dq_empty.index(_share_slot(n, h, SPLIT_COLS)), count=1)
 
 
@@ -201,9 +195,11 @@ def _signal_share(n, h, i_lo, sems, nb, m_k, m_q, dq_empty, BLOCK_M: gl.constexp
 def _dq_writer(dq_smem, dq_full, dq_empty, dq_desc, sems, q_base, i_lo, n_tiles, nb, m_k, m_q,
                BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, SPLIT_COLS: gl.constexpr):
     """One warp of the ordered backward: every dQ share the consumers hand over, in step order, waited for its turn
-    (:func:`_wait_turn`), reduced into dQ by TMA, and once it has landed (checked after the next one is issued, so
-    that one reduce is always in flight) signalled to the next adder. The consumers never wait on another program;
-    only this warp does."""
+    (:func:`_wait_turn`) and reduced into dQ by TMA. The share before it is signalled to its tile's next adder once
+    it has landed, checked when this one has been handed over and before this one waits for its turn: a signal that
+    waited for the next turn could close a ring of waits (without causal masking, with as many key blocks as query
+    tiles every program would wait for the next one's signal). The consumers never wait on another program; only
+    this warp does."""
     HALVES: gl.constexpr = 2 if SPLIT_COLS else 1
     COLS: gl.constexpr = dq_desc.block_type.shape[1]
     for n in range(0, n_tiles):
@@ -212,14 +208,14 @@ def _dq_writer(dq_smem, dq_full, dq_empty, dq_desc, sems, q_base, i_lo, n_tiles,
         for h in gl.static_range(HALVES):
             slot = _share_slot(n, h, SPLIT_COLS)
             mbarrier.wait(dq_full.index(slot), (n // 2) & 1)
+            if h == 1:
+                _signal_share(n, 0, i_lo, sems, nb, m_k, m_q, dq_empty, BLOCK_M, CAUSAL, SPLIT_COLS)
+            elif n > 0:
+                _signal_share(n - 1, HALVES - 1, i_lo, sems, nb, m_k, m_q, dq_empty, BLOCK_M, CAUSAL, SPLIT_COLS)
             _wait_turn(sems + i * 2 + h, rank)
             _tma_reduce_add(dq_desc, [q_base + i * BLOCK_M, h * COLS], dq_smem.index(slot))
-            if h == 1:
-                _signal_share(n, 0, i_lo, sems, nb, m_k, m_q, dq_empty, BLOCK_M, CAUSAL, SPLIT_COLS, 1)
-            elif n > 0:
-                _signal_share(n - 1, HALVES - 1, i_lo, sems, nb, m_k, m_q, dq_empty, BLOCK_M, CAUSAL, SPLIT_COLS, 1)
     if n_tiles > 0:
-        _signal_share(n_tiles - 1, HALVES - 1, i_lo, sems, nb, m_k, m_q, dq_empty, BLOCK_M, CAUSAL, SPLIT_COLS, 0)
+        _signal_share(n_tiles - 1, HALVES - 1, i_lo, sems, nb, m_k, m_q, dq_empty, BLOCK_M, CAUSAL, SPLIT_COLS)
 
 
 @gluon.jit
