@@ -178,8 +178,9 @@ def test_ordered_supported_says_where_the_order_cannot_deadlock():
 @pytest.mark.parametrize("causal", [False, True])
 def test_ordered_is_bitwise_reproducible_and_within_the_rule(causal, d):
     """ordered=True: dQ, dK and dV the same bits run after run (four runs), within the rule against float32 on
-    uneven shapes (N_q != N_k, one query, one key, 8x logits, several heads of 4K), and with dropout the same
-    gradients as the deterministic pair to fp16 rounding (both take the forward's mask)."""
+    uneven shapes (N_q != N_k, one query, one key, 8x logits, several heads of 4K, and as many 64-row query tiles
+    as 128-row key blocks, 113 x 203 and 2048 x 4096, where a writer that released a tile late would deadlock),
+    and with dropout the same gradients as the deterministic pair to fp16 rounding (both take the forward's mask)."""
     from flashref.tolerance import assert_within_tolerance
     from flashref.triton import flash_attention_forward, ops
 
@@ -189,7 +190,7 @@ def test_ordered_is_bitwise_reproducible_and_within_the_rule(causal, d):
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     shapes = [(2, 3, 113, 203, 1), (2, 3, 239, 1, 1), (2, 3, 1023, 1024, 8), (1, 4, 517, 300, 1),
-              (1, 4, 4096, 4096, 1), (1, 2, 1, 239, 1) if causal else (1, 2, 70, 120, 1)]
+              (1, 4, 4096, 4096, 1), (1, 2, 2048, 4096, 1), (1, 2, 1, 239, 1) if causal else (1, 2, 70, 120, 1)]
     for B, H, N_q, N_k, scale in shapes:
         assert hf.ordered_supported(N_q, N_k, causal, sms) is None
         q, k, v, do = make_qkv(B, H, N_q, N_k, d, torch.float16, "cuda", seed=d + N_q)
