@@ -531,8 +531,10 @@ def test_flash_attention_runs_dropout_on_the_gluon_kernels(d):
         slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], device="cuda") if alibi else None
         kw = dict(causal=causal, dropout_p=p, seed=seed, alibi_slopes=slopes)
         assert forward_kernel(q, k, v, causal, dropout_p=p, alibi_slopes=slopes) == ("triton" if alibi else "hopper")
+        # The ordered kernel's visits wrap without causal masking, so it needs a query tile a key block: not 1 x 239
+        ordered = not alibi and (causal or (N_q, N_k) != (1, 239))
         assert backward_kernel(q, k, v, causal, deterministic=deterministic, dropout_p=p, alibi_slopes=slopes) == (
-            "hopper-fused" if not deterministic else "hopper" if alibi else "hopper-ordered")
+            "hopper-fused" if not deterministic else "hopper-ordered" if ordered else "hopper")
         if not alibi:
             o_h, lse_h = flash_attention_forward(q, k, v, kernel="hopper", **kw)
             o_t, lse_t = flash_attention_forward(q, k, v, kernel="triton", **kw)
