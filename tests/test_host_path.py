@@ -7,6 +7,8 @@ machine, never asserted in a test)."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -55,6 +57,9 @@ def launches(monkeypatch):
     monkeypatch.setattr(ops, "_hopper_refusal", lambda *args, **kwargs: None)
     monkeypatch.setattr(hopper, "supported", lambda q, k, v: None)
     monkeypatch.setattr(ops, "_dq_stream", lambda device: None)  # (a CUDA stream: none here)
+    # an H100's 132 multiprocessors, which the ordered one-kernel backward (dropout's) counts before it launches
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: types.SimpleNamespace(multi_processor_count=132, major=9, minor=0))
     for memo in ("_CHECKED", "_DISPATCH", "_MASKS_KEPT", "_LISTS_KEPT", "_PLANS"):
         monkeypatch.setattr(ops, memo, {})
     monkeypatch.setattr(hopper, "_DESCRIPTOR_TEMPLATES", {})
@@ -76,10 +81,18 @@ def _step(q, k, v, do, **kw):
     flash_attention(q, k, v, **{"check_finite": False, **kw}).backward(do)
 
 
-def _inputs(N=512, d=64):
+def _inputs(N=512, d=64, N_q=None):
     g = torch.Generator().manual_seed(0)
-    q, k, v, do = (torch.randn(1, 2, N, d, generator=g, dtype=torch.float16).to(DEVICE) for _ in range(4))
+    q, k, v, do = (torch.randn(1, 2, N if i in (1, 2) or N_q is None else N_q, d, generator=g,
+                               dtype=torch.float16).to(DEVICE) for i in range(4))
     return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), do
+
+
+def _paired_dropout_inputs():
+    """Inputs whose deterministic dropout step runs the Gluon pair (so a plan) rather than the ordered one-kernel
+    backward: one 64-row query tile against four 128-key blocks, without causal masking, where the ordered
+    kernel's visits cannot wrap (:func:`flashref.triton.hopper_backward_fused.ordered_supported`)."""
+    return _inputs(N=512, N_q=64)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -92,7 +105,8 @@ def test_a_second_step_launches_what_the_first_did(launches, case):
     assert launches == first
     names = [name for name, *_ in first]
     assert names[0] in ("hopper_fwd_kernel", "hopper_ws_fwd_kernel")  # the Gluon forward, then the backward's
-    backward = {"atomic dQ": {"hopper_fused_bwd_kernel"}}.get(case, {"hopper_bwd_dq_kernel"})
+    # the one-kernel backward for atomic dQ, and for dropout (its dQ adds in a fixed order); the pair elsewhere
+    backward = {"hopper_fused_bwd_kernel"} if case in ("atomic dQ", "dropout") else {"hopper_bwd_dq_kernel"}
     assert backward <= set(names[1:]), names
 
 
@@ -134,8 +148,8 @@ def test_a_second_step_checks_and_builds_nothing_again(launches, monkeypatch, ca
 @pytest.mark.parametrize("case", CASES)
 def test_a_planned_step_launches_what_the_full_path_does(launches, monkeypatch, case):
     """The second step of a signature runs its plan (ops.StepPlan) where the Gluon forward and two-kernel backward
-    run, and launches what the full path launches, argument for argument; atomic dQ (the one-kernel backward) keeps
-    the full path."""
+    run, and launches what the full path launches, argument for argument; atomic dQ and dropout, whose backward is
+    the one-kernel one (dQ's adds in any order, and in a fixed order), keep the full path."""
     planned = []
     monkeypatch.setattr(ops.StepPlan, "forward", _recording(ops.StepPlan.forward, planned))
     q, k, v, do = _inputs()
@@ -148,7 +162,24 @@ def test_a_planned_step_launches_what_the_full_path_does(launches, monkeypatch, 
     launches.clear()
     _step(q, k, v, do, **CASES[case])
     assert with_plan == launches
-    assert len(planned) == (0 if case == "atomic dQ" else 1)
+    assert len(planned) == (0 if case in ("atomic dQ", "dropout") else 1)
+
+
+def test_a_dropout_step_on_the_gluon_pair_runs_its_plan(launches, monkeypatch):
+    """Where the ordered one-kernel backward cannot take a deterministic dropout step, the pair runs it, planned:
+    the plan's launches are the full path's."""
+    planned = []
+    monkeypatch.setattr(ops.StepPlan, "forward", _recording(ops.StepPlan.forward, planned))
+    q, k, v, do = _paired_dropout_inputs()
+    for _ in range(2):
+        launches.clear()
+        _step(q, k, v, do, dropout_p=0.1, seed=7)
+    with_plan = list(launches)
+    assert "hopper_bwd_dq_kernel" in [name for name, *_ in with_plan] and len(planned) == 1
+    monkeypatch.setattr(ops, "_plan_key", lambda *args: None)
+    launches.clear()
+    _step(q, k, v, do, dropout_p=0.1, seed=7)
+    assert with_plan == launches
 
 
 def _recording(fn, calls):
@@ -161,7 +192,7 @@ def _recording(fn, calls):
 def test_a_drawn_seed_is_drawn_once_a_call_as_on_the_full_path(launches, monkeypatch):
     """With dropout and seed=None the plan draws the call's seed from torch's generator as the full path does: the
     same seed after the same torch.manual_seed, so the same mask."""
-    q, k, v, do = _inputs()
+    q, k, v, do = _paired_dropout_inputs()
     runs = {}
     for planned in (True, False):
         if not planned:
@@ -171,7 +202,7 @@ def test_a_drawn_seed_is_drawn_once_a_call_as_on_the_full_path(launches, monkeyp
         torch.manual_seed(5)
         _step(q, k, v, do, dropout_p=0.1)
         runs[planned] = list(launches)
-    assert runs[True] == runs[False]
+    assert runs[True] == runs[False] and "hopper_bwd_dq_kernel" in [name for name, *_ in runs[True]]
     seeds = {arg for _, _, args, _ in runs[True] for arg in args if isinstance(arg, int) and arg > 2**31}
     assert len(seeds) == 1  # one seed, in every kernel of the step
 
@@ -196,17 +227,17 @@ def test_a_mask_changed_in_place_or_replaced_gets_a_new_plan(launches):
 
 
 def test_a_planned_call_still_checks_the_data_and_the_seed(launches):
-    q, k, v, do = _inputs()
+    q, k, v, do = _paired_dropout_inputs()
     for _ in range(2):
-        _step(q, k, v, do, causal=True, dropout_p=0.1, seed=3, check_finite=True)
+        _step(q, k, v, do, dropout_p=0.1, seed=3, check_finite=True)
     assert [kept[1] for kept in ops._PLANS.values()][0].check_finite
     bad = q.detach().clone()
     bad[0, 0, 0, 0] = float("nan")
     with pytest.raises(ValueError, match="q"):
-        flash_attention(bad, k, v, causal=True, dropout_p=0.1, seed=3)
+        flash_attention(bad, k, v, dropout_p=0.1, seed=3)
     with pytest.raises(TypeError, match="seed must be None or an int"):
-        flash_attention(q, k, v, causal=True, dropout_p=0.1, seed=-1)
-    o = flash_attention(q, k, v, causal=True, dropout_p=0.1, seed=3)
+        flash_attention(q, k, v, dropout_p=0.1, seed=-1)
+    o = flash_attention(q, k, v, dropout_p=0.1, seed=3)
     with pytest.raises(ValueError, match="do"):
         o.backward(torch.full_like(do, float("inf")))
 
