@@ -147,6 +147,20 @@ def test_the_dropout_cost_table_gives_the_added_time_the_ratio_and_the_kept_frac
     assert dropout_cost_table([]) == "this run has no dropout-cost rows"
 
 
+def test_the_dropout_backward_table_gives_each_kernels_time_and_the_ordered_kernels_speed_over_the_others():
+    from flashref.bench.features_bench import dropout_backward_table, measures
+
+    rows = [{"case": "dropout backward", "impl": impl, "d": 64, "causal": True, "dropout_p": p, "ms": ms}
+            for impl, p, ms in [("gluon pair", 0.1, 2.4), ("gluon fused", 0.1, 1.8), ("gluon fused ordered", 0.1, 2.0),
+                                ("gluon pair", 0.0, 2.0), ("gluon fused ordered", 0.0, 2.5)]]
+    lines = dropout_backward_table(rows).splitlines()
+    assert lines[0].split()[:6] == ["d", "causal", "p", "gluon", "pair", "gluon"], lines[0]
+    assert lines[1].split() == ["64", "True", "0.00", "2.000", "-", "2.500", "0.80x", "-"], lines[1]
+    assert lines[2].split() == ["64", "True", "0.10", "2.400", "1.800", "2.000", "1.20x", "0.90x"], lines[2]
+    assert dropout_backward_table([]) == "this run has no dropout-backward rows"
+    assert measures(rows[0]) == ("dropout-backward", None)  # --append replaces the part's rows
+
+
 def test_the_dropout_rounds_part_runs_each_count_in_a_process_of_its_own_and_reports_a_failed_one():
     """Each count of Philox's rounds reaches its child through FLASHREF_PHILOX_ROUNDS (the child reports what
     its kernels were built with); a child that fails, or a count the kernels refuse, gives a row that says why."""

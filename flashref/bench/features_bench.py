@@ -19,6 +19,9 @@ block-sparse attention against its own dense time.
   dropout-cost part again with its kernels compiled for 0, 2, 4, 7 (the shipped count) and 10 rounds, each count
   in a process of its own (``--philox-rounds`` picks others); at 0 rounds what is left is the mask's cost without
   a generator. ``book/data/dropout_rounds.json`` is such a run.
+- The backward alone with dropout (``--parts dropout-backward``, not in the default run, an sm_90 GPU's): the
+  Gluon pair, the one-kernel backward and the same kernel with its dQ adds in a fixed order, with p = 0.1 and
+  without, timed in turns (:func:`dropout_backward_cases`). ``book/data/dropout_backward.json`` is such a run.
 - Block-sparse: a causal sliding window of ``w`` blocks of 128 keys, time against density (visible
   blocks / all blocks) next to the dense kernel's time, and an all-True mask against no mask; forward and
   forward + backward, each side through the default dispatch, with ``graph_ms`` beside ``ms``.
@@ -34,9 +37,9 @@ FLOPs are counted on the visible (query, key) pairs only (4 d per pair forward, 
 :func:`flashref.bench.results.pair_flops` of :func:`flashref.block_masks.visible_pairs`, notebook
 ``10_dropout_masks_sparsity``). fp16 unless a row says ``dtype``. Results go to
 ``book/data/features_bench.json`` with the device, library versions and command (:func:`load_results` reads
-them back); ``--parts`` runs some of them (gqa, dropout, sparse, flex, dropout-cost, dropout-rounds), and
-``--append`` adds them to the file's rows in place of those it measures again (one run split over several calls
-of the same machine). The whole run takes about 8 minutes on an H100, most of it compiling Flex.
+them back); ``--parts`` runs some of them (gqa, dropout, sparse, flex, dropout-cost, dropout-rounds,
+dropout-backward), and ``--append`` adds them to the file's rows in place of those it measures again (one run split
+over several calls of the same machine). The whole run takes about 8 minutes on an H100, most of it compiling Flex.
 """
 
 from __future__ import annotations
@@ -311,6 +314,64 @@ def dropout_cost_cases(N=4096, head_dims=(64, 128), B=8, H=16, p=0.1, rounds=5, 
         except Exception as exc:  # noqa: BLE001
             yield {"case": "dropout kept fraction", "impl": impl, "dropout_p": p,
                    "status": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"}
+
+
+#: The dropout-backward part's kernels: the deterministic pair (the Gluon dQ and dK/dV kernels, which draw the mask
+#: twice), the one-kernel backward with dQ added in any order (``deterministic=False``'s) and in a fixed order
+#: (``deterministic=True``'s with dropout)
+DROPOUT_BACKWARD_IMPLS = ("gluon pair", "gluon fused", "gluon fused ordered")
+
+
+def _backward_alone(impl: str, q, k, v, do, causal: bool, p: float):
+    """``fn()`` running one of :data:`DROPOUT_BACKWARD_IMPLS` on the forward's statistics and (p > 0) its mask."""
+    from flashref.triton import flash_attention_forward, ops
+
+    scale = q.shape[3] ** -0.5
+    feat = ops.Features(q, k, dropout_p=p, seed=1234 if p else None, causal=causal, scale=scale, check_finite=False)
+    o, lse = flash_attention_forward(q, k, v, causal, dropout_p=p, seed=1234 if p else None, check_finite=False)
+    stats, delta = ops._stats_from_lse(lse), ops._delta(o, do)
+    if impl == "gluon pair":  # each part alone runs the pair's kernel of it, whatever the dispatch picks for both
+        return lambda: [ops._backward(q, k, v, o, stats, do, scale, True, feat, "hopper", parts=(part,), delta=delta)
+                        for part in ("dq", "dkdv")]
+    fused = ops._gluon_module("hopper_backward_fused")
+    drop = ops._dropout_scalars(feat)
+    return lambda: fused.hopper_fused_backward(q, k, v, do, *stats, delta, causal, scale, dropout=drop,
+                                               ordered=impl.endswith("ordered"))
+
+
+def dropout_backward_cases(N=4096, head_dims=(64, 128), B=8, H=16, p=0.1, rounds=5):
+    """The backward alone (the dropout-backward part, an sm_90 GPU's): each of :data:`DROPOUT_BACKWARD_IMPLS` with
+    the forward's mask at ``dropout_p=p`` and without, all six calls timed in turns (:func:`_interleaved_ms`), at
+    ``head_dims``, causal and not. What the fixed order of dQ's adds costs (ordered against any order), and what
+    drawing the mask once gains (ordered against the pair): ``deterministic=True`` takes the ordered kernel with
+    dropout (:func:`flashref.triton.ops._ordered_takes`). TFLOP/s counts the backward's 2.5 forward passes."""
+    for d, causal in itertools.product(head_dims, (False, True)):
+        q, k, v, do = _inputs(B, H, H, N, d)
+        calls = {(impl, drop): _backward_alone(impl, q, k, v, do, causal, drop)
+                 for impl, drop in itertools.product(DROPOUT_BACKWARD_IMPLS, (p, 0.0))}
+        ms = _interleaved_ms(calls, None, rounds)
+        work = flops(B, H, N, N, d, causal, "bwd")
+        for (impl, drop), t in ms.items():
+            yield _row("dropout backward", impl, B, H, H, N, d, causal, t, None, work, dropout_p=drop)
+        del q, k, v, do, calls
+
+
+def dropout_backward_table(rows) -> str:
+    """The dropout-backward part as text: per head dim, causality and ``dropout_p``, each kernel's ms, then the
+    ordered kernel's speed over the pair's and over the unordered one's (above 1: the ordered one is faster)."""
+    rows = [r for r in rows if r.get("case") == "dropout backward"]
+    if not rows:
+        return "this run has no dropout-backward rows"
+    get = {(r["d"], r["causal"], r["dropout_p"], r["impl"]): r["ms"] for r in rows}
+    lines = [f"{'d':>4} {'causal':>6} {'p':>4} " + " ".join(f"{i:>20}" for i in DROPOUT_BACKWARD_IMPLS)
+             + f" {'ordered / pair':>15} {'ordered / fused':>16}"]
+    for d, causal, drop in sorted({key[:3] for key in get}):
+        ms = [get.get((d, causal, drop, i)) for i in DROPOUT_BACKWARD_IMPLS]
+        cells = " ".join(f"{t:20.3f}" if t is not None else f"{'-':>20}" for t in ms)
+        pair, fused, ordered = ms
+        speed = [f"{a / ordered:.2f}x" if a is not None and ordered is not None else "-" for a in (pair, fused)]
+        lines.append(f"{d:4} {causal!s:>6} {drop:4.2f} {cells} {speed[0]:>15} {speed[1]:>16}")
+    return "\n".join(lines)
 
 
 def dropout_cost_table(rows) -> str:
@@ -616,7 +677,7 @@ def load_results(path=None) -> dict:
 #: The cases each part's rows are named by
 PART_CASES = {"gqa": ("gqa fwd+bwd",), "dropout": ("dropout fwd+bwd",),
               "dropout-cost": ("dropout cost fwd+bwd", "dropout kept fraction"),
-              "dropout-rounds": ("dropout rounds fwd+bwd",),
+              "dropout-rounds": ("dropout rounds fwd+bwd",), "dropout-backward": ("dropout backward",),
               "sparse": ("block-sparse fwd", "block-sparse fwd+bwd", "dense fwd", "dense fwd+bwd"),
               "flex": ("sparse vs flex fwd", "sparse vs flex fwd+bwd", "flex block mask")}
 
@@ -638,7 +699,7 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=OUT)
     p.add_argument("--parts", nargs="+", default=["gqa", "dropout", "sparse", "flex"],  # dropout-*: their own files
-                   choices=["gqa", "dropout", "sparse", "flex", "dropout-cost", "dropout-rounds"])
+                   choices=["gqa", "dropout", "sparse", "flex", "dropout-cost", "dropout-rounds", "dropout-backward"])
     p.add_argument("--flex-n", nargs="+", type=int, default=None, metavar="N",
                    help="only these sequence lengths of the FlexAttention comparison (4096 16384 65536)")
     p.add_argument("--philox-rounds", nargs="+", type=int, default=None, metavar="R",
@@ -662,7 +723,7 @@ def main(argv=None) -> int:
     if not grid and "flex" in args.parts:
         p.error(f"--flex-n {args.flex_n}: none of the comparison's lengths {sorted({g[0] for g in FLEX_GRID})}")
     parts = {"gqa": gqa_cases, "dropout": dropout_cases, "sparse": sparse_cases, "flex": lambda: flex_cases(grid),
-             "dropout-cost": dropout_cost_cases,
+             "dropout-cost": dropout_cost_cases, "dropout-backward": dropout_backward_cases,
              "dropout-rounds": lambda: dropout_rounds_cases(args.philox_rounds or PHILOX_ROUNDS_SWEPT)}
     add = results.recorder(data, args.out, show=_print, group=measures)  # saved after each row
     for name in args.parts:
