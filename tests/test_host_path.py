@@ -147,9 +147,9 @@ def test_a_second_step_checks_and_builds_nothing_again(launches, monkeypatch, ca
 
 @pytest.mark.parametrize("case", CASES)
 def test_a_planned_step_launches_what_the_full_path_does(launches, monkeypatch, case):
-    """The second step of a signature runs its plan (ops.StepPlan) where the Gluon forward and two-kernel backward
-    run, and launches what the full path launches, argument for argument; atomic dQ and dropout, whose backward is
-    the one-kernel one (dQ's adds in any order, and in a fixed order), keep the full path."""
+    """The second step of a signature runs its plan (ops.StepPlan) where the Gluon forward and a Gluon backward
+    run (the pair; for atomic dQ and for dropout the one-kernel backward, its dQ adds in any order and in a fixed
+    one), and launches what the full path launches, argument for argument."""
     planned = []
     monkeypatch.setattr(ops.StepPlan, "forward", _recording(ops.StepPlan.forward, planned))
     q, k, v, do = _inputs()
@@ -162,7 +162,7 @@ def test_a_planned_step_launches_what_the_full_path_does(launches, monkeypatch, 
     launches.clear()
     _step(q, k, v, do, **CASES[case])
     assert with_plan == launches
-    assert len(planned) == (0 if case in ("atomic dQ", "dropout") else 1)
+    assert len(planned) == 1
 
 
 def test_a_dropout_step_on_the_gluon_pair_runs_its_plan(launches, monkeypatch):
@@ -189,10 +189,12 @@ def _recording(fn, calls):
     return recorded
 
 
-def test_a_drawn_seed_is_drawn_once_a_call_as_on_the_full_path(launches, monkeypatch):
+@pytest.mark.parametrize("backward", ["hopper_bwd_dq_kernel", "hopper_fused_bwd_kernel"])
+def test_a_drawn_seed_is_drawn_once_a_call_as_on_the_full_path(launches, monkeypatch, backward):
     """With dropout and seed=None the plan draws the call's seed from torch's generator as the full path does: the
-    same seed after the same torch.manual_seed, so the same mask."""
-    q, k, v, do = _paired_dropout_inputs()
+    same seed after the same torch.manual_seed, so the same mask; on the pair and on the ordered one-kernel
+    backward."""
+    q, k, v, do = _paired_dropout_inputs() if backward == "hopper_bwd_dq_kernel" else _inputs()
     runs = {}
     for planned in (True, False):
         if not planned:
@@ -202,7 +204,7 @@ def test_a_drawn_seed_is_drawn_once_a_call_as_on_the_full_path(launches, monkeyp
         torch.manual_seed(5)
         _step(q, k, v, do, dropout_p=0.1)
         runs[planned] = list(launches)
-    assert runs[True] == runs[False] and "hopper_bwd_dq_kernel" in [name for name, *_ in runs[True]]
+    assert runs[True] == runs[False] and backward in [name for name, *_ in runs[True]]
     seeds = {arg for _, _, args, _ in runs[True] for arg in args if isinstance(arg, int) and arg > 2**31}
     assert len(seeds) == 1  # one seed, in every kernel of the step
 

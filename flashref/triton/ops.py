@@ -1164,7 +1164,8 @@ _PLANS_MAX = 64
 
 
 class _NotPlanned(Exception):
-    """A call that does not run the Gluon forward and two-kernel backward: it keeps the full path."""
+    """A call that does not run the Gluon forward and a Gluon backward (the pair, or the one kernel with dQ's adds
+    in any order or in a fixed one): it keeps the full path."""
 
 
 def _plan_key(q, k, v, causal, sm_scale, deterministic, check_finite, dropout_p, seed, block_mask, block_size,
@@ -1211,20 +1212,26 @@ def _int_width(n: int) -> int:
     return 32 if -2**31 <= n < 2**31 else 64 if n < 2**63 else 65
 
 
+#: The backward kernels a plan runs (:func:`_backward_kernel`'s names): the Gluon pair, and the one-kernel backward
+#: with dQ's adds in any order (``deterministic=False``) or in a fixed one (``deterministic=True`` with dropout)
+_PLANNED_BACKWARDS = ("hopper", "hopper-fused", "hopper-ordered")
+
+
 class StepPlan:
     """The Gluon kernels of one call signature (:func:`_plan_key`), as :func:`flash_attention`'s first call of it
-    chose and configured them: the forward (:class:`flashref.triton.hopper.ForwardLaunch`), D's preprocess, dQ and
-    dK/dV (:class:`flashref.triton.hopper_backward.DqLaunch`, :class:`~flashref.triton.hopper_backward.DkdvLaunch`).
-    Made after that call succeeded, from the same arguments (its checks and dispatch answers are remembered by then);
-    raises :class:`_NotPlanned` for a call that runs other kernels."""
+    chose and configured them: the forward (:class:`flashref.triton.hopper.ForwardLaunch`), D's preprocess, and dQ
+    and dK/dV (:class:`flashref.triton.hopper_backward.DqLaunch`, :class:`~flashref.triton.hopper_backward.DkdvLaunch`)
+    or the one-kernel backward (:func:`flashref.triton.hopper_backward_fused.hopper_fused_backward`). Made after that
+    call succeeded, from the same arguments (its checks and dispatch answers are remembered by then); raises
+    :class:`_NotPlanned` for a call that runs other kernels."""
 
     def __init__(self, q, k, v, causal, sm_scale, deterministic, check_finite, dropout_p, block_mask, block_size,
                  window_size, softcap, causal_align, kernel):
         _, scale = _check(q, k, v, causal, sm_scale, check_finite=False)
         feat = Features(q, k, dropout_p, 0, block_mask, block_size, causal=causal, scale=scale,
                         window_size=window_size, softcap=softcap, check_finite=False, causal_align=causal_align)
-        if (_forward_kernel(q, k, v, feat, kernel) != "hopper"
-                or _backward_kernel(q, k, v, feat, kernel, deterministic) != "hopper"):
+        backward = _backward_kernel(q, k, v, feat, kernel, deterministic)
+        if _forward_kernel(q, k, v, feat, kernel) != "hopper" or backward not in _PLANNED_BACKWARDS:
             raise _NotPlanned
         B, H, N_q, d = q.shape
         self.check_finite, self.dropout_p = check_finite, feat.dropout_p
@@ -1234,7 +1241,12 @@ class StepPlan:
         self.token = _reads_in_place(q, k, v, feat, deterministic, kernel)
         self.fwd = _hopper_forward(q, k, scale, feat, self.token)
         self.delta = _delta_launch(B, H, N_q, d)
-        self.dq, self.dkdv = _hopper_backward(q, k, scale, feat, token=self.token)
+        self.dq = self.dkdv = self.fused = None
+        if backward == "hopper":
+            self.dq, self.dkdv = _hopper_backward(q, k, scale, feat, token=self.token)
+        else:
+            self.fused = functools.partial(_gluon_module("hopper_backward_fused").hopper_fused_backward,
+                                           causal=feat.causal, scale=scale, ordered=backward == "hopper-ordered")
 
     def takes_seed(self, seed: int) -> bool:
         """Whether this call's seed goes in the width the plan's kernels were launched with (a drawn seed is below
@@ -1265,6 +1277,8 @@ class StepPlan:
         elif not do.is_contiguous() or do.data_ptr() % 16:
             do = do.clone(memory_format=torch.contiguous_format)
         delta = _delta(o, do, self.delta)
+        if self.fused is not None:
+            return self.fused(q, k, v, do, m2, l2, delta, dropout=self._dropout(seed))
         mods = dict(dropout=self._dropout(seed), shared={})  # shared: both kernels' TMA descriptors, made once
         dq = self.dq(q, k, v, do, m2, l2, delta, **mods)
         return (dq, *self.dkdv(q, k, v, do, m2, l2, delta, **mods))
@@ -1322,12 +1336,14 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, deterministic=True, *,
     ``"hopper"`` the Gluon dK/dV and dQ kernels of :mod:`flashref.triton.hopper_backward` run wherever they can (the
     Hopper forward's conditions, dropout's included, d = 64 or 128 with ``deterministic=True``, or 256 with causal
     masking or none; unlike the forward, they also take ``alibi_slopes``, and a block mask under the same
-    condition), the teaching backward everywhere else (:func:`backward_kernel` says which; with
-    ``deterministic=False``, the one-kernel Gluon backward where it applies, and the teaching atomic dQ for the
-    rest at d <= 128 without dropout).
+    condition), the teaching backward everywhere else (:func:`backward_kernel` says which). With dropout at d = 64
+    and 128 (top-left causal masking or none) the one-kernel Gluon backward takes the pair's place where its visits
+    can be ordered (:func:`flashref.triton.hopper_backward_fused.ordered_supported`), its dQ adds in a fixed order,
+    so that it draws the mask once and stays bitwise reproducible. With ``deterministic=False``, the one-kernel Gluon backward where
+    it applies, adding dQ in any order, and the teaching atomic dQ for the rest at d <= 128 without dropout.
     A training loop calls with the same shapes, strides, dtypes and options at every step: where the Gluon forward
-    and two-kernel backward run, the first call of such a signature is checked and dispatched in full and leaves a
-    plan (:class:`StepPlan`) that the later ones run, checking only their data (``check_finite``) and the seed.
+    and a Gluon backward run, the first call of such a signature is checked and dispatched in full and leaves a plan
+    (:class:`StepPlan`) that the later ones run, checking only their data (``check_finite``) and the seed.
     Notebooks ``07_triton_forward`` and ``08_triton_backward``.
     """
     key = _plan_key(q, k, v, causal, sm_scale, deterministic, check_finite, dropout_p, seed, block_mask, block_size,
