@@ -17,7 +17,7 @@ def as_if_on_an_h100(monkeypatch):
     monkeypatch.setattr(ops, "_hopper_refusal", lambda q, k, v, feat, backward=False: None)
     monkeypatch.setattr(hopper, "supported", lambda q, k, v: None)
     monkeypatch.setattr(ops, "_DISPATCH", {})  # the dispatch's remembered answers, made here, forgotten after
-    monkeypatch.setattr(ops, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(ops, "_sm_count", lambda device: 132)  # an H100's (the ordered backward's residency rule)
 
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU machine the kernels want CUDA tensors

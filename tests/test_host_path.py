@@ -7,8 +7,6 @@ machine, never asserted in a test)."""
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
@@ -58,8 +56,7 @@ def launches(monkeypatch):
     monkeypatch.setattr(hopper, "supported", lambda q, k, v: None)
     monkeypatch.setattr(ops, "_dq_stream", lambda device: None)  # (a CUDA stream: none here)
     # an H100's 132 multiprocessors, which the ordered one-kernel backward (dropout's) counts before it launches
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda device=None: types.SimpleNamespace(multi_processor_count=132, major=9, minor=0))
+    monkeypatch.setattr(ops, "_sm_count", lambda device: 132)
     for memo in ("_CHECKED", "_DISPATCH", "_MASKS_KEPT", "_LISTS_KEPT", "_PLANS"):
         monkeypatch.setattr(ops, memo, {})
     monkeypatch.setattr(hopper, "_DESCRIPTOR_TEMPLATES", {})

@@ -294,16 +294,6 @@ def gpu_config(head_dim: int, capability: int, elem_bytes: int = 2, block_m: int
         block_m //= 2
 
 
-_SMS: dict = {}
-
-
-def _sm_count(device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
-
-
 def split_count(programs: int, tiles: int, sms: int, good: float = 0.95, resident: int = 1) -> int:
     """How many slices to cut the keys into when ``programs`` programs (batch rows x K/V heads x row blocks)
     would each walk ``tiles`` key tiles alone, on a GPU of ``sms`` SMs that each hold ``resident`` of these
@@ -365,7 +355,7 @@ def decode_plan(q, k_cache, num_splits=None) -> dict:
             num_splits = min(4, tiles)
         else:
             num_splits = split_count(B * H_kv * plan["row_blocks"], max(1, tiles // MIN_SPLIT_TILES),
-                                     _sm_count(q.device))
+                                     ops._sm_count(q.device))
     plan["num_splits"] = int(num_splits)
     return plan
 

@@ -94,7 +94,7 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from flashref.triton import hopper, hopper_backward, relaunch
+from flashref.triton import hopper, hopper_backward, ops, relaunch
 from flashref.triton.forward import LOG2E
 from flashref.triton.hopper_backward import (_descriptors, _drop_args, _dropped_dp, _p_operand,
                                              _query_tiles, _row_view, _stat_descriptors, _store_dkdv, _wgmma_layout,
@@ -376,9 +376,9 @@ def hopper_fused_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_des
     ORDERED (``deterministic=True``): every dQ tile takes its adds in one fixed order, so the result is the same bits
     run after run. SEMS holds a semaphore a (head, query tile, column half) and, last, a ticket counter. A program
     takes its (head, key block) from the counter, heads in order and each head's key blocks from the last to the
-    first, so whoever holds a ticket has an SM, and the blocks a program waits for drew theirs before it. Before
-    each reduce a consumer waits until the tile's semaphore reads its rank (:func:`_rank`); once the reduce has
-    landed (checked a step later) it sets rank + 1."""
+    first, so whoever holds a ticket has an SM, and the blocks a program waits for drew theirs before it. The
+    consumers hand their dQ shares to a writer warp (:func:`_dq_writer`), which waits before each reduce until the
+    tile's semaphore reads the program's rank (:func:`_rank`) and sets rank + 1 once the reduce has landed."""
     gl.static_assert(num_warps == 4, "the kernel's own warps are one consumer warpgroup")
     gl.static_assert(BLOCK_N == 128 and BLOCK_M == 64, "two consumers of 64 keys; 64 query rows, wgmma's M")
     m_k = gl.num_programs(0)
@@ -504,8 +504,7 @@ def hopper_fused_backward(q, k, v, do, m2, l2, delta, causal: bool, scale: float
     cfg = cfg or default_config(d)
     block_m = cfg["block_m"]
     if ordered:
-        why = ordered_supported(N_q, N_k, causal, torch.cuda.get_device_properties(q.device).multi_processor_count,
-                                cfg)
+        why = ordered_supported(N_q, N_k, causal, ops._sm_count(q.device), cfg)
         if why is not None:
             raise ValueError(f"ordered=True: the ordered one-kernel backward {why}")
     dk = torch.empty((B, H, N_k, d), dtype=q.dtype, device=q.device)

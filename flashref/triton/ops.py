@@ -689,9 +689,17 @@ def _ordered_takes(q, k, v, feat: Features) -> bool:
     return fused.ordered_supported(q.shape[2], k.shape[2], feat.causal, _sm_count(q.device)) is None
 
 
+_SMS: dict = {}
+
+
 def _sm_count(device) -> int:
-    """The multiprocessors of ``device``'s GPU (the ordered backward's residency rule counts them)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    """The multiprocessors of ``device``'s GPU, asked once a GPU: the ordered backward's residency rule, the dK/dV
+    kernel's split of a K/V group and flash-decoding's split of the keys count them."""
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
 
 
 def _gluon_takes_block_mask(backward, q, feat: Features) -> bool:
@@ -838,7 +846,7 @@ def _group_split(group: int, programs: int, device) -> int:
         return 1
     if INTERPRETED:
         return 2 if group % 2 == 0 else 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _sm_count(device)
     for s in range(1, group + 1):
         if group % s == 0 and programs * s >= 2 * sms:
             return s
