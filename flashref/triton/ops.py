@@ -679,10 +679,11 @@ def _ordered_takes(q, k, v, feat: Features) -> bool:
     """Whether ``deterministic=True`` runs the one-kernel Gluon backward with its dQ adds in a fixed order
     (:func:`flashref.triton.hopper_backward_fused.ordered_supported`): with dropout, where the atomic one would run.
     There it draws the mask once, where the pair draws it twice. Measured on an H200 (B 8, H 16, N 4K, fp16, p = 0.1,
-    the backward alone, medians of three do_bench windows), the ordered kernel against the pair: d = 64 1.18x,
-    causal 1.11x; d = 128 1.18x and 1.15x. Without dropout it measured 1.01-1.06x; those calls keep the pair, which
+    the backward alone, ``book/data/dropout_backward.json``), the ordered kernel against the pair: d = 64 1.17x,
+    causal 1.07x; d = 128 1.19x and 1.11x. Without dropout it measured 1.00-1.08x; those calls keep the pair, which
     also reads a model's (B, N, H, d) projections in place (:func:`_reads_in_place`). Against the atomic kernel the
-    ordered one runs at 0.89-0.98x: the order costs that much. (The module's docstring has the table.)"""
+    ordered one runs at 0.90-0.96x (1.03x at d = 64 causal with dropout): the order costs up to a tenth. (The
+    module's docstring has the table.)"""
     if feat.dropout_p == 0.0 or not _fused_takes(q, k, v, feat):
         return False
     fused = _gluon_module("hopper_backward_fused")
