@@ -75,7 +75,10 @@ MERGE_SPLITS = 16  # splits merged per step of the merge kernel's loop
 # Python at every launch: 9-22 us more host time a call at eleven of twelve points (B 1 with 4K keys: 54 against
 # 38 us), so do_bench, which a short call's host time sets, measured 34.4 against 15.9 us there. Reusing each
 # cache's tensor map from call to call (the launcher's make_tensordesc_arg memoized) did not remove that cost: 70
-# against 73 us of host time, 53.5 against 53.1 us by do_bench.
+# against 73 us of host time, 53.5 against 53.1 us by do_bench. An evict-first L2 hint on the K/V loads (the cache
+# is streamed once) changed nothing either (H200, medians of seven do_bench windows in turns with the loads as they
+# are and cuDNN): B 16 with 4K / 16K / 64K / 128K keys 76.8 / 255.0 / 957.4 / 1891.4 us against 77.3 / 254.5 / 957.9 /
+# 1890.7 (cuDNN 76.1 / 254.2 / 956.7 / 1889.9), B 4 with 16K and B 1 with 64K within 0.05 us.
 @triton.jit
 def _decode_tile(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, start_n, L, last,
                  qk_scale, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
