@@ -42,8 +42,10 @@ for part, d, causal, mods in [*itertools.product(("dkdv", "dq"), hb.HEAD_DIMS, (
         sig.update(lse_desc=f"tensordesc<fp32[1, {bm}],{sl!r}>", delta_desc=f"tensordesc<fp32[1, {bm}],{sl!r}>")
     sig.update({**OUTPUTS[part], "M2": "*fp32", "L2": "*fp32", "Delta": "*fp32",
            "N_q": "i32", "N_k": "i32", "sm_scale": "fp32", "qk_scale": "fp32", "SLOPES": "*fp32",
-           "win_left": "i32", "win_right": "i32", "seed": "i64", "drop_below": "i32", "keep_scale": "fp32",
-           "LISTS": "*i32", "stride_lb": "i32", "stride_lh": "i32", "stride_li": "i32", "H": "i32"})
+           "win_left": "i32", "win_right": "i32", "seed": "i64", "drop_below": "i32"})
+    if part == "dq":  # (dK/dV take keep_scale folded into their row statistics, on the host)
+        sig["keep_scale"] = "fp32"
+    sig.update({"LISTS": "*i32", "stride_lb": "i32", "stride_lh": "i32", "stride_li": "i32", "H": "i32"})
     dropout = mods == "dropout"
     keep = (hopper.keep_t_layout(bn, bm, 4 if ws else cfg["num_warps"]) if part == "dkdv"
             else hopper.keep_layout(bm, bn, cfg["num_warps"]))

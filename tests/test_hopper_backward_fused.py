@@ -32,7 +32,7 @@ for d in hf.HEAD_DIMS:
            "lse_desc": f"tensordesc<fp32[1, {bm}],{sl!r}>", "delta_desc": f"tensordesc<fp32[1, {bm}],{sl!r}>",
            "dq_desc": f"tensordesc<fp32[{bm}, {cols}],{dl!r}>", "DK": "*fp16", "DV": "*fp16", "N_q": "i32",
            "N_k": "i32", "sm_scale": "fp32", "qk_scale": "fp32", "seed": "i64", "drop_below": "i32",
-           "keep_scale": "fp32", "SEMS": "*i32"}
+           "SEMS": "*i32"}
     for causal in (False, True):
         for dropout in (False, True) if d in hf.DROPOUT_HEAD_DIMS else (False,):
             for ordered in (False, True):

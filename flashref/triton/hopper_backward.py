@@ -217,7 +217,7 @@ def _tile_delta(Delta, stat, live, col_s: gl.constexpr, FULL: gl.constexpr, STAT
 
 @gluon.jit
 def _dkdv_tile(k_t, v_t, q_t, do_t, dk, dv, s_zero, keys, first_key, i, bh, M2, L2, Delta, N_q, qk_scale, slope2,
-               win_left, win_right, seed, drop_below, keep_scale, masked, FULL: gl.constexpr, BLOCK_M: gl.constexpr,
+               win_left, win_right, seed, drop_below, masked, FULL: gl.constexpr, BLOCK_M: gl.constexpr,
                CAUSAL: gl.constexpr,
                WINDOW: gl.constexpr, ALIBI: gl.constexpr, DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr,
                ROWS: gl.constexpr, s_layout: gl.constexpr, col_s: gl.constexpr, p_layout: gl.constexpr,
@@ -392,7 +392,7 @@ def _step_is_masked(n, bounds, full, i_lo, t_lo, n_tiles, list_row, LISTED: gl.c
 def _dkdv_step(n, masked, FULL: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, bars, q_desc,
                do_desc, lse_desc, delta_desc, q_base, n_tiles,
                dk, dv, s_zero, keys, start_n, i_lo, t_lo, list_row, bh, M2, L2, Delta, N_q, qk_scale, slope2, win_left,
-               win_right, seed, drop_below, keep_scale, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+               win_right, seed, drop_below, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr, DROPOUT: gl.constexpr,
                KEEP_LAYOUT: gl.constexpr, ROWS: gl.constexpr, s_layout: gl.constexpr, col_s: gl.constexpr,
                p_layout: gl.constexpr, LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr, STATS: gl.constexpr, q_col=0):
@@ -407,7 +407,7 @@ def _dkdv_step(n, masked, FULL: gl.constexpr, k_smem, v_smem, q_smem, do_smem, l
     lse2_rows, d_rows = _stat_rows(M2, Delta, lse_smem, delta_smem, slot, BLOCK_M, STAGES, STATS)
     dk, dv = _dkdv_tile(k_smem, v_smem, q_smem.index(slot), do_smem.index(slot), dk, dv, s_zero, keys, start_n, i,
                         bh, lse2_rows, L2, d_rows, N_q, qk_scale, slope2, win_left, win_right, seed, drop_below,
-                        keep_scale, masked, FULL, BLOCK_M, CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, ROWS, s_layout,
+                        masked, FULL, BLOCK_M, CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, ROWS, s_layout,
                         col_s, p_layout, STATS)
     _load_step(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, bars, bh, q_base, ahead,
                n + STAGES, n_tiles, BLOCK_M, STAGES, STATS, q_col)
@@ -417,7 +417,7 @@ def _dkdv_step(n, masked, FULL: gl.constexpr, k_smem, v_smem, q_smem, do_smem, l
 @gluon.jit(do_not_specialize=["seed", "drop_below"])  # 1 and 0 stay runtime values
 def hopper_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, M2, L2, Delta, N_q, N_k,
                            sm_scale, qk_scale,
-                           SLOPES, win_left, win_right, seed, drop_below, keep_scale, LISTS, stride_lb, stride_lh,
+                           SLOPES, win_left, win_right, seed, drop_below, LISTS, stride_lb, stride_lh,
                            stride_li, H, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                            STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr,
                            DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr, MASKS: gl.constexpr,
@@ -479,7 +479,7 @@ def hopper_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc
                 dk, dv = _dkdv_step(n, part != 1, part == 1, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
                                     bars, q_desc, do_desc, lse_desc, delta_desc, q_base, n_tiles, dk, dv, s_zero,
                                     keys, start_n, i_lo, t_lo, list_row, bh, M2, L2,
-                                    Delta, N_q, qk_scale, slope2, win_left, win_right, seed, drop_below, keep_scale,
+                                    Delta, N_q, qk_scale, slope2, win_left, win_right, seed, drop_below,
                                     BLOCK_M, STAGES, CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, BLOCK_N, s_layout,
                                     col_s, p_layout, LISTED, BLOCK_SIZE, STATS, col)
     else:
@@ -490,7 +490,7 @@ def hopper_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc
             dk, dv = _dkdv_step(n, masked, False, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, bars, q_desc,
                                 do_desc, lse_desc, delta_desc, q_base,
                                 n_tiles, dk, dv, s_zero, keys, start_n, i_lo, t_lo, list_row, bh, M2, L2, Delta, N_q,
-                                qk_scale, slope2, win_left, win_right, seed, drop_below, keep_scale, BLOCK_M, STAGES,
+                                qk_scale, slope2, win_left, win_right, seed, drop_below, BLOCK_M, STAGES,
                                 CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, BLOCK_N, s_layout, col_s, p_layout, LISTED,
                                 BLOCK_SIZE, STATS, col)
 
@@ -677,7 +677,7 @@ def _opaque(x):
 def _ws_dkdv_step(n, masked, FULL: gl.constexpr, k_t, v_t, q_smem, do_smem, lse_smem, delta_smem, ready, empty, dk,
                   dv, s_zero, keys,
                   first_key, i_lo, n_tiles, t_lo, list_row, bh, M2, L2, Delta, N_q, qk_scale, slope2, win_left,
-                  win_right, seed, drop_below, keep_scale, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                  win_right, seed, drop_below, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                   CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr, DROPOUT: gl.constexpr,
                   KEEP_LAYOUT: gl.constexpr, ROWS: gl.constexpr, s_layout: gl.constexpr, col_s: gl.constexpr,
                   p_layout: gl.constexpr, LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr, OPAQUE: gl.constexpr,
@@ -693,7 +693,7 @@ def _ws_dkdv_step(n, masked, FULL: gl.constexpr, k_t, v_t, q_smem, do_smem, lse_
     lse2_rows, d_rows = _stat_rows(M2, Delta, lse_smem, delta_smem, slot, BLOCK_M, STAGES, STATS)
     dk, dv = _dkdv_tile(k_t, v_t, q_smem.index(slot), do_smem.index(slot), dk, dv, s_zero, keys, first_key, i, bh,
                         lse2_rows, L2, d_rows, N_q, qk_scale, slope2, win_left, win_right, seed, drop_below,
-                        keep_scale, masked, FULL, BLOCK_M, CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, ROWS, s_layout,
+                        masked, FULL, BLOCK_M, CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, ROWS, s_layout,
                         col_s, p_layout, STATS, LATE_MASK)
     mbarrier.arrive(empty.index(slot), count=1)
     return dk, dv
@@ -703,7 +703,7 @@ def _ws_dkdv_step(n, masked, FULL: gl.constexpr, k_t, v_t, q_smem, do_smem, lse_
 def _ws_dkdv_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, ready, empty, DK, DV, M2, L2,
                       Delta, bh, start_n,
                       i_lo, n_tiles, t_lo, list_row, N_q, N_k, sm_scale, qk_scale, SLOPES, win_left, win_right, seed,
-                      drop_below, keep_scale, WG: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+                      drop_below, WG: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                       ALIBI: gl.constexpr, DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr, MASKS: gl.constexpr,
                       LISTED: gl.constexpr, BLOCK_SIZE: gl.constexpr, STATS: gl.constexpr, H=1,
@@ -745,7 +745,7 @@ def _ws_dkdv_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_
                 dk, dv = _ws_dkdv_step(n, part != 1, part == 1, k_t, v_t, q_smem, do_smem, lse_smem, delta_smem, ready,
                                        empty, dk, dv, s_zero,
                                        keys, first_key, i_lo, n_tiles, t_lo, list_row, bh, M2, L2, Delta, N_q, qk_scale,
-                                       slope2, win_left, win_right, seed, drop_below, keep_scale, BLOCK_M, STAGES,
+                                       slope2, win_left, win_right, seed, drop_below, BLOCK_M, STAGES,
                                        CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, ROWS, s_layout, col_s, p_layout,
                                        LISTED, BLOCK_SIZE, OPAQUE, STATS, LATE_MASK)
     else:
@@ -756,7 +756,7 @@ def _ws_dkdv_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_
             dk, dv = _ws_dkdv_step(n, masked, False, k_t, v_t, q_smem, do_smem, lse_smem, delta_smem, ready, empty, dk,
                                    dv, s_zero, keys,
                                    first_key, i_lo, n_tiles, t_lo, list_row, bh, M2, L2, Delta, N_q, qk_scale, slope2,
-                                   win_left, win_right, seed, drop_below, keep_scale, BLOCK_M, STAGES, CAUSAL, WINDOW,
+                                   win_left, win_right, seed, drop_below, BLOCK_M, STAGES, CAUSAL, WINDOW,
                                    ALIBI, DROPOUT, KEEP_LAYOUT, ROWS, s_layout, col_s, p_layout, LISTED, BLOCK_SIZE,
                                    OPAQUE, STATS, LATE_MASK)
     _store_dkdv(DK, DV, dk, dv, first_key, bh, N_k, sm_scale, ROWS, HEAD_D, a_layout, H=H, TOKEN_MAJOR=TOKEN_MAJOR)
@@ -765,7 +765,7 @@ def _ws_dkdv_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_
 @gluon.jit(do_not_specialize=["seed", "drop_below"])  # 1 and 0 stay runtime values
 def hopper_ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, M2, L2, Delta, N_q, N_k,
                               sm_scale, qk_scale,
-                              SLOPES, win_left, win_right, seed, drop_below, keep_scale, LISTS, stride_lb,
+                              SLOPES, win_left, win_right, seed, drop_below, LISTS, stride_lb,
                               stride_lh, stride_li, H, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
                               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                               ALIBI: gl.constexpr, DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr,
@@ -790,7 +790,7 @@ def hopper_ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_d
     gl.warp_specialize([
         (_ws_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, ready, empty, DK, DV,
                              M2, L2, Delta, bh, start_n, i_lo, n_tiles, t_lo, list_row, N_q, N_k, sm_scale, qk_scale,
-                             SLOPES, win_left, win_right, seed, drop_below, keep_scale, 0, HEAD_D, BLOCK_M, BLOCK_N,
+                             SLOPES, win_left, win_right, seed, drop_below, 0, HEAD_D, BLOCK_M, BLOCK_N,
                              STAGES, CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, MASKS, LISTED, BLOCK_SIZE, STATS, H,
                              TOKEN_MAJOR)),
         (_ws_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
@@ -798,7 +798,7 @@ def hopper_ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_d
                              N_q, N_k, BLOCK_M, BLOCK_N, STAGES, LISTED, BLOCK_SIZE, STATS, H, HEAD_D, TOKEN_MAJOR)),
         (_ws_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, ready, empty, DK, DV,
                              M2, L2, Delta, bh, start_n, i_lo, n_tiles, t_lo, list_row, N_q, N_k, sm_scale, qk_scale,
-                             SLOPES, win_left, win_right, seed, drop_below, keep_scale, 1, HEAD_D, BLOCK_M, BLOCK_N,
+                             SLOPES, win_left, win_right, seed, drop_below, 1, HEAD_D, BLOCK_M, BLOCK_N,
                              STAGES, CAUSAL, WINDOW, ALIBI, DROPOUT, KEEP_LAYOUT, MASKS, LISTED, BLOCK_SIZE, STATS, H,
                              TOKEN_MAJOR)),
     ], [1, 4], [24, 240])
@@ -1021,6 +1021,13 @@ def _drop_args(dropout) -> tuple:
     return tuple(dropout) if dropout is not None else (0, 0, 1.0)
 
 
+def _mask_args(dropout) -> tuple:
+    """(seed, drop_below): what the dK/dV and one-kernel kernels take of ``dropout``. They draw the forward's mask
+    but get keep_scale folded into the row statistics on the host (:func:`folded_stats`, :func:`_padded_stats`),
+    where the dQ kernel folds it itself (:func:`_fold_keep_scale`)."""
+    return _drop_args(dropout)[:2]
+
+
 def hopper_dkdv(q, k, v, do, m2, l2, delta, causal: bool, scale: float, cfg: dict | None = None, *, window=None,
                 slopes2=None, dropout=None, masks: str | None = None, lists=None, stats_tma: bool = True,
                 shared: dict | None = None, token: bool = False):
@@ -1104,7 +1111,7 @@ class DkdvLaunch:
         if dropout is not None and not self.stats_tma:  # the kernel loads them: folded here, as the copies are
             m2, l2, delta = folded_stats(m2, l2, delta, dropout[2])
         self.launch(*_descriptors(q, k, v, do, self.tiles, shared=shared, token=self.token), *stat_descs, dk, dv,
-                    m2.contiguous(), l2.contiguous(), delta, *self.fixed, *mods, *_drop_args(dropout), *self.list_args)
+                    m2.contiguous(), l2.contiguous(), delta, *self.fixed, *mods, *_mask_args(dropout), *self.list_args)
         return dk, dv
 
 

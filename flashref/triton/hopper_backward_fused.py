@@ -100,7 +100,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from flashref.triton import hopper, hopper_backward, ops, relaunch
 from flashref.triton.forward import LOG2E
-from flashref.triton.hopper_backward import (_descriptors, _drop_args, _dropped_dp, _p_operand,
+from flashref.triton.hopper_backward import (_descriptors, _dropped_dp, _mask_args, _p_operand,
                                              _query_tiles, _row_view, _stat_descriptors, _store_dkdv, _wgmma_layout,
                                              _ws_dkdv_producer, _ws_smem)
 
@@ -229,7 +229,7 @@ def _dq_writer(dq_smem, dq_full, dq_empty, dq_desc, sems, q_base, i_lo, n_tiles,
 @gluon.jit
 def _fused_step(n, q_smem, do_smem, k_smem, lse_smem, delta_smem, ds_smem, dq_smem, k_t, v_t, ready, empty, ds_full,
                 ds_empty, dq_desc, dk, dv, keys, key_live, i_lo, q_base, bh, first_key, N_q, sm_scale, qk_scale, seed,
-                drop_below, keep_scale, dq_full, dq_empty, m_q, WG: gl.constexpr, HEAD_D: gl.constexpr,
+                drop_below, dq_full, dq_empty, m_q, WG: gl.constexpr, HEAD_D: gl.constexpr,
                 BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, SPLIT_COLS: gl.constexpr,
                 DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr, ORDERED: gl.constexpr):
     """Step n of consumer WG: query tile i_lo + n against its 64 keys, then dQ's share of all 128 keys: half its
@@ -341,7 +341,7 @@ def _tile_at(n, i_lo, m_q, CAUSAL: gl.constexpr, ORDERED: gl.constexpr):
 @gluon.jit
 def _fused_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, ready, empty,
                     ds_full, ds_empty, dq_desc, DK, DV, bh, start_n, i_lo, n_tiles, N_q, N_k, sm_scale, qk_scale,
-                    seed, drop_below, keep_scale, dq_full, dq_empty, m_q, WG: gl.constexpr, HEAD_D: gl.constexpr,
+                    seed, drop_below, dq_full, dq_empty, m_q, WG: gl.constexpr, HEAD_D: gl.constexpr,
                     BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, SPLIT_COLS: gl.constexpr,
                     DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr, ORDERED: gl.constexpr):
     """Consumer warpgroup WG: keys [start_n + 64 WG, +64) over every query tile of the ring; their dK and dV at the
@@ -359,15 +359,15 @@ def _fused_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_sm
     for n in range(0, n_tiles):
         dk, dv = _fused_step(n, q_smem, do_smem, k_smem, lse_smem, delta_smem, ds_smem, dq_smem, k_smem.index(WG),
                              v_smem.index(WG), ready, empty, ds_full, ds_empty, dq_desc, dk, dv, keys, key_live, i_lo,
-                             q_base, bh, first_key, N_q, sm_scale, qk_scale, seed, drop_below, keep_scale, dq_full,
-                             dq_empty, m_q, WG, HEAD_D, BLOCK_M, STAGES, CAUSAL, SPLIT_COLS, DROPOUT, KEEP_LAYOUT, ORDERED)
+                             q_base, bh, first_key, N_q, sm_scale, qk_scale, seed, drop_below, dq_full, dq_empty,
+                             m_q, WG, HEAD_D, BLOCK_M, STAGES, CAUSAL, SPLIT_COLS, DROPOUT, KEEP_LAYOUT, ORDERED)
     tma.store_wait(0)
     _store_dkdv(DK, DV, dk, dv, first_key, bh, N_k, sm_scale, ROWS, HEAD_D, a_layout)
 
 
 @gluon.jit(do_not_specialize=["seed", "drop_below"])  # 1 and 0 stay runtime values
 def hopper_fused_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, DK, DV, N_q, N_k, sm_scale,
-                            qk_scale, seed, drop_below, keep_scale, SEMS, HEAD_D: gl.constexpr,
+                            qk_scale, seed, drop_below, SEMS, HEAD_D: gl.constexpr,
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                             SPLIT_COLS: gl.constexpr, DROPOUT: gl.constexpr, KEEP_LAYOUT: gl.constexpr,
                             ORDERED: gl.constexpr, num_warps: gl.constexpr):
@@ -425,7 +425,7 @@ def hopper_fused_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_des
         gl.warp_specialize([
             (_fused_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, ready,
                                empty, ds_full, ds_empty, dq_desc, DK, DV, bh, start_n, i_lo, n_tiles, N_q, N_k,
-                               sm_scale, qk_scale, seed, drop_below, keep_scale, dq_full, dq_empty, m_q, 0, HEAD_D,
+                               sm_scale, qk_scale, seed, drop_below, dq_full, dq_empty, m_q, 0, HEAD_D,
                                BLOCK_M, STAGES, CAUSAL, SPLIT_COLS, DROPOUT, KEEP_LAYOUT, ORDERED)),
             (_ws_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
                                  v_smem, lse_smem, delta_smem, kv_bar, ready, empty, bh, start_n, i_lo, n_tiles, zero,
@@ -433,7 +433,7 @@ def hopper_fused_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_des
                                  not CAUSAL)),
             (_fused_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, ready,
                                empty, ds_full, ds_empty, dq_desc, DK, DV, bh, start_n, i_lo, n_tiles, N_q, N_k,
-                               sm_scale, qk_scale, seed, drop_below, keep_scale, dq_full, dq_empty, m_q, 1, HEAD_D,
+                               sm_scale, qk_scale, seed, drop_below, dq_full, dq_empty, m_q, 1, HEAD_D,
                                BLOCK_M, STAGES, CAUSAL, SPLIT_COLS, DROPOUT, KEEP_LAYOUT, ORDERED)),
             (_dq_writer, (dq_smem, dq_full, dq_empty, dq_desc, sems, bh * N_q, i_lo, n_tiles, nb, m_k, m_q, BLOCK_M,
                           CAUSAL, SPLIT_COLS)),
@@ -442,14 +442,14 @@ def hopper_fused_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_des
         gl.warp_specialize([
             (_fused_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, ready,
                                empty, ds_full, ds_empty, dq_desc, DK, DV, bh, start_n, i_lo, n_tiles, N_q, N_k,
-                               sm_scale, qk_scale, seed, drop_below, keep_scale, dq_full, dq_empty, m_q, 0, HEAD_D,
+                               sm_scale, qk_scale, seed, drop_below, dq_full, dq_empty, m_q, 0, HEAD_D,
                                BLOCK_M, STAGES, CAUSAL, SPLIT_COLS, DROPOUT, KEEP_LAYOUT, ORDERED)),
             (_ws_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
                                  v_smem, lse_smem, delta_smem, kv_bar, ready, empty, bh, start_n, i_lo, n_tiles, zero,
                                  zero, N_q, N_k, BLOCK_M, BLOCK_N, STAGES, False, BLOCK_N, True)),
             (_fused_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, ready,
                                empty, ds_full, ds_empty, dq_desc, DK, DV, bh, start_n, i_lo, n_tiles, N_q, N_k,
-                               sm_scale, qk_scale, seed, drop_below, keep_scale, dq_full, dq_empty, m_q, 1, HEAD_D,
+                               sm_scale, qk_scale, seed, drop_below, dq_full, dq_empty, m_q, 1, HEAD_D,
                                BLOCK_M, STAGES, CAUSAL, SPLIT_COLS, DROPOUT, KEEP_LAYOUT, ORDERED)),
         ], [1, 4], [24, 240])
 
@@ -525,7 +525,7 @@ def hopper_fused_backward(q, k, v, do, m2, l2, delta, causal: bool, scale: float
     relaunch.launch(hopper_fused_bwd_kernel, grid, *_descriptors(q, k, v, do, halves),
                     *_stat_descriptors(m2, l2, delta, block_m, dropout=dropout), dq_desc, dk, dv, N_q, N_k, scale,
                     scale * LOG2E,
-                    *_drop_args(dropout), sems, HEAD_D=d, BLOCK_M=block_m, BLOCK_N=cfg["block_n"],
+                    *_mask_args(dropout), sems, HEAD_D=d, BLOCK_M=block_m, BLOCK_N=cfg["block_n"],
                     STAGES=cfg["stages"], CAUSAL=bool(causal), SPLIT_COLS=bool(cfg["split_cols"]),
                     DROPOUT=dropout is not None,
                     KEEP_LAYOUT=hopper.keep_t_layout(64, block_m, 4) if dropout is not None else None,

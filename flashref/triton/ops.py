@@ -1347,8 +1347,9 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, deterministic=True, *,
     condition), the teaching backward everywhere else (:func:`backward_kernel` says which). With dropout at d = 64
     and 128 (top-left causal masking or none) the one-kernel Gluon backward takes the pair's place where its visits
     can be ordered (:func:`flashref.triton.hopper_backward_fused.ordered_supported`), its dQ adds in a fixed order,
-    so that it draws the mask once and stays bitwise reproducible. With ``deterministic=False``, the one-kernel Gluon backward where
-    it applies, adding dQ in any order, and the teaching atomic dQ for the rest at d <= 128 without dropout.
+    so that it draws the mask once and stays bitwise reproducible. With ``deterministic=False``, the one-kernel Gluon
+    backward where it applies, adding dQ in any order, and the teaching atomic dQ for the rest at d <= 128 without
+    dropout.
     A training loop calls with the same shapes, strides, dtypes and options at every step: where the Gluon forward
     and a Gluon backward run, the first call of such a signature is checked and dispatched in full and leaves a plan
     (:class:`StepPlan`) that the later ones run, checking only their data (``check_finite``) and the seed.
