@@ -229,8 +229,10 @@ def test_auto_takes_the_teaching_kernel_where_the_hopper_forward_cannot_run():
     """On an H100, kernel="auto" falls back for each thing the Hopper forward does not take, and kernel="hopper"
     refuses it naming it; the backward falls back with it (except for ALiBi, which the Gluon backward
     takes). deterministic=False takes the one-kernel Gluon backward at d = 64 and 128 without a window, the
-    teaching kernel's atomic dQ otherwise at those head dims, and the Gluon pair at d = 256. A window (or bottom-right causal) takes the Hopper forward and the
-    Gluon backward, at d = 64 and 128; so does a block mask whose blocks hold their tiles whole. At d = 256 the
+    teaching kernel's atomic dQ otherwise at those head dims, and the Gluon pair at d = 256; dropout takes the
+    one-kernel backward with its dQ adds in order where it can order them. A window (or bottom-right causal) takes
+    the Hopper forward and the Gluon backward, at d = 64 and 128; so does a block mask whose blocks hold their
+    tiles whole. At d = 256 the
     Gluon backward runs with causal masking or none: a window, ALiBi or a block mask keeps the teaching one.
     Strided q, k, v take the Gluon kernels (through contiguous copies). On any other GPU both say there is no sm_90."""
     from flashref.triton import backward_kernel, flash_attention, forward_kernel
@@ -262,8 +264,13 @@ def test_auto_takes_the_teaching_kernel_where_the_hopper_forward_cannot_run():
         assert backward_kernel(*args, **kw, deterministic=False) == "triton", why
         assert backward_kernel(*(x[..., :64].contiguous() for x in args), **kw) == "hopper", why
     slopes = torch.ones(2, device="cuda")
-    # Dropout: the Gluon kernels (the teaching kernel's mask), but not with a window, nor at d = 256
-    assert forward_kernel(q, k, v, dropout_p=0.1) == "hopper" and backward_kernel(q, k, v, dropout_p=0.1) == "hopper"
+    # Dropout: the Gluon kernels (the teaching kernel's mask), but not with a window, nor at d = 256. Deterministic,
+    # the one-kernel backward with its dQ adds in order where its visits can be ordered (3 key blocks, 5 query
+    # tiles), the pair where they cannot (3 key blocks, 1 query tile, no causal mask); else the one-kernel backward
+    assert forward_kernel(q, k, v, dropout_p=0.1) == "hopper"
+    assert backward_kernel(q, k, v, dropout_p=0.1) == "hopper-ordered"
+    assert backward_kernel(q[:, :, :64].contiguous(), k, v, dropout_p=0.1) == "hopper"
+    assert backward_kernel(q, k, v, dropout_p=0.1, deterministic=False) == "hopper-fused"
     for args, kw in (((q, k, v), dict(window_size=(16, 0))), ((q256, q256, q256), {})):
         assert forward_kernel(*args, dropout_p=0.1, **kw) == "triton"
         assert backward_kernel(*args, dropout_p=0.1, **kw) == "triton"
