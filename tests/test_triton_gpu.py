@@ -232,9 +232,9 @@ def test_auto_takes_the_teaching_kernel_where_the_hopper_forward_cannot_run():
     teaching kernel's atomic dQ otherwise at those head dims, and the Gluon pair at d = 256; dropout takes the
     one-kernel backward with its dQ adds in order where it can order them. A window (or bottom-right causal) takes
     the Hopper forward and the Gluon backward, at d = 64 and 128; so does a block mask whose blocks hold their
-    tiles whole. At d = 256 the
-    Gluon backward runs with causal masking or none: a window, ALiBi or a block mask keeps the teaching one.
-    Strided q, k, v take the Gluon kernels (through contiguous copies). On any other GPU both say there is no sm_90."""
+    tiles whole. At d = 256 the Gluon backward runs with causal masking or none: a window, ALiBi or a block mask
+    keeps the teaching one. Strided q, k, v take the Gluon kernels (through contiguous copies). On any other GPU
+    both say there is no sm_90."""
     from flashref.triton import backward_kernel, flash_attention, forward_kernel
 
     q, k, v, _ = make_qkv(1, 2, 300, 300, 128, torch.float16, "cuda", seed=5)
